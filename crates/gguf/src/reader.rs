@@ -1,0 +1,495 @@
+//! Zero-copy GGUF reading over a memory map.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{GgufError, Result};
+use crate::types::GgmlType;
+use crate::value::{Value, ValueType};
+
+/// GGUF magic: the bytes "GGUF".
+pub const MAGIC: [u8; 4] = *b"GGUF";
+/// Alignment of tensor data when `general.alignment` is absent.
+pub const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// One tensor's header record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// Dimensions in ggml order: `dims[0]` is the contiguous (row) length.
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+    /// Offset of the data, relative to the start of the data section.
+    pub offset: u64,
+}
+
+impl TensorInfo {
+    /// Number of elements.
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    /// Size of the data in bytes.
+    pub fn n_bytes(&self) -> u64 {
+        self.n_elements() / self.ty.block_size() as u64 * self.ty.block_bytes() as u64
+    }
+}
+
+/// A tensor's header and its bytes, borrowed from the memory map.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    pub info: &'a TensorInfo,
+    pub data: &'a [u8],
+}
+
+/// An opened GGUF file: parsed metadata and tensor records, with tensor data left in the map.
+pub struct GgufFile {
+    path: PathBuf,
+    map: Mmap,
+    version: u32,
+    metadata: Vec<(String, Value)>,
+    index: HashMap<String, usize>,
+    tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+    data_offset: u64,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Opens and validates `path`: header, metadata, tensor records, and that every tensor's
+    /// data lies inside the file. Tensor data is not read.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| GgufError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = File::open(&path).map_err(io)?;
+        // SAFETY: the map is read-only and private to this process; we accept that another
+        // process truncating the file under us is undefined behaviour, as every mmap user does.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Self::parse(path, map)
+    }
+
+    fn parse(path: PathBuf, map: Mmap) -> Result<Self> {
+        let mut cur = Cursor {
+            bytes: &map,
+            pos: 0,
+            path: &path,
+        };
+        let magic: [u8; 4] = cur.take(4, "magic")?.try_into().expect("4 bytes");
+        if magic != MAGIC {
+            return Err(GgufError::BadMagic {
+                path: path.clone(),
+                found: magic,
+            });
+        }
+        let version = cur.u32("version")?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion {
+                path: path.clone(),
+                version,
+            });
+        }
+        let n_tensors = cur.u64("tensor count")?;
+        let n_kv = cur.u64("metadata count")?;
+        // Each record takes at least 8 bytes: never pre-allocate for more than the file holds
+        // (a corrupt count then fails on the first record past the end).
+        let limit = map.len() as u64 / 8;
+        let mut metadata = Vec::with_capacity(n_kv.min(limit) as usize);
+        let mut index = HashMap::new();
+        for i in 0..n_kv {
+            let key = cur.string(&format!("key of metadata entry {i}"))?;
+            let ty = cur.u32(&format!("type of metadata '{key}'"))?;
+            let value = cur.value(ty, &key)?;
+            index.insert(key.clone(), metadata.len());
+            metadata.push((key, value));
+        }
+
+        let mut tensors = Vec::with_capacity(n_tensors.min(limit) as usize);
+        let mut tensor_index = HashMap::new();
+        for i in 0..n_tensors {
+            let name = cur.string(&format!("name of tensor {i}"))?;
+            let n_dims = cur.u32(&format!("rank of tensor '{name}'"))?;
+            if n_dims == 0 || n_dims > 4 {
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!("tensor '{name}' has {n_dims} dimensions (expected 1 to 4)"),
+                });
+            }
+            let dims = (0..n_dims)
+                .map(|_| cur.u64(&format!("shape of tensor '{name}'")))
+                .collect::<Result<Vec<_>>>()?;
+            let type_id = cur.u32(&format!("type of tensor '{name}'"))?;
+            let ty = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
+                path: path.clone(),
+                tensor: name.clone(),
+                type_id,
+            })?;
+            let offset = cur.u64(&format!("offset of tensor '{name}'"))?;
+            let n_elements = dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .filter(|&n| n <= limit * 8);
+            if n_elements.is_none() {
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!("tensor '{name}' has an impossible shape {dims:?}"),
+                });
+            }
+            if dims[0] % ty.block_size() as u64 != 0 {
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!(
+                        "tensor '{name}' of type {ty} has rows of {} elements, not a multiple of its block size {}",
+                        dims[0],
+                        ty.block_size()
+                    ),
+                });
+            }
+            if tensor_index.insert(name.clone(), tensors.len()).is_some() {
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!("tensor '{name}' appears twice"),
+                });
+            }
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+            });
+        }
+
+        let alignment = match index.get("general.alignment").map(|&i| &metadata[i].1) {
+            None => DEFAULT_ALIGNMENT,
+            Some(v) => match v.as_i128() {
+                Some(a) if a > 0 && (a as u64).is_power_of_two() => a as u64,
+                _ => {
+                    return Err(GgufError::Corrupt {
+                        path: path.clone(),
+                        what: format!("general.alignment is {v}, expected a power of two"),
+                    })
+                }
+            },
+        };
+        let data_offset = (cur.pos as u64).div_ceil(alignment) * alignment;
+        let file_len = map.len() as u64;
+        for t in &tensors {
+            if t.offset % alignment != 0 {
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!(
+                        "tensor '{}' data offset {} is not aligned to {alignment}",
+                        t.name, t.offset
+                    ),
+                });
+            }
+            let start = data_offset + t.offset;
+            if start + t.n_bytes() > file_len {
+                return Err(GgufError::Truncated {
+                    path: path.clone(),
+                    what: format!("data of tensor '{}' ({} bytes)", t.name, t.n_bytes()),
+                    offset: start,
+                    file_len,
+                });
+            }
+        }
+
+        Ok(Self {
+            path,
+            map,
+            version,
+            metadata,
+            index,
+            tensors,
+            tensor_index,
+            data_offset,
+        })
+    }
+
+    /// The path the file was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// All metadata entries, in file order.
+    pub fn metadata(&self) -> &[(String, Value)] {
+        &self.metadata
+    }
+
+    /// All tensor records, in file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// The value of `key`, if present.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.index.get(key).map(|&i| &self.metadata[i].1)
+    }
+
+    /// `general.architecture`.
+    pub fn architecture(&self) -> Result<&str> {
+        self.req_str("general.architecture")
+    }
+
+    fn wrong_type(&self, key: &str, value: &Value, expected: &'static str) -> GgufError {
+        GgufError::WrongType {
+            path: self.path.clone(),
+            key: key.to_string(),
+            found: value.type_name(),
+            expected,
+        }
+    }
+
+    fn missing(&self, key: &str) -> GgufError {
+        GgufError::MissingKey {
+            path: self.path.clone(),
+            key: key.to_string(),
+        }
+    }
+
+    /// An unsigned integer key that fits in `u32`, accepting any integer type.
+    pub fn get_u32(&self, key: &str) -> Result<Option<u32>> {
+        self.get(key)
+            .map(|v| {
+                v.as_i128()
+                    .and_then(|i| u32::try_from(i).ok())
+                    .ok_or_else(|| self.wrong_type(key, v, "an unsigned 32-bit integer"))
+            })
+            .transpose()
+    }
+
+    pub fn req_u32(&self, key: &str) -> Result<u32> {
+        self.get_u32(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    /// A float key, accepting float and integer types.
+    pub fn get_f32(&self, key: &str) -> Result<Option<f32>> {
+        self.get(key)
+            .map(|v| {
+                v.as_f64()
+                    .map(|f| f as f32)
+                    .ok_or_else(|| self.wrong_type(key, v, "a number"))
+            })
+            .transpose()
+    }
+
+    pub fn req_f32(&self, key: &str) -> Result<f32> {
+        self.get_f32(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    pub fn get_bool(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|v| v.as_bool().ok_or_else(|| self.wrong_type(key, v, "a bool")))
+            .transpose()
+    }
+
+    pub fn get_str(&self, key: &str) -> Result<Option<&str>> {
+        self.get(key)
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.wrong_type(key, v, "a string"))
+            })
+            .transpose()
+    }
+
+    pub fn req_str(&self, key: &str) -> Result<&str> {
+        self.get_str(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    /// An array of strings.
+    pub fn get_str_array(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        self.get(key)
+            .map(|v| {
+                v.as_array()
+                    .and_then(|items| items.iter().map(Value::as_str).collect::<Option<Vec<_>>>())
+                    .ok_or_else(|| self.wrong_type(key, v, "an array of strings"))
+            })
+            .transpose()
+    }
+
+    /// An array of numbers as `f32`.
+    pub fn get_f32_array(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        self.get(key)
+            .map(|v| {
+                v.as_array()
+                    .and_then(|items| {
+                        items
+                            .iter()
+                            .map(|x| x.as_f64().map(|f| f as f32))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| self.wrong_type(key, v, "an array of numbers"))
+            })
+            .transpose()
+    }
+
+    /// An array of integers as `i64`.
+    pub fn get_i64_array(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        self.get(key)
+            .map(|v| {
+                v.as_array()
+                    .and_then(|items| {
+                        items
+                            .iter()
+                            .map(|x| x.as_i128().and_then(|i| i64::try_from(i).ok()))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| self.wrong_type(key, v, "an array of integers"))
+            })
+            .transpose()
+    }
+
+    /// The record of tensor `name`, if present.
+    pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// Tensor `name` and its bytes, if present.
+    pub fn get_tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        self.tensor_info(name).map(|info| {
+            let start = (self.data_offset + info.offset) as usize;
+            TensorView {
+                info,
+                data: &self.map[start..start + info.n_bytes() as usize],
+            }
+        })
+    }
+
+    /// Tensor `name`, or an error naming the file and tensor.
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        self.get_tensor(name)
+            .ok_or_else(|| GgufError::MissingTensor {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+            })
+    }
+
+    /// Tensor `name`, checked to have exactly the shape `dims` (ggml order).
+    pub fn tensor_shaped(&self, name: &str, dims: &[u64]) -> Result<TensorView<'_>> {
+        let view = self.tensor(name)?;
+        if view.info.dims != dims {
+            return Err(GgufError::WrongShape {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+                found: view.info.dims.clone(),
+                expected: dims.to_vec(),
+            });
+        }
+        Ok(view)
+    }
+
+    /// Total bytes of tensor data.
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors.iter().map(TensorInfo::n_bytes).sum()
+    }
+}
+
+/// A bounds-checked little-endian reader over the header.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        match self.pos.checked_add(n) {
+            Some(end) if end <= self.bytes.len() => {
+                let s = &self.bytes[self.pos..end];
+                self.pos = end;
+                Ok(s)
+            }
+            _ => Err(GgufError::Truncated {
+                path: self.path.to_path_buf(),
+                what: what.to_string(),
+                offset: self.pos as u64,
+                file_len: self.bytes.len() as u64,
+            }),
+        }
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        Ok(self.take(N, what)?.try_into().expect("exact length"))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn string(&mut self, what: &str) -> Result<String> {
+        let len = self.u64(what)?;
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        let bytes = self.take(len, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::Corrupt {
+            path: self.path.to_path_buf(),
+            what: format!("{what} is not valid UTF-8"),
+        })
+    }
+
+    fn value(&mut self, type_id: u32, key: &str) -> Result<Value> {
+        let ty = ValueType::from_id(type_id).ok_or_else(|| GgufError::Corrupt {
+            path: self.path.to_path_buf(),
+            what: format!("metadata '{key}' has unknown value type {type_id}"),
+        })?;
+        let what = format!("value of metadata '{key}'");
+        Ok(match ty {
+            ValueType::U8 => Value::U8(self.array::<1>(&what)?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(&what)?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(&what)?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(&what)?)),
+            ValueType::U32 => Value::U32(self.u32(&what)?),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(&what)?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(&what)?)),
+            ValueType::Bool => Value::Bool(self.array::<1>(&what)?[0] != 0),
+            ValueType::String => Value::String(self.string(&what)?),
+            ValueType::U64 => Value::U64(self.u64(&what)?),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(&what)?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(&what)?)),
+            ValueType::Array => {
+                let elem_id = self.u32(&what)?;
+                let elem = ValueType::from_id(elem_id)
+                    .filter(|t| *t != ValueType::Array)
+                    .ok_or_else(|| GgufError::Corrupt {
+                        path: self.path.to_path_buf(),
+                        what: format!("metadata '{key}' is an array of unknown type {elem_id}"),
+                    })?;
+                let n = self.u64(&what)?;
+                if n > (self.bytes.len() - self.pos) as u64 {
+                    return Err(GgufError::Truncated {
+                        path: self.path.to_path_buf(),
+                        what: format!("{what} ({n} elements)"),
+                        offset: self.pos as u64,
+                        file_len: self.bytes.len() as u64,
+                    });
+                }
+                let items = (0..n)
+                    .map(|_| self.value(elem_id, key))
+                    .collect::<Result<Vec<_>>>()?;
+                Value::Array(elem, items)
+            }
+        })
+    }
+}

@@ -1,0 +1,197 @@
+//! Q8_0 (ggml type 8): blocks of 32 values, each an f16 scale `d` and 32 signed bytes.
+//!
+//! Block layout (34 bytes, as ggml's `block_q8_0`):
+//!
+//! | bytes  | field | meaning                                   |
+//! |--------|-------|-------------------------------------------|
+//! | 0..2   | `d`   | scale, IEEE binary16 little-endian        |
+//! | 2..34  | `qs`  | 32 quants, `i8`; value `j` is `qs[j] * d` |
+//!
+//! Quantisation follows ggml's reference `quantize_row_q8_0_ref`: `d = amax / 127`, the quants
+//! are `round(x * (1/d))` (ties away from zero) with the unrounded f32 `d`, and `d` is then
+//! stored as f16. A Q8_0 weight row is multiplied with an activation row quantised the same
+//! way (once per input row, see [`crate::matvec`]), block by block as
+//! `ggml_vec_dot_q8_0_q8_0`: an exact integer sum per block, times `d_w * d_x` in f32, summed
+//! over blocks in order in f32.
+
+use crate::f16;
+
+/// Values per block.
+pub const BLOCK_VALUES: usize = 32;
+/// Bytes per block: the f16 scale and 32 quants.
+pub const BLOCK_BYTES: usize = 2 + BLOCK_VALUES;
+
+/// Quantises `x` (a whole number of blocks) into `out` (`x.len() / 32 * 34` bytes).
+pub fn quantize_row(x: &[f32], out: &mut [u8]) {
+    assert_eq!(x.len() % BLOCK_VALUES, 0, "q8_0 row: not whole blocks");
+    assert_eq!(
+        out.len(),
+        x.len() / BLOCK_VALUES * BLOCK_BYTES,
+        "q8_0 row: output size"
+    );
+    for (values, block) in x
+        .chunks_exact(BLOCK_VALUES)
+        .zip(out.chunks_exact_mut(BLOCK_BYTES))
+    {
+        quantize_block(values, block);
+    }
+}
+
+#[inline]
+fn quantize_block(values: &[f32], block: &mut [u8]) {
+    // ggml's MAX(amax, |v|) keeps the comparison order: a NaN input poisons amax as in ggml.
+    let amax = values.iter().fold(
+        0.0f32,
+        |amax, v| if amax > v.abs() { amax } else { v.abs() },
+    );
+    let d = amax / 127.0;
+    let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+    block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (q, v) in block[2..].iter_mut().zip(values) {
+        *q = ((v * inverse).round() as i8) as u8;
+    }
+}
+
+/// Decodes Q8_0 `bytes` into `out` (a whole number of blocks).
+pub fn dequantize_row(bytes: &[u8], out: &mut [f32]) {
+    assert_eq!(out.len() % BLOCK_VALUES, 0, "q8_0 row: not whole blocks");
+    assert_eq!(
+        bytes.len(),
+        out.len() / BLOCK_VALUES * BLOCK_BYTES,
+        "q8_0 row: input size"
+    );
+    for (block, values) in bytes
+        .chunks_exact(BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(BLOCK_VALUES))
+    {
+        let d = scale(block);
+        for (v, q) in values.iter_mut().zip(&block[2..]) {
+            *v = f32::from(*q as i8) * d;
+        }
+    }
+}
+
+#[inline(always)]
+fn scale(block: &[u8]) -> f32 {
+    f16::to_f32(u16::from_le_bytes([block[0], block[1]]))
+}
+
+/// Dot product of a Q8_0 weight row with a Q8_0-quantised activation row.
+pub fn dot(w: &[u8], x: &[u8]) -> f32 {
+    dot_scalar(w, x)
+}
+
+/// Scalar reference of [`dot`].
+pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {
+    assert_eq!(w.len(), x.len(), "q8_0 dot: row sizes differ");
+    assert_eq!(w.len() % BLOCK_BYTES, 0, "q8_0 dot: not whole blocks");
+    let mut sum = 0.0f32;
+    for (wb, xb) in w.chunks_exact(BLOCK_BYTES).zip(x.chunks_exact(BLOCK_BYTES)) {
+        let block_sum: i32 = wb[2..]
+            .iter()
+            .zip(&xb[2..])
+            .map(|(&a, &b)| i32::from(a as i8) * i32::from(b as i8))
+            .sum();
+        sum += block_sum as f32 * (scale(wb) * scale(xb));
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::random_vec;
+
+    fn quantized(x: &[f32]) -> Vec<u8> {
+        let mut out = vec![0u8; x.len() / BLOCK_VALUES * BLOCK_BYTES];
+        quantize_row(x, &mut out);
+        out
+    }
+
+    fn dequantized(bytes: &[u8]) -> Vec<f32> {
+        let mut out = vec![0.0; bytes.len() / BLOCK_BYTES * BLOCK_VALUES];
+        dequantize_row(bytes, &mut out);
+        out
+    }
+
+    #[test]
+    fn round_trip_error_is_within_half_a_step_per_block() {
+        let x = random_vec(4096 + 32, 3.0, 51);
+        let back = dequantized(&quantized(&x));
+        for (values, restored) in x.chunks(32).zip(back.chunks(32)) {
+            let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            // Half a quantisation step, plus the f16 rounding of d (2^-11 relative) times 127.
+            let bound = amax / 127.0 * 0.5 + amax * (1.0 / 2048.0) + 1e-6;
+            for (a, b) in values.iter().zip(restored) {
+                assert!((a - b).abs() <= bound, "{a} -> {b} (bound {bound})");
+            }
+        }
+    }
+
+    #[test]
+    fn block_layout_and_rounding_match_ggml_reference() {
+        let mut x = [0.0f32; 32];
+        x[0] = 127.0; // amax -> d = 1, id = 1
+        x[1] = -2.5; // ties round away from zero
+        x[2] = 2.5;
+        x[3] = 0.49;
+        x[4] = -127.0;
+        let q = quantized(&x);
+        assert_eq!(q.len(), 34);
+        assert_eq!(u16::from_le_bytes([q[0], q[1]]), 0x3c00, "d = 1.0 in f16");
+        assert_eq!(q[2] as i8, 127);
+        assert_eq!(q[3] as i8, -3);
+        assert_eq!(q[4] as i8, 3);
+        assert_eq!(q[5] as i8, 0);
+        assert_eq!(q[6] as i8, -127);
+        // An all-zero block has d = 0 and zero quants.
+        assert_eq!(quantized(&[0.0; 32]), vec![0u8; 34]);
+    }
+
+    #[test]
+    fn dot_matches_f64_reference_on_awkward_sizes() {
+        for n in [32, 64, 96, 4096 + 32] {
+            let w = random_vec(n, 1.0, 60 + n as u64);
+            let x = random_vec(n, 1.0, 61 + n as u64);
+            let (wq, xq) = (quantized(&w), quantized(&x));
+            // Exact: the dequantised rows multiplied in f64.
+            let (wd, xd) = (dequantized(&wq), dequantized(&xq));
+            let exact: f64 = wd.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let magnitude: f64 = wd
+                .iter()
+                .zip(&xd)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            let got = dot(&wq, &xq) as f64;
+            let tol = magnitude * (n as f64 / 32.0 + 2.0) * f32::EPSILON as f64;
+            assert!(
+                (got - exact).abs() <= tol,
+                "n={n}: {got} vs {exact} (tol {tol})"
+            );
+            // And close to the unquantised product.
+            let ideal: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let quant_tol = (n as f64).sqrt() * 0.02;
+            assert!(
+                (got - ideal).abs() <= quant_tol,
+                "n={n}: {got} vs ideal {ideal}"
+            );
+        }
+    }
+
+    #[test]
+    fn dot_is_block_sums_times_scales_in_order() {
+        let w = random_vec(96, 1.0, 70);
+        let x = random_vec(96, 1.0, 71);
+        let (wq, xq) = (quantized(&w), quantized(&x));
+        let mut expected = 0.0f32;
+        for (wb, xb) in wq.chunks(34).zip(xq.chunks(34)) {
+            let s: i32 = (0..32)
+                .map(|j| (wb[2 + j] as i8 as i32) * (xb[2 + j] as i8 as i32))
+                .sum();
+            let dw = half::f16::from_bits(u16::from_le_bytes([wb[0], wb[1]])).to_f32();
+            let dx = half::f16::from_bits(u16::from_le_bytes([xb[0], xb[1]])).to_f32();
+            expected += s as f32 * (dw * dx);
+        }
+        assert_eq!(dot(&wq, &xq).to_bits(), expected.to_bits());
+    }
+}

@@ -1,0 +1,74 @@
+//! The `specula` command line.
+
+mod gen_model;
+mod plugins;
+mod profile;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Specula: speculative decoding that pays off, on your own machine.
+#[derive(Debug, Parser)]
+#[command(name = "specula", version, about, long_about = None)]
+pub struct Cli {
+    /// Log filter (e.g. `info`, `specula=debug`); also read from SPECULA_LOG.
+    #[arg(long, global = true, value_name = "FILTER")]
+    pub log: Option<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate text from a prompt (argument or stdin).
+    Run(run::RunArgs),
+    /// List the plugins found in the plugin search path, and why any library was rejected.
+    Plugins(plugins::PluginsArgs),
+    /// Work with profiles.
+    #[command(subcommand)]
+    Profile(profile::ProfileCommand),
+    /// Write a GGUF model of a given shape with random (or demo) weights.
+    GenModel(gen_model::GenModelArgs),
+}
+
+/// Parses the command line, runs it, and turns errors into a message and exit code 1.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log.as_deref());
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Plugins(args) => plugins::run(args),
+        Command::Profile(cmd) => profile::run(cmd),
+        Command::GenModel(args) => gen_model::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(filter: Option<&str>) {
+    use tracing_subscriber::EnvFilter;
+    let filter = filter
+        .map(EnvFilter::new)
+        .or_else(|| EnvFilter::try_from_env("SPECULA_LOG").ok())
+        .unwrap_or_else(|| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// `--profile FILE`, shared by several commands.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProfileArg {
+    /// Profile (TOML) naming the backend, model, drafter and defaults.
+    #[arg(short, long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+}

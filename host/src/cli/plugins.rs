@@ -1,0 +1,58 @@
+//! `specula plugins`.
+
+use std::process::ExitCode;
+
+use specula_plugin_api::ABI_VERSION;
+
+use super::ProfileArg;
+use crate::plugins::{list, SearchPath};
+use crate::profile::Profile;
+
+#[derive(Debug, clap::Args)]
+pub struct PluginsArgs {
+    #[command(flatten)]
+    profile: ProfileArg,
+}
+
+pub fn run(args: PluginsArgs) -> anyhow::Result<ExitCode> {
+    let dirs = match &args.profile.profile {
+        Some(p) => Profile::load(p)?.plugin_dir,
+        None => Vec::new(),
+    };
+    let search = SearchPath::new(&dirs);
+    println!("host plugin ABI version: {ABI_VERSION}");
+    println!("search path:");
+    for d in search.dirs() {
+        println!("  {}", d.display());
+    }
+    let listings = list(&search);
+    let (ok, rejected): (Vec<_>, Vec<_>) = listings.iter().partition(|l| l.result.is_ok());
+    if ok.is_empty() {
+        println!("no plugins found");
+    } else {
+        println!(
+            "{:<16} {:<8} {:<8} {:<4} path",
+            "name", "kind", "version", "abi"
+        );
+        for l in &ok {
+            let info = l.result.as_ref().expect("partitioned");
+            println!(
+                "{:<16} {:<8} {:<8} {:<4} {}",
+                info.name,
+                info.kind.as_str(),
+                info.version,
+                ABI_VERSION,
+                l.path.display()
+            );
+        }
+    }
+    if !rejected.is_empty() {
+        println!("rejected:");
+        for l in &rejected {
+            if let Err(e) = &l.result {
+                println!("  {e}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

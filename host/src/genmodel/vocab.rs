@@ -1,0 +1,104 @@
+//! SentencePiece-style (`tokenizer.ggml.model = llama`) vocabularies for generated models.
+
+use specula_gguf::GgufWriter;
+
+/// Token types as GGUF stores them.
+const NORMAL: i32 = 1;
+const UNKNOWN: i32 = 2;
+const CONTROL: i32 = 3;
+const BYTE: i32 = 6;
+
+/// A SentencePiece-style vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, then pieces.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpmVocab {
+    tokens: Vec<String>,
+    scores: Vec<f32>,
+    types: Vec<i32>,
+}
+
+impl SpmVocab {
+    pub const UNK: u32 = 0;
+    pub const BOS: u32 = 1;
+    pub const EOS: u32 = 2;
+
+    /// Only the special and byte tokens.
+    pub fn bytes_only() -> Self {
+        let mut v = Self {
+            tokens: vec!["<unk>".into(), "<s>".into(), "</s>".into()],
+            scores: vec![0.0; 3],
+            types: vec![UNKNOWN, CONTROL, CONTROL],
+        };
+        for b in 0..=255u8 {
+            v.tokens.push(format!("<0x{b:02X}>"));
+            v.scores.push(0.0);
+            v.types.push(BYTE);
+        }
+        v
+    }
+
+    /// Byte tokens plus `words` (each as `▁word`, SentencePiece's space-prefixed form) and every
+    /// prefix the merges need to reach them. Longer pieces score higher, so the tokenizer
+    /// merges up to whole words.
+    pub fn from_words<'a>(words: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut v = Self::bytes_only();
+        let mut pieces: Vec<String> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for word in words {
+            let piece = format!("\u{2581}{word}");
+            let chars: Vec<char> = piece.chars().collect();
+            for end in 1..=chars.len() {
+                let prefix: String = chars[..end].iter().collect();
+                if seen.insert(prefix.clone()) {
+                    pieces.push(prefix);
+                }
+            }
+            // The bare word (after punctuation or at the start of a line) too.
+            let bare: Vec<char> = word.chars().collect();
+            for end in 1..=bare.len() {
+                let prefix: String = bare[..end].iter().collect();
+                if seen.insert(prefix.clone()) {
+                    pieces.push(prefix);
+                }
+            }
+        }
+        for piece in pieces {
+            let score = piece.chars().count() as f32;
+            v.push(piece, score);
+        }
+        v
+    }
+
+    /// Adds a normal piece (ignored if present).
+    pub fn push(&mut self, piece: String, score: f32) {
+        if !self.tokens.contains(&piece) {
+            self.tokens.push(piece);
+            self.scores.push(score);
+            self.types.push(NORMAL);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn tokens(&self) -> &[String] {
+        &self.tokens
+    }
+
+    /// Writes the `tokenizer.ggml.*` keys.
+    pub fn write_metadata(&self, w: &mut GgufWriter) {
+        w.set_str("tokenizer.ggml.model", "llama")
+            .set_str_array("tokenizer.ggml.tokens", self.tokens.iter().cloned())
+            .set_f32_array("tokenizer.ggml.scores", self.scores.iter().copied())
+            .set_i32_array("tokenizer.ggml.token_type", self.types.iter().copied())
+            .set_u32("tokenizer.ggml.bos_token_id", Self::BOS)
+            .set_u32("tokenizer.ggml.eos_token_id", Self::EOS)
+            .set_u32("tokenizer.ggml.unknown_token_id", Self::UNK)
+            .set_bool("tokenizer.ggml.add_bos_token", true)
+            .set_bool("tokenizer.ggml.add_eos_token", false);
+    }
+}

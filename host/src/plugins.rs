@@ -1,0 +1,353 @@
+//! Plugin discovery and loading.
+//!
+//! A plugin named `cpu-simd` lives in `libspecula_cpu_simd.so` (`.dylib` on macOS,
+//! `specula_cpu_simd.dll` on Windows). The host searches, in order: the profile's `plugin_dir`
+//! entries, the directories in `SPECULA_PLUGIN_PATH`, and the directory of the `specula`
+//! executable. A profile may also name a library by path.
+//!
+//! Loading checks, in order: that the file is a loadable library, that it exports
+//! `specula_plugin_abi_version`, that the version equals the host's [`ABI_VERSION`], and that
+//! abi_stable's layout check of the root module passes. Every failure names the file. Loaded
+//! libraries are never unloaded, so each is loaded once and cached.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use abi_stable::library::lib_header_from_path;
+use abi_stable::std_types::{RString, RVec, Tuple2};
+use specula_plugin_api::{
+    BackendParams, BoxedDrafter, BoxedForwardPass, DrafterParams, PluginInfo, PluginKind,
+    PluginModuleRef, ABI_VERSION, ABI_VERSION_SYMBOL,
+};
+
+/// Environment variable with extra plugin directories (`:`-separated, `;` on Windows).
+pub const PLUGIN_PATH_ENV: &str = "SPECULA_PLUGIN_PATH";
+
+/// Why a plugin could not be found, loaded or used.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PluginError {
+    #[error("{kind} plugin '{name}' not found: looked for {file} in {}; set `plugin_dir` in the profile or {PLUGIN_PATH_ENV}", display_dirs(searched))]
+    NotFound {
+        kind: &'static str,
+        name: String,
+        file: String,
+        searched: Vec<PathBuf>,
+    },
+    #[error("{path}: cannot load library: {reason}")]
+    NotALibrary { path: PathBuf, reason: String },
+    #[error("{path}: not a Specula plugin (it does not export `{ABI_VERSION_SYMBOL}`)")]
+    NotAPlugin { path: PathBuf },
+    #[error("{path}: plugin was built against Specula plugin ABI version {plugin}, but this host speaks ABI version {host}; rebuild the plugin against this host's specula-plugin-api")]
+    AbiMismatch {
+        path: PathBuf,
+        plugin: u32,
+        host: u32,
+    },
+    #[error("{path}: plugin ABI layout check failed (built against an incompatible specula-plugin-api): {reason}")]
+    Layout { path: PathBuf, reason: String },
+    #[error("{path}: '{name}' is a {actual} plugin, but the profile uses it as a {expected}")]
+    WrongKind {
+        path: PathBuf,
+        name: String,
+        actual: &'static str,
+        expected: &'static str,
+    },
+    #[error("{plugin} ({path}): {message}")]
+    Plugin {
+        plugin: String,
+        path: PathBuf,
+        message: String,
+    },
+}
+
+fn display_dirs(dirs: &[PathBuf]) -> String {
+    if dirs.is_empty() {
+        return "(no directories)".into();
+    }
+    dirs.iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A plugin library that passed every check.
+#[derive(Clone, Copy)]
+pub struct LoadedPlugin {
+    module: PluginModuleRef,
+    path: &'static Path,
+}
+
+impl std::fmt::Debug for LoadedPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedPlugin")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadedPlugin {
+    pub fn info(&self) -> PluginInfo {
+        (self.module.info())()
+    }
+
+    pub fn path(&self) -> &Path {
+        self.path
+    }
+
+    fn expect_kind(&self, expected: PluginKind) -> Result<(), PluginError> {
+        let info = self.info();
+        if info.kind != expected {
+            return Err(PluginError::WrongKind {
+                path: self.path.to_path_buf(),
+                name: info.name.into(),
+                actual: info.kind.as_str(),
+                expected: expected.as_str(),
+            });
+        }
+        Ok(())
+    }
+
+    fn plugin_error(&self, message: impl Into<String>) -> PluginError {
+        PluginError::Plugin {
+            plugin: self.info().name.into(),
+            path: self.path.to_path_buf(),
+            message: message.into(),
+        }
+    }
+
+    /// Opens a model with this backend plugin.
+    pub fn open_backend(&self, params: &BackendParams) -> Result<BoxedForwardPass, PluginError> {
+        self.expect_kind(PluginKind::Backend)?;
+        let open = self
+            .module
+            .open_backend()
+            .into_option()
+            .ok_or_else(|| self.plugin_error("backend plugin has no open_backend entry"))?;
+        open(params)
+            .into_result()
+            .map_err(|e| self.plugin_error(e.message.to_string()))
+    }
+
+    /// Creates a drafter with this drafter plugin.
+    pub fn create_drafter(&self, params: &DrafterParams) -> Result<BoxedDrafter, PluginError> {
+        self.expect_kind(PluginKind::Drafter)?;
+        let create = self
+            .module
+            .create_drafter()
+            .into_option()
+            .ok_or_else(|| self.plugin_error("drafter plugin has no create_drafter entry"))?;
+        create(params)
+            .into_result()
+            .map_err(|e| self.plugin_error(e.message.to_string()))
+    }
+}
+
+/// The file name a plugin called `name` has on this platform (`cpu-simd` → `libspecula_cpu_simd.so`).
+pub fn library_file_name(name: &str) -> String {
+    format!(
+        "{}specula_{}{}",
+        std::env::consts::DLL_PREFIX,
+        name.replace('-', "_"),
+        std::env::consts::DLL_SUFFIX
+    )
+}
+
+fn is_plugin_file_name(name: &str) -> bool {
+    let prefix = format!("{}specula_", std::env::consts::DLL_PREFIX);
+    name.starts_with(&prefix) && name.ends_with(std::env::consts::DLL_SUFFIX)
+}
+
+/// The ordered plugin search path.
+#[derive(Debug, Clone, Default)]
+pub struct SearchPath {
+    dirs: Vec<PathBuf>,
+}
+
+impl SearchPath {
+    /// The profile's directories, then `SPECULA_PLUGIN_PATH`, then the executable's directory.
+    pub fn new(profile_dirs: &[PathBuf]) -> Self {
+        let mut dirs: Vec<PathBuf> = profile_dirs.to_vec();
+        if let Some(env) = std::env::var_os(PLUGIN_PATH_ENV) {
+            dirs.extend(std::env::split_paths(&env).filter(|p| !p.as_os_str().is_empty()));
+        }
+        if let Some(dir) = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        {
+            dirs.push(dir);
+        }
+        Self::from_dirs(dirs)
+    }
+
+    /// Exactly these directories (duplicates removed).
+    pub fn from_dirs(dirs: impl IntoIterator<Item = PathBuf>) -> Self {
+        let mut unique: Vec<PathBuf> = Vec::new();
+        for d in dirs {
+            if !unique.contains(&d) {
+                unique.push(d);
+            }
+        }
+        Self { dirs: unique }
+    }
+
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    /// Every file in the search path that is named like a plugin, first occurrence of each
+    /// file name winning.
+    pub fn candidates(&self) -> Vec<PathBuf> {
+        let mut seen = Vec::new();
+        let mut found = Vec::new();
+        for dir in &self.dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            let mut names: Vec<_> = entries
+                .filter_map(Result::ok)
+                .filter(|e| e.path().is_file())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| is_plugin_file_name(n))
+                .collect();
+            names.sort();
+            for name in names {
+                if !seen.contains(&name) {
+                    found.push(dir.join(&name));
+                    seen.push(name);
+                }
+            }
+        }
+        found
+    }
+
+    /// Finds and loads the plugin `reference` (a name, or a library path), which must be of `kind`.
+    pub fn load(&self, reference: &str, kind: PluginKind) -> Result<LoadedPlugin, PluginError> {
+        let path = if crate::profile::looks_like_path(reference) {
+            PathBuf::from(reference)
+        } else {
+            let file = library_file_name(reference);
+            self.dirs
+                .iter()
+                .map(|d| d.join(&file))
+                .find(|p| p.is_file())
+                .ok_or_else(|| PluginError::NotFound {
+                    kind: kind.as_str(),
+                    name: reference.to_string(),
+                    file,
+                    searched: self.dirs.clone(),
+                })?
+        };
+        let plugin = load_library(&path)?;
+        plugin.expect_kind(kind)?;
+        Ok(plugin)
+    }
+}
+
+fn cache() -> &'static Mutex<HashMap<PathBuf, LoadedPlugin>> {
+    static CACHE: OnceLock<Mutex<HashMap<PathBuf, LoadedPlugin>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Loads and checks the plugin library at `path`. Successful loads are cached (a library is
+/// never loaded twice); failures are not, so a fixed file can be tried again.
+pub fn load_library(path: &Path) -> Result<LoadedPlugin, PluginError> {
+    if !path.is_file() {
+        return Err(PluginError::NotALibrary {
+            path: path.to_path_buf(),
+            reason: "no such file".into(),
+        });
+    }
+    let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(plugin) = cache.get(&key) {
+        return Ok(*plugin);
+    }
+    let plugin = load_uncached(path)?;
+    cache.insert(key, plugin);
+    Ok(plugin)
+}
+
+fn load_uncached(path: &Path) -> Result<LoadedPlugin, PluginError> {
+    let owned = path.to_path_buf();
+    // SAFETY: loading a library runs its initialisers; we only load files the user pointed
+    // us at (profile, plugin path) that are named like Specula plugins.
+    let library =
+        unsafe { libloading::Library::new(path) }.map_err(|e| PluginError::NotALibrary {
+            path: owned.clone(),
+            reason: e.to_string(),
+        })?;
+    // SAFETY: the symbol is declared by `export_plugin!` as `extern "C" fn() -> u32`.
+    let abi_version = unsafe {
+        let symbol = library
+            .get::<extern "C" fn() -> u32>(ABI_VERSION_SYMBOL.as_bytes())
+            .map_err(|_| PluginError::NotAPlugin {
+                path: owned.clone(),
+            })?;
+        symbol()
+    };
+    if abi_version != ABI_VERSION {
+        return Err(PluginError::AbiMismatch {
+            path: owned,
+            plugin: abi_version,
+            host: ABI_VERSION,
+        });
+    }
+    let layout = |reason: String| PluginError::Layout {
+        path: owned.clone(),
+        reason,
+    };
+    let module = lib_header_from_path(path)
+        .and_then(|header| header.init_root_module::<PluginModuleRef>())
+        .map_err(|e| layout(e.to_string()))?;
+    if module.abi_version() != ABI_VERSION {
+        return Err(PluginError::AbiMismatch {
+            path: owned,
+            plugin: module.abi_version(),
+            host: ABI_VERSION,
+        });
+    }
+    // Plugins are never unloaded (abi_stable leaks its handle too).
+    std::mem::forget(library);
+    let path: &'static Path = Box::leak(owned.into_boxed_path());
+    Ok(LoadedPlugin { module, path })
+}
+
+/// One row of `specula plugins`.
+#[derive(Debug)]
+pub struct Listing {
+    pub path: PathBuf,
+    pub result: Result<PluginInfo, PluginError>,
+}
+
+/// Loads every plugin-named library in the search path and reports what each is.
+pub fn list(search: &SearchPath) -> Vec<Listing> {
+    search
+        .candidates()
+        .into_iter()
+        .map(|path| {
+            let result = load_library(&path).map(|p| p.info());
+            Listing { path, result }
+        })
+        .collect()
+}
+
+/// Backend parameters from a profile's target section.
+pub fn backend_params(
+    model: &Path,
+    threads: u32,
+    context_size: u32,
+    max_verify_tokens: u32,
+    options: Vec<(String, String)>,
+) -> BackendParams {
+    BackendParams {
+        model_path: RString::from(model.to_string_lossy().into_owned()),
+        threads,
+        context_size,
+        max_verify_tokens,
+        options: options
+            .into_iter()
+            .map(|(k, v)| Tuple2(RString::from(k), RString::from(v)))
+            .collect::<RVec<_>>(),
+    }
+}

@@ -1,0 +1,84 @@
+//! The drafter contract: propose tokens, learn what was accepted.
+
+// abi_stable's `#[sabi_trait]` expands to impls inside a const block.
+#![allow(non_local_definitions)]
+
+use abi_stable::sabi_trait;
+use abi_stable::sabi_trait::TD_Opaque;
+use abi_stable::std_types::{RBox, ROption, RSlice, RString, RVec, Tuple2};
+use abi_stable::StableAbi;
+
+use crate::backend::{ForwardPassMut, ModelInfo};
+use crate::error::PluginResult;
+
+/// How a drafter is created (from the profile's `[drafter]` section).
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone)]
+pub struct DrafterParams {
+    /// The target model the drafts are for.
+    pub target: ModelInfo,
+    /// The draft model, when the profile names one (the host opened it).
+    pub draft_model: ROption<ModelInfo>,
+    /// Drafter-specific settings from the profile's `[drafter.options]` table, as text.
+    pub options: RVec<Tuple2<RString, RString>>,
+}
+
+/// The models a drafter may use during one call. The host owns them and lends them per call;
+/// a drafter never opens a backend itself.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct DrafterModels<'a> {
+    /// The target model (used by MTP self-speculation).
+    pub target: ROption<ForwardPassMut<'a>>,
+    /// The separate draft model (used by draft-model speculation).
+    pub draft: ROption<ForwardPassMut<'a>>,
+}
+
+/// A proposal: up to `max_tokens` draft tokens.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Default)]
+pub struct Draft {
+    pub tokens: RVec<u32>,
+    /// The draft distribution each token was drawn from (`tokens.len() × vocab_size`,
+    /// row-major), or empty when the drafter has none (the host then treats it as one-hot).
+    pub probs: RVec<f32>,
+    /// Per-token confidence in `[0, 1]` where the drafter has one, else empty.
+    pub confidence: RVec<f32>,
+}
+
+impl Draft {
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.probs.clear();
+        self.confidence.clear();
+    }
+}
+
+/// Proposes draft tokens continuing a context.
+#[sabi_trait]
+pub trait Drafter: Send {
+    /// Starts a new sequence with `prompt`.
+    fn begin(&mut self, prompt: RSlice<'_, u32>, models: DrafterModels<'_>) -> PluginResult<()>;
+
+    /// Proposes up to `max_tokens` tokens continuing `context` (prompt, emitted tokens and the
+    /// certain next token, which ends `context`). Writes into `out` (cleared first).
+    fn propose(
+        &mut self,
+        context: RSlice<'_, u32>,
+        max_tokens: u32,
+        models: DrafterModels<'_>,
+        out: &mut Draft,
+    ) -> PluginResult<()>;
+
+    /// The host accepted the first `n_accepted` tokens of the last proposal.
+    #[sabi(last_prefix_field)]
+    fn accept(&mut self, n_accepted: u32, models: DrafterModels<'_>) -> PluginResult<()>;
+}
+
+/// An owned drafter as returned by a drafter plugin.
+pub type BoxedDrafter = Drafter_TO<'static, RBox<()>>;
+
+/// Boxes a drafter implementation for return across the boundary.
+pub fn box_drafter<T: Drafter + 'static>(drafter: T) -> BoxedDrafter {
+    Drafter_TO::from_value(drafter, TD_Opaque)
+}

@@ -1,0 +1,68 @@
+//! The root module every plugin exports, and its metadata.
+
+use abi_stable::library::RootModule;
+use abi_stable::package_version_strings;
+use abi_stable::sabi_types::VersionStrings;
+use abi_stable::std_types::{ROption, RString};
+use abi_stable::StableAbi;
+
+use crate::backend::{BackendParams, BoxedForwardPass};
+use crate::drafter::{BoxedDrafter, DrafterParams};
+use crate::error::PluginResult;
+
+/// Which role a plugin plays.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PluginKind {
+    /// Opens models and evaluates them ([`crate::ForwardPass`]).
+    Backend,
+    /// Proposes draft tokens ([`crate::Drafter`]).
+    Drafter,
+}
+
+impl PluginKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PluginKind::Backend => "backend",
+            PluginKind::Drafter => "drafter",
+        }
+    }
+}
+
+/// What a plugin says about itself.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone)]
+pub struct PluginInfo {
+    /// The name profiles use to select it, e.g. `cpu-simd`.
+    pub name: RString,
+    /// The plugin's own version (its crate version).
+    pub version: RString,
+    pub kind: PluginKind,
+    /// One line for `specula plugins`.
+    pub description: RString,
+}
+
+/// The root module of a plugin library.
+///
+/// Exactly one of `open_backend` / `create_drafter` is present, matching `info().kind`.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = PluginModuleRef)))]
+#[sabi(missing_field(option))]
+pub struct PluginModule {
+    /// The [`crate::ABI_VERSION`] the plugin was built against (also exported as a C symbol).
+    pub abi_version: u32,
+    pub info: extern "C" fn() -> PluginInfo,
+    /// Opens a model; present on backends.
+    pub open_backend: ROption<extern "C" fn(&BackendParams) -> PluginResult<BoxedForwardPass>>,
+    /// Creates a drafter; present on drafters.
+    #[sabi(last_prefix_field)]
+    pub create_drafter: ROption<extern "C" fn(&DrafterParams) -> PluginResult<BoxedDrafter>>,
+}
+
+impl RootModule for PluginModuleRef {
+    abi_stable::declare_root_module_statics! {PluginModuleRef}
+    const BASE_NAME: &'static str = "specula_plugin";
+    const NAME: &'static str = "specula plugin";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}

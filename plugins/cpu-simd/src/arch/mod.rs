@@ -1,0 +1,266 @@
+//! The architectures cpu-simd runs, and the dense decoder block they share.
+//!
+//! Each architecture file says what is specific to it (RoPE variant, extra tensors); the
+//! pre-norm residual layout `x += attn(norm(x)); x += ffn(norm(x))` and the loading of the
+//! common tensors live here.
+
+pub mod llama;
+pub mod qwen3;
+
+use std::path::Path;
+
+use specula_gguf::{ArchKeys, GgufFile, HParams, RopeScaling};
+use specula_kernels::{matmul, ops, Rope, RopeMode};
+use specula_plugin_api::PluginError;
+
+use crate::backend::Scratch;
+use crate::blocks::attention::{self, AttentionShape};
+use crate::blocks::ffn;
+use crate::kv_cache::KvCache;
+use crate::model::weights::{DenseDims, ModelWeights};
+use crate::model::{LoadError, Model};
+
+/// Architectures whose `general.architecture` cpu-simd accepts.
+pub const SUPPORTED: &str = "llama, qwen3";
+
+/// A supported architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen3,
+}
+
+impl Architecture {
+    /// The architecture named `name` in the file at `path`, or a clear refusal.
+    pub fn from_name(name: &str, path: &Path) -> Result<Self, LoadError> {
+        let not_yet = |description| LoadError::ArchitectureNotYetSupported {
+            path: path.display().to_string(),
+            arch: name.to_string(),
+            description,
+        };
+        match name {
+            "llama" => Ok(Architecture::Llama),
+            "qwen3" => Ok(Architecture::Qwen3),
+            "qwen35" => Err(not_yet("hybrid Gated DeltaNet")),
+            "qwen3next" => Err(not_yet("hybrid Gated DeltaNet with mixture-of-experts FFN")),
+            other => Err(LoadError::UnknownArchitecture {
+                path: path.display().to_string(),
+                arch: other.to_string(),
+                supported: SUPPORTED,
+            }),
+        }
+    }
+
+    /// The `general.architecture` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Loads the architecture's weights and block configuration.
+    pub fn load(
+        self,
+        file: &GgufFile,
+        hp: &HParams,
+    ) -> Result<(DenseConfig, ModelWeights), LoadError> {
+        match self {
+            Architecture::Llama => llama::load(file, hp),
+            Architecture::Qwen3 => qwen3::load(file, hp),
+        }
+    }
+}
+
+/// How the dense decoder blocks of a model compute.
+#[derive(Debug, Clone)]
+pub struct DenseConfig {
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub attention: AttentionShape,
+    pub rms_eps: f32,
+    pub rope: Rope,
+    /// Per-head RMSNorm of queries and keys before RoPE (qwen3).
+    pub qk_norm: bool,
+}
+
+/// The per-architecture choices of a dense decoder.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseVariant {
+    pub rope_mode: RopeMode,
+    pub qk_norm: bool,
+}
+
+/// Loads a dense decoder-only model (llama layout, plus the variant's extras), refusing
+/// what the dense path does not implement rather than computing something else.
+pub fn load_dense(
+    file: &GgufFile,
+    hp: &HParams,
+    variant: DenseVariant,
+) -> Result<(DenseConfig, ModelWeights), LoadError> {
+    let path = file.path().display().to_string();
+    let unsupported = |what: String| LoadError::Unsupported {
+        path: path.clone(),
+        what,
+    };
+    let keys = ArchKeys::new(file)?;
+    if let Some(n) = keys.get_u32("expert_count")?.filter(|&n| n > 0) {
+        return Err(unsupported(format!(
+            "a mixture-of-experts FFN ('{}' = {n})",
+            keys.key("expert_count")
+        )));
+    }
+    if let Some(t) = file
+        .tensors()
+        .iter()
+        .find(|t| t.name.starts_with("blk.") && t.name.ends_with(".bias"))
+    {
+        return Err(unsupported(format!("bias tensor '{}'", t.name)));
+    }
+    let freq_scale = match &hp.rope_scaling {
+        RopeScaling::None => 1.0,
+        RopeScaling::Linear { factor } => 1.0 / factor,
+        RopeScaling::Other { kind, .. } => {
+            return Err(unsupported(format!("RoPE scaling '{kind}'")));
+        }
+    };
+    let u = |v: u32| v as usize;
+    let attention = AttentionShape {
+        n_head: u(hp.head_count),
+        n_head_kv: u(hp.head_count_kv),
+        head_dim: u(hp.key_length),
+        value_dim: u(hp.value_length),
+    };
+    let dims = DenseDims {
+        n_embd: u(hp.embedding_length),
+        n_ff: u(hp.feed_forward_length),
+        q_width: u(hp.q_width()),
+        k_width: u(hp.k_width()),
+        v_width: u(hp.v_width()),
+        attn_out_width: attention.n_head * attention.value_dim,
+        head_dim: attention.head_dim,
+    };
+    let n_rot = u(hp.rope_dimension_count);
+    let weights = ModelWeights::load_dense(
+        file,
+        u(hp.block_count),
+        u(hp.vocab_size),
+        n_rot,
+        &dims,
+        variant.qk_norm,
+    )?;
+    let config = DenseConfig {
+        n_embd: dims.n_embd,
+        n_ff: dims.n_ff,
+        attention,
+        rms_eps: hp.rms_norm_eps,
+        rope: Rope {
+            mode: variant.rope_mode,
+            n_rot,
+            freq_base: hp.rope_freq_base,
+            freq_scale,
+            freq_factors: weights.rope_freqs.clone(),
+        },
+        qk_norm: variant.qk_norm,
+    };
+    Ok((config, weights))
+}
+
+/// Runs dense block `layer_index` of `model` over the `n` rows in `scratch.x` (tokens at positions
+/// `pos0 ..`), updating the residual stream in place and writing the rows' keys and values
+/// into the cache.
+///
+/// Every row goes through exactly the computation a single-row call would do: the mat-vecs
+/// compute each output independently of the batch, and row `i` attends to positions
+/// `0 ..= pos0 + i` in order.
+pub fn forward_dense_layer(
+    model: &Model,
+    layer_index: usize,
+    n: usize,
+    pos0: usize,
+    scratch: &mut Scratch,
+    kv: &mut KvCache,
+) -> Result<(), PluginError> {
+    let file = &model.file;
+    let config = &model.config;
+    let layer = &model.weights.layers[layer_index];
+    let e = config.n_embd;
+    let shape = &config.attention;
+    let (qw, kw, vw) = (shape.q_width(), shape.k_width(), shape.v_width());
+    let ow = shape.out_width();
+    let s = scratch;
+
+    // Attention: norm, projections, per-row q/k norm + RoPE + cache write + attention.
+    for (x, xn) in s.x[..n * e].chunks_exact(e).zip(s.xn.chunks_exact_mut(e)) {
+        ops::rms_norm(x, &layer.attn_norm, config.rms_eps, xn);
+    }
+    let xn = &s.xn[..n * e];
+    matmul(
+        &layer.attn_q.view(file)?,
+        xn,
+        &mut s.q[..n * qw],
+        &mut s.matmul,
+    );
+    matmul(
+        &layer.attn_k.view(file)?,
+        xn,
+        &mut s.k[..n * kw],
+        &mut s.matmul,
+    );
+    matmul(
+        &layer.attn_v.view(file)?,
+        xn,
+        &mut s.v[..n * vw],
+        &mut s.matmul,
+    );
+    for i in 0..n {
+        let pos = pos0 + i;
+        let q = &mut s.q[i * qw..(i + 1) * qw];
+        let k = &mut s.k[i * kw..(i + 1) * kw];
+        attention::prepare_query_key(
+            config,
+            layer.attn_q_norm.as_deref(),
+            layer.attn_k_norm.as_deref(),
+            pos,
+            q,
+            k,
+            &mut s.rope_cos,
+            &mut s.rope_sin,
+        );
+        kv.store(layer_index, pos, k, &s.v[i * vw..(i + 1) * vw]);
+        attention::attend(
+            shape,
+            q,
+            kv.keys(layer_index, pos + 1),
+            kv.values(layer_index, pos + 1),
+            &mut s.scores,
+            &mut s.attn[i * ow..(i + 1) * ow],
+        );
+    }
+    matmul(
+        &layer.attn_output.view(file)?,
+        &s.attn[..n * ow],
+        &mut s.proj[..n * e],
+        &mut s.matmul,
+    );
+    ops::add_in_place(&mut s.x[..n * e], &s.proj[..n * e]);
+
+    // Feed-forward.
+    for (x, xn) in s.x[..n * e].chunks_exact(e).zip(s.xn.chunks_exact_mut(e)) {
+        ops::rms_norm(x, &layer.ffn_norm, config.rms_eps, xn);
+    }
+    ffn::swiglu(
+        &ffn::FfnWeights {
+            gate: layer.ffn_gate.view(file)?,
+            up: layer.ffn_up.view(file)?,
+            down: layer.ffn_down.view(file)?,
+        },
+        &s.xn[..n * e],
+        &mut s.gate[..n * config.n_ff],
+        &mut s.up[..n * config.n_ff],
+        &mut s.proj[..n * e],
+        &mut s.matmul,
+    );
+    ops::add_in_place(&mut s.x[..n * e], &s.proj[..n * e]);
+    Ok(())
+}

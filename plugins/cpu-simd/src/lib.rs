@@ -1,0 +1,66 @@
+//! `cpu-simd`: Specula's CPU backend plugin.
+//!
+//! Opens GGUF models (memory-mapped, weights used in place) and evaluates them on a private
+//! rayon pool with the kernels of `specula-kernels`. Supported architectures: `llama` and
+//! `qwen3` (dense); the hybrid `qwen35` / `qwen3next` are refused with a clear error for now.
+//! Weights may be F32, F16, BF16 or Q8_0.
+//!
+//! A multi-token eval returns, for every row, exactly the bits a single-token eval at that
+//! position would, which the host's speculative loop relies on.
+//!
+//! The crate is both the plugin (cdylib, exporting [`plugin_module`] through
+//! [`specula_plugin_api::export_plugin!`]) and an rlib, so tests can use [`CpuBackend`]
+//! directly.
+
+pub mod arch;
+pub mod backend;
+pub mod blocks;
+pub mod kv_cache;
+pub mod model;
+
+pub use backend::CpuBackend;
+
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::std_types::{RNone, RSome, RString};
+use specula_plugin_api::backend::box_forward_pass;
+use specula_plugin_api::{
+    guard, BackendParams, BoxedForwardPass, PluginInfo, PluginKind, PluginModule, PluginModuleRef,
+    PluginResult, ABI_VERSION,
+};
+
+/// The name profiles select this plugin by.
+pub const PLUGIN_NAME: &str = "cpu-simd";
+
+const DESCRIPTION: &str = "GGUF models on the CPU (llama, qwen3; f32/f16/bf16/q8_0 weights)";
+
+fn describe() -> PluginInfo {
+    PluginInfo {
+        name: RString::from(PLUGIN_NAME),
+        version: RString::from(env!("CARGO_PKG_VERSION")),
+        kind: PluginKind::Backend,
+        description: RString::from(DESCRIPTION),
+    }
+}
+
+extern "C" fn plugin_info() -> PluginInfo {
+    guard(|| Ok(describe()))
+        .into_result()
+        .unwrap_or_else(|_| describe())
+}
+
+extern "C" fn open_backend(params: &BackendParams) -> PluginResult<BoxedForwardPass> {
+    guard(|| CpuBackend::open(params).map(box_forward_pass))
+}
+
+/// The plugin's root module (what the host loads).
+pub fn plugin_module() -> PluginModuleRef {
+    PluginModule {
+        abi_version: ABI_VERSION,
+        info: plugin_info,
+        open_backend: RSome(open_backend),
+        create_drafter: RNone,
+    }
+    .leak_into_prefix()
+}
+
+specula_plugin_api::export_plugin!(plugin_module());

@@ -1,0 +1,236 @@
+//! The guarantees the speculative loop rests on: a k-token eval is bit-identical, row by row,
+//! to k single-token evals; truncation is exact; thread count changes nothing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use abi_stable::std_types::RVec;
+use common::*;
+use specula_cpu_simd::CpuBackend;
+use specula_gguf::GgmlType;
+use specula_plugin_api::LogitRows;
+
+const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
+
+/// Test models: the shared F32 ones, re-typed copies, and a random qwen3 in every type.
+struct Models {
+    _dir: tempfile::TempDir,
+    paths: Vec<(String, PathBuf)>,
+}
+
+fn models() -> Models {
+    let dir = tempfile::tempdir().unwrap();
+    let mut paths = vec![
+        ("stories260K f32".to_string(), stories()),
+        ("tiny-llama f32".to_string(), tiny_llama()),
+    ];
+    for ty in [GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
+        for (name, src) in [("stories260K", stories()), ("tiny-llama", tiny_llama())] {
+            let dst = dir.path().join(format!("{name}-{ty}.gguf"));
+            rewrite_model(
+                &src,
+                &dst,
+                &Rewrite {
+                    matrix_type: Some(ty),
+                    ..Default::default()
+                },
+            );
+            paths.push((format!("{name} {ty}"), dst));
+        }
+    }
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
+        let dst = dir.path().join(format!("qwen3-{ty}.gguf"));
+        write_qwen3(&dst, ty, 7);
+        paths.push((format!("qwen3 {ty}"), dst));
+    }
+    Models { _dir: dir, paths }
+}
+
+fn vocab_of(backend: &CpuBackend) -> usize {
+    backend.info().vocab_size as usize
+}
+
+fn hidden(backend: &CpuBackend) -> Vec<f32> {
+    backend.last_hidden_states().to_vec()
+}
+
+/// For k = 1..=8: one k-token eval (all rows) against k single-token evals from the same
+/// state, logits and hidden states compared bit for bit.
+fn check_batch_parity(name: &str, path: &Path) {
+    let mut batched = open(path, 2, 128);
+    let mut single = open(path, 2, 128);
+    let vocab = vocab_of(&batched);
+    let e = batched.info().hidden_size as usize;
+
+    // The prompt itself: one prefill call against token-by-token.
+    let prefill = eval(&mut batched, &PROMPT, LogitRows::All);
+    for (i, &t) in PROMPT.iter().enumerate() {
+        let row = eval(&mut single, &[t], LogitRows::Last);
+        assert_eq!(
+            bits(&prefill[i * vocab..(i + 1) * vocab]),
+            bits(&row),
+            "{name}: prompt row {i}"
+        );
+    }
+
+    let mut rng = Rng::new(99);
+    for k in 1..=8 {
+        let tokens = rng.tokens(k, vocab as u32);
+        let all = eval(&mut batched, &tokens, LogitRows::All);
+        assert_eq!(all.len(), k * vocab);
+        let batch_hidden = hidden(&batched);
+        assert_eq!(batch_hidden.len(), k * e);
+        for (i, &t) in tokens.iter().enumerate() {
+            let row = eval(&mut single, &[t], LogitRows::Last);
+            assert!(
+                row.iter().all(|v| v.is_finite()),
+                "{name}: non-finite logits"
+            );
+            assert_eq!(
+                bits(&all[i * vocab..(i + 1) * vocab]),
+                bits(&row),
+                "{name}: k={k}, row {i} differs from the single-token eval"
+            );
+            assert_eq!(
+                bits(&batch_hidden[i * e..(i + 1) * e]),
+                bits(&hidden(&single)),
+                "{name}: k={k}, hidden row {i}"
+            );
+        }
+        // The last-row and no-row variants agree with the all-rows eval.
+        let last_tokens = rng.tokens(k, vocab as u32);
+        let last = eval(&mut batched, &last_tokens, LogitRows::Last);
+        let reference = eval(&mut single, &last_tokens, LogitRows::All);
+        assert_eq!(
+            bits(&last),
+            bits(&reference[(k - 1) * vocab..]),
+            "{name}: k={k}, Last"
+        );
+        assert!(eval(&mut batched, &[5], LogitRows::None).is_empty());
+        eval(&mut single, &[5], LogitRows::None);
+        assert_eq!(batched.len(), single.len());
+    }
+}
+
+#[test]
+fn batched_rows_are_bit_identical_to_single_token_evals() {
+    let models = models();
+    for (name, path) in &models.paths {
+        check_batch_parity(name, path);
+    }
+}
+
+/// Eval prompt + k drafts, truncate to prompt + j, eval another token: the same bits as a
+/// sequence that never saw the rejected drafts.
+#[test]
+fn truncate_matches_a_run_that_never_saw_the_rejected_tokens() {
+    let models = models();
+    for (name, path) in models
+        .paths
+        .iter()
+        .filter(|(n, _)| n.ends_with("f32") || n.contains("q8_0"))
+    {
+        let k = 5;
+        let drafts: Vec<u32> = vec![300, 301, 302, 303, 304];
+        for j in 0..=k {
+            let mut spec = open(path, 2, 64);
+            eval(&mut spec, &PROMPT, LogitRows::Last);
+            eval(&mut spec, &drafts, LogitRows::All);
+            spec.truncate_to(PROMPT.len() + j).unwrap();
+            assert_eq!(spec.len(), PROMPT.len() + j);
+            let after_rollback = eval(&mut spec, &[417, 290], LogitRows::All);
+
+            let mut fresh = open(path, 2, 64);
+            eval(&mut fresh, &PROMPT, LogitRows::Last);
+            if j > 0 {
+                eval(&mut fresh, &drafts[..j], LogitRows::All);
+            }
+            let clean = eval(&mut fresh, &[417, 290], LogitRows::All);
+            assert_eq!(
+                bits(&after_rollback),
+                bits(&clean),
+                "{name}: truncate to prompt+{j}"
+            );
+        }
+        // Truncating to the current length is a no-op; beyond it is an error.
+        let mut b = open(path, 1, 64);
+        eval(&mut b, &PROMPT, LogitRows::None);
+        b.truncate_to(PROMPT.len()).unwrap();
+        assert!(b.truncate_to(PROMPT.len() + 1).is_err());
+        b.truncate_to(0).unwrap();
+        assert!(b.is_empty());
+    }
+}
+
+/// Runs a long prefill (chunked, with parallel mat-vecs and attention) and a verify batch.
+fn run_with_threads(path: &Path, threads: u32) -> Vec<f32> {
+    let mut backend = open(path, threads, 256);
+    let mut rng = Rng::new(5);
+    let mut prompt = vec![1];
+    prompt.extend(rng.tokens(199, 512));
+    let mut out = eval(&mut backend, &prompt, LogitRows::All);
+    // A long prefill runs in chunks internally; asking for the last row only gives its bits.
+    let mut last_only = open(path, threads, 256);
+    let last = eval(&mut last_only, &prompt, LogitRows::Last);
+    assert_eq!(
+        bits(&last),
+        bits(&out[out.len() - last.len()..]),
+        "Last after chunking"
+    );
+    out.extend(eval(&mut backend, &rng.tokens(8, 512), LogitRows::All));
+    let mut logits = RVec::new();
+    backend
+        .eval_tokens(&[7], LogitRows::Last, &mut logits)
+        .unwrap();
+    out.extend(logits.iter());
+    out
+}
+
+#[test]
+fn thread_count_does_not_change_any_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let qwen = dir.path().join("qwen3-q8_0.gguf");
+    write_qwen3(&qwen, GgmlType::Q8_0, 3);
+    for path in [stories(), qwen] {
+        let one = run_with_threads(&path, 1);
+        let two = run_with_threads(&path, 2);
+        assert_eq!(bits(&one), bits(&two), "{}: 1 vs 2 threads", path.display());
+        let three = run_with_threads(&path, 3);
+        assert_eq!(
+            bits(&one),
+            bits(&three),
+            "{}: 1 vs 3 threads",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn retyped_models_stay_close_to_f32() {
+    let models = models();
+    let reference = {
+        let mut b = open(&stories(), 1, 64);
+        eval(&mut b, &PROMPT, LogitRows::Last)
+    };
+    for (name, path) in models
+        .paths
+        .iter()
+        .filter(|(n, _)| n.starts_with("stories260K "))
+    {
+        let mut b = open(path, 1, 64);
+        let logits = eval(&mut b, &PROMPT, LogitRows::Last);
+        let max_diff = logits
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let bound = if name.ends_with("f32") { 0.0 } else { 0.5 };
+        assert!(max_diff <= bound, "{name}: max logit difference {max_diff}");
+        assert_eq!(
+            argmax(&logits),
+            argmax(&reference),
+            "{name}: top token changed"
+        );
+    }
+}

@@ -1,0 +1,96 @@
+//! Helpers for the end-to-end tests in `tests/tests/`: where the built `specula` binary and
+//! plugin libraries are, the shared models, and small profile and plugin fixtures.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+/// `target/<profile>/`, the directory holding the `specula` binary and the plugin libraries
+/// (the test executable itself lives in its `deps/` subdirectory).
+pub fn build_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let deps = exe.parent().expect("deps dir");
+    deps.parent().expect("profile dir").to_path_buf()
+}
+
+/// The `specula` binary built by this `cargo test` run.
+pub fn specula_bin() -> PathBuf {
+    let bin = build_dir().join(format!("specula{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} is missing: run the tests with `cargo test --workspace` so the binary is built",
+        bin.display()
+    );
+    bin
+}
+
+/// The built library of plugin `name` (e.g. `cpu-simd`).
+pub fn plugin_library(name: &str) -> PathBuf {
+    let file = format!(
+        "{}specula_{}{}",
+        std::env::consts::DLL_PREFIX,
+        name.replace('-', "_"),
+        std::env::consts::DLL_SUFFIX
+    );
+    let path = build_dir().join(&file);
+    assert!(path.is_file(), "{} is missing", path.display());
+    path
+}
+
+/// A file in the shared folder (`../shared` from the workspace root).
+pub fn shared(rel: &str) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared")
+        .join(rel);
+    assert!(path.exists(), "{} is missing", path.display());
+    path
+}
+
+/// Writes a profile for `model` on the cpu-simd backend (plus `extra` TOML) into `dir`.
+pub fn write_profile(dir: &Path, name: &str, model: &Path, extra: &str) -> PathBuf {
+    let path = dir.join(name);
+    let text = format!(
+        "[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 2\n{extra}",
+        model.to_str().expect("utf-8 path")
+    );
+    std::fs::write(&path, text).expect("write profile");
+    path
+}
+
+/// Runs `specula` with `args`, empty stdin, and `SPECULA_HOME` set to `home`.
+pub fn specula(args: &[&str], home: &Path) -> Output {
+    Command::new(specula_bin())
+        .args(args)
+        .env("SPECULA_HOME", home)
+        .env_remove("SPECULA_PLUGIN_PATH")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run specula")
+}
+
+/// Standard output as text.
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Standard error as text.
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Compiles `source` into a shared library at `path` with the `rustc` cargo used.
+pub fn compile_cdylib(source: &str, path: &Path) {
+    let dir = path.parent().expect("dir");
+    let src = dir.join(format!(
+        "{}.rs",
+        path.file_stem().unwrap().to_string_lossy()
+    ));
+    std::fs::write(&src, source).expect("write source");
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let status = Command::new(rustc)
+        .args(["--edition", "2021", "--crate-type", "cdylib", "-o"])
+        .arg(path)
+        .arg(&src)
+        .status()
+        .expect("run rustc");
+    assert!(status.success(), "rustc failed on {}", src.display());
+}

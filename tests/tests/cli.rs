@@ -1,0 +1,325 @@
+//! `specula` end to end: the real binary loading the real cpu-simd plugin through profiles.
+
+use specula_tests::*;
+
+const LILY: &str = "Once upon a time, there was a little girl named Lily";
+
+#[test]
+fn stories260k_tells_the_lily_story_from_bos() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "stories.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let out = specula(
+        &[
+            "run",
+            "--profile",
+            profile.to_str().unwrap(),
+            "-n",
+            "40",
+            "--temp",
+            "0",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.starts_with(LILY), "{text:?}");
+    let summary = stderr(&out);
+    assert!(
+        summary.contains("prefill") && summary.contains("decode") && summary.contains("t/s"),
+        "{summary}"
+    );
+}
+
+#[test]
+fn json_output_carries_token_ids_and_stop_strings_cut_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "stories.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let out = specula(
+        &[
+            "run",
+            "--profile",
+            profile.to_str().unwrap(),
+            "-n",
+            "40",
+            "--temp",
+            "0",
+            "--json",
+            "--stop",
+            "Lily",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(
+        v["text"],
+        "Once upon a time, there was a little girl named "
+    );
+    assert_eq!(v["stop_reason"], "stop_string");
+    assert_eq!(v["prompt_tokens"], serde_json::json!([1]));
+    assert!(v["tokens"].as_array().unwrap().len() >= 10);
+}
+
+#[test]
+fn prompt_from_argument_continues_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "stories.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let out = specula(
+        &[
+            "run",
+            "--profile",
+            profile.to_str().unwrap(),
+            "-n",
+            "20",
+            "--temp",
+            "0",
+            "--json",
+            "Once upon a time",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert!(v["prompt_tokens"].as_array().unwrap().len() > 2);
+    assert!(
+        v["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(", there was a little girl named Lily"),
+        "{v}"
+    );
+}
+
+#[test]
+fn same_seed_gives_the_same_sampled_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "stories.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let p = profile.to_str().unwrap();
+    let run = |seed: &str| {
+        let out = specula(
+            &[
+                "run",
+                "--profile",
+                p,
+                "-n",
+                "48",
+                "--temp",
+                "0.9",
+                "--seed",
+                seed,
+                "--json",
+            ],
+            dir.path(),
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        v["tokens"].clone()
+    };
+    assert_eq!(run("11"), run("11"));
+    assert_ne!(run("11"), run("12"));
+}
+
+#[test]
+fn tiny_llama_fixture_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "tiny.toml",
+        &shared("models/fixtures/tiny-llama.gguf"),
+        "",
+    );
+    let out = specula(
+        &[
+            "run",
+            "--profile",
+            profile.to_str().unwrap(),
+            "-n",
+            "24",
+            "--temp",
+            "0",
+            "--json",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let n = v["tokens"].as_array().unwrap().len();
+    assert!(n == 24 || v["stop_reason"] == "end_of_generation", "{v}");
+}
+
+#[test]
+fn hybrid_fixtures_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    for (file, arch) in [
+        ("tiny-qwen35.gguf", "qwen35"),
+        ("tiny-qwen35-mtp.gguf", "qwen35"),
+        ("tiny-qwen3next.gguf", "qwen3next"),
+    ] {
+        let profile = write_profile(
+            dir.path(),
+            "h.toml",
+            &shared(&format!("models/fixtures/{file}")),
+            "",
+        );
+        let out = specula(
+            &["run", "--profile", profile.to_str().unwrap(), "-n", "4"],
+            dir.path(),
+        );
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{file}");
+        assert!(
+            err.contains("not supported yet") && err.contains(arch),
+            "{file}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn default_run_works_without_a_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = specula(
+        &["run", "-n", "24", "--seed", "3", "The prince said"],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(dir.path().join("default-model.gguf").is_file());
+    let text = stdout(&out);
+    let words = text.split_whitespace().count();
+    assert!(words >= 5, "{text:?}");
+    // Second run reuses the model and, with the same seed, says the same.
+    let again = specula(
+        &["run", "-n", "24", "--seed", "3", "The prince said"],
+        dir.path(),
+    );
+    assert_eq!(stdout(&again), text);
+}
+
+#[test]
+fn plugins_lists_cpu_simd() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = specula(&["plugins"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("cpu-simd"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains("backend") && line.contains("libspecula_cpu_simd"),
+        "{line}"
+    );
+}
+
+#[test]
+fn profile_check_reports_misspelt_keys_with_their_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[target]\nbackend = \"cpu-simd\"\nmodle = \"x.gguf\"\n",
+    )
+    .unwrap();
+    let out = specula(&["profile", "check", path.to_str().unwrap()], dir.path());
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("target.modle") && err.contains("unknown field") && err.contains("bad.toml"),
+        "{err}"
+    );
+
+    let good = write_profile(
+        dir.path(),
+        "good.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let out = specula(&["profile", "check", good.to_str().unwrap()], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn missing_model_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nowhere.gguf");
+    let profile = write_profile(dir.path(), "p.toml", &missing, "");
+    let out = specula(
+        &["run", "--profile", profile.to_str().unwrap(), "-n", "4"],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("nowhere.gguf") && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_model_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(shared("models/stories260K.gguf")).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let profile = write_profile(dir.path(), "p.toml", &cut, "");
+    let out = specula(
+        &["run", "--profile", profile.to_str().unwrap(), "-n", "4"],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("cut.gguf") && err.contains("truncated"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn unknown_backend_lists_where_it_looked() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("p.toml");
+    std::fs::write(
+        &profile,
+        format!(
+            "plugin_dir = \"extra\"\n[target]\nbackend = \"warp-drive\"\nmodel = {:?}\n",
+            shared("models/stories260K.gguf").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let out = specula(
+        &["run", "--profile", profile.to_str().unwrap(), "-n", "4"],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("warp-drive") && err.contains("libspecula_warp_drive"),
+        "{err}"
+    );
+    assert!(
+        err.contains(dir.path().join("extra").to_str().unwrap()),
+        "{err}"
+    );
+    assert!(err.contains(build_dir().to_str().unwrap()), "{err}");
+}

@@ -1,0 +1,184 @@
+//! Loading plugins through the host's loader: the real cpu-simd library, libraries built
+//! against another ABI, libraries that are not plugins, and files that are not libraries.
+
+use abi_stable::std_types::{RSlice, RVec};
+use specula_host::plugins::{backend_params, load_library, PluginError, SearchPath};
+use specula_plugin_api::{ErrorKind, LogitRows, PluginKind, ABI_VERSION};
+use specula_tests::*;
+
+#[test]
+fn cpu_simd_loads_and_evaluates_across_the_abi() {
+    let plugin = load_library(&plugin_library("cpu-simd")).unwrap();
+    let info = plugin.info();
+    assert_eq!(info.name.as_str(), "cpu-simd");
+    assert_eq!(info.kind, PluginKind::Backend);
+
+    let params = backend_params(&shared("models/stories260K.gguf"), 2, 256, 8, vec![]);
+    let mut backend = plugin.open_backend(&params).unwrap();
+    let model = backend.model_info();
+    assert_eq!(model.architecture.as_str(), "llama");
+    assert_eq!(model.vocab_size, 512);
+    assert_eq!(model.context_size, 256);
+
+    // Verify rows through the ABI are bit-identical to single-token evals.
+    let prompt = [1u32, 403, 407, 261, 378];
+    let mut batch = RVec::new();
+    backend
+        .eval(RSlice::from_slice(&prompt), LogitRows::All, &mut batch)
+        .into_result()
+        .unwrap();
+    assert_eq!(batch.len(), prompt.len() * 512);
+    backend.truncate(0).into_result().unwrap();
+    let mut single = RVec::new();
+    for (i, &t) in prompt.iter().enumerate() {
+        backend
+            .eval(RSlice::from_slice(&[t]), LogitRows::Last, &mut single)
+            .into_result()
+            .unwrap();
+        let row = &batch[i * 512..(i + 1) * 512];
+        assert!(
+            row.iter()
+                .zip(single.iter())
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {i}"
+        );
+    }
+
+    // Bad input comes back as errors, not panics.
+    let err = backend
+        .eval(RSlice::from_slice(&[9999]), LogitRows::Last, &mut single)
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    let err = backend.truncate(1000).into_result().unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    let mut hidden = RVec::new();
+    let err = backend
+        .mtp_step(
+            RSlice::from_slice(&[0.0; 64]),
+            1,
+            0,
+            &mut single,
+            &mut hidden,
+        )
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unsupported);
+    assert!(!backend.capabilities().mtp_head);
+}
+
+#[test]
+fn opening_a_missing_model_is_an_error_naming_it() {
+    let plugin = load_library(&plugin_library("cpu-simd")).unwrap();
+    let params = backend_params(std::path::Path::new("/no/such/model.gguf"), 1, 0, 8, vec![]);
+    let err = match plugin.open_backend(&params) {
+        Ok(_) => panic!("opened a missing model"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("/no/such/model.gguf"), "{err}");
+}
+
+#[test]
+fn plugin_built_against_another_abi_is_refused_with_both_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join(format!(
+        "{}specula_old{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let other = ABI_VERSION + 41;
+    compile_cdylib(
+        &format!(
+            "#[no_mangle]\npub extern \"C\" fn specula_plugin_abi_version() -> u32 {{ {other} }}\n"
+        ),
+        &lib,
+    );
+    let err = load_library(&lib).unwrap_err();
+    assert!(
+        matches!(err, PluginError::AbiMismatch { plugin, host, .. } if plugin == other && host == ABI_VERSION),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(text.contains(lib.to_str().unwrap()), "{text}");
+    assert!(
+        text.contains(&format!("ABI version {other}"))
+            && text.contains(&format!("ABI version {ABI_VERSION}")),
+        "{text}"
+    );
+
+    // `specula plugins` reports it as rejected, and a profile naming it fails clearly.
+    let profile = dir.path().join("p.toml");
+    std::fs::write(
+        &profile,
+        format!(
+            "plugin_dir = \".\"\n[target]\nbackend = \"old\"\nmodel = {:?}\n",
+            shared("models/stories260K.gguf").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let out = specula(
+        &["plugins", "--profile", profile.to_str().unwrap()],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let listing = stdout(&out);
+    assert!(
+        listing.contains("rejected:") && listing.contains(&format!("ABI version {other}")),
+        "{listing}"
+    );
+    assert!(listing.contains("cpu-simd"), "{listing}");
+    let out = specula(
+        &["run", "--profile", profile.to_str().unwrap(), "-n", "2"],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(&format!("ABI version {other}")),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_library_that_is_not_a_plugin_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join(format!(
+        "{}specula_stranger{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    compile_cdylib(
+        "#[no_mangle]\npub extern \"C\" fn hello() -> u32 { 7 }\n",
+        &lib,
+    );
+    let err = load_library(&lib).unwrap_err();
+    assert!(matches!(err, PluginError::NotAPlugin { .. }), "{err}");
+    assert!(err.to_string().contains("not a Specula plugin"), "{err}");
+    assert!(err.to_string().contains(lib.to_str().unwrap()), "{err}");
+}
+
+#[test]
+fn a_file_that_is_not_a_library_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join(format!(
+        "{}specula_fake{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    std::fs::write(&fake, b"this is text, not ELF").unwrap();
+    let err = load_library(&fake).unwrap_err();
+    assert!(matches!(err, PluginError::NotALibrary { .. }), "{err}");
+    assert!(err.to_string().contains(fake.to_str().unwrap()), "{err}");
+
+    let search = SearchPath::from_dirs([dir.path().to_path_buf()]);
+    let err = search.load("fake", PluginKind::Backend).unwrap_err();
+    assert!(err.to_string().contains("cannot load library"), "{err}");
+}
+
+#[test]
+fn a_backend_is_refused_where_a_drafter_is_expected() {
+    let search = SearchPath::from_dirs([build_dir()]);
+    let err = search.load("cpu-simd", PluginKind::Drafter).unwrap_err();
+    assert!(matches!(err, PluginError::WrongKind { .. }), "{err}");
+    assert!(err.to_string().contains("is a backend plugin"), "{err}");
+}
