@@ -129,7 +129,13 @@ pub trait ForwardPass: Send {
 
     /// One MTP-head step: the final-norm `hidden` of position `position` and the token at
     /// `position + 1` give the logits for `position + 2` and the head's own hidden state,
-    /// which feeds the next chained step. The head's KV cache is cut with [`truncate`].
+    /// which feeds the next chained step.
+    ///
+    /// The head keeps its own KV cache, one entry per position. A step at `position` first
+    /// cuts that cache to `position` entries (so `position` may not exceed its length), then
+    /// appends its own entry: stepping through every accepted position keeps the cache in step
+    /// with the trunk, and chained draft steps overwrite each other's speculative entries.
+    /// [`truncate`] cuts it together with the trunk.
     ///
     /// [`truncate`]: ForwardPass::truncate
     #[sabi(last_prefix_field)]

@@ -34,6 +34,22 @@ pub struct DrafterModels<'a> {
     pub draft: ROption<ForwardPassMut<'a>>,
 }
 
+/// What the host asks of one [`Drafter::propose`] call.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct DraftRequest<'a> {
+    /// Prompt, emitted tokens, and the certain next token, which ends the context.
+    pub context: RSlice<'a, u32>,
+    /// Most tokens to propose.
+    pub max_tokens: u32,
+    /// The request's sampling temperature: 0 means greedy decoding (drafts are compared with
+    /// the target's argmax). Above 0, a drafter with a distribution samples each draft from it
+    /// and reports it in [`Draft::probs`], so the host's rejection sampling stays exact.
+    pub temperature: f32,
+    /// Seed for the drafter's own sampling (changes every step).
+    pub seed: u64,
+}
+
 /// A proposal: up to `max_tokens` draft tokens.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Default)]
@@ -60,17 +76,17 @@ pub trait Drafter: Send {
     /// Starts a new sequence with `prompt`.
     fn begin(&mut self, prompt: RSlice<'_, u32>, models: DrafterModels<'_>) -> PluginResult<()>;
 
-    /// Proposes up to `max_tokens` tokens continuing `context` (prompt, emitted tokens and the
-    /// certain next token, which ends `context`). Writes into `out` (cleared first).
+    /// Proposes up to `request.max_tokens` tokens continuing `request.context`. Writes into
+    /// `out` (cleared first); proposing nothing is always allowed.
     fn propose(
         &mut self,
-        context: RSlice<'_, u32>,
-        max_tokens: u32,
+        request: DraftRequest<'_>,
         models: DrafterModels<'_>,
         out: &mut Draft,
     ) -> PluginResult<()>;
 
-    /// The host accepted the first `n_accepted` tokens of the last proposal.
+    /// The host accepted the first `n_accepted` tokens of the last proposal (the target's
+    /// verify pass is then the last `eval` of the target, truncated after the accepted rows).
     #[sabi(last_prefix_field)]
     fn accept(&mut self, n_accepted: u32, models: DrafterModels<'_>) -> PluginResult<()>;
 }

@@ -25,7 +25,9 @@ pub use backend::{
     BackendParams, BoxedForwardPass, Capabilities, ForwardPass, ForwardPassMut, ForwardPass_TO,
     LogitRows, ModelInfo,
 };
-pub use drafter::{BoxedDrafter, Draft, Drafter, DrafterModels, DrafterParams, Drafter_TO};
+pub use drafter::{
+    BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, Drafter_TO,
+};
 pub use error::{guard, ErrorKind, PluginError, PluginResult};
 pub use module::{PluginInfo, PluginKind, PluginModule, PluginModuleRef};
 
