@@ -4,14 +4,18 @@
 //! * [`plugins`]: discovery and loading of backend and drafter plugins through the stable ABI;
 //! * [`tokenizer`]: SentencePiece and byte-level BPE tokenizers read from GGUF metadata;
 //! * [`sampling`]: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds;
-//! * [`generate`]: the decode loop behind `specula run`;
+//! * [`pipeline`]: opening what a profile names (target, tokenizer, drafter, draft model);
+//! * [`request`]: generation requests, outcomes, stop strings;
+//! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`, the default model);
 //! * [`cli`]: the `specula` command line.
 
 pub mod cli;
-pub mod generate;
 pub mod genmodel;
+pub mod pipeline;
 pub mod plugins;
 pub mod profile;
+pub mod request;
 pub mod sampling;
+pub mod spec;
 pub mod tokenizer;

@@ -226,15 +226,19 @@ impl SearchPath {
         let path = if crate::profile::looks_like_path(reference) {
             PathBuf::from(reference)
         } else {
-            let file = library_file_name(reference);
+            // `lookup` may live in `libspecula_lookup.so` or `libspecula_drafter_lookup.so`.
+            let files = [
+                library_file_name(reference),
+                library_file_name(&format!("{}-{reference}", kind.as_str())),
+            ];
             self.dirs
                 .iter()
-                .map(|d| d.join(&file))
+                .flat_map(|d| files.iter().map(move |f| d.join(f)))
                 .find(|p| p.is_file())
                 .ok_or_else(|| PluginError::NotFound {
                     kind: kind.as_str(),
                     name: reference.to_string(),
-                    file,
+                    file: files.join(" or "),
                     searched: self.dirs.clone(),
                 })?
         };

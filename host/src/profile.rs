@@ -97,6 +97,9 @@ pub struct DrafterSection {
     /// Threads for the draft model's backend (0 = as the target).
     #[serde(default)]
     pub threads: u32,
+    /// A text file whose tokens the drafter may draft from (prompt lookup's static corpus).
+    #[serde(default)]
+    pub corpus: Option<PathBuf>,
     /// Drafter-specific settings, passed to the plugin as text.
     #[serde(default)]
     pub options: BTreeMap<String, toml::Value>,
@@ -244,6 +247,9 @@ impl Profile {
         if let Some(d) = &mut self.drafter {
             if let Some(m) = &mut d.model {
                 resolve(m);
+            }
+            if let Some(c) = &mut d.corpus {
+                resolve(c);
             }
         }
         // A backend/drafter given as a library path is relative to the profile too.

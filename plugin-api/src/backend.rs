@@ -96,7 +96,7 @@ impl LogitRows {
 /// Positions are implicit: the sequence holds [`seq_len`](ForwardPass::seq_len) tokens, and
 /// `eval` appends at the positions that follow.
 #[sabi_trait]
-pub trait ForwardPass: Send {
+pub trait ForwardPass: Send + Sync {
     /// Facts about the loaded model.
     fn model_info(&self) -> ModelInfo;
 

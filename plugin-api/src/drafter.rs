@@ -21,6 +21,9 @@ pub struct DrafterParams {
     pub draft_model: ROption<ModelInfo>,
     /// Drafter-specific settings from the profile's `[drafter.options]` table, as text.
     pub options: RVec<Tuple2<RString, RString>>,
+    /// Static text the profile attaches to the drafter (`[drafter] corpus = FILE`), tokenized
+    /// by the host with the target's tokenizer; empty when there is none.
+    pub corpus: RVec<u32>,
 }
 
 /// The models a drafter may use during one call. The host owns them and lends them per call;
@@ -72,7 +75,7 @@ impl Draft {
 
 /// Proposes draft tokens continuing a context.
 #[sabi_trait]
-pub trait Drafter: Send {
+pub trait Drafter: Send + Sync {
     /// Starts a new sequence with `prompt`.
     fn begin(&mut self, prompt: RSlice<'_, u32>, models: DrafterModels<'_>) -> PluginResult<()>;
 
@@ -97,4 +100,51 @@ pub type BoxedDrafter = Drafter_TO<'static, RBox<()>>;
 /// Boxes a drafter implementation for return across the boundary.
 pub fn box_drafter<T: Drafter + 'static>(drafter: T) -> BoxedDrafter {
     Drafter_TO::from_value(drafter, TD_Opaque)
+}
+
+impl DrafterParams {
+    /// The text of option `key`, if the profile set it.
+    pub fn option(&self, key: &str) -> Option<&str> {
+        self.options
+            .iter()
+            .find(|pair| pair.0.as_str() == key)
+            .map(|pair| pair.1.as_str())
+    }
+
+    /// Option `key` parsed as `T`, or `default` when absent; an error names the key.
+    pub fn parse_option<T: std::str::FromStr>(
+        &self,
+        key: &str,
+        default: T,
+    ) -> Result<T, crate::PluginError> {
+        match self.option(key) {
+            None => Ok(default),
+            Some(text) => text.trim().parse().map_err(|_| {
+                crate::PluginError::invalid_input(format!(
+                    "drafter.options.{key}: cannot parse {text:?} as {}",
+                    std::any::type_name::<T>()
+                ))
+            }),
+        }
+    }
+
+    /// Fails on an option that is not in `known`, naming it and the known ones.
+    pub fn check_options(&self, known: &[&str]) -> Result<(), crate::PluginError> {
+        match self
+            .options
+            .iter()
+            .find(|pair| !known.contains(&pair.0.as_str()))
+        {
+            None => Ok(()),
+            Some(pair) => Err(crate::PluginError::invalid_input(format!(
+                "drafter.options.{}: unknown option (known: {})",
+                pair.0,
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ))),
+        }
+    }
 }

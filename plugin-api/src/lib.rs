@@ -22,11 +22,12 @@ pub mod module;
 
 pub use abi_stable;
 pub use backend::{
-    BackendParams, BoxedForwardPass, Capabilities, ForwardPass, ForwardPassMut, ForwardPass_TO,
-    LogitRows, ModelInfo,
+    box_forward_pass, BackendParams, BoxedForwardPass, Capabilities, ForwardPass, ForwardPassMut,
+    ForwardPass_TO, LogitRows, ModelInfo,
 };
 pub use drafter::{
-    BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, Drafter_TO,
+    box_drafter, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
+    Drafter_TO,
 };
 pub use error::{guard, ErrorKind, PluginError, PluginResult};
 pub use module::{PluginInfo, PluginKind, PluginModule, PluginModuleRef};

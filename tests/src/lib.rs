@@ -23,7 +23,13 @@ pub fn specula_bin() -> PathBuf {
     bin
 }
 
-/// The built library of plugin `name` (e.g. `cpu-simd`).
+/// Where `cargo test` leaves the plugin libraries it builds as dependencies of this crate:
+/// `target/<profile>/deps/` (only `cargo build` copies them up beside the binary).
+pub fn plugin_dir() -> PathBuf {
+    build_dir().join("deps")
+}
+
+/// The built library of plugin crate `name` (e.g. `cpu-simd`, `drafter-lookup`).
 pub fn plugin_library(name: &str) -> PathBuf {
     let file = format!(
         "{}specula_{}{}",
@@ -31,7 +37,7 @@ pub fn plugin_library(name: &str) -> PathBuf {
         name.replace('-', "_"),
         std::env::consts::DLL_SUFFIX
     );
-    let path = build_dir().join(&file);
+    let path = plugin_dir().join(&file);
     assert!(path.is_file(), "{} is missing", path.display());
     path
 }
@@ -56,12 +62,13 @@ pub fn write_profile(dir: &Path, name: &str, model: &Path, extra: &str) -> PathB
     path
 }
 
-/// Runs `specula` with `args`, empty stdin, and `SPECULA_HOME` set to `home`.
+/// Runs `specula` with `args`, empty stdin, `SPECULA_HOME` set to `home`, and the plugin
+/// libraries of this build on `SPECULA_PLUGIN_PATH`.
 pub fn specula(args: &[&str], home: &Path) -> Output {
     Command::new(specula_bin())
         .args(args)
         .env("SPECULA_HOME", home)
-        .env_remove("SPECULA_PLUGIN_PATH")
+        .env("SPECULA_PLUGIN_PATH", plugin_dir())
         .stdin(Stdio::null())
         .output()
         .expect("run specula")
@@ -93,4 +100,17 @@ pub fn compile_cdylib(source: &str, path: &Path) {
         .status()
         .expect("run rustc");
     assert!(status.success(), "rustc failed on {}", src.display());
+}
+
+/// Writes a profile with the plugin directory of this build, `model` as target on cpu-simd,
+/// and `extra` TOML appended (e.g. a `[drafter]` section); returns its path.
+pub fn write_spec_profile(dir: &Path, name: &str, model: &Path, extra: &str) -> PathBuf {
+    let path = dir.join(name);
+    let text = format!(
+        "plugin_dir = {:?}\n[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 2\n{extra}",
+        plugin_dir().to_str().expect("utf-8 path"),
+        model.to_str().expect("utf-8 path")
+    );
+    std::fs::write(&path, text).expect("write profile");
+    path
 }

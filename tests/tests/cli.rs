@@ -323,3 +323,113 @@ fn unknown_backend_lists_where_it_looked() {
     );
     assert!(err.contains(build_dir().to_str().unwrap()), "{err}");
 }
+
+#[test]
+fn drafter_flags_and_example_profiles_speculate_with_plain_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let run = |args: &[&str]| {
+        let out = specula(args, dir.path());
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        out
+    };
+    let json = |out: &std::process::Output| -> serde_json::Value {
+        serde_json::from_str(stdout(out).trim()).unwrap()
+    };
+    for name in ["stories260k-lookup.toml", "stories260k-draft-model.toml"] {
+        let profile = root.join("profiles").join(name);
+        let p = profile.to_str().unwrap();
+        let base = [
+            "run",
+            "--profile",
+            p,
+            "-n",
+            "64",
+            "--temp",
+            "0",
+            "--json",
+            "Once upon a time",
+        ];
+        let spec = json(&run(&base));
+        let plain = json(&run(&[&base[..], &["--no-spec"]].concat()));
+        assert_eq!(spec["tokens"], plain["tokens"], "{name}");
+        assert!(
+            spec["speculative"]["drafted"].as_u64().unwrap() > 0,
+            "{name}: {spec}"
+        );
+        assert_eq!(plain["speculative"]["drafted"].as_u64().unwrap(), 0);
+        // Without --json the statistics go to stderr.
+        let out = run(&[
+            "run",
+            "--profile",
+            p,
+            "-n",
+            "32",
+            "--temp",
+            "0",
+            "Once upon a time",
+        ]);
+        let err = stderr(&out);
+        assert!(
+            err.contains("speculation:") && err.contains("acceptance by draft position"),
+            "{err}"
+        );
+    }
+    // --drafter / --draft-model on a plain profile.
+    let plain_profile = write_profile(
+        dir.path(),
+        "plain.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let draft = shared("models/llama2xs-281K.gguf");
+    let out = run(&[
+        "run",
+        "--profile",
+        plain_profile.to_str().unwrap(),
+        "-n",
+        "48",
+        "--temp",
+        "0",
+        "--json",
+        "--draft-model",
+        draft.to_str().unwrap(),
+        "--draft-max",
+        "3",
+        "Once upon a time",
+    ]);
+    let v = json(&out);
+    assert!(v["speculative"]["drafted"].as_u64().unwrap() > 0, "{v}");
+    let out = run(&[
+        "run",
+        "--profile",
+        plain_profile.to_str().unwrap(),
+        "-n",
+        "48",
+        "--temp",
+        "0",
+        "--json",
+        "--drafter",
+        "lookup",
+        "Once upon a time",
+    ]);
+    assert!(json(&out)["speculative"].is_object());
+    let bad = specula(
+        &[
+            "run",
+            "--profile",
+            plain_profile.to_str().unwrap(),
+            "--drafter",
+            "telepathy",
+            "-n",
+            "4",
+        ],
+        dir.path(),
+    );
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("drafter plugin 'telepathy' not found"),
+        "{}",
+        stderr(&bad)
+    );
+}

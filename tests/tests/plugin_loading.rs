@@ -177,7 +177,7 @@ fn a_file_that_is_not_a_library_is_refused() {
 
 #[test]
 fn a_backend_is_refused_where_a_drafter_is_expected() {
-    let search = SearchPath::from_dirs([build_dir()]);
+    let search = SearchPath::from_dirs([plugin_dir()]);
     let err = search.load("cpu-simd", PluginKind::Drafter).unwrap_err();
     assert!(matches!(err, PluginError::WrongKind { .. }), "{err}");
     assert!(err.to_string().contains("is a backend plugin"), "{err}");

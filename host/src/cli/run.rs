@@ -6,10 +6,13 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use super::ProfileArg;
-use crate::generate::{generate, summary, Pipeline, Request};
 use crate::genmodel::{default_model_path, write_demo_model, DEMO_DESCRIPTION};
+use crate::pipeline::Pipeline;
+use crate::profile::DrafterSection;
 use crate::profile::Profile;
+use crate::request::{summary, Request};
 use crate::sampling::SamplingParams;
+use crate::spec::{generate, SpecSettings};
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -47,7 +50,23 @@ pub struct RunArgs {
     /// Do not prepend BOS to the prompt.
     #[arg(long)]
     no_bos: bool,
-    /// Print one JSON object (text, token ids, timings) instead of streaming text.
+    /// Drafter plugin for speculative decoding (`lookup`, `model`, `mtp`, or `none`).
+    #[arg(long, value_name = "NAME")]
+    drafter: Option<String>,
+    /// Draft model for model drafting (implies `--drafter model` when no drafter is set).
+    #[arg(long, value_name = "FILE")]
+    draft_model: Option<std::path::PathBuf>,
+    /// Most draft tokens per step.
+    #[arg(long)]
+    draft_max: Option<u32>,
+    /// Fewest draft tokens per step while speculating.
+    #[arg(long)]
+    draft_min: Option<u32>,
+    /// Plain decoding: ignore the profile's drafter.
+    #[arg(long)]
+    no_spec: bool,
+    /// Print one JSON object (text, token ids, timings, speculation statistics) instead of
+    /// streaming text.
     #[arg(long)]
     json: bool,
 }
@@ -68,6 +87,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         stop: profile.generation.stop.clone(),
         sampling: SamplingParams::from(&profile.sampling),
         add_bos: profile.generation.add_bos,
+        speculation: pipeline
+            .drafter
+            .is_some()
+            .then(|| SpecSettings::from(&profile.speculation)),
     };
 
     let stdout = std::io::stdout();
@@ -87,11 +110,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             "tokens": outcome.tokens,
             "stop_reason": outcome.stop_reason,
             "timings": outcome.timings,
+            "speculative": outcome.speculative,
         });
         println!("{value}");
     } else {
         println!();
         eprintln!("{}", summary(&outcome.timings));
+        if let Some(slot) = &pipeline.drafter {
+            eprintln!("drafter: {}", slot.name);
+            eprintln!("{}", outcome.speculative.report());
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -161,7 +189,49 @@ fn apply_overrides(profile: &mut Profile, args: &RunArgs) -> anyhow::Result<()> 
     if let Some(v) = args.context_size {
         profile.target.context_size = v;
     }
+    match args.drafter.as_deref() {
+        Some("none") => profile.drafter = None,
+        Some(name) => match &mut profile.drafter {
+            Some(section) => section.plugin = name.to_string(),
+            None => profile.drafter = Some(drafter_section(name)),
+        },
+        None => {}
+    }
+    if let Some(model) = &args.draft_model {
+        let section = profile
+            .drafter
+            .get_or_insert_with(|| drafter_section("model"));
+        section.model = Some(model.clone());
+    }
+    let spec = &mut profile.speculation;
+    if let Some(v) = args.draft_max {
+        anyhow::ensure!(v <= 64, "--draft-max {v}: at most 64");
+        spec.draft_max = v;
+    }
+    if let Some(v) = args.draft_min {
+        spec.draft_min = v;
+    }
+    anyhow::ensure!(
+        spec.draft_min <= spec.draft_max,
+        "--draft-min {} is larger than the draft maximum {}",
+        spec.draft_min,
+        spec.draft_max
+    );
+    if args.no_spec {
+        spec.enabled = false;
+    }
     Ok(())
+}
+
+fn drafter_section(plugin: &str) -> DrafterSection {
+    DrafterSection {
+        plugin: plugin.to_string(),
+        model: None,
+        backend: None,
+        threads: 0,
+        corpus: None,
+        options: Default::default(),
+    }
 }
 
 fn read_prompt(arg: Option<String>) -> anyhow::Result<String> {

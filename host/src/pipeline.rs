@@ -1,0 +1,170 @@
+//! Opening what a profile names: the target backend and its tokenizer, and, for speculative
+//! decoding, the drafter plugin with the draft-model backend it may need.
+
+use std::path::Path;
+
+use abi_stable::std_types::{RString, RVec, Tuple2};
+use anyhow::Context;
+use specula_gguf::GgufFile;
+use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInfo, PluginKind};
+
+use crate::plugins::{backend_params, SearchPath};
+use crate::profile::{options_as_text, DrafterSection, Profile};
+use crate::tokenizer::Tokenizer;
+
+/// A drafter and the draft model the host opened for it.
+pub struct DrafterSlot {
+    /// The plugin name from the profile (`lookup`, `model`, `mtp`).
+    pub name: String,
+    pub drafter: BoxedDrafter,
+    /// The separate draft model, for model drafting.
+    pub draft_model: Option<BoxedForwardPass>,
+}
+
+/// A loaded profile: target model, tokenizer and optional drafter.
+pub struct Pipeline {
+    pub target: BoxedForwardPass,
+    pub tokenizer: Tokenizer,
+    pub info: ModelInfo,
+    pub drafter: Option<DrafterSlot>,
+}
+
+impl Pipeline {
+    /// Loads the plugins and models a profile names. The drafter is opened only when the
+    /// profile has a `[drafter]` section and `speculation.enabled` is true.
+    pub fn open(profile: &Profile) -> anyhow::Result<Self> {
+        let search = SearchPath::new(&profile.plugin_dir);
+        let target = &profile.target;
+        let tokenizer = load_tokenizer(&target.model)?;
+        let verify_tokens = profile.speculation.draft_max + 1;
+        let plugin = search.load(&target.backend, PluginKind::Backend)?;
+        let params = backend_params(
+            &target.model,
+            target.threads,
+            target.context_size,
+            verify_tokens,
+            options_as_text(&target.options),
+        );
+        let backend = plugin.open_backend(&params)?;
+        let info = backend.model_info();
+        if info.vocab_size as usize != tokenizer.vocab_size() {
+            tracing::warn!(
+                model_vocab = info.vocab_size,
+                tokenizer_vocab = tokenizer.vocab_size(),
+                "the model's output size differs from its tokenizer's vocabulary"
+            );
+        }
+        let drafter = match &profile.drafter {
+            Some(section) if profile.speculation.enabled => Some(
+                open_drafter(profile, section, &search, &tokenizer, &info)
+                    .with_context(|| format!("cannot set up the '{}' drafter", section.plugin))?,
+            ),
+            _ => None,
+        };
+        Ok(Self {
+            target: backend,
+            tokenizer,
+            info,
+            drafter,
+        })
+    }
+}
+
+fn open_drafter(
+    profile: &Profile,
+    section: &DrafterSection,
+    search: &SearchPath,
+    tokenizer: &Tokenizer,
+    target_info: &ModelInfo,
+) -> anyhow::Result<DrafterSlot> {
+    let draft_model = match &section.model {
+        Some(model) => {
+            let draft_tokenizer = load_tokenizer(model)?;
+            check_same_vocabulary(tokenizer, &draft_tokenizer, &profile.target.model, model)?;
+            let backend_name = section
+                .backend
+                .as_deref()
+                .unwrap_or(&profile.target.backend);
+            let plugin = search.load(backend_name, PluginKind::Backend)?;
+            let threads = if section.threads > 0 {
+                section.threads
+            } else {
+                profile.target.threads
+            };
+            let params = backend_params(
+                model,
+                threads,
+                profile.target.context_size,
+                profile.speculation.draft_max + 1,
+                Vec::new(),
+            );
+            Some(
+                plugin
+                    .open_backend(&params)
+                    .with_context(|| format!("cannot open the draft model {}", model.display()))?,
+            )
+        }
+        None => None,
+    };
+    let corpus = match &section.corpus {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read drafter.corpus {}", path.display()))?;
+            tokenizer.encode(&text, false, false)
+        }
+        None => Vec::new(),
+    };
+    let params = DrafterParams {
+        target: target_info.clone(),
+        draft_model: draft_model.as_ref().map(|m| m.model_info()).into(),
+        options: options_as_text(&section.options)
+            .into_iter()
+            .map(|(k, v)| Tuple2(RString::from(k), RString::from(v)))
+            .collect::<RVec<_>>(),
+        corpus: corpus.into(),
+    };
+    let plugin = search.load(&section.plugin, PluginKind::Drafter)?;
+    let drafter = plugin.create_drafter(&params)?;
+    Ok(DrafterSlot {
+        name: section.plugin.clone(),
+        drafter,
+        draft_model,
+    })
+}
+
+/// Model drafting needs the two models to speak the same token ids.
+fn check_same_vocabulary(
+    target: &Tokenizer,
+    draft: &Tokenizer,
+    target_path: &Path,
+    draft_path: &Path,
+) -> anyhow::Result<()> {
+    let mismatch = |detail: String| {
+        anyhow::anyhow!(
+            "target and draft vocabularies differ ({} vs {}): {detail}; a draft model must use the target's tokenizer",
+            target_path.display(),
+            draft_path.display()
+        )
+    };
+    if target.vocab_size() != draft.vocab_size() {
+        return Err(mismatch(format!(
+            "{} tokens vs {} tokens",
+            target.vocab_size(),
+            draft.vocab_size()
+        )));
+    }
+    for id in 0..target.vocab_size() as u32 {
+        let (a, b) = (target.token_text(id), draft.token_text(id));
+        if a != b {
+            return Err(mismatch(format!("token {id} is {a:?} vs {b:?}")));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the tokenizer from a GGUF file's metadata.
+pub fn load_tokenizer(model: &Path) -> anyhow::Result<Tokenizer> {
+    let file = GgufFile::open(model)?;
+    Tokenizer::from_gguf(&file)
+        .with_context(|| format!("cannot build the tokenizer of {}", model.display()))
+}

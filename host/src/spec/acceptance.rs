@@ -1,0 +1,203 @@
+//! Deciding a verify row: does the target accept the draft token, and if not, what does it
+//! emit instead?
+//!
+//! Greedy: accept while the draft equals the target's choice (the same `Sampler::sample` that
+//! plain decoding uses, so the emitted stream is identical). Sampling: exact rejection
+//! sampling (Leviathan et al.; Chen et al.): accept draft `d` with probability
+//! `min(1, p(d)/q(d))`; on rejection draw from `normalize(max(0, p − q))`. A drafter without a
+//! distribution counts as `q = one-hot(d)`. Either way the emitted token is distributed exactly
+//! as `p`, the target's distribution after every sampling transform.
+
+use crate::sampling::{Candidate, Sampler};
+
+/// The target's decision on one draft token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Accept,
+    /// Rejected; the target emits this token instead.
+    Reject(u32),
+}
+
+/// Reusable buffers for judging rows.
+#[derive(Debug, Default)]
+pub struct Judge {
+    candidates: Vec<Candidate>,
+    residual: Vec<Candidate>,
+}
+
+impl Judge {
+    /// Judges draft token `draft` against a target logits row. `q` is the drafter's
+    /// distribution over the vocabulary for this draft, if it has one. `history` is the
+    /// sequence the row continues (for the repetition penalty).
+    pub fn judge(
+        &mut self,
+        sampler: &mut Sampler,
+        logits: &[f32],
+        history: &[u32],
+        draft: u32,
+        q: Option<&[f32]>,
+    ) -> Verdict {
+        if sampler.params().is_greedy() {
+            let choice = sampler.sample(logits, history);
+            return if choice == draft {
+                Verdict::Accept
+            } else {
+                Verdict::Reject(choice)
+            };
+        }
+        sampler.distribution(logits, history, &mut self.candidates);
+        let p_of = |id: u32| {
+            self.candidates
+                .iter()
+                .find(|c| c.id == id)
+                .map_or(0.0, |c| c.p)
+        };
+        let q_of = |id: u32| match q {
+            Some(q) => q.get(id as usize).copied().unwrap_or(0.0),
+            None => f32::from(id == draft),
+        };
+        let (p_d, q_d) = (p_of(draft), q_of(draft));
+        let u = sampler.uniform();
+        if q_d > 0.0 && u * q_d < p_d {
+            return Verdict::Accept;
+        }
+        self.residual.clear();
+        self.residual.extend(self.candidates.iter().filter_map(|c| {
+            let r = c.p - q_of(c.id);
+            (r > 0.0).then_some(Candidate { id: c.id, p: r })
+        }));
+        let total: f32 = self.residual.iter().map(|c| c.p).sum();
+        if total <= 0.0 {
+            // p ≤ q everywhere means p = q: rejection has probability zero; draw from p.
+            return Verdict::Reject(sampler.draw(&self.candidates));
+        }
+        self.residual.iter_mut().for_each(|c| c.p /= total);
+        Verdict::Reject(sampler.draw(&self.residual))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    fn sampling(seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: Some(seed),
+        }
+    }
+
+    fn softmax(logits: &[f32]) -> Vec<f64> {
+        let m = logits.iter().cloned().fold(f32::MIN, f32::max);
+        let e: Vec<f64> = logits.iter().map(|&l| f64::from(l - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.into_iter().map(|x| x / s).collect()
+    }
+
+    /// Chi-square statistic of observed counts against expected probabilities.
+    fn chi_square(counts: &[u64], p: &[f64]) -> f64 {
+        let n: u64 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(p)
+            .filter(|(_, &p)| p > 0.0)
+            .map(|(&c, &p)| {
+                let e = p * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    /// The first emitted token of a step (accepted draft, or the correction) must be
+    /// distributed as p whatever the drafter does.
+    fn emitted_distribution(
+        q: Option<Vec<f32>>,
+        draw_draft: impl Fn(&mut Sampler) -> u32,
+    ) -> (Vec<u64>, Vec<f64>) {
+        let logits = [1.2f32, 0.3, -0.5, 2.0, 0.0, -1.5];
+        let p = softmax(&logits);
+        let mut sampler = Sampler::new(sampling(99));
+        let mut judge = Judge::default();
+        let mut counts = vec![0u64; logits.len()];
+        for _ in 0..60_000 {
+            let d = draw_draft(&mut sampler);
+            let token = match judge.judge(&mut sampler, &logits, &[], d, q.as_deref()) {
+                Verdict::Accept => d,
+                Verdict::Reject(t) => t,
+            };
+            counts[token as usize] += 1;
+        }
+        (counts, p)
+    }
+
+    // 5 degrees of freedom: the 99.9% quantile of chi-square is 20.5.
+    const CHI2_5_999: f64 = 20.5;
+
+    #[test]
+    fn rejection_sampling_with_a_distribution_is_exact() {
+        // A deliberately bad drafter: q puts its mass on unlikely tokens.
+        let q = vec![0.05f32, 0.1, 0.5, 0.05, 0.2, 0.1];
+        let q2 = q.clone();
+        let (counts, p) = emitted_distribution(Some(q), move |s| {
+            s.draw(
+                &q2.iter()
+                    .enumerate()
+                    .map(|(i, &p)| Candidate { id: i as u32, p })
+                    .collect::<Vec<_>>(),
+            )
+        });
+        let chi2 = chi_square(&counts, &p);
+        assert!(
+            chi2 < CHI2_5_999,
+            "chi2 = {chi2}, counts {counts:?}, p {p:?}"
+        );
+    }
+
+    #[test]
+    fn rejection_sampling_with_one_hot_drafts_is_exact() {
+        // A drafter without a distribution that always proposes the same unlikely token.
+        let (counts, p) = emitted_distribution(None, |_| 5);
+        let chi2 = chi_square(&counts, &p);
+        assert!(
+            chi2 < CHI2_5_999,
+            "chi2 = {chi2}, counts {counts:?}, p {p:?}"
+        );
+    }
+
+    #[test]
+    fn a_perfect_drafter_is_always_accepted_and_still_exact() {
+        let logits = [1.2f32, 0.3, -0.5, 2.0, 0.0, -1.5];
+        let p: Vec<f32> = softmax(&logits).into_iter().map(|x| x as f32).collect();
+        let p2 = p.clone();
+        let (counts, pe) = emitted_distribution(Some(p), move |s| {
+            s.draw(
+                &p2.iter()
+                    .enumerate()
+                    .map(|(i, &p)| Candidate { id: i as u32, p })
+                    .collect::<Vec<_>>(),
+            )
+        });
+        assert!(chi_square(&counts, &pe) < CHI2_5_999);
+    }
+
+    #[test]
+    fn greedy_accepts_only_the_argmax() {
+        let mut sampler = Sampler::new(SamplingParams::greedy());
+        let mut judge = Judge::default();
+        let logits = [0.0f32, 3.0, 1.0];
+        assert_eq!(
+            judge.judge(&mut sampler, &logits, &[], 1, None),
+            Verdict::Accept
+        );
+        assert_eq!(
+            judge.judge(&mut sampler, &logits, &[], 2, None),
+            Verdict::Reject(1)
+        );
+    }
+}

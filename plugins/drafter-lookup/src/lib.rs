@@ -1,0 +1,218 @@
+//! Specula drafter plugin `lookup`: prompt-lookup drafting.
+//!
+//! The drafts are the tokens that followed the longest earlier occurrence (from `n_max` down
+//! to `n_min` tokens) of the context's suffix: first in the prompt and generated text (the
+//! most recent occurrence wins), then in the optional static corpus. When nothing matches it
+//! proposes nothing, so the step costs the target nothing extra.
+//!
+//! Options (`[drafter.options]`): `n_min` (default 2), `n_max` (default 5).
+
+mod ngram;
+
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::std_types::ROption;
+use abi_stable::std_types::{RSlice, RString};
+use specula_plugin_api::drafter::box_drafter;
+use specula_plugin_api::{
+    export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
+    PluginError, PluginInfo, PluginKind, PluginModule, PluginModuleRef, PluginResult, ABI_VERSION,
+};
+
+pub use ngram::{Match, NgramIndex};
+
+/// The prompt-lookup drafter.
+#[derive(Debug)]
+pub struct LookupDrafter {
+    n_min: usize,
+    n_max: usize,
+    context: NgramIndex,
+    corpus: NgramIndex,
+}
+
+impl LookupDrafter {
+    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+        params.check_options(&["n_min", "n_max"])?;
+        let n_min: usize = params.parse_option("n_min", 2)?;
+        let n_max: usize = params.parse_option("n_max", 5)?;
+        if n_min == 0 || n_min > n_max {
+            return Err(PluginError::invalid_input(format!(
+                "drafter.options: need 1 <= n_min <= n_max, got n_min = {n_min}, n_max = {n_max}"
+            )));
+        }
+        let mut corpus = NgramIndex::new(n_min);
+        corpus.extend(&params.corpus);
+        Ok(Self {
+            n_min,
+            n_max,
+            context: NgramIndex::new(n_min),
+            corpus,
+        })
+    }
+
+    /// Brings the context index in line with `context` (append-only within a request).
+    fn sync(&mut self, context: &[u32]) {
+        let known = self.context.tokens();
+        if context.len() < known.len() || context[..known.len()] != *known {
+            self.context.clear();
+        }
+        let from = self.context.tokens().len();
+        self.context.extend(&context[from..]);
+    }
+
+    /// Proposes up to `max` tokens continuing `context`.
+    pub fn draft(&mut self, context: &[u32], max: usize) -> Vec<u32> {
+        self.sync(context);
+        let n_max = self.n_max.min(context.len());
+        // The context's own suffix ends at `context.len()`; continuations must start before.
+        let own = self
+            .context
+            .longest_match(context, self.n_min, n_max, context.len())
+            .map(|m| (m, self.context.tokens()));
+        let from_corpus = || {
+            self.corpus
+                .longest_match(context, self.n_min, n_max, usize::MAX)
+                .map(|m| (m, self.corpus.tokens()))
+        };
+        let best = match (own, from_corpus()) {
+            (Some(a), Some(b)) if b.0.len > a.0.len => Some(b),
+            (Some(a), _) => Some(a),
+            (None, b) => b,
+        };
+        match best {
+            Some((m, tokens)) => {
+                let end = (m.start + max).min(tokens.len());
+                tokens[m.start..end].to_vec()
+            }
+            None => Vec::new(),
+        }
+    }
+}
+
+impl Drafter for LookupDrafter {
+    fn begin(&mut self, prompt: RSlice<'_, u32>, _models: DrafterModels<'_>) -> PluginResult<()> {
+        guard(|| {
+            self.context.clear();
+            self.context.extend(&prompt);
+            Ok(())
+        })
+    }
+
+    fn propose(
+        &mut self,
+        request: DraftRequest<'_>,
+        _models: DrafterModels<'_>,
+        out: &mut Draft,
+    ) -> PluginResult<()> {
+        guard(|| {
+            out.clear();
+            let tokens = self.draft(&request.context, request.max_tokens as usize);
+            out.tokens.extend(tokens);
+            Ok(())
+        })
+    }
+
+    fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+        // Accepted tokens arrive with the next context.
+        guard(|| Ok(()))
+    }
+}
+
+extern "C" fn info() -> PluginInfo {
+    PluginInfo {
+        name: RString::from("lookup"),
+        version: RString::from(env!("CARGO_PKG_VERSION")),
+        kind: PluginKind::Drafter,
+        description: RString::from(
+            "prompt-lookup (n-gram) drafting, optionally from a static corpus",
+        ),
+    }
+}
+
+extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
+    guard(|| LookupDrafter::new(params).map(box_drafter))
+}
+
+/// The plugin's root module.
+pub fn plugin_module() -> PluginModuleRef {
+    PluginModule {
+        abi_version: ABI_VERSION,
+        info,
+        open_backend: ROption::RNone,
+        create_drafter: ROption::RSome(create),
+    }
+    .leak_into_prefix()
+}
+
+export_plugin!(plugin_module());
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use abi_stable::std_types::{RVec, Tuple2};
+
+    fn params(corpus: &[u32], options: &[(&str, &str)]) -> DrafterParams {
+        DrafterParams {
+            target: specula_plugin_api::ModelInfo {
+                architecture: "llama".into(),
+                name: "t".into(),
+                vocab_size: 100,
+                context_size: 100,
+                train_context_length: 100,
+                hidden_size: 8,
+                n_layers: 1,
+                bos_token: ROption::RSome(1),
+                eos_token: ROption::RSome(2),
+                has_mtp_head: false,
+                n_params: 0,
+                weight_bytes: 0,
+            },
+            draft_model: ROption::RNone,
+            options: options
+                .iter()
+                .map(|(k, v)| Tuple2(RString::from(*k), RString::from(*v)))
+                .collect::<RVec<_>>(),
+            corpus: corpus.to_vec().into(),
+        }
+    }
+
+    #[test]
+    fn drafts_the_continuation_of_an_earlier_occurrence() {
+        let mut d = LookupDrafter::new(&params(&[], &[])).unwrap();
+        let context = [10, 11, 12, 13, 14, 50, 10, 11, 12];
+        assert_eq!(d.draft(&context, 3), vec![13, 14, 50]);
+        assert_eq!(d.draft(&context, 10), vec![13, 14, 50, 10, 11, 12]);
+    }
+
+    #[test]
+    fn proposes_nothing_without_a_match() {
+        let mut d = LookupDrafter::new(&params(&[], &[])).unwrap();
+        assert!(d.draft(&[1, 2, 3, 4, 5], 4).is_empty());
+        assert!(d.draft(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn falls_back_to_the_corpus() {
+        let mut d = LookupDrafter::new(&params(&[7, 8, 9, 20, 21], &[])).unwrap();
+        assert_eq!(d.draft(&[1, 7, 8, 9], 2), vec![20, 21]);
+    }
+
+    #[test]
+    fn follows_a_growing_context_and_restarts_on_a_new_one() {
+        let mut d = LookupDrafter::new(&params(&[], &[])).unwrap();
+        let mut context = vec![3, 4, 5, 6, 3, 4];
+        assert_eq!(d.draft(&context, 2), vec![5, 6]);
+        context.extend([5, 6, 3]);
+        assert_eq!(d.draft(&context, 1), vec![4]);
+        assert!(d.draft(&[9, 9, 8], 2).is_empty());
+    }
+
+    #[test]
+    fn bad_options_are_named() {
+        let err = LookupDrafter::new(&params(&[], &[("n_mni", "2")])).unwrap_err();
+        assert!(err.message.contains("drafter.options.n_mni"), "{err}");
+        let err = LookupDrafter::new(&params(&[], &[("n_min", "x")])).unwrap_err();
+        assert!(err.message.contains("n_min"), "{err}");
+        let err = LookupDrafter::new(&params(&[], &[("n_min", "4"), ("n_max", "2")])).unwrap_err();
+        assert!(err.message.contains("n_min"), "{err}");
+    }
+}

@@ -1,0 +1,243 @@
+//! Specula drafter plugin `model`: drafts with a small model that shares the target's
+//! vocabulary (`[drafter] model = FILE`). The host opens the draft model through a backend
+//! plugin and lends it to each call; this plugin keeps the draft model's cache in step with
+//! the accepted tokens.
+//!
+//! Greedy requests get greedy drafts. Sampled requests get drafts sampled from the draft
+//! model's softmax at the request's temperature, with that distribution handed over so the
+//! host's rejection sampling stays exact. Each draft's probability under the draft model is
+//! reported as its confidence.
+
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::std_types::{ROption, RSlice, RString, RVec};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use specula_plugin_api::drafter::box_drafter;
+use specula_plugin_api::{
+    export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
+    ErrorKind, ForwardPassMut, LogitRows, PluginError, PluginInfo, PluginKind, PluginModule,
+    PluginModuleRef, PluginResult, ABI_VERSION,
+};
+
+/// The draft-model drafter.
+#[derive(Debug)]
+pub struct ModelDrafter {
+    vocab: usize,
+    /// Tokens the draft model has evaluated, in order (its cache).
+    cached: Vec<u32>,
+    logits: RVec<f32>,
+    probs: Vec<f32>,
+}
+
+impl ModelDrafter {
+    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+        params.check_options(&[])?;
+        let ROption::RSome(draft) = &params.draft_model else {
+            return Err(PluginError::invalid_input(
+                "the model drafter needs a draft model: set `[drafter] model = FILE` in the profile (or --draft-model)",
+            ));
+        };
+        if draft.vocab_size != params.target.vocab_size {
+            return Err(PluginError::invalid_input(format!(
+                "target and draft vocabularies differ: {} has {} tokens, {} has {}",
+                params.target.name, params.target.vocab_size, draft.name, draft.vocab_size
+            )));
+        }
+        Ok(Self {
+            vocab: draft.vocab_size as usize,
+            cached: Vec::new(),
+            logits: RVec::new(),
+            probs: Vec::new(),
+        })
+    }
+
+    /// Makes the draft model's cache hold `context` minus its last token, evaluates that
+    /// token, and leaves its logits in `self.logits`.
+    fn catch_up(
+        &mut self,
+        model: &mut ForwardPassMut<'_>,
+        context: &[u32],
+    ) -> Result<(), PluginError> {
+        let common = self
+            .cached
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len() - 1)
+            .min(model.seq_len());
+        if model.truncate(common).into_result().is_err() {
+            // Beyond a recurrent model's rollback window: start over.
+            model.truncate(0).into_result()?;
+            self.cached.clear();
+            return self.eval(model, context);
+        }
+        self.cached.truncate(common);
+        self.eval(model, &context[common..])
+    }
+
+    fn eval(&mut self, model: &mut ForwardPassMut<'_>, tokens: &[u32]) -> Result<(), PluginError> {
+        model
+            .eval(
+                RSlice::from_slice(tokens),
+                LogitRows::Last,
+                &mut self.logits,
+            )
+            .into_result()?;
+        self.cached.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Drafts up to `request.max_tokens` tokens with the draft model.
+    pub fn draft(
+        &mut self,
+        model: &mut ForwardPassMut<'_>,
+        request: &DraftRequest<'_>,
+        out: &mut Draft,
+    ) -> Result<(), PluginError> {
+        out.clear();
+        let context: &[u32] = &request.context;
+        let room = (model.model_info().context_size as usize).saturating_sub(context.len());
+        let n = (request.max_tokens as usize).min(room);
+        if context.is_empty() || n == 0 {
+            return Ok(());
+        }
+        match self.catch_up(model, context) {
+            Ok(()) => {}
+            Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let mut rng = ChaCha20Rng::seed_from_u64(request.seed);
+        let sampled = request.temperature > 0.0;
+        for i in 0..n {
+            let scale = if sampled {
+                1.0 / request.temperature
+            } else {
+                1.0
+            };
+            softmax(&self.logits[..self.vocab], scale, &mut self.probs);
+            let token = if sampled {
+                draw(&self.probs, rng.gen())
+            } else {
+                argmax(&self.logits[..self.vocab])
+            };
+            out.tokens.push(token);
+            out.confidence.push(self.probs[token as usize]);
+            if sampled {
+                out.probs.extend_from_slice(&self.probs);
+            }
+            if i + 1 < n {
+                self.eval(model, &[token])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn softmax(logits: &[f32], scale: f32, out: &mut Vec<f32>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    out.clear();
+    out.extend(logits.iter().map(|&l| ((l - max) * scale).exp()));
+    let sum: f32 = out.iter().sum();
+    out.iter_mut().for_each(|p| *p /= sum);
+}
+
+fn draw(probs: &[f32], u: f32) -> u32 {
+    let mut cumulative = 0.0;
+    for (i, &p) in probs.iter().enumerate() {
+        cumulative += p;
+        if u < cumulative {
+            return i as u32;
+        }
+    }
+    (probs.len() - 1) as u32
+}
+
+fn draft_model<'a, 'b>(
+    models: &'b mut DrafterModels<'a>,
+) -> Result<&'b mut ForwardPassMut<'a>, PluginError> {
+    match &mut models.draft {
+        ROption::RSome(m) => Ok(m),
+        ROption::RNone => Err(PluginError::invalid_input(
+            "the host lent no draft model to the model drafter",
+        )),
+    }
+}
+
+impl Drafter for ModelDrafter {
+    fn begin(
+        &mut self,
+        prompt: RSlice<'_, u32>,
+        mut models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
+        guard(|| {
+            let model = draft_model(&mut models)?;
+            model.truncate(0).into_result()?;
+            self.cached.clear();
+            // Fill the cache now (all but the last token: `propose` evaluates that one).
+            if prompt.len() > 1 {
+                let head = &prompt[..prompt.len() - 1];
+                model
+                    .eval(RSlice::from_slice(head), LogitRows::None, &mut self.logits)
+                    .into_result()?;
+                self.cached.extend_from_slice(head);
+            }
+            Ok(())
+        })
+    }
+
+    fn propose(
+        &mut self,
+        request: DraftRequest<'_>,
+        mut models: DrafterModels<'_>,
+        out: &mut Draft,
+    ) -> PluginResult<()> {
+        guard(|| {
+            let model = draft_model(&mut models)?;
+            self.draft(model, &request, out)
+        })
+    }
+
+    fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+        // The next `propose` cuts the cache back to what its context shares with it.
+        guard(|| Ok(()))
+    }
+}
+
+extern "C" fn info() -> PluginInfo {
+    PluginInfo {
+        name: RString::from("model"),
+        version: RString::from(env!("CARGO_PKG_VERSION")),
+        kind: PluginKind::Drafter,
+        description: RString::from(
+            "drafting with a small draft model that shares the target's vocabulary",
+        ),
+    }
+}
+
+extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
+    guard(|| ModelDrafter::new(params).map(box_drafter))
+}
+
+/// The plugin's root module.
+pub fn plugin_module() -> PluginModuleRef {
+    PluginModule {
+        abi_version: ABI_VERSION,
+        info,
+        open_backend: ROption::RNone,
+        create_drafter: ROption::RSome(create),
+    }
+    .leak_into_prefix()
+}
+
+export_plugin!(plugin_module());

@@ -1,0 +1,454 @@
+//! The folded speculative loop over the real plugins: greedy parity with plain decoding for
+//! every drafter, stops inside accepted runs, accounting, exact rejection sampling, and the
+//! cost of a useless drafter.
+
+use std::path::Path;
+
+use abi_stable::std_types::{RSlice, RVec};
+use specula_host::pipeline::{DrafterSlot, Pipeline};
+use specula_host::profile::Profile;
+use specula_host::request::{Outcome, Request, StopReason};
+use specula_host::sampling::{Sampler, SamplingParams};
+use specula_host::spec::{generate, SpecSettings};
+use specula_plugin_api::{
+    box_drafter, Draft, DraftRequest, Drafter, DrafterModels, LogitRows, PluginResult,
+};
+use specula_tests::*;
+
+const STORY_PROMPTS: &[&str] = &[
+    "",
+    "Once upon a time",
+    "Lily and Ben went to the park. Lily and Ben",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+];
+
+fn open(dir: &Path, model: &str, drafter: &str) -> Pipeline {
+    let profile = write_spec_profile(dir, "p.toml", &shared(model), drafter);
+    Pipeline::open(&Profile::load(profile).unwrap()).unwrap()
+}
+
+fn request(prompt: &str, max_tokens: u32, sampling: SamplingParams, spec: bool) -> Request {
+    Request {
+        prompt: prompt.to_string(),
+        max_tokens,
+        stop: Vec::new(),
+        sampling,
+        add_bos: true,
+        speculation: spec.then_some(SpecSettings {
+            draft_min: 0,
+            draft_max: 7,
+            adaptive: true,
+        }),
+    }
+}
+
+/// Generates, checks the accounting invariants, and returns the outcome with the target's
+/// final sequence length.
+fn run(pipeline: &mut Pipeline, request: &Request) -> (Outcome, usize) {
+    let outcome = generate(pipeline, request, |_| {}).unwrap();
+    check_accounting(&outcome);
+    (outcome, pipeline.target.seq_len())
+}
+
+fn check_accounting(o: &Outcome) {
+    let s = &o.speculative;
+    assert!(s.accepted + s.clamped <= s.drafted, "{s:?}");
+    for (a, d) in s.accepted_by_position.iter().zip(&s.drafted_by_position) {
+        assert!(a <= d, "{s:?}");
+    }
+    assert_eq!(s.emitted, s.steps + s.accepted, "{s:?}");
+    assert_eq!(s.emitted as usize, o.tokens.len(), "{s:?}");
+    assert!(
+        s.target_passes <= 1 + s.steps && s.target_passes >= s.steps,
+        "{s:?}"
+    );
+}
+
+/// Plain and speculative greedy decoding emit the same ids, stop for the same reason, and
+/// leave the target at the same length.
+fn assert_parity(pipeline: &mut Pipeline, prompt: &str, max_tokens: u32, stop: &[&str]) -> Outcome {
+    let mut plain_req = request(prompt, max_tokens, SamplingParams::greedy(), false);
+    plain_req.stop = stop.iter().map(|s| s.to_string()).collect();
+    let mut spec_req = plain_req.clone();
+    spec_req.speculation = request(prompt, 0, SamplingParams::greedy(), true).speculation;
+    let (plain, plain_len) = run(pipeline, &plain_req);
+    let (spec, spec_len) = run(pipeline, &spec_req);
+    assert_eq!(spec.tokens, plain.tokens, "prompt {prompt:?}");
+    assert_eq!(spec.text, plain.text, "prompt {prompt:?}");
+    assert_eq!(spec.stop_reason, plain.stop_reason, "prompt {prompt:?}");
+    assert_eq!(
+        spec_len, plain_len,
+        "prompt {prompt:?}: target length after generation"
+    );
+    assert_eq!(plain.speculative.drafted, 0);
+    spec
+}
+
+#[test]
+fn lookup_greedy_parity_on_every_dense_model() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in [
+        "models/stories260K.gguf",
+        "models/llama2xs-281K.gguf",
+        "models/fixtures/tiny-llama.gguf",
+    ] {
+        let mut p = open(dir.path(), model, "[drafter]\nplugin = \"lookup\"\n");
+        let mut drafted = 0;
+        for prompt in STORY_PROMPTS {
+            for max in [64, 97] {
+                drafted += assert_parity(&mut p, prompt, max, &[]).speculative.drafted;
+            }
+        }
+        assert!(drafted > 0, "{model}: lookup never drafted");
+    }
+}
+
+#[test]
+fn stops_inside_accepted_runs_clamp_and_keep_parity() {
+    let dir = tempfile::tempdir().unwrap();
+    // A corpus holding the greedy continuation makes nearly every draft accepted, so token
+    // limits and stop strings land inside accepted runs.
+    let mut plain = open(dir.path(), "models/stories260K.gguf", "");
+    let (full, _) = run(
+        &mut plain,
+        &request("Once upon a time", 200, SamplingParams::greedy(), false),
+    );
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, format!("Once upon a time{}", full.text)).unwrap();
+    let mut p = open(
+        dir.path(),
+        "models/stories260K.gguf",
+        &format!(
+            "[drafter]\nplugin = \"lookup\"\ncorpus = {:?}\n",
+            corpus.to_str().unwrap()
+        ),
+    );
+    let mut clamped = 0;
+    for max in [1, 2, 5, 17, 33, 64, 150] {
+        let o = assert_parity(&mut p, "Once upon a time", max, &[]);
+        assert_eq!(o.tokens.len(), max as usize);
+        clamped += o.speculative.clamped;
+    }
+    for stop in ["Lily", "park.", "happy", "\n"] {
+        let o = assert_parity(&mut p, "Once upon a time", 150, &[stop]);
+        clamped += o.speculative.clamped;
+    }
+    assert!(clamped > 0, "no stop ever landed inside an accepted run");
+
+    // An end-of-generation token inside an accepted run: make a frequent token end generation.
+    let ids = p.tokenizer.encode(" the", false, false);
+    let the = *ids.last().unwrap();
+    p.info.eos_token = Some(the).into();
+    let o = assert_parity(&mut p, "Once upon a time", 150, &[]);
+    assert_eq!(o.stop_reason, StopReason::EndOfGeneration);
+}
+
+#[test]
+fn model_drafting_real_pair_has_real_acceptance_and_parity() {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = shared("models/llama2xs-281K.gguf");
+    let mut p = open(
+        dir.path(),
+        "models/stories260K.gguf",
+        &format!(
+            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            draft.to_str().unwrap()
+        ),
+    );
+    let mut total = specula_host::spec::SpecStats::default();
+    for prompt in STORY_PROMPTS {
+        let o = assert_parity(&mut p, prompt, 96, &[]);
+        total.merge(&o.speculative);
+    }
+    println!(
+        "stories260K + llama2xs-281K draft: acceptance {:.3} ({} of {} drafts), by position {:?}, mean accepted length {:.2}, passes/token {:.3}",
+        total.acceptance_rate(),
+        total.accepted + total.clamped,
+        total.drafted,
+        total.acceptance_by_position(),
+        total.mean_accepted_length(),
+        total.passes_per_token()
+    );
+    assert!(total.acceptance_rate() > 0.4, "{total:?}");
+    assert!(total.passes_per_token() < 0.8, "{total:?}");
+}
+
+#[test]
+fn self_drafting_accepts_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["models/fixtures/tiny-llama.gguf", "models/stories260K.gguf"] {
+        let draft = shared(model);
+        let mut p = open(
+            dir.path(),
+            model,
+            &format!(
+                "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+                draft.to_str().unwrap()
+            ),
+        );
+        for prompt in STORY_PROMPTS {
+            let o = assert_parity(&mut p, prompt, 80, &[]);
+            let s = &o.speculative;
+            assert!(s.drafted > 0);
+            assert_eq!(s.accepted + s.clamped, s.drafted, "{model}: {s:?}");
+        }
+    }
+}
+
+#[test]
+fn mismatched_draft_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // A model with another vocabulary: gen-model's synthetic one.
+    let other = dir.path().join("other.gguf");
+    let out = specula(
+        &[
+            "gen-model",
+            "--out",
+            other.to_str().unwrap(),
+            "--vocab",
+            "600",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let profile = write_spec_profile(
+        dir.path(),
+        "p.toml",
+        &shared("models/stories260K.gguf"),
+        &format!(
+            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            other.to_str().unwrap()
+        ),
+    );
+    let err = match Pipeline::open(&Profile::load(profile).unwrap()) {
+        Ok(_) => panic!("opened a draft model with another vocabulary"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        err.contains("vocabularies differ") && err.contains("other.gguf"),
+        "{err}"
+    );
+}
+
+/// Proposes tokens the target never picks; with a distribution or without.
+struct BadDrafter {
+    vocab: usize,
+    with_probs: bool,
+}
+
+impl Drafter for BadDrafter {
+    fn begin(&mut self, _prompt: RSlice<'_, u32>, _models: DrafterModels<'_>) -> PluginResult<()> {
+        Ok(()).into()
+    }
+
+    fn propose(
+        &mut self,
+        request: DraftRequest<'_>,
+        _models: DrafterModels<'_>,
+        out: &mut Draft,
+    ) -> PluginResult<()> {
+        out.clear();
+        for i in 0..request.max_tokens as usize {
+            // Control token <unk>, or a skewed distribution that favours byte tokens.
+            if self.with_probs {
+                let mut q = vec![0.0f32; self.vocab];
+                for (t, p) in q.iter_mut().enumerate() {
+                    *p = if (3..259).contains(&t) { 3.0 } else { 1.0 };
+                }
+                let sum: f32 = q.iter().sum();
+                q.iter_mut().for_each(|p| *p /= sum);
+                let token = ((request.seed as usize).wrapping_add(i * 7919) % 256 + 3) as u32;
+                out.tokens.push(token);
+                out.probs.extend_from_slice(&q);
+            } else {
+                out.tokens.push(0);
+            }
+        }
+        Ok(()).into()
+    }
+
+    fn accept(&mut self, _n: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+        Ok(()).into()
+    }
+}
+
+fn with_bad_drafter(p: &mut Pipeline, with_probs: bool) {
+    p.drafter = Some(DrafterSlot {
+        name: "bad".into(),
+        drafter: box_drafter(BadDrafter {
+            vocab: p.info.vocab_size as usize,
+            with_probs,
+        }),
+        draft_model: None,
+    });
+}
+
+#[test]
+fn an_always_wrong_drafter_costs_almost_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = open(dir.path(), "models/stories260K.gguf", "");
+    with_bad_drafter(&mut p, false);
+    let o = assert_parity(&mut p, "Once upon a time", 400, &[]);
+    let s = &o.speculative;
+    assert_eq!(s.accepted, 0);
+    assert!(s.passes_per_token() <= 1.05, "{s:?}");
+    // Speculation pauses itself: only a few probing steps draft at all.
+    assert!(s.steps_with_drafts * 20 < s.steps, "{s:?}");
+    assert!(s.paused_steps > 0, "{s:?}");
+}
+
+/// The joint distribution of the first two sampled tokens, computed from the target.
+fn expected_pairs(
+    p: &mut Pipeline,
+    prompt: &[u32],
+    sampling: &SamplingParams,
+) -> Vec<((u32, u32), f64)> {
+    let vocab = p.info.vocab_size as usize;
+    let sampler = Sampler::new(sampling.clone());
+    let mut logits = RVec::new();
+    let mut first = Vec::new();
+    p.target.truncate(0).into_result().unwrap();
+    p.target
+        .eval(RSlice::from_slice(prompt), LogitRows::Last, &mut logits)
+        .into_result()
+        .unwrap();
+    sampler.distribution(&logits[..vocab], prompt, &mut first);
+    let mut pairs = Vec::new();
+    for c1 in &first {
+        p.target.truncate(prompt.len()).into_result().unwrap();
+        p.target
+            .eval(RSlice::from_slice(&[c1.id]), LogitRows::Last, &mut logits)
+            .into_result()
+            .unwrap();
+        let mut history = prompt.to_vec();
+        history.push(c1.id);
+        let mut second = Vec::new();
+        sampler.distribution(&logits[..vocab], &history, &mut second);
+        for c2 in &second {
+            pairs.push(((c1.id, c2.id), f64::from(c1.p) * f64::from(c2.p)));
+        }
+    }
+    pairs
+}
+
+#[test]
+fn rejection_sampling_keeps_the_target_distribution() {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = shared("models/llama2xs-281K.gguf");
+    let sampling = |seed| SamplingParams {
+        temperature: 1.0,
+        top_k: 3,
+        top_p: 1.0,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        repeat_last_n: 64,
+        seed: Some(seed),
+    };
+    let prompt = "Once upon a time, there was a";
+    type Setup<'a> = (&'a str, Box<dyn Fn(&Path) -> Pipeline + 'a>);
+    let setups: Vec<Setup> = vec![
+        (
+            "draft model",
+            Box::new(|d: &Path| {
+                open(
+                    d,
+                    "models/stories260K.gguf",
+                    &format!(
+                        "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+                        draft.to_str().unwrap()
+                    ),
+                )
+            }),
+        ),
+        (
+            "bad drafter with a distribution",
+            Box::new(|d: &Path| {
+                let mut p = open(d, "models/stories260K.gguf", "");
+                with_bad_drafter(&mut p, true);
+                p
+            }),
+        ),
+        (
+            "bad one-hot drafter",
+            Box::new(|d: &Path| {
+                let mut p = open(d, "models/stories260K.gguf", "");
+                with_bad_drafter(&mut p, false);
+                p
+            }),
+        ),
+    ];
+    for (name, make) in setups {
+        let mut p = make(dir.path());
+        let prompt_ids = p.tokenizer.encode(prompt, true, true);
+        let expected = expected_pairs(&mut p, &prompt_ids, &sampling(0));
+        let n = 3000;
+        let mut counts = vec![0u64; expected.len()];
+        let mut drafted = 0;
+        for seed in 0..n {
+            let mut req = request(prompt, 2, sampling(seed), true);
+            // Always draft, so every second token goes through rejection sampling.
+            req.speculation = Some(SpecSettings {
+                draft_min: 3,
+                draft_max: 3,
+                adaptive: false,
+            });
+            let (o, _) = run(&mut p, &req);
+            drafted += o.speculative.drafted;
+            let pair = (o.tokens[0], o.tokens[1]);
+            let cell = expected
+                .iter()
+                .position(|(k, _)| *k == pair)
+                .unwrap_or_else(|| panic!("{name}: {pair:?} outside the support"));
+            counts[cell] += 1;
+        }
+        assert!(drafted >= n, "{name}: drafts were not verified");
+        // Chi-square over cells with enough expected mass; 8 degrees of freedom at most
+        // (3 × 3 cells): the 99.9% quantile is 26.1.
+        let chi2: f64 = expected
+            .iter()
+            .zip(&counts)
+            .map(|((_, p), &c)| {
+                let e = p * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum();
+        println!(
+            "{name}: chi-square {chi2:.2} over {} cells, {n} samples",
+            expected.len()
+        );
+        assert!(
+            chi2 < 26.1,
+            "{name}: chi2 {chi2}, counts {counts:?}, expected {expected:?}"
+        );
+    }
+}
+
+#[test]
+fn sampled_speculation_is_reproducible_with_a_seed() {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = shared("models/llama2xs-281K.gguf");
+    let mut p = open(
+        dir.path(),
+        "models/stories260K.gguf",
+        &format!(
+            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            draft.to_str().unwrap()
+        ),
+    );
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.05,
+        repeat_penalty: 1.1,
+        repeat_last_n: 64,
+        seed: Some(5),
+    };
+    let (a, _) = run(
+        &mut p,
+        &request("Once upon a time", 80, sampling.clone(), true),
+    );
+    let (b, _) = run(&mut p, &request("Once upon a time", 80, sampling, true));
+    assert_eq!(a.tokens, b.tokens);
+    assert!(a.speculative.accepted > 0, "{:?}", a.speculative);
+}
