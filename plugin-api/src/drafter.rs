@@ -88,8 +88,11 @@ pub trait Drafter: Send + Sync {
         out: &mut Draft,
     ) -> PluginResult<()>;
 
-    /// The host accepted the first `n_accepted` tokens of the last proposal (the target's
-    /// verify pass is then the last `eval` of the target, truncated after the accepted rows).
+    /// Called after every target pass of the decode loop, whether or not drafts were
+    /// proposed for it: the pass evaluated the certain token and the proposal (the target's
+    /// last `eval`, whose rows the drafter may read with `hidden_states`), and the first
+    /// `n_accepted` drafts were accepted and emitted; the target was then truncated after
+    /// them. The certain token that follows arrives with the next `propose`.
     #[sabi(last_prefix_field)]
     fn accept(&mut self, n_accepted: u32, models: DrafterModels<'_>) -> PluginResult<()>;
 }

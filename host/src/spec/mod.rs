@@ -27,7 +27,9 @@ use abi_stable::std_types::{RSlice, RVec};
 use anyhow::{bail, Context};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
-use specula_plugin_api::{Draft, DraftRequest, DrafterModels, ErrorKind, LogitRows};
+use specula_plugin_api::{
+    BoxedForwardPass, Draft, DraftRequest, DrafterModels, ErrorKind, LogitRows,
+};
 
 pub use acceptance::{Judge, Verdict};
 pub use adaptive::DraftLength;
@@ -152,14 +154,7 @@ pub fn generate(
                 .min(capabilities.max_verify_tokens.saturating_sub(1))
                 .min(capabilities.rollback_depth.saturating_sub(1));
             let t = Instant::now();
-            let models = DrafterModels {
-                target: Some(target.sabi_reborrow_mut()).into(),
-                draft: slot
-                    .draft_model
-                    .as_mut()
-                    .map(|m| m.sabi_reborrow_mut())
-                    .into(),
-            };
+            let models = lend(target, &mut slot.draft_model);
             slot.drafter
                 .begin(RSlice::from_slice(&prompt), models)
                 .into_result()
@@ -230,14 +225,7 @@ pub fn generate(
                 }
                 if n > 0 {
                     let t = Instant::now();
-                    let models = DrafterModels {
-                        target: Some(target.sabi_reborrow_mut()).into(),
-                        draft: slot
-                            .draft_model
-                            .as_mut()
-                            .map(|m| m.sabi_reborrow_mut())
-                            .into(),
-                    };
+                    let models = lend(target, &mut slot.draft_model);
                     let request = DraftRequest {
                         context: RSlice::from_slice(&history),
                         max_tokens: n as u32,
@@ -337,22 +325,14 @@ pub fn generate(
             }
             if let Some((slot, length)) = speculation.as_mut() {
                 length.update(n_drafts as u32, accepted as u32);
-                if n_drafts > 0 {
-                    let t = Instant::now();
-                    let models = DrafterModels {
-                        target: Some(target.sabi_reborrow_mut()).into(),
-                        draft: slot
-                            .draft_model
-                            .as_mut()
-                            .map(|m| m.sabi_reborrow_mut())
-                            .into(),
-                    };
-                    slot.drafter
-                        .accept(emitted_drafts as u32, models)
-                        .into_result()
-                        .with_context(|| format!("drafter '{}' failed to accept", slot.name))?;
-                    stats.draft_seconds += t.elapsed().as_secs_f64();
-                }
+                // After every target pass, drafted or not: a drafter that follows the target's
+                // hidden states (MTP) must see every accepted position.
+                let t = Instant::now();
+                slot.drafter
+                    .accept(emitted_drafts as u32, lend(target, &mut slot.draft_model))
+                    .into_result()
+                    .with_context(|| format!("drafter '{}' failed to accept", slot.name))?;
+                stats.draft_seconds += t.elapsed().as_secs_f64();
             }
             if let Some((_, reason)) = stop {
                 break 'generation reason;
@@ -375,6 +355,17 @@ pub fn generate(
         stop_reason,
         speculative: stats,
     })
+}
+
+/// Lends the target and the draft model to a drafter for one call.
+fn lend<'a>(
+    target: &'a mut BoxedForwardPass,
+    draft: &'a mut Option<BoxedForwardPass>,
+) -> DrafterModels<'a> {
+    DrafterModels {
+        target: Some(target.sabi_reborrow_mut()).into(),
+        draft: draft.as_mut().map(|m| m.sabi_reborrow_mut()).into(),
+    }
 }
 
 /// Drops what a drafter must not hand over: more than asked, ids outside the vocabulary, and

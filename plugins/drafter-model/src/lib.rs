@@ -10,8 +10,7 @@
 
 use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::std_types::{ROption, RSlice, RString, RVec};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha20Rng;
+use specula_drafting::DraftPicker;
 use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
     export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
@@ -26,7 +25,6 @@ pub struct ModelDrafter {
     /// Tokens the draft model has evaluated, in order (its cache).
     cached: Vec<u32>,
     logits: RVec<f32>,
-    probs: Vec<f32>,
 }
 
 impl ModelDrafter {
@@ -47,7 +45,6 @@ impl ModelDrafter {
             vocab: draft.vocab_size as usize,
             cached: Vec::new(),
             logits: RVec::new(),
-            probs: Vec::new(),
         })
     }
 
@@ -107,60 +104,15 @@ impl ModelDrafter {
             Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
             Err(e) => return Err(e),
         }
-        let mut rng = ChaCha20Rng::seed_from_u64(request.seed);
-        let sampled = request.temperature > 0.0;
+        let mut picker = DraftPicker::new(request);
         for i in 0..n {
-            let scale = if sampled {
-                1.0 / request.temperature
-            } else {
-                1.0
-            };
-            softmax(&self.logits[..self.vocab], scale, &mut self.probs);
-            let token = if sampled {
-                draw(&self.probs, rng.gen())
-            } else {
-                argmax(&self.logits[..self.vocab])
-            };
-            out.tokens.push(token);
-            out.confidence.push(self.probs[token as usize]);
-            if sampled {
-                out.probs.extend_from_slice(&self.probs);
-            }
+            let token = picker.pick(&self.logits[..self.vocab], out);
             if i + 1 < n {
                 self.eval(model, &[token])?;
             }
         }
         Ok(())
     }
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn softmax(logits: &[f32], scale: f32, out: &mut Vec<f32>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    out.clear();
-    out.extend(logits.iter().map(|&l| ((l - max) * scale).exp()));
-    let sum: f32 = out.iter().sum();
-    out.iter_mut().for_each(|p| *p /= sum);
-}
-
-fn draw(probs: &[f32], u: f32) -> u32 {
-    let mut cumulative = 0.0;
-    for (i, &p) in probs.iter().enumerate() {
-        cumulative += p;
-        if u < cumulative {
-            return i as u32;
-        }
-    }
-    (probs.len() - 1) as u32
 }
 
 fn draft_model<'a, 'b>(

@@ -1,0 +1,120 @@
+//! Choosing draft tokens from a draft distribution, shared by the drafter plugins that have
+//! logits (draft model, MTP head).
+//!
+//! For a greedy request a draft is the argmax. For a sampled request it is drawn from
+//! `softmax(logits / T)` and that whole distribution is appended to [`Draft::probs`], which is
+//! what the host's rejection sampling needs to stay exact. Either way the chosen token's
+//! probability is reported as its confidence.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use specula_plugin_api::{Draft, DraftRequest};
+
+/// Picks draft tokens for one [`DraftRequest`].
+#[derive(Debug)]
+pub struct DraftPicker {
+    temperature: f32,
+    rng: ChaCha20Rng,
+    probs: Vec<f32>,
+}
+
+impl DraftPicker {
+    pub fn new(request: &DraftRequest<'_>) -> Self {
+        Self {
+            temperature: request.temperature,
+            rng: ChaCha20Rng::seed_from_u64(request.seed),
+            probs: Vec::new(),
+        }
+    }
+
+    /// Chooses the next draft from `logits` and appends it (with its confidence and, when
+    /// sampling, its distribution) to `out`.
+    pub fn pick(&mut self, logits: &[f32], out: &mut Draft) -> u32 {
+        let sampled = self.temperature > 0.0;
+        let scale = if sampled { 1.0 / self.temperature } else { 1.0 };
+        softmax(logits, scale, &mut self.probs);
+        let token = if sampled {
+            draw(&self.probs, self.rng.gen())
+        } else {
+            argmax(logits)
+        };
+        out.tokens.push(token);
+        out.confidence.push(self.probs[token as usize]);
+        if sampled {
+            out.probs.extend_from_slice(&self.probs);
+        }
+        token
+    }
+}
+
+/// Index of the largest value (the first on ties), as the host's greedy sampler picks.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// `softmax(logits × scale)` into `out`.
+pub fn softmax(logits: &[f32], scale: f32, out: &mut Vec<f32>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    out.clear();
+    out.extend(logits.iter().map(|&l| ((l - max) * scale).exp()));
+    let sum: f32 = out.iter().sum();
+    out.iter_mut().for_each(|p| *p /= sum);
+}
+
+/// The token whose cumulative probability first exceeds `u` in `[0, 1)`.
+pub fn draw(probs: &[f32], u: f32) -> u32 {
+    let mut cumulative = 0.0;
+    for (i, &p) in probs.iter().enumerate() {
+        cumulative += p;
+        if u < cumulative {
+            return i as u32;
+        }
+    }
+    probs.len().saturating_sub(1) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use abi_stable::std_types::RSlice;
+
+    fn request(temperature: f32) -> DraftRequest<'static> {
+        DraftRequest {
+            context: RSlice::from_slice(&[]),
+            max_tokens: 4,
+            temperature,
+            seed: 3,
+        }
+    }
+
+    #[test]
+    fn greedy_picks_the_argmax_without_a_distribution() {
+        let mut out = Draft::default();
+        let mut picker = DraftPicker::new(&request(0.0));
+        assert_eq!(picker.pick(&[0.0, 2.0, 1.0], &mut out), 1);
+        assert!(out.probs.is_empty());
+        assert!(out.confidence[0] > 0.5);
+    }
+
+    #[test]
+    fn sampling_reports_the_distribution_it_drew_from() {
+        let mut out = Draft::default();
+        let mut picker = DraftPicker::new(&request(0.7));
+        let mut counts = [0u32; 3];
+        for _ in 0..3000 {
+            out.clear();
+            counts[picker.pick(&[0.0, 1.0, 0.5], &mut out) as usize] += 1;
+        }
+        let p = &out.probs;
+        assert_eq!(p.len(), 3);
+        for (c, &p) in counts.iter().zip(p.iter()) {
+            assert!((*c as f32 / 3000.0 - p).abs() < 0.03, "{counts:?} vs {p:?}");
+        }
+    }
+}

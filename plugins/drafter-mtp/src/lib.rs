@@ -1,0 +1,234 @@
+//! Specula drafter plugin `mtp`: self-speculation through the target's own MTP / NextN head.
+//!
+//! The head maps (final-norm hidden of position `p`, token at `p + 1`) to logits for `p + 2`
+//! and a hidden state of its own. Its KV cache needs one entry per position built from the
+//! trunk's **real** hidden states, so after every target pass this drafter keeps the hidden
+//! rows of the accepted positions, and before drafting it steps the head through them
+//! (position by position, as the trunk saw them). The last of those steps — the trunk's
+//! newest hidden state with the certain token — yields the first draft; each further draft
+//! chains the head's own hidden state. Chained steps write speculative KV entries past the
+//! accepted positions; the next catch-up overwrites them, and the backend cuts them with the
+//! trunk on rollback.
+
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::std_types::{ROption, RSlice, RString, RVec};
+use specula_drafting::DraftPicker;
+use specula_plugin_api::{
+    box_drafter, export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels,
+    DrafterParams, ForwardPassMut, PluginError, PluginInfo, PluginKind, PluginModule,
+    PluginModuleRef, PluginResult, ABI_VERSION,
+};
+
+/// The MTP self-speculation drafter.
+#[derive(Debug)]
+pub struct MtpDrafter {
+    hidden_size: usize,
+    vocab: usize,
+    /// Head KV entries `[0, real)` come from real trunk hidden states.
+    real: usize,
+    /// Real trunk hidden rows not yet fed to the head, for positions `pending_from..`.
+    pending_from: usize,
+    pending: Vec<f32>,
+    /// False when the hidden rows lost track of the trunk (then nothing is drafted until
+    /// the next `begin`).
+    in_step: bool,
+    rows: RVec<f32>,
+    logits: RVec<f32>,
+    hidden: RVec<f32>,
+    chained: RVec<f32>,
+}
+
+impl MtpDrafter {
+    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+        params.check_options(&[])?;
+        let target = &params.target;
+        if !target.has_mtp_head {
+            return Err(PluginError::unsupported(format!(
+                "the mtp drafter needs a target with an MTP (NextN) head; {} ({}) has none",
+                target.name, target.architecture
+            )));
+        }
+        Ok(Self {
+            hidden_size: target.hidden_size as usize,
+            vocab: target.vocab_size as usize,
+            real: 0,
+            pending_from: 0,
+            pending: Vec::new(),
+            in_step: false,
+            rows: RVec::new(),
+            logits: RVec::new(),
+            hidden: RVec::new(),
+            chained: RVec::new(),
+        })
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.pending.len() / self.hidden_size
+    }
+
+    /// Appends the first `n` hidden rows of the target's last eval, which started at
+    /// `position`.
+    fn keep_rows(
+        &mut self,
+        target: &ForwardPassMut<'_>,
+        position: usize,
+        n: usize,
+    ) -> Result<(), PluginError> {
+        target.hidden_states(&mut self.rows).into_result()?;
+        let h = self.hidden_size;
+        if self.rows.len() < n * h {
+            return Err(PluginError::invalid_input(format!(
+                "the target returned {} hidden values, {} rows of {h} were expected",
+                self.rows.len(),
+                n
+            )));
+        }
+        if self.pending_from + self.pending_rows() != position {
+            // A gap or overlap: the drafter missed a pass. Stop drafting until restarted.
+            self.in_step = false;
+            return Ok(());
+        }
+        self.pending.extend_from_slice(&self.rows[..n * h]);
+        Ok(())
+    }
+
+    /// Steps the head through the pending real hidden rows up to the certain token, then
+    /// chains up to `max` drafts.
+    fn draft(
+        &mut self,
+        target: &mut ForwardPassMut<'_>,
+        request: &DraftRequest<'_>,
+        out: &mut Draft,
+    ) -> Result<(), PluginError> {
+        out.clear();
+        let context: &[u32] = &request.context;
+        let certain_at = context.len() - 1;
+        let h = self.hidden_size;
+        let max = request.max_tokens as usize;
+        let room = (target.model_info().context_size as usize).saturating_sub(context.len());
+        if !self.in_step
+            || max == 0
+            || room == 0
+            || self.pending_from > self.real
+            || self.pending_from + self.pending_rows() < certain_at
+        {
+            return Ok(());
+        }
+        // Catch up: real hidden of p with the token at p + 1, for every p up to the certain
+        // token's predecessor. The last step's logits give the first draft.
+        for p in self.real..certain_at {
+            let row = &self.pending[(p - self.pending_from) * h..(p - self.pending_from + 1) * h];
+            target
+                .mtp_step(
+                    RSlice::from_slice(row),
+                    context[p + 1],
+                    p,
+                    &mut self.logits,
+                    &mut self.hidden,
+                )
+                .into_result()?;
+        }
+        self.real = certain_at;
+        self.pending.clear();
+        self.pending_from = certain_at;
+
+        let mut picker = DraftPicker::new(request);
+        let n = max.min(room);
+        for i in 0..n {
+            let token = picker.pick(&self.logits[..self.vocab], out);
+            if i + 1 < n {
+                std::mem::swap(&mut self.chained, &mut self.hidden);
+                target
+                    .mtp_step(
+                        RSlice::from_slice(&self.chained),
+                        token,
+                        certain_at + i,
+                        &mut self.logits,
+                        &mut self.hidden,
+                    )
+                    .into_result()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn target_of<'a, 'b>(
+    models: &'b mut DrafterModels<'a>,
+) -> Result<&'b mut ForwardPassMut<'a>, PluginError> {
+    match &mut models.target {
+        ROption::RSome(t) => Ok(t),
+        ROption::RNone => Err(PluginError::invalid_input(
+            "the host lent no target to the mtp drafter",
+        )),
+    }
+}
+
+impl Drafter for MtpDrafter {
+    fn begin(
+        &mut self,
+        prompt: RSlice<'_, u32>,
+        mut models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
+        guard(|| {
+            let target = target_of(&mut models)?;
+            self.real = 0;
+            self.pending.clear();
+            self.pending_from = 0;
+            self.in_step = true;
+            // The prompt pass evaluated positions 0..len.
+            self.keep_rows(target, 0, prompt.len())
+        })
+    }
+
+    fn propose(
+        &mut self,
+        request: DraftRequest<'_>,
+        mut models: DrafterModels<'_>,
+        out: &mut Draft,
+    ) -> PluginResult<()> {
+        guard(|| {
+            let target = target_of(&mut models)?;
+            self.draft(target, &request, out)
+        })
+    }
+
+    fn accept(&mut self, n_accepted: u32, mut models: DrafterModels<'_>) -> PluginResult<()> {
+        guard(|| {
+            let target = target_of(&mut models)?;
+            // The pass evaluated the certain token and the drafts; the target now ends after
+            // the certain token and the accepted drafts.
+            let kept = 1 + n_accepted as usize;
+            let position = target.seq_len().checked_sub(kept).ok_or_else(|| {
+                PluginError::invalid_input("the target is shorter than the accepted tokens")
+            })?;
+            self.keep_rows(target, position, kept)
+        })
+    }
+}
+
+extern "C" fn info() -> PluginInfo {
+    PluginInfo {
+        name: RString::from("mtp"),
+        version: RString::from(env!("CARGO_PKG_VERSION")),
+        kind: PluginKind::Drafter,
+        description: RString::from("self-speculation through the target's MTP (NextN) head"),
+    }
+}
+
+extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
+    guard(|| MtpDrafter::new(params).map(box_drafter))
+}
+
+/// The plugin's root module.
+pub fn plugin_module() -> PluginModuleRef {
+    PluginModule {
+        abi_version: ABI_VERSION,
+        info,
+        open_backend: ROption::RNone,
+        create_drafter: ROption::RSome(create),
+    }
+    .leak_into_prefix()
+}
+
+export_plugin!(plugin_module());
