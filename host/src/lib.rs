@@ -8,8 +8,10 @@
 //! * [`request`]: generation requests, outcomes, stop strings;
 //! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`, the default model);
+//! * [`bench`]: `specula bench`, speed figures measured side by side;
 //! * [`cli`]: the `specula` command line.
 
+pub mod bench;
 pub mod cli;
 pub mod genmodel;
 pub mod pipeline;

@@ -67,10 +67,40 @@ fn check_accounting(o: &Outcome) {
 /// Plain and speculative greedy decoding emit the same ids, stop for the same reason, and
 /// leave the target at the same length.
 fn assert_parity(pipeline: &mut Pipeline, prompt: &str, max_tokens: u32, stop: &[&str]) -> Outcome {
+    assert_parity_with(pipeline, prompt, max_tokens, stop, ADAPTIVE)
+}
+
+/// The adaptive controller as profiles configure it by default.
+const ADAPTIVE: SpecSettings = SpecSettings {
+    draft_min: 0,
+    draft_max: 7,
+    adaptive: true,
+};
+
+/// A fixed draft length, for figures about the drafter itself and for runs that must not
+/// depend on timing.
+const FIXED_4: SpecSettings = SpecSettings {
+    draft_min: 4,
+    draft_max: 4,
+    adaptive: false,
+};
+const FIXED_7: SpecSettings = SpecSettings {
+    draft_min: 7,
+    draft_max: 7,
+    adaptive: false,
+};
+
+fn assert_parity_with(
+    pipeline: &mut Pipeline,
+    prompt: &str,
+    max_tokens: u32,
+    stop: &[&str],
+    settings: SpecSettings,
+) -> Outcome {
     let mut plain_req = request(prompt, max_tokens, SamplingParams::greedy(), false);
     plain_req.stop = stop.iter().map(|s| s.to_string()).collect();
     let mut spec_req = plain_req.clone();
-    spec_req.speculation = request(prompt, 0, SamplingParams::greedy(), true).speculation;
+    spec_req.speculation = Some(settings);
     let (plain, plain_len) = run(pipeline, &plain_req);
     let (spec, spec_len) = run(pipeline, &spec_req);
     assert_eq!(spec.tokens, plain.tokens, "prompt {prompt:?}");
@@ -125,12 +155,14 @@ fn stops_inside_accepted_runs_clamp_and_keep_parity() {
     );
     let mut clamped = 0;
     for max in [1, 2, 5, 17, 33, 64, 150] {
-        let o = assert_parity(&mut p, "Once upon a time", max, &[]);
+        let o = assert_parity_with(&mut p, "Once upon a time", max, &[], FIXED_7);
+        assert_parity(&mut p, "Once upon a time", max, &[]);
         assert_eq!(o.tokens.len(), max as usize);
         clamped += o.speculative.clamped;
     }
     for stop in ["Lily", "park.", "happy", "\n"] {
-        let o = assert_parity(&mut p, "Once upon a time", 150, &[stop]);
+        let o = assert_parity_with(&mut p, "Once upon a time", 150, &[stop], FIXED_7);
+        assert_parity(&mut p, "Once upon a time", 150, &[stop]);
         clamped += o.speculative.clamped;
     }
     assert!(clamped > 0, "no stop ever landed inside an accepted run");
@@ -139,8 +171,9 @@ fn stops_inside_accepted_runs_clamp_and_keep_parity() {
     let ids = p.tokenizer.encode(" the", false, false);
     let the = *ids.last().unwrap();
     p.info.eos_token = Some(the).into();
-    let o = assert_parity(&mut p, "Once upon a time", 150, &[]);
+    let o = assert_parity_with(&mut p, "Once upon a time", 150, &[], FIXED_7);
     assert_eq!(o.stop_reason, StopReason::EndOfGeneration);
+    assert_parity(&mut p, "Once upon a time", 150, &[]);
 }
 
 #[test]
@@ -157,8 +190,10 @@ fn model_drafting_real_pair_has_real_acceptance_and_parity() {
     );
     let mut total = specula_host::spec::SpecStats::default();
     for prompt in STORY_PROMPTS {
-        let o = assert_parity(&mut p, prompt, 96, &[]);
+        let o = assert_parity_with(&mut p, prompt, 96, &[], FIXED_4);
         total.merge(&o.speculative);
+        // The adaptive controller keeps parity too.
+        assert_parity(&mut p, prompt, 64, &[]);
     }
     println!(
         "stories260K + llama2xs-281K draft: acceptance {:.3} ({} of {} drafts), by position {:?}, mean accepted length {:.2}, passes/token {:.3}",
@@ -187,7 +222,7 @@ fn self_drafting_accepts_everything() {
             ),
         );
         for prompt in STORY_PROMPTS {
-            let o = assert_parity(&mut p, prompt, 80, &[]);
+            let o = assert_parity_with(&mut p, prompt, 80, &[], FIXED_4);
             let s = &o.speculative;
             assert!(s.drafted > 0);
             assert_eq!(s.accepted + s.clamped, s.drafted, "{model}: {s:?}");

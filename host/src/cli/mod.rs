@@ -1,5 +1,6 @@
 //! The `specula` command line.
 
+mod bench;
 mod gen_model;
 mod plugins;
 mod profile;
@@ -32,6 +33,8 @@ pub enum Command {
     Profile(profile::ProfileCommand),
     /// Write a GGUF model of a given shape with random (or demo) weights.
     GenModel(gen_model::GenModelArgs),
+    /// Measure prefill, decode, verify cost and speculative speedups of a profile.
+    Bench(bench::BenchArgs),
 }
 
 /// Parses the command line, runs it, and turns errors into a message and exit code 1.
@@ -43,6 +46,7 @@ pub fn main() -> ExitCode {
         Command::Plugins(args) => plugins::run(args),
         Command::Profile(cmd) => profile::run(cmd),
         Command::GenModel(args) => gen_model::run(args),
+        Command::Bench(args) => bench::run_cli(args),
     };
     match result {
         Ok(code) => code,

@@ -16,7 +16,7 @@ use rand_chacha::ChaCha20Rng;
 use rand_distr::{Distribution, Normal};
 use specula_gguf::{GgmlType, GgufWriter};
 
-pub use demo::{default_model_path, write_demo_model, DEMO_DESCRIPTION};
+pub use demo::{default_model_path, write_demo_model, CORPUS as DEFAULT_CORPUS, DEMO_DESCRIPTION};
 pub use vocab::SpmVocab;
 
 /// A dense architecture the writer can produce.

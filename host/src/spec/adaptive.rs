@@ -1,17 +1,22 @@
 //! How many tokens to draft next: follows recent acceptance, pauses itself when speculation
-//! does not pay, and probes again later.
+//! does not pay — drafts are rarely accepted, or a speculative step costs more time per
+//! emitted token than a plain one — and probes again later with exponential backoff.
 
+/// Plain steps measured before the first speculative step, to know what a token costs.
+const CALIBRATION_STEPS: u32 = 2;
 /// Steps speculation stays paused the first time it stops paying (doubling on each failed
 /// probe, up to [`MAX_PAUSE`]).
 const FIRST_PAUSE: u32 = 16;
 const MAX_PAUSE: u32 = 512;
 /// Below this smoothed acceptance rate a drafter is judged useless.
 const USELESS_ACCEPTANCE: f64 = 0.1;
-/// Verified drafting steps before the controller judges at all.
+/// Speculation must beat plain decoding's time per token by this factor to be kept.
+const REQUIRED_GAIN: f64 = 1.0;
+/// Speculative steps observed before the controller judges at all.
 const MIN_EVIDENCE: u32 = 4;
-/// Weight of the newest step in the smoothed acceptance rate.
+/// Weight of the newest step in the smoothed figures.
 const SMOOTHING: f64 = 0.3;
-/// Drafts whose drafter confidence falls below this are not verified.
+/// Drafts whose drafter confidence falls below this are not verified (greedy only).
 pub const MIN_CONFIDENCE: f32 = 0.05;
 
 /// The adaptive draft-length controller.
@@ -21,11 +26,18 @@ pub struct DraftLength {
     max: u32,
     adaptive: bool,
     current: u32,
-    smoothed_acceptance: f64,
+    acceptance: f64,
+    /// Smoothed seconds per emitted token of plain and of speculative steps.
+    plain_cost: Option<f64>,
+    spec_cost: Option<f64>,
     evidence: u32,
     paused_for: u32,
     next_pause: u32,
     last_was_paused: bool,
+}
+
+fn smooth(old: Option<f64>, new: f64) -> f64 {
+    old.map_or(new, |o| (1.0 - SMOOTHING) * o + SMOOTHING * new)
 }
 
 impl DraftLength {
@@ -38,9 +50,11 @@ impl DraftLength {
             max,
             adaptive,
             current: if adaptive { min.max(max.min(4)) } else { max },
-            smoothed_acceptance: 0.5,
+            acceptance: 0.5,
+            plain_cost: None,
+            spec_cost: None,
             evidence: 0,
-            paused_for: 0,
+            paused_for: if adaptive { CALIBRATION_STEPS } else { 0 },
             next_pause: FIRST_PAUSE,
             last_was_paused: false,
         }
@@ -51,12 +65,6 @@ impl DraftLength {
         self.last_was_paused = self.paused_for > 0;
         if self.paused_for > 0 {
             self.paused_for -= 1;
-            if self.paused_for == 0 {
-                // Probe: one cheap draft.
-                self.current = self.min.max(1).min(self.max);
-                self.evidence = MIN_EVIDENCE - 1;
-                self.smoothed_acceptance = USELESS_ACCEPTANCE;
-            }
             return 0;
         }
         self.current
@@ -67,26 +75,54 @@ impl DraftLength {
         self.last_was_paused
     }
 
-    /// Learns from a verified step: `drafted` proposals, `accepted` of them accepted.
-    pub fn update(&mut self, drafted: u32, accepted: u32) {
-        if !self.adaptive || drafted == 0 {
+    /// Learns from a step: `drafted` proposals of which `accepted` were accepted, `emitted`
+    /// tokens out, `seconds` spent drafting, verifying and sampling.
+    pub fn record(&mut self, drafted: u32, accepted: u32, emitted: u32, seconds: f64) {
+        if !self.adaptive || emitted == 0 {
             return;
         }
+        let per_token = seconds / f64::from(emitted);
+        if drafted == 0 {
+            self.plain_cost = Some(smooth(self.plain_cost, per_token));
+            return;
+        }
+        self.spec_cost = Some(smooth(self.spec_cost, per_token));
         let rate = f64::from(accepted) / f64::from(drafted);
-        self.smoothed_acceptance = (1.0 - SMOOTHING) * self.smoothed_acceptance + SMOOTHING * rate;
+        self.acceptance = (1.0 - SMOOTHING) * self.acceptance + SMOOTHING * rate;
         self.evidence += 1;
         self.current = if accepted == drafted {
             (self.current + 2).min(self.max)
         } else {
             (accepted + 1).clamp(self.min.max(1), self.max)
         };
-        if self.evidence >= MIN_EVIDENCE && self.smoothed_acceptance < USELESS_ACCEPTANCE {
-            self.paused_for = self.next_pause;
-            self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
-            self.evidence = 0;
-        } else if accepted > 0 {
+        if self.evidence >= MIN_EVIDENCE && !self.pays() {
+            self.pause();
+        } else if accepted > 0 && self.evidence >= MIN_EVIDENCE {
             self.next_pause = FIRST_PAUSE;
         }
+    }
+
+    /// Whether speculation currently pays: drafts get accepted and a token costs less time
+    /// than plain decoding's.
+    fn pays(&self) -> bool {
+        if self.acceptance < USELESS_ACCEPTANCE {
+            return false;
+        }
+        match (self.plain_cost, self.spec_cost) {
+            (Some(plain), Some(spec)) => spec * REQUIRED_GAIN < plain,
+            _ => true,
+        }
+    }
+
+    fn pause(&mut self) {
+        self.paused_for = self.next_pause;
+        self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
+        // Probe with one cheap draft, judged on that step alone: it starts at the acceptance
+        // threshold (one rejection re-pauses) with the failed period's costs forgotten.
+        self.evidence = MIN_EVIDENCE - 1;
+        self.current = self.min.max(1).min(self.max);
+        self.acceptance = USELESS_ACCEPTANCE;
+        self.spec_cost = None;
     }
 }
 
@@ -94,55 +130,79 @@ impl DraftLength {
 mod tests {
     use super::*;
 
+    /// Runs `steps` steps where plain tokens cost 1.0 and a speculative step costs
+    /// `spec_step` and accepts `accept(n)` of its `n` drafts.
+    fn simulate(
+        c: &mut DraftLength,
+        steps: usize,
+        spec_step: f64,
+        accept: impl Fn(u32) -> u32,
+    ) -> usize {
+        let mut drafting = 0;
+        for _ in 0..steps {
+            let n = c.next_len();
+            if n == 0 {
+                c.record(0, 0, 1, 1.0);
+            } else {
+                drafting += 1;
+                let a = accept(n);
+                c.record(n, a, a + 1, spec_step);
+            }
+        }
+        drafting
+    }
+
     #[test]
     fn fixed_length_without_adaptation() {
         let mut c = DraftLength::new(0, 5, false);
         for _ in 0..10 {
             assert_eq!(c.next_len(), 5);
-            c.update(5, 0);
+            c.record(5, 0, 1, 1.0);
         }
     }
 
     #[test]
-    fn grows_on_full_acceptance_and_shrinks_on_rejection() {
+    fn calibrates_then_grows_on_full_acceptance_and_shrinks_on_rejection() {
         let mut c = DraftLength::new(1, 8, true);
+        for _ in 0..CALIBRATION_STEPS {
+            assert_eq!(c.next_len(), 0);
+            c.record(0, 0, 1, 1.0);
+        }
         let first = c.next_len();
-        c.update(first, first);
+        assert!(first > 0);
+        c.record(first, first, first + 1, 1.2);
         assert!(c.next_len() > first);
-        c.update(6, 1);
+        c.record(6, 1, 2, 1.2);
         assert_eq!(c.next_len(), 2);
     }
 
     #[test]
     fn useless_drafter_pauses_then_probes_with_backoff() {
         let mut c = DraftLength::new(0, 8, true);
-        let mut drafting_steps = 0;
-        for _ in 0..2000 {
-            let n = c.next_len();
-            if n > 0 {
-                drafting_steps += 1;
-                c.update(n, 0);
-            }
-        }
-        // A few probes with exponential backoff: well under 5% of steps draft.
-        assert!(drafting_steps < 2000 / 20, "{drafting_steps}");
+        let drafting = simulate(&mut c, 2000, 1.1, |_| 0);
+        assert!(drafting < 2000 / 20, "{drafting}");
+    }
+
+    #[test]
+    fn accepted_but_too_slow_speculation_pauses() {
+        // Half the drafts accepted, but a step costs 4 plain tokens.
+        let mut c = DraftLength::new(0, 4, true);
+        let drafting = simulate(&mut c, 2000, 4.0, |n| n / 2);
+        assert!(drafting < 2000 / 20, "{drafting}");
+    }
+
+    #[test]
+    fn paying_speculation_keeps_going() {
+        let mut c = DraftLength::new(0, 4, true);
+        let drafting = simulate(&mut c, 500, 1.2, |n| n);
+        assert!(drafting > 450, "{drafting}");
     }
 
     #[test]
     fn a_successful_probe_resumes_speculation() {
         let mut c = DraftLength::new(0, 8, true);
-        loop {
-            let n = c.next_len();
-            if c.is_paused() {
-                break;
-            }
-            c.update(n, 0);
-        }
-        let mut n = 0;
-        while n == 0 {
-            n = c.next_len();
-        }
-        c.update(n, n);
-        assert!(c.next_len() > n);
+        simulate(&mut c, 200, 1.1, |_| 0);
+        let drafting = simulate(&mut c, 2000, 1.1, |n| n);
+        assert!(drafting > 1500, "{drafting}");
     }
 }

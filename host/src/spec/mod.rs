@@ -213,6 +213,7 @@ pub fn generate(
                 break StopReason::ContextFull;
             }
             let evaluated = history.len() - 1;
+            let step_started = Instant::now();
 
             // 2. Drafts.
             draft.clear();
@@ -324,7 +325,12 @@ pub fn generate(
                     .context("the target could not roll back")?;
             }
             if let Some((slot, length)) = speculation.as_mut() {
-                length.update(n_drafts as u32, accepted as u32);
+                length.record(
+                    n_drafts as u32,
+                    accepted as u32,
+                    1 + emitted_drafts as u32,
+                    step_started.elapsed().as_secs_f64(),
+                );
                 // After every target pass, drafted or not: a drafter that follows the target's
                 // hidden states (MTP) must see every accepted position.
                 let t = Instant::now();

@@ -1,0 +1,439 @@
+//! `specula bench`: what a profile's model and drafters achieve on this machine, measured side
+//! by side in one run.
+//!
+//! Reported: read bandwidth; prefill t/s; plain decode t/s and its share of the memory
+//! roofline (weight bytes per token ÷ decode time, against the measured bandwidth); the verify
+//! cost ratio cost(k)/cost(1) for k = 1..capacity; and for each drafter the end-to-end decode
+//! t/s, speedup over plain decoding and acceptance. The `oracle` drafter is prompt lookup from
+//! a corpus holding the plain greedy output (acceptance ≈ 100%): its speedup against the ideal
+//! k ÷ ratio(k) is the engine's efficiency. Every figure is the median of `runs` runs.
+
+mod bandwidth;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use abi_stable::std_types::{RSlice, RVec};
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use specula_plugin_api::LogitRows;
+
+pub use bandwidth::read_bandwidth;
+
+use crate::genmodel::DEFAULT_CORPUS;
+use crate::pipeline::Pipeline;
+use crate::profile::{DrafterSection, Profile};
+use crate::request::{Outcome, Request};
+use crate::sampling::SamplingParams;
+use crate::spec::{generate, SpecSettings};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Repetitions per figure (the median is reported).
+    pub runs: usize,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    /// Drafters to compare: `profile` (the profile's own), `lookup`, `mtp`, `oracle`, or a
+    /// plugin name.
+    pub drafters: Vec<String>,
+    /// Batch size of the oracle run (drafts = k − 1).
+    pub oracle_k: u32,
+    /// Bytes read by the bandwidth measurement.
+    pub bandwidth_bytes: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self {
+            runs: 3,
+            prompt_tokens: 128,
+            decode_tokens: 128,
+            drafters: vec![
+                "profile".into(),
+                "lookup".into(),
+                "mtp".into(),
+                "oracle".into(),
+            ],
+            oracle_k: 4,
+            bandwidth_bytes: 1 << 30,
+        }
+    }
+}
+
+/// One verify batch size.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyCost {
+    pub k: u32,
+    pub seconds: f64,
+    /// cost(k) / cost(1).
+    pub ratio: f64,
+}
+
+/// One drafter's end-to-end result.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrafterRun {
+    pub drafter: String,
+    pub decode_tokens_per_second: f64,
+    /// Against plain decoding in this run.
+    pub speedup: f64,
+    pub acceptance: f64,
+    pub mean_accepted_length: f64,
+    pub passes_per_token: f64,
+    /// Same greedy output as plain decoding.
+    pub output_matches_plain: bool,
+    /// For the oracle: k ÷ ratio(k), and speedup ÷ that.
+    pub ideal_speedup: Option<f64>,
+    pub efficiency: Option<f64>,
+}
+
+/// Everything `specula bench` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub architecture: String,
+    pub weight_bytes: u64,
+    pub threads: u32,
+    pub bandwidth_bytes_per_second: f64,
+    pub prompt_tokens: usize,
+    pub prefill_tokens_per_second: f64,
+    pub decode_tokens_per_second: f64,
+    /// Weight bytes per token × decode t/s ÷ bandwidth.
+    pub roofline_fraction: f64,
+    pub verify: Vec<VerifyCost>,
+    pub drafters: Vec<DrafterRun>,
+    /// Drafters that could not run here, with the reason.
+    pub skipped: Vec<(String, String)>,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// Runs the benchmark for `profile`.
+pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchReport> {
+    let runs = options.runs.max(1);
+    let mut plain_profile = profile.clone();
+    plain_profile.drafter = None;
+    let mut pipeline = Pipeline::open(&plain_profile)?;
+    let info = pipeline.info.clone();
+    let capacity = pipeline.target.capabilities().max_verify_tokens.max(1);
+    let threads = if profile.target.threads > 0 {
+        profile.target.threads
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+    };
+
+    let corpus_ids = pipeline.tokenizer.encode(DEFAULT_CORPUS, true, false);
+    let prompt_ids: Vec<u32> = corpus_ids
+        .iter()
+        .copied()
+        .take(
+            options
+                .prompt_tokens
+                .clamp(1, info.context_size as usize / 2),
+        )
+        .collect();
+    let prompt_text = String::from_utf8_lossy(&pipeline.tokenizer.decode(&prompt_ids)).into_owned();
+
+    let total = 1 + runs + runs + capacity as usize + runs * options.drafters.len();
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+
+    bar.set_message("memory bandwidth");
+    let bandwidth = read_bandwidth(options.bandwidth_bytes, threads as usize, 3);
+    bar.inc(1);
+
+    // Prefill.
+    bar.set_message("prefill");
+    let target = &mut pipeline.target;
+    let mut logits = RVec::new();
+    let mut prefill = Vec::new();
+    for _ in 0..runs {
+        target.truncate(0).into_result()?;
+        let start = Instant::now();
+        target
+            .eval(
+                RSlice::from_slice(&prompt_ids),
+                LogitRows::Last,
+                &mut logits,
+            )
+            .into_result()?;
+        prefill.push(prompt_ids.len() as f64 / start.elapsed().as_secs_f64());
+        bar.inc(1);
+    }
+
+    // Verify cost at the end of the prompt, for every batch size.
+    bar.set_message("verify cost");
+    let position = prompt_ids.len();
+    let batch: Vec<u32> = corpus_ids[position..]
+        .iter()
+        .copied()
+        .cycle()
+        .take(capacity as usize)
+        .collect();
+    let mut verify = Vec::new();
+    for k in 1..=capacity {
+        let tokens = &batch[..k as usize];
+        let mut times = Vec::new();
+        for rep in 0..=runs.max(5) {
+            target.truncate(position).into_result()?;
+            let start = Instant::now();
+            target
+                .eval(RSlice::from_slice(tokens), LogitRows::All, &mut logits)
+                .into_result()?;
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        verify.push(VerifyCost {
+            k,
+            seconds: median(times),
+            ratio: 0.0,
+        });
+        bar.inc(1);
+    }
+    let base = verify[0].seconds;
+    verify.iter_mut().for_each(|v| v.ratio = v.seconds / base);
+
+    // Plain decoding.
+    bar.set_message("plain decode");
+    let request = |speculation| Request {
+        prompt: prompt_text.clone(),
+        max_tokens: options.decode_tokens as u32,
+        stop: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        add_bos: true,
+        speculation,
+    };
+    let mut plain_rates = Vec::new();
+    let mut plain_output: Option<Outcome> = None;
+    for _ in 0..runs {
+        let outcome = generate(&mut pipeline, &request(None), |_| {})?;
+        plain_rates.push(outcome.timings.decode_tokens_per_second());
+        plain_output = Some(outcome);
+        bar.inc(1);
+    }
+    let plain = plain_output.context("no plain run")?;
+    let decode_tps = median(plain_rates);
+    let roofline_fraction = info.weight_bytes as f64 * decode_tps / bandwidth;
+    drop(pipeline);
+
+    // Drafters.
+    let scratch = tempfile_dir()?;
+    let mut drafters = Vec::new();
+    let mut skipped = Vec::new();
+    for name in &options.drafters {
+        bar.set_message(format!("drafter {name}"));
+        let (settings, section) = match drafter_setup(
+            profile,
+            name,
+            &info,
+            &prompt_text,
+            &plain,
+            options,
+            &scratch,
+        ) {
+            Ok(Some(setup)) => setup,
+            Ok(None) => {
+                bar.inc(runs as u64);
+                continue;
+            }
+            Err(reason) => {
+                skipped.push((name.clone(), format!("{reason:#}")));
+                bar.inc(runs as u64);
+                continue;
+            }
+        };
+        let mut p = profile.clone();
+        p.drafter = Some(section);
+        p.speculation.enabled = true;
+        p.speculation.draft_max = settings.draft_max;
+        p.speculation.adaptive = settings.adaptive;
+        let mut pipeline = match Pipeline::open(&p) {
+            Ok(pipeline) => pipeline,
+            Err(e) => {
+                skipped.push((name.clone(), format!("{e:#}")));
+                bar.inc(runs as u64);
+                continue;
+            }
+        };
+        let mut rates = Vec::new();
+        let mut last = None;
+        for _ in 0..runs {
+            let outcome = generate(&mut pipeline, &request(Some(settings)), |_| {})?;
+            rates.push(outcome.timings.decode_tokens_per_second());
+            last = Some(outcome);
+            bar.inc(1);
+        }
+        let outcome = last.context("no run")?;
+        let tps = median(rates);
+        let s = &outcome.speculative;
+        let (ideal, efficiency) = if name == "oracle" {
+            let k = (settings.draft_max + 1).min(capacity);
+            let ratio = verify[(k - 1) as usize].ratio;
+            let ideal = f64::from(k) / ratio;
+            (Some(ideal), Some(tps / decode_tps / ideal))
+        } else {
+            (None, None)
+        };
+        drafters.push(DrafterRun {
+            drafter: name.clone(),
+            decode_tokens_per_second: tps,
+            speedup: tps / decode_tps,
+            acceptance: s.acceptance_rate(),
+            mean_accepted_length: s.mean_accepted_length(),
+            passes_per_token: s.passes_per_token(),
+            output_matches_plain: outcome.tokens == plain.tokens,
+            ideal_speedup: ideal,
+            efficiency,
+        });
+    }
+    bar.finish_and_clear();
+    let _ = std::fs::remove_dir_all(&scratch);
+
+    Ok(BenchReport {
+        model: info.name.to_string(),
+        architecture: info.architecture.to_string(),
+        weight_bytes: info.weight_bytes,
+        threads,
+        bandwidth_bytes_per_second: bandwidth,
+        prompt_tokens: prompt_ids.len(),
+        prefill_tokens_per_second: median(prefill),
+        decode_tokens_per_second: decode_tps,
+        roofline_fraction,
+        verify,
+        drafters,
+        skipped,
+    })
+}
+
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("specula-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// The drafter section and settings for one named drafter, `None` to skip silently.
+fn drafter_setup(
+    profile: &Profile,
+    name: &str,
+    info: &specula_plugin_api::ModelInfo,
+    prompt: &str,
+    plain: &Outcome,
+    options: &BenchOptions,
+    scratch: &std::path::Path,
+) -> anyhow::Result<Option<(SpecSettings, DrafterSection)>> {
+    let section = |plugin: &str| DrafterSection {
+        plugin: plugin.to_string(),
+        model: None,
+        backend: None,
+        threads: 0,
+        corpus: None,
+        options: Default::default(),
+    };
+    let settings = SpecSettings::from(&profile.speculation);
+    Ok(match name {
+        "profile" => profile.drafter.clone().map(|d| (settings, d)),
+        "mtp" if !info.has_mtp_head => None,
+        "oracle" => {
+            let corpus = scratch.join("oracle-corpus.txt");
+            std::fs::write(&corpus, format!("{prompt}{}", plain.text))?;
+            let mut s = section("lookup");
+            s.corpus = Some(corpus);
+            s.options.insert("n_min".into(), toml::Value::Integer(1));
+            let k = options.oracle_k.max(2);
+            Some((
+                SpecSettings {
+                    draft_min: k - 1,
+                    draft_max: k - 1,
+                    adaptive: false,
+                },
+                s,
+            ))
+        }
+        other => {
+            if profile.drafter.as_ref().is_some_and(|d| d.plugin == other) {
+                None // Already measured as "profile".
+            } else {
+                Some((settings, section(other)))
+            }
+        }
+    })
+}
+
+/// The report as a table.
+pub fn render(report: &BenchReport) -> String {
+    let gb = |b: f64| b / 1e9;
+    let mut out = String::new();
+    out += &format!(
+        "model: {} ({}), {:.1} MiB of weights per token, {} threads\n",
+        report.model,
+        report.architecture,
+        report.weight_bytes as f64 / (1 << 20) as f64,
+        report.threads
+    );
+    out += &format!(
+        "memory read bandwidth: {:.1} GB/s\n",
+        gb(report.bandwidth_bytes_per_second)
+    );
+    out += &format!(
+        "prefill ({} tokens): {:.1} t/s\n",
+        report.prompt_tokens, report.prefill_tokens_per_second
+    );
+    out += &format!(
+        "plain decode: {:.2} t/s = {:.1}% of the memory roofline ({:.2} t/s at {:.1} GB/s)\n",
+        report.decode_tokens_per_second,
+        100.0 * report.roofline_fraction,
+        report.bandwidth_bytes_per_second / report.weight_bytes.max(1) as f64,
+        gb(report.bandwidth_bytes_per_second)
+    );
+    out += "verify cost ratio cost(k)/cost(1):";
+    for v in &report.verify {
+        out += &format!(" k={} {:.2}", v.k, v.ratio);
+    }
+    out += "\n\n";
+    out += &format!(
+        "{:<10} {:>10} {:>8} {:>10} {:>10} {:>12} {:>8}\n",
+        "drafter", "decode t/s", "speedup", "acceptance", "mean acc.", "passes/token", "= plain"
+    );
+    out += &format!(
+        "{:<10} {:>10.2} {:>7.2}x {:>10} {:>10} {:>12.3} {:>8}\n",
+        "none", report.decode_tokens_per_second, 1.0, "-", "-", 1.0, "yes"
+    );
+    for d in &report.drafters {
+        out += &format!(
+            "{:<10} {:>10.2} {:>7.2}x {:>9.1}% {:>10.2} {:>12.3} {:>8}\n",
+            d.drafter,
+            d.decode_tokens_per_second,
+            d.speedup,
+            100.0 * d.acceptance,
+            d.mean_accepted_length,
+            d.passes_per_token,
+            if d.output_matches_plain { "yes" } else { "NO" }
+        );
+        if let (Some(ideal), Some(eff)) = (d.ideal_speedup, d.efficiency) {
+            out += &format!(
+                "{:<10} ideal speedup k/ratio(k) = {ideal:.2}x, reached {:.1}% of it\n",
+                "",
+                100.0 * eff
+            );
+        }
+    }
+    for (name, reason) in &report.skipped {
+        out += &format!("skipped {name}: {reason}\n");
+    }
+    out
+}

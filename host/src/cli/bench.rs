@@ -1,0 +1,60 @@
+//! `specula bench`.
+
+use std::process::ExitCode;
+
+use crate::bench::{render, run, BenchOptions};
+use crate::profile::Profile;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// The profile to measure.
+    #[arg(short, long, value_name = "FILE")]
+    profile: std::path::PathBuf,
+    /// Repetitions per figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens decoded per run.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    tokens: usize,
+    /// Drafters to compare (comma-separated): profile, lookup, model, mtp, oracle.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "profile,lookup,mtp,oracle"
+    )]
+    drafters: Vec<String>,
+    /// Verify batch size of the oracle run.
+    #[arg(long, default_value_t = 4)]
+    oracle_k: u32,
+    /// Worker threads (overrides the profile).
+    #[arg(short, long)]
+    threads: Option<u32>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let mut profile = Profile::load(&args.profile)?;
+    if let Some(t) = args.threads {
+        profile.target.threads = t;
+    }
+    let options = BenchOptions {
+        runs: args.runs,
+        prompt_tokens: args.prompt_tokens,
+        decode_tokens: args.tokens,
+        drafters: args.drafters,
+        oracle_k: args.oracle_k,
+        ..BenchOptions::default()
+    };
+    let report = run(&profile, &options)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(ExitCode::SUCCESS)
+}
