@@ -40,9 +40,10 @@ pub struct GenModelArgs {
     ffn: Option<u32>,
     #[arg(long)]
     context: Option<u32>,
-    /// Vocabulary size (byte tokens plus synthetic pieces); at least 259.
-    #[arg(long, default_value_t = 512)]
-    vocab: u32,
+    /// Vocabulary size (byte tokens plus synthetic pieces; at least 259). Default: the
+    /// preset's, else 512.
+    #[arg(long)]
+    vocab: Option<u32>,
     /// Write no output.weight (tie it to token_embd).
     #[arg(long)]
     tied: bool,
@@ -77,13 +78,13 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
     }
     set!(hidden, layers, heads, kv_heads, head_dim, ffn, context);
     spec.tied_output |= args.tied;
-    if args.vocab < 259 {
+    let vocab_size = args.vocab.or(spec.vocab).unwrap_or(512);
+    if vocab_size < 259 {
         anyhow::bail!(
-            "--vocab {}: at least 259 tokens are needed (3 special + 256 bytes)",
-            args.vocab
+            "--vocab {vocab_size}: at least 259 tokens are needed (3 special + 256 bytes)"
         );
     }
-    let vocab = synthetic_vocab(args.vocab as usize);
+    let vocab = synthetic_vocab(vocab_size as usize);
     write_model(&spec, &vocab, &mut RandomWeights::new(args.seed), &args.out)?;
     println!(
         "wrote {}: {} dim {} layers {} heads {}/{} ffn {} vocab {} ({})",

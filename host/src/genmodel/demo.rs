@@ -107,6 +107,7 @@ pub fn write_demo_model(path: &Path) -> anyhow::Result<()> {
         rms_eps: 1e-5,
         weight_type: GgmlType::Q8_0,
         tied_output: false,
+        vocab: None,
     };
     let mut weights = DemoWeights {
         random: RandomWeights::new(SEED),

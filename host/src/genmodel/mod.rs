@@ -12,7 +12,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use rand::SeedableRng;
-use rand_chacha::ChaCha20Rng;
+use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use specula_gguf::{GgmlType, GgufWriter};
 
@@ -53,6 +53,8 @@ pub struct ModelSpec {
     pub weight_type: GgmlType,
     /// Share `token_embd` as the output projection (no `output.weight`).
     pub tied_output: bool,
+    /// Vocabulary size for presets with a synthetic vocabulary (`None`: the caller's).
+    pub vocab: Option<u32>,
 }
 
 /// Named shapes for `specula gen-model --preset`.
@@ -92,6 +94,7 @@ impl ModelSpec {
             rms_eps: 1e-5,
             weight_type: GgmlType::F32,
             tied_output: false,
+            vocab: None,
         };
         Ok(match name {
             "tiny-llama" => base(Arch::Llama, 64, 2, 4, 4, 16, 128),
@@ -101,6 +104,17 @@ impl ModelSpec {
                 ..base(Arch::Qwen3, 64, 2, 4, 2, 32, 128)
             },
             "small-llama" => base(Arch::Llama, 512, 8, 8, 4, 64, 1536),
+            // Qwen3-0.6B's published config: hidden 1024, 28 layers, 16 query / 8 KV heads of
+            // 128, intermediate 3072, vocab 151936, rope theta 1e6, rms eps 1e-6, tied.
+            "qwen3-0.6b" => ModelSpec {
+                context: 40960,
+                rope_base: 1e6,
+                rms_eps: 1e-6,
+                weight_type: GgmlType::Q8_0,
+                tied_output: true,
+                vocab: Some(151936),
+                ..base(Arch::Qwen3, 1024, 28, 16, 8, 128, 3072)
+            },
             other => bail!(
                 "unknown preset '{other}' (known: {})",
                 PRESETS.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
@@ -161,7 +175,7 @@ pub trait WeightSource {
 
 /// Random weights: matrices ~ N(0, 1/n_in), norm weights ~ 1 ± 0.02, a seeded generator.
 pub struct RandomWeights {
-    rng: ChaCha20Rng,
+    rng: ChaCha8Rng,
     /// Multiplies the output projection (peakier logits).
     pub output_scale: f32,
 }
@@ -169,7 +183,7 @@ pub struct RandomWeights {
 impl RandomWeights {
     pub fn new(seed: u64) -> Self {
         Self {
-            rng: ChaCha20Rng::seed_from_u64(seed),
+            rng: ChaCha8Rng::seed_from_u64(seed),
             output_scale: 4.0,
         }
     }

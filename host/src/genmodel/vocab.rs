@@ -14,6 +14,7 @@ pub struct SpmVocab {
     tokens: Vec<String>,
     scores: Vec<f32>,
     types: Vec<i32>,
+    seen: std::collections::HashSet<String>,
 }
 
 impl SpmVocab {
@@ -24,14 +25,16 @@ impl SpmVocab {
     /// Only the special and byte tokens.
     pub fn bytes_only() -> Self {
         let mut v = Self {
-            tokens: vec!["<unk>".into(), "<s>".into(), "</s>".into()],
-            scores: vec![0.0; 3],
-            types: vec![UNKNOWN, CONTROL, CONTROL],
+            tokens: Vec::new(),
+            scores: Vec::new(),
+            types: Vec::new(),
+            seen: Default::default(),
         };
+        for (text, ty) in [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)] {
+            v.add(text.to_string(), 0.0, ty);
+        }
         for b in 0..=255u8 {
-            v.tokens.push(format!("<0x{b:02X}>"));
-            v.scores.push(0.0);
-            v.types.push(BYTE);
+            v.add(format!("<0x{b:02X}>"), 0.0, BYTE);
         }
         v
     }
@@ -70,10 +73,14 @@ impl SpmVocab {
 
     /// Adds a normal piece (ignored if present).
     pub fn push(&mut self, piece: String, score: f32) {
-        if !self.tokens.contains(&piece) {
+        self.add(piece, score, NORMAL);
+    }
+
+    fn add(&mut self, piece: String, score: f32, ty: i32) {
+        if self.seen.insert(piece.clone()) {
             self.tokens.push(piece);
             self.scores.push(score);
-            self.types.push(NORMAL);
+            self.types.push(ty);
         }
     }
 
