@@ -105,6 +105,20 @@ pub struct DrafterSection {
     pub options: BTreeMap<String, toml::Value>,
 }
 
+impl DrafterSection {
+    /// A section naming only the plugin, everything else at its default.
+    pub fn named(plugin: &str) -> Self {
+        Self {
+            plugin: plugin.to_string(),
+            model: None,
+            backend: None,
+            threads: 0,
+            corpus: None,
+            options: BTreeMap::new(),
+        }
+    }
+}
+
 /// `[sampling]`: defaults for every request; CLI flags and request fields override them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

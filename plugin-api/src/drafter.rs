@@ -151,3 +151,21 @@ impl DrafterParams {
         }
     }
 }
+
+impl<'a> DrafterModels<'a> {
+    /// The lent target model, or an error saying the host lent none.
+    pub fn target_model(&mut self) -> Result<&mut ForwardPassMut<'a>, crate::PluginError> {
+        self.target.as_mut().into_option().ok_or_else(|| {
+            crate::PluginError::invalid_input("the host lent no target model to this drafter")
+        })
+    }
+
+    /// The lent draft model, or an error saying the host lent none.
+    pub fn draft_model(&mut self) -> Result<&mut ForwardPassMut<'a>, crate::PluginError> {
+        self.draft.as_mut().into_option().ok_or_else(|| {
+            crate::PluginError::invalid_input(
+                "the host lent no draft model to this drafter (set `[drafter] model = FILE`)",
+            )
+        })
+    }
+}

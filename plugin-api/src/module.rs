@@ -66,3 +66,47 @@ impl RootModule for PluginModuleRef {
     const NAME: &'static str = "specula plugin";
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
 }
+
+impl PluginModule {
+    /// The root module of a backend plugin.
+    pub fn backend(
+        info: extern "C" fn() -> PluginInfo,
+        open: extern "C" fn(&BackendParams) -> PluginResult<BoxedForwardPass>,
+    ) -> PluginModuleRef {
+        use abi_stable::prefix_type::PrefixTypeTrait;
+        PluginModule {
+            abi_version: crate::ABI_VERSION,
+            info,
+            open_backend: ROption::RSome(open),
+            create_drafter: ROption::RNone,
+        }
+        .leak_into_prefix()
+    }
+
+    /// The root module of a drafter plugin.
+    pub fn drafter(
+        info: extern "C" fn() -> PluginInfo,
+        create: extern "C" fn(&DrafterParams) -> PluginResult<BoxedDrafter>,
+    ) -> PluginModuleRef {
+        use abi_stable::prefix_type::PrefixTypeTrait;
+        PluginModule {
+            abi_version: crate::ABI_VERSION,
+            info,
+            open_backend: ROption::RNone,
+            create_drafter: ROption::RSome(create),
+        }
+        .leak_into_prefix()
+    }
+}
+
+impl PluginInfo {
+    /// Metadata for a plugin whose version is its crate's (pass `env!("CARGO_PKG_VERSION")`).
+    pub fn new(name: &str, version: &str, kind: PluginKind, description: &str) -> Self {
+        Self {
+            name: RString::from(name),
+            version: RString::from(version),
+            kind,
+            description: RString::from(description),
+        }
+    }
+}

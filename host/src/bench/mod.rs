@@ -336,14 +336,6 @@ fn drafter_setup(
     options: &BenchOptions,
     scratch: &std::path::Path,
 ) -> anyhow::Result<Option<(SpecSettings, DrafterSection)>> {
-    let section = |plugin: &str| DrafterSection {
-        plugin: plugin.to_string(),
-        model: None,
-        backend: None,
-        threads: 0,
-        corpus: None,
-        options: Default::default(),
-    };
     let settings = SpecSettings::from(&profile.speculation);
     Ok(match name {
         "profile" => profile.drafter.clone().map(|d| (settings, d)),
@@ -351,7 +343,7 @@ fn drafter_setup(
         "oracle" => {
             let corpus = scratch.join("oracle-corpus.txt");
             std::fs::write(&corpus, format!("{prompt}{}", plain.text))?;
-            let mut s = section("lookup");
+            let mut s = DrafterSection::named("lookup");
             s.corpus = Some(corpus);
             s.options.insert("n_min".into(), toml::Value::Integer(1));
             let k = options.oracle_k.max(2);
@@ -368,7 +360,7 @@ fn drafter_setup(
             if profile.drafter.as_ref().is_some_and(|d| d.plugin == other) {
                 None // Already measured as "profile".
             } else {
-                Some((settings, section(other)))
+                Some((settings, DrafterSection::named(other)))
             }
         }
     })

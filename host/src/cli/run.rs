@@ -193,14 +193,14 @@ fn apply_overrides(profile: &mut Profile, args: &RunArgs) -> anyhow::Result<()> 
         Some("none") => profile.drafter = None,
         Some(name) => match &mut profile.drafter {
             Some(section) => section.plugin = name.to_string(),
-            None => profile.drafter = Some(drafter_section(name)),
+            None => profile.drafter = Some(DrafterSection::named(name)),
         },
         None => {}
     }
     if let Some(model) = &args.draft_model {
         let section = profile
             .drafter
-            .get_or_insert_with(|| drafter_section("model"));
+            .get_or_insert_with(|| DrafterSection::named("model"));
         section.model = Some(model.clone());
     }
     let spec = &mut profile.speculation;
@@ -221,17 +221,6 @@ fn apply_overrides(profile: &mut Profile, args: &RunArgs) -> anyhow::Result<()> 
         spec.enabled = false;
     }
     Ok(())
-}
-
-fn drafter_section(plugin: &str) -> DrafterSection {
-    DrafterSection {
-        plugin: plugin.to_string(),
-        model: None,
-        backend: None,
-        threads: 0,
-        corpus: None,
-        options: Default::default(),
-    }
 }
 
 fn read_prompt(arg: Option<String>) -> anyhow::Result<String> {

@@ -9,13 +9,11 @@
 
 mod ngram;
 
-use abi_stable::prefix_type::PrefixTypeTrait;
-use abi_stable::std_types::ROption;
-use abi_stable::std_types::{RSlice, RString};
+use abi_stable::std_types::RSlice;
 use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
     export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
-    PluginError, PluginInfo, PluginKind, PluginModule, PluginModuleRef, PluginResult, ABI_VERSION,
+    PluginError, PluginInfo, PluginKind, PluginModule, PluginModuleRef, PluginResult,
 };
 
 pub use ngram::{Match, NgramIndex};
@@ -118,14 +116,12 @@ impl Drafter for LookupDrafter {
 }
 
 extern "C" fn info() -> PluginInfo {
-    PluginInfo {
-        name: RString::from("lookup"),
-        version: RString::from(env!("CARGO_PKG_VERSION")),
-        kind: PluginKind::Drafter,
-        description: RString::from(
-            "prompt-lookup (n-gram) drafting, optionally from a static corpus",
-        ),
-    }
+    PluginInfo::new(
+        "lookup",
+        env!("CARGO_PKG_VERSION"),
+        PluginKind::Drafter,
+        "prompt-lookup (n-gram) drafting, optionally from a static corpus",
+    )
 }
 
 extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
@@ -134,13 +130,7 @@ extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
 
 /// The plugin's root module.
 pub fn plugin_module() -> PluginModuleRef {
-    PluginModule {
-        abi_version: ABI_VERSION,
-        info,
-        open_backend: ROption::RNone,
-        create_drafter: ROption::RSome(create),
-    }
-    .leak_into_prefix()
+    PluginModule::drafter(info, create)
 }
 
 export_plugin!(plugin_module());
@@ -148,7 +138,7 @@ export_plugin!(plugin_module());
 #[cfg(test)]
 mod tests {
     use super::*;
-    use abi_stable::std_types::{RVec, Tuple2};
+    use abi_stable::std_types::{ROption, RString, RVec, Tuple2};
 
     fn params(corpus: &[u32], options: &[(&str, &str)]) -> DrafterParams {
         DrafterParams {

@@ -8,14 +8,13 @@
 //! host's rejection sampling stays exact. Each draft's probability under the draft model is
 //! reported as its confidence.
 
-use abi_stable::prefix_type::PrefixTypeTrait;
-use abi_stable::std_types::{ROption, RSlice, RString, RVec};
+use abi_stable::std_types::{ROption, RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
     export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
     ErrorKind, ForwardPassMut, LogitRows, PluginError, PluginInfo, PluginKind, PluginModule,
-    PluginModuleRef, PluginResult, ABI_VERSION,
+    PluginModuleRef, PluginResult,
 };
 
 /// The draft-model drafter.
@@ -115,17 +114,6 @@ impl ModelDrafter {
     }
 }
 
-fn draft_model<'a, 'b>(
-    models: &'b mut DrafterModels<'a>,
-) -> Result<&'b mut ForwardPassMut<'a>, PluginError> {
-    match &mut models.draft {
-        ROption::RSome(m) => Ok(m),
-        ROption::RNone => Err(PluginError::invalid_input(
-            "the host lent no draft model to the model drafter",
-        )),
-    }
-}
-
 impl Drafter for ModelDrafter {
     fn begin(
         &mut self,
@@ -133,7 +121,7 @@ impl Drafter for ModelDrafter {
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         guard(|| {
-            let model = draft_model(&mut models)?;
+            let model = models.draft_model()?;
             model.truncate(0).into_result()?;
             self.cached.clear();
             // Fill the cache now (all but the last token: `propose` evaluates that one).
@@ -155,7 +143,7 @@ impl Drafter for ModelDrafter {
         out: &mut Draft,
     ) -> PluginResult<()> {
         guard(|| {
-            let model = draft_model(&mut models)?;
+            let model = models.draft_model()?;
             self.draft(model, &request, out)
         })
     }
@@ -167,14 +155,12 @@ impl Drafter for ModelDrafter {
 }
 
 extern "C" fn info() -> PluginInfo {
-    PluginInfo {
-        name: RString::from("model"),
-        version: RString::from(env!("CARGO_PKG_VERSION")),
-        kind: PluginKind::Drafter,
-        description: RString::from(
-            "drafting with a small draft model that shares the target's vocabulary",
-        ),
-    }
+    PluginInfo::new(
+        "model",
+        env!("CARGO_PKG_VERSION"),
+        PluginKind::Drafter,
+        "drafting with a small draft model that shares the target's vocabulary",
+    )
 }
 
 extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
@@ -183,13 +169,7 @@ extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
 
 /// The plugin's root module.
 pub fn plugin_module() -> PluginModuleRef {
-    PluginModule {
-        abi_version: ABI_VERSION,
-        info,
-        open_backend: ROption::RNone,
-        create_drafter: ROption::RSome(create),
-    }
-    .leak_into_prefix()
+    PluginModule::drafter(info, create)
 }
 
 export_plugin!(plugin_module());

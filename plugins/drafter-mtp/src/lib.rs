@@ -10,13 +10,12 @@
 //! accepted positions; the next catch-up overwrites them, and the backend cuts them with the
 //! trunk on rollback.
 
-use abi_stable::prefix_type::PrefixTypeTrait;
-use abi_stable::std_types::{ROption, RSlice, RString, RVec};
+use abi_stable::std_types::{RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
     box_drafter, export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels,
     DrafterParams, ForwardPassMut, PluginError, PluginInfo, PluginKind, PluginModule,
-    PluginModuleRef, PluginResult, ABI_VERSION,
+    PluginModuleRef, PluginResult,
 };
 
 /// The MTP self-speculation drafter.
@@ -153,17 +152,6 @@ impl MtpDrafter {
     }
 }
 
-fn target_of<'a, 'b>(
-    models: &'b mut DrafterModels<'a>,
-) -> Result<&'b mut ForwardPassMut<'a>, PluginError> {
-    match &mut models.target {
-        ROption::RSome(t) => Ok(t),
-        ROption::RNone => Err(PluginError::invalid_input(
-            "the host lent no target to the mtp drafter",
-        )),
-    }
-}
-
 impl Drafter for MtpDrafter {
     fn begin(
         &mut self,
@@ -171,7 +159,7 @@ impl Drafter for MtpDrafter {
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         guard(|| {
-            let target = target_of(&mut models)?;
+            let target = models.target_model()?;
             self.real = 0;
             self.pending.clear();
             self.pending_from = 0;
@@ -188,14 +176,14 @@ impl Drafter for MtpDrafter {
         out: &mut Draft,
     ) -> PluginResult<()> {
         guard(|| {
-            let target = target_of(&mut models)?;
+            let target = models.target_model()?;
             self.draft(target, &request, out)
         })
     }
 
     fn accept(&mut self, n_accepted: u32, mut models: DrafterModels<'_>) -> PluginResult<()> {
         guard(|| {
-            let target = target_of(&mut models)?;
+            let target = models.target_model()?;
             // The pass evaluated the certain token and the drafts; the target now ends after
             // the certain token and the accepted drafts.
             let kept = 1 + n_accepted as usize;
@@ -208,12 +196,12 @@ impl Drafter for MtpDrafter {
 }
 
 extern "C" fn info() -> PluginInfo {
-    PluginInfo {
-        name: RString::from("mtp"),
-        version: RString::from(env!("CARGO_PKG_VERSION")),
-        kind: PluginKind::Drafter,
-        description: RString::from("self-speculation through the target's MTP (NextN) head"),
-    }
+    PluginInfo::new(
+        "mtp",
+        env!("CARGO_PKG_VERSION"),
+        PluginKind::Drafter,
+        "self-speculation through the target's MTP (NextN) head",
+    )
 }
 
 extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
@@ -222,13 +210,7 @@ extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
 
 /// The plugin's root module.
 pub fn plugin_module() -> PluginModuleRef {
-    PluginModule {
-        abi_version: ABI_VERSION,
-        info,
-        open_backend: ROption::RNone,
-        create_drafter: ROption::RSome(create),
-    }
-    .leak_into_prefix()
+    PluginModule::drafter(info, create)
 }
 
 export_plugin!(plugin_module());
