@@ -192,6 +192,8 @@ struct HybridState {
     /// The MTP head's own cache (one layer), when the model has the head.
     mtp_kv: Option<KvCache>,
     deep_rollback: DeepRollback,
+    /// Truncations that took the slow path (re-decoding).
+    slow_rollbacks: u64,
 }
 
 fn internal(what: &str) -> PluginError {
@@ -312,6 +314,7 @@ impl CpuBackend {
                     tokens: Vec::with_capacity(n_ctx_us),
                     mtp_kv,
                     deep_rollback: options.deep_rollback,
+                    slow_rollbacks: 0,
                 };
                 (kv, SeqState::Hybrid(Box::new(state)), capabilities, has_mtp)
             }
@@ -434,6 +437,7 @@ impl CpuBackend {
                         window.start(),
                         window.end()
                     );
+                    h.slow_rollbacks += 1;
                     let replay = h.tokens[..len].to_vec();
                     h.ring.reset();
                     h.tokens.clear();
@@ -461,6 +465,14 @@ impl CpuBackend {
     pub fn last_hidden_states(&self) -> &[f32] {
         let e = self.engine.model.graph.n_embd();
         &self.engine.hidden[..self.engine.hidden_rows * e]
+    }
+
+    /// How many truncations went beyond the snapshot ring and re-decoded (0 for dense models).
+    pub fn slow_rollbacks(&self) -> u64 {
+        match &self.engine.state {
+            SeqState::Hybrid(h) => h.slow_rollbacks,
+            SeqState::Dense(_) => 0,
+        }
     }
 
     /// Entries in the MTP head's KV cache (`None` without a head).
