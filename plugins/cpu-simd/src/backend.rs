@@ -8,7 +8,10 @@
 //!
 //! * a k-token verify (k ≤ depth) leaves the state after each of its tokens in the ring;
 //! * [`ForwardPass::truncate`] to any length of the last `depth` tokens selects that plane and
-//!   cuts the KV cache: O(1), nothing is recomputed;
+//!   cuts the KV cache: O(1), nothing is recomputed. Rolled-back tokens' planes are reused by
+//!   the next tokens, and states older than `depth` evaluated tokens are gone, so the window is
+//!   "the last `depth` tokens evaluated, back to where the sequence still agrees with them":
+//!   a verify batch of up to `depth` tokens can always be rolled back to its start;
 //! * truncating further back takes the **slow path**: the backend keeps the sequence's tokens
 //!   and re-decodes the kept prefix from the empty state (one pass over `len` tokens, exact).
 //!   The option `deep_rollback = "refuse"` turns that into an `InvalidInput` error instead.

@@ -238,3 +238,70 @@ fn ring_bytes_per_slot() {
         (9 * per_slot) as f64 / (1u64 << 30) as f64
     );
 }
+
+/// The hybrid backend through the plugin's root module and the ABI-stable trait object:
+/// capabilities, verify, hidden states, MTP steps, rollback.
+#[test]
+fn hybrid_through_the_plugin_module_and_trait_object() {
+    use abi_stable::std_types::{RSlice, RVec};
+
+    let module = specula_cpu_simd::plugin_module();
+    let open_backend = module.open_backend().into_option().expect("open_backend");
+    let mut p = params(&fixture("tiny-qwen3next-mtp.gguf"), 2, 64);
+    p.max_verify_tokens = 4;
+    let mut backend = open_backend(&p).into_result().unwrap();
+    let caps = backend.capabilities();
+    assert_eq!((caps.max_verify_tokens, caps.rollback_depth), (4, 4));
+    assert!(caps.hidden_state_export && caps.mtp_head);
+    assert_eq!(caps.snapshot_bytes_per_slot, 5632);
+    let info = backend.model_info();
+    assert_eq!(info.architecture.as_str(), "qwen3next");
+    assert!(info.has_mtp_head);
+
+    let mut logits = RVec::new();
+    backend
+        .eval(
+            RSlice::from_slice(&[1, 403, 261, 378]),
+            LogitRows::All,
+            &mut logits,
+        )
+        .into_result()
+        .unwrap();
+    assert_eq!(logits.len(), 4 * 512);
+    let mut hidden = RVec::new();
+    backend.hidden_states(&mut hidden).into_result().unwrap();
+    assert_eq!(hidden.len(), 4 * 64);
+    let (mut mtp_logits, mut mtp_hidden) = (RVec::new(), RVec::new());
+    for position in 0..3 {
+        backend
+            .mtp_step(
+                RSlice::from_slice(&hidden[position * 64..(position + 1) * 64]),
+                [403, 261, 378][position],
+                position,
+                &mut mtp_logits,
+                &mut mtp_hidden,
+            )
+            .into_result()
+            .unwrap();
+    }
+    assert_eq!((mtp_logits.len(), mtp_hidden.len()), (512, 64));
+    let kept = logits[512..1024].to_vec();
+    backend.truncate(1).into_result().unwrap();
+    assert_eq!(backend.seq_len(), 1);
+    backend
+        .eval(RSlice::from_slice(&[403]), LogitRows::Last, &mut logits)
+        .into_result()
+        .unwrap();
+    assert_eq!(bits(&logits), bits(&kept));
+    // Out-of-window truncation through the ABI: the default slow path.
+    backend
+        .eval(
+            RSlice::from_slice(&[5, 6, 7, 8, 9]),
+            LogitRows::None,
+            &mut logits,
+        )
+        .into_result()
+        .unwrap();
+    backend.truncate(1).into_result().unwrap();
+    assert_eq!(backend.seq_len(), 1);
+}
