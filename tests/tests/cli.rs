@@ -167,32 +167,63 @@ fn tiny_llama_fixture_generates() {
     assert!(n == 24 || v["stop_reason"] == "end_of_generation", "{v}");
 }
 
+/// The Gated DeltaNet hybrids (qwen35 dense, qwen3next MoE, with and without an MTP block)
+/// generate through the CLI, and the trained qwen35 model tells the teacher's story.
 #[test]
-fn hybrid_fixtures_are_refused_clearly() {
+fn hybrid_models_generate() {
     let dir = tempfile::tempdir().unwrap();
-    for (file, arch) in [
-        ("tiny-qwen35.gguf", "qwen35"),
-        ("tiny-qwen35-mtp.gguf", "qwen35"),
-        ("tiny-qwen3next.gguf", "qwen3next"),
+    for file in [
+        "fixtures/tiny-qwen35.gguf",
+        "fixtures/tiny-qwen35-mtp.gguf",
+        "fixtures/tiny-qwen35-4l-mtp.gguf",
+        "fixtures/tiny-qwen3next.gguf",
+        "fixtures/tiny-qwen3next-mtp.gguf",
     ] {
-        let profile = write_profile(
-            dir.path(),
-            "h.toml",
-            &shared(&format!("models/fixtures/{file}")),
-            "",
-        );
+        let profile = write_profile(dir.path(), "h.toml", &shared(&format!("models/{file}")), "");
         let out = specula(
-            &["run", "--profile", profile.to_str().unwrap(), "-n", "4"],
+            &[
+                "run",
+                "--profile",
+                profile.to_str().unwrap(),
+                "-n",
+                "16",
+                "--temp",
+                "0",
+                "--json",
+            ],
             dir.path(),
         );
         let err = stderr(&out);
-        assert!(!out.status.success(), "{file}");
-        assert!(
-            err.contains("not supported yet") && err.contains(arch),
-            "{file}: {err}"
-        );
+        assert!(out.status.success(), "{file}: {err}");
         assert!(!err.contains("panicked"), "{err}");
+        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        let n = v["tokens"].as_array().unwrap().len();
+        assert!(
+            n == 16 || v["stop_reason"] == "end_of_generation",
+            "{file}: {v}"
+        );
     }
+    let profile = write_profile(
+        dir.path(),
+        "trained.toml",
+        &shared("models/trained/stories-qwen35-mtp-q8_0.gguf"),
+        "",
+    );
+    let out = specula(
+        &[
+            "run",
+            "--profile",
+            profile.to_str().unwrap(),
+            "-n",
+            "40",
+            "--temp",
+            "0",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.starts_with(LILY), "{text:?}");
 }
 
 #[test]
@@ -336,7 +367,11 @@ fn drafter_flags_and_example_profiles_speculate_with_plain_output() {
     let json = |out: &std::process::Output| -> serde_json::Value {
         serde_json::from_str(stdout(out).trim()).unwrap()
     };
-    for name in ["stories260k-lookup.toml", "stories260k-draft-model.toml"] {
+    for name in [
+        "stories260k-lookup.toml",
+        "stories260k-draft-model.toml",
+        "stories-qwen35-mtp.toml",
+    ] {
         let profile = root.join("profiles").join(name);
         let p = profile.to_str().unwrap();
         let base = [

@@ -237,6 +237,216 @@ impl HParams {
     }
 }
 
+/// Default of `{arch}.full_attention_interval` (llama.cpp's): every fourth trunk layer is full
+/// attention.
+pub const DEFAULT_FULL_ATTENTION_INTERVAL: u32 = 4;
+
+/// The hyper-parameters of a hybrid Gated DeltaNet model (`qwen35`, `qwen3next`): the SSM
+/// (`ssm.*`) dimensions, which trunk layers are recurrent, the appended NextN / MTP blocks and
+/// the multi-section RoPE split.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HybridParams {
+    /// `{arch}.ssm.conv_kernel`: width of the causal depthwise convolution.
+    pub conv_kernel: u32,
+    /// `{arch}.ssm.state_size` (S): the size of a key head and of a value head.
+    pub state_size: u32,
+    /// `{arch}.ssm.group_count` (Hk): number of key heads.
+    pub group_count: u32,
+    /// `{arch}.ssm.time_step_rank` (Hv): number of value heads, each with an S×S state.
+    pub time_step_rank: u32,
+    /// `{arch}.ssm.inner_size`: width of all value heads (S × Hv).
+    pub inner_size: u32,
+    /// `{arch}.nextn_predict_layers`: NextN / MTP blocks appended after the trunk (0 if absent).
+    pub nextn_predict_layers: u32,
+    /// Trunk layers: `block_count - nextn_predict_layers`.
+    pub n_trunk: u32,
+    /// Per trunk layer, whether it is Gated DeltaNet (`true`) or full attention. From
+    /// `{arch}.attention.recurrent_layers` when present, else layer `i` is recurrent iff
+    /// `(i + 1) % full_attention_interval != 0`.
+    pub recurrent: Vec<bool>,
+    /// `{arch}.rope.dimension_sections`: the four multi-section RoPE sections (qwen35), in
+    /// rotated pairs.
+    pub rope_sections: Option<[u32; 4]>,
+}
+
+impl HybridParams {
+    /// Reads and checks the hybrid keys of `file`, whose generic hyper-parameters are `hp`.
+    pub fn from_gguf(file: &GgufFile, hp: &HParams) -> Result<Self> {
+        let keys = ArchKeys::new(file)?;
+        let positive = |suffix: &str| -> Result<u32> {
+            match keys.req_u32(suffix)? {
+                0 => Err(keys.invalid(suffix, "is 0")),
+                n => Ok(n),
+            }
+        };
+        let conv_kernel = positive("ssm.conv_kernel")?;
+        let state_size = positive("ssm.state_size")?;
+        let group_count = positive("ssm.group_count")?;
+        let time_step_rank = positive("ssm.time_step_rank")?;
+        let inner_size = positive("ssm.inner_size")?;
+        if !time_step_rank.is_multiple_of(group_count) {
+            return Err(keys.invalid(
+                "ssm.time_step_rank",
+                format!(
+                    "is {time_step_rank}, which is not a multiple of ssm.group_count {group_count}"
+                ),
+            ));
+        }
+        if u64::from(inner_size) != u64::from(state_size) * u64::from(time_step_rank) {
+            return Err(keys.invalid(
+                "ssm.inner_size",
+                format!("is {inner_size}, expected ssm.state_size {state_size} × ssm.time_step_rank {time_step_rank}"),
+            ));
+        }
+        let nextn_predict_layers = keys.get_u32("nextn_predict_layers")?.unwrap_or(0);
+        if nextn_predict_layers >= hp.block_count {
+            return Err(keys.invalid(
+                "nextn_predict_layers",
+                format!(
+                    "is {nextn_predict_layers}, expected fewer than block_count {}",
+                    hp.block_count
+                ),
+            ));
+        }
+        let n_trunk = hp.block_count - nextn_predict_layers;
+        let recurrent = read_recurrent_layers(&keys, hp.block_count, n_trunk)?;
+        let rope_sections = match file.get_i64_array(&keys.key("rope.dimension_sections"))? {
+            None => None,
+            Some(values) => {
+                let sections: Option<Vec<u32>> =
+                    values.iter().map(|&v| u32::try_from(v).ok()).collect();
+                match sections.as_deref() {
+                    Some(&[a, b, c, d]) if a + b + c + d > 0 => Some([a, b, c, d]),
+                    _ => {
+                        return Err(keys.invalid(
+                            "rope.dimension_sections",
+                            format!(
+                            "is {values:?}, expected four non-negative section sizes, not all 0"
+                        ),
+                        ))
+                    }
+                }
+            }
+        };
+        Ok(Self {
+            conv_kernel,
+            state_size,
+            group_count,
+            time_step_rank,
+            inner_size,
+            nextn_predict_layers,
+            n_trunk,
+            recurrent,
+            rope_sections,
+        })
+    }
+
+    /// Width of all key heads (`S × Hk`); the query width is the same.
+    pub fn key_dim(&self) -> u32 {
+        self.state_size * self.group_count
+    }
+
+    /// Width of all value heads (`S × Hv`).
+    pub fn value_dim(&self) -> u32 {
+        self.inner_size
+    }
+
+    /// Channels of the convolution: the mixed query, key and value (`2 × key_dim + value_dim`).
+    pub fn conv_channels(&self) -> u32 {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+fn read_recurrent_layers(keys: &ArchKeys<'_>, block_count: u32, n_trunk: u32) -> Result<Vec<bool>> {
+    let suffix = "attention.recurrent_layers";
+    if let Some(value) = keys.file().get(&keys.key(suffix)) {
+        let flags: Option<Vec<bool>> = value.as_array().and_then(|items| {
+            items
+                .iter()
+                .map(|v| v.as_bool().or_else(|| v.as_i128().map(|i| i != 0)))
+                .collect()
+        });
+        return match flags {
+            Some(flags) if flags.len() == block_count as usize || flags.len() == n_trunk as usize => {
+                // Appended NextN blocks are attention blocks whatever the array says.
+                Ok(flags[..n_trunk as usize].to_vec())
+            }
+            Some(flags) => Err(keys.invalid(
+                suffix,
+                format!("has {} entries, expected block_count {block_count} (or the {n_trunk} trunk layers)", flags.len()),
+            )),
+            None => Err(keys.invalid(suffix, "is not an array of booleans")),
+        };
+    }
+    let interval = keys
+        .get_u32("full_attention_interval")?
+        .unwrap_or(DEFAULT_FULL_ATTENTION_INTERVAL);
+    if interval == 0 {
+        return Err(keys.invalid("full_attention_interval", "is 0"));
+    }
+    Ok((0..n_trunk).map(|i| (i + 1) % interval != 0).collect())
+}
+
+/// The mixture-of-experts FFN hyper-parameters (`qwen3next`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeParams {
+    /// `{arch}.expert_count`.
+    pub expert_count: u32,
+    /// `{arch}.expert_used_count`: experts each token is routed to.
+    pub expert_used_count: u32,
+    /// `{arch}.expert_feed_forward_length`; defaults to `feed_forward_length / expert_used_count`.
+    pub expert_feed_forward_length: u32,
+    /// `{arch}.expert_shared_feed_forward_length`: the shared expert; defaults to
+    /// `feed_forward_length`.
+    pub expert_shared_feed_forward_length: u32,
+    /// `{arch}.expert_weights_scale`: factor on the routing weights (0 or 1: none).
+    pub expert_weights_scale: f32,
+}
+
+impl MoeParams {
+    /// Reads and checks the MoE keys of `file`, whose generic hyper-parameters are `hp`.
+    pub fn from_gguf(file: &GgufFile, hp: &HParams) -> Result<Self> {
+        let keys = ArchKeys::new(file)?;
+        let expert_count = keys.req_u32("expert_count")?;
+        if expert_count == 0 {
+            return Err(keys.invalid("expert_count", "is 0"));
+        }
+        let expert_used_count = keys.req_u32("expert_used_count")?;
+        if expert_used_count == 0 || expert_used_count > expert_count {
+            return Err(keys.invalid(
+                "expert_used_count",
+                format!("is {expert_used_count}, expected 1 ..= expert_count {expert_count}"),
+            ));
+        }
+        let expert_feed_forward_length = match keys.get_u32("expert_feed_forward_length")? {
+            Some(n) if n > 0 => n,
+            _ => hp.feed_forward_length / expert_used_count,
+        };
+        if expert_feed_forward_length == 0 {
+            return Err(keys.invalid("expert_feed_forward_length", "is 0"));
+        }
+        let expert_shared_feed_forward_length =
+            match keys.get_u32("expert_shared_feed_forward_length")? {
+                Some(n) if n > 0 => n,
+                _ => hp.feed_forward_length,
+            };
+        let expert_weights_scale = keys.get_f32("expert_weights_scale")?.unwrap_or(0.0);
+        if !expert_weights_scale.is_finite() {
+            return Err(keys.invalid(
+                "expert_weights_scale",
+                format!("is {expert_weights_scale}, expected a finite number"),
+            ));
+        }
+        Ok(Self {
+            expert_count,
+            expert_used_count,
+            expert_feed_forward_length,
+            expert_shared_feed_forward_length,
+            expert_weights_scale,
+        })
+    }
+}
+
 fn read_rope_scaling(keys: &ArchKeys<'_>) -> Result<RopeScaling> {
     let factor = keys.get_f32("rope.scaling.factor")?;
     let kind = keys.get_str("rope.scaling.type")?;
@@ -400,6 +610,114 @@ mod tests {
             err.contains("bare.gguf") && err.contains("'qwen3.embedding_length'"),
             "{err}"
         );
+    }
+
+    fn write_hybrid(build: impl FnOnce(&mut GgufWriter)) -> (tempfile::TempDir, HParams, GgufFile) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hybrid.gguf");
+        let mut w = GgufWriter::new();
+        w.set_str("general.architecture", "qwen35");
+        w.set_u32("qwen35.context_length", 128)
+            .set_u32("qwen35.embedding_length", 64)
+            .set_u32("qwen35.block_count", 5)
+            .set_u32("qwen35.feed_forward_length", 96)
+            .set_u32("qwen35.attention.head_count", 4)
+            .set_f32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
+            .set_u32("qwen35.ssm.conv_kernel", 4)
+            .set_u32("qwen35.ssm.state_size", 16)
+            .set_u32("qwen35.ssm.group_count", 2)
+            .set_u32("qwen35.ssm.time_step_rank", 4)
+            .set_u32("qwen35.ssm.inner_size", 64)
+            .set_u32("qwen35.nextn_predict_layers", 1)
+            .set_i32_array("qwen35.rope.dimension_sections", [2, 1, 1, 0]);
+        w.set_str_array("tokenizer.ggml.tokens", ["a", "b"]);
+        build(&mut w);
+        w.write(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let hp = HParams::from_gguf(&file).unwrap();
+        (dir, hp, file)
+    }
+
+    #[test]
+    fn hybrid_keys_and_layer_schedule() {
+        let (_dir, hp, file) = write_hybrid(|_| {});
+        let h = HybridParams::from_gguf(&file, &hp).unwrap();
+        assert_eq!(
+            (h.conv_kernel, h.state_size, h.group_count, h.time_step_rank),
+            (4, 16, 2, 4)
+        );
+        assert_eq!(
+            (h.key_dim(), h.value_dim(), h.conv_channels()),
+            (32, 64, 128)
+        );
+        assert_eq!((h.nextn_predict_layers, h.n_trunk), (1, 4));
+        // Default interval 4: layers 0-2 recurrent, layer 3 full attention.
+        assert_eq!(h.recurrent, vec![true, true, true, false]);
+        assert_eq!(h.rope_sections, Some([2, 1, 1, 0]));
+
+        let (_dir, hp, file) = write_hybrid(|w| {
+            w.set_u32("qwen35.full_attention_interval", 2);
+        });
+        let h = HybridParams::from_gguf(&file, &hp).unwrap();
+        assert_eq!(h.recurrent, vec![true, false, true, false]);
+
+        let (_dir, hp, file) = write_hybrid(|w| {
+            w.set(
+                "qwen35.attention.recurrent_layers",
+                crate::Value::Array(
+                    crate::ValueType::Bool,
+                    [true, false, false, true, true]
+                        .into_iter()
+                        .map(crate::Value::Bool)
+                        .collect(),
+                ),
+            );
+        });
+        let h = HybridParams::from_gguf(&file, &hp).unwrap();
+        assert_eq!(h.recurrent, vec![true, false, false, true]);
+    }
+
+    #[test]
+    fn hybrid_errors_name_the_key() {
+        for (key, value) in [
+            ("qwen35.ssm.inner_size", 60u32),
+            ("qwen35.ssm.time_step_rank", 3),
+            ("qwen35.nextn_predict_layers", 5),
+            ("qwen35.full_attention_interval", 0),
+        ] {
+            let (_dir, hp, file) = write_hybrid(|w| {
+                w.set_u32(key, value);
+            });
+            let err = HybridParams::from_gguf(&file, &hp).unwrap_err().to_string();
+            assert!(err.contains(&format!("'{key}'")), "{key}: {err}");
+        }
+        let (_dir, hp, file) = write_hybrid(|_| {});
+        let err = MoeParams::from_gguf(&file, &hp).unwrap_err().to_string();
+        assert!(err.contains("'qwen35.expert_count'"), "{err}");
+    }
+
+    #[test]
+    fn moe_keys_and_defaults() {
+        let (_dir, hp, file) = write_hybrid(|w| {
+            w.set_u32("qwen35.expert_count", 8)
+                .set_u32("qwen35.expert_used_count", 2);
+        });
+        let m = MoeParams::from_gguf(&file, &hp).unwrap();
+        assert_eq!((m.expert_count, m.expert_used_count), (8, 2));
+        assert_eq!(
+            (
+                m.expert_feed_forward_length,
+                m.expert_shared_feed_forward_length
+            ),
+            (48, 96)
+        );
+        assert_eq!(m.expert_weights_scale, 0.0);
+        let (_dir, hp, file) = write_hybrid(|w| {
+            w.set_u32("qwen35.expert_count", 2)
+                .set_u32("qwen35.expert_used_count", 3);
+        });
+        let err = MoeParams::from_gguf(&file, &hp).unwrap_err().to_string();
+        assert!(err.contains("'qwen35.expert_used_count'"), "{err}");
     }
 
     #[test]

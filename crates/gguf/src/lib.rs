@@ -11,7 +11,7 @@ mod value;
 mod writer;
 
 pub use error::{GgufError, Result};
-pub use hparams::{ArchKeys, HParams, RopeScaling};
+pub use hparams::{ArchKeys, HParams, HybridParams, MoeParams, RopeScaling};
 pub use reader::{GgufFile, TensorInfo, TensorView, DEFAULT_ALIGNMENT};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};

@@ -2,7 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use specula_gguf::{GgmlType, GgufError, GgufFile, GgufWriter, Value, ValueType};
+use specula_gguf::{
+    GgmlType, GgufError, GgufFile, GgufWriter, HParams, HybridParams, MoeParams, Value, ValueType,
+};
 
 fn shared(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -44,6 +46,97 @@ fn reads_every_fixture() {
     ] {
         let f = GgufFile::open(shared(&format!("models/fixtures/{name}.gguf"))).unwrap();
         assert!(f.tensors().len() > 20, "{name}");
+    }
+}
+
+/// The hybrid keys of every hybrid fixture and of the trained qwen35 model, as
+/// `../shared/models/README.md` lists them.
+#[test]
+fn reads_hybrid_hyper_parameters() {
+    // (file, trunk layers, recurrent schedule, nextn, sections, experts)
+    type Case<'a> = (
+        &'a str,
+        u32,
+        &'a [bool],
+        u32,
+        Option<[u32; 4]>,
+        Option<(u32, u32, u32, u32)>,
+    );
+    let cases: [Case<'_>; 6] = [
+        (
+            "fixtures/tiny-qwen35",
+            2,
+            &[true, false],
+            0,
+            Some([2, 1, 1, 0]),
+            None,
+        ),
+        (
+            "fixtures/tiny-qwen35-mtp",
+            2,
+            &[true, false],
+            1,
+            Some([2, 1, 1, 0]),
+            None,
+        ),
+        (
+            "fixtures/tiny-qwen35-4l-mtp",
+            4,
+            &[true, true, true, false],
+            1,
+            Some([2, 1, 1, 0]),
+            None,
+        ),
+        (
+            "fixtures/tiny-qwen3next",
+            2,
+            &[true, false],
+            0,
+            None,
+            Some((4, 2, 32, 64)),
+        ),
+        (
+            "fixtures/tiny-qwen3next-mtp",
+            2,
+            &[true, false],
+            1,
+            None,
+            Some((4, 2, 32, 64)),
+        ),
+        (
+            "trained/stories-qwen35-mtp-f32",
+            4,
+            &[true, true, true, false],
+            1,
+            Some([3, 3, 2, 0]),
+            None,
+        ),
+    ];
+    for (name, n_trunk, schedule, nextn, sections, experts) in cases {
+        let f = GgufFile::open(shared(&format!("models/{name}.gguf"))).unwrap();
+        let hp = HParams::from_gguf(&f).unwrap();
+        let h = HybridParams::from_gguf(&f, &hp).unwrap();
+        assert_eq!(h.n_trunk, n_trunk, "{name}");
+        assert_eq!(h.recurrent, schedule, "{name}");
+        assert_eq!(h.nextn_predict_layers, nextn, "{name}");
+        assert_eq!(h.rope_sections, sections, "{name}");
+        assert_eq!(h.conv_kernel, 4, "{name}");
+        match experts {
+            Some((n, used, ff, shared_ff)) => {
+                let m = MoeParams::from_gguf(&f, &hp).unwrap();
+                assert_eq!(
+                    (
+                        m.expert_count,
+                        m.expert_used_count,
+                        m.expert_feed_forward_length,
+                        m.expert_shared_feed_forward_length
+                    ),
+                    (n, used, ff, shared_ff),
+                    "{name}"
+                );
+            }
+            None => assert!(MoeParams::from_gguf(&f, &hp).is_err(), "{name}"),
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! CPU kernels of Specula: tensor block formats, dot products, the multi-row mat-vec, and the
-//! per-row operations (RMSNorm, RoPE, softmax, SwiGLU).
+//! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax, SwiGLU,
+//! sigmoid, softplus).
 //!
 //! One module per tensor type, as ggml-cpu is organised ([`f32`], [`f16`], [`bf16`],
 //! [`q8_0`]); each has its block layout, `quantize_row`, `dequantize_row` and `dot` (a weight
@@ -26,7 +27,7 @@ pub mod q8_0;
 
 pub use error::KernelError;
 pub use matvec::{matmul, matvec, MatmulScratch, WeightMatrix};
-pub use ops::{Rope, RopeMode};
+pub use ops::{Rope, RopeMode, RopeSections};
 pub use specula_gguf::GgmlType;
 
 /// A tensor type the kernels can multiply with.

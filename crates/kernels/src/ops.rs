@@ -1,5 +1,5 @@
-//! Element-wise and per-row operations of the transformer graph: RMSNorm, RoPE, softmax,
-//! SiLU / SwiGLU. Each follows the arithmetic of the corresponding ggml CPU op, so results
+//! Element-wise and per-row operations of the transformer graph: RMSNorm, L2 norm, RoPE,
+//! softmax, SiLU / SwiGLU, sigmoid, softplus. Each follows the arithmetic of the corresponding ggml CPU op, so results
 //! stay close to llama.cpp's, and each is a fixed sequential computation per row, so results
 //! never depend on batching or threads.
 
@@ -29,13 +29,57 @@ fn rms_scale(x: &[f32], eps: f32) -> f32 {
     1.0 / (mean + eps).sqrt()
 }
 
-/// Which dimensions RoPE rotates together.
+/// Which dimensions RoPE rotates together, and by which position.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeMode {
     /// ggml mode 0 ("normal"): adjacent pairs `(2i, 2i + 1)` — llama.
     Normal,
-    /// ggml mode 2 (NeoX): halves `(i, i + n_rot / 2)` — qwen3, qwen35, qwen3next.
+    /// ggml mode 2 (NeoX): halves `(i, i + n_rot / 2)` — qwen3, qwen3next (partial rotary).
     NeoX,
+    /// Multi-section RoPE (ggml `rope_multi`, M-RoPE / interleaved IMROPE — qwen35): pairs are
+    /// rotated as in NeoX, but each pair belongs to one of four position components (time,
+    /// height, width, extra) by [`RopeSections`]. For text the first three components are the
+    /// token position and the extra one is 0 (llama.cpp's convention), so pairs of the extra
+    /// component are not rotated.
+    MultiSection(RopeSections),
+}
+
+/// The pair-to-component split of multi-section RoPE (`rope.dimension_sections`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeSections {
+    /// Pairs per component: time, height, width, extra.
+    pub sections: [u32; 4],
+    /// Interleaved assignment (ggml `GGML_ROPE_TYPE_IMROPE`, Qwen3-VL / Qwen3.5): pair sector
+    /// `s` is time when `s % 3 == 0`, height when `1`, width when `2`, each only while `s` is
+    /// below three times that component's section; everything else is extra. Otherwise the
+    /// sections are contiguous runs (`GGML_ROPE_TYPE_MROPE`).
+    pub interleaved: bool,
+}
+
+impl RopeSections {
+    /// Which component (0 time, 1 height, 2 width, 3 extra) rotated pair `pair` belongs to.
+    /// Sectors repeat every `sum(sections)` pairs.
+    pub fn component(&self, pair: usize) -> usize {
+        let [t, h, w, e] = self.sections.map(|s| s as usize);
+        let total = (t + h + w + e).max(1);
+        let sector = pair % total;
+        if self.interleaved {
+            match sector % 3 {
+                0 if sector < 3 * t => 0,
+                1 if sector < 3 * h => 1,
+                2 if sector < 3 * w => 2,
+                _ => 3,
+            }
+        } else if sector < t {
+            0
+        } else if sector < t + h {
+            1
+        } else if sector < t + h + w {
+            2
+        } else {
+            3
+        }
+    }
 }
 
 /// Fixed settings of a model's rotary embedding.
@@ -67,7 +111,11 @@ impl Rope {
         let mut theta = pos as f32;
         for i in 0..pairs {
             let factor = self.freq_factors.as_ref().map_or(1.0, |f| f[i]);
-            let angle = self.freq_scale * (theta / factor);
+            let angle = match self.mode {
+                // The extra component's position is 0 for text: its theta stays 0.
+                RopeMode::MultiSection(sections) if sections.component(i) == 3 => 0.0,
+                _ => self.freq_scale * (theta / factor),
+            };
             cos[i] = angle.cos();
             sin[i] = angle.sin();
             theta *= theta_scale;
@@ -80,7 +128,7 @@ impl Rope {
         assert!(head.len() >= self.n_rot, "rope: head smaller than n_rot");
         let (first, second): (fn(usize) -> usize, usize) = match self.mode {
             RopeMode::Normal => (|i| 2 * i, 1),
-            RopeMode::NeoX => (|i| i, pairs),
+            RopeMode::NeoX | RopeMode::MultiSection(_) => (|i| i, pairs),
         };
         for i in 0..pairs {
             let (a, b) = (first(i), first(i) + second);
@@ -88,6 +136,33 @@ impl Rope {
             head[a] = x0 * cos[i] - x1 * sin[i];
             head[b] = x0 * sin[i] + x1 * cos[i];
         }
+    }
+}
+
+/// L2 normalisation in place, as ggml's `l2_norm`: `x / max(sqrt(sum(x²)), eps)`, the squares
+/// summed in f64.
+pub fn l2_norm_in_place(x: &mut [f32], eps: f32) {
+    let sum: f64 = x.iter().map(|v| f64::from(v * v)).sum();
+    let scale = 1.0 / (sum as f32).sqrt().max(eps);
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+}
+
+/// Logistic sigmoid `1 / (1 + exp(-x))`.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Softplus `ln(1 + exp(x))`, returning `x` itself above 20 where the two agree in f32
+/// (ggml's threshold).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
     }
 }
 
@@ -173,7 +248,7 @@ mod tests {
             for i in 0..4 {
                 let (a, b) = match mode {
                     RopeMode::Normal => (2 * i, 2 * i + 1),
-                    RopeMode::NeoX => (i, i + 4),
+                    RopeMode::NeoX | RopeMode::MultiSection(_) => (i, i + 4),
                 };
                 let theta = pos as f64 * 10000f64.powf(-2.0 * i as f64 / 8.0);
                 let (c, s) = (theta.cos(), theta.sin());
@@ -204,6 +279,84 @@ mod tests {
         r.angles(100, &mut cos, &mut sin);
         assert_eq!(c2[0], cos[0]);
         assert_ne!(c2[1], cos[1]);
+    }
+
+    #[test]
+    fn multi_section_rope_assigns_pairs_like_ggml() {
+        // Interleaved (IMROPE) with sections [2, 1, 1, 0]: sectors 0..4 are t, h, w, t.
+        let imrope = RopeSections {
+            sections: [2, 1, 1, 0],
+            interleaved: true,
+        };
+        let parts: Vec<usize> = (0..8).map(|p| imrope.component(p)).collect();
+        assert_eq!(parts, vec![0, 1, 2, 0, 0, 1, 2, 0]);
+        // [1, 1, 1, 1]: sector 3 is `3 % 3 == 0` but not below 3 * 1, so it is extra.
+        let with_extra = RopeSections {
+            sections: [1, 1, 1, 1],
+            interleaved: true,
+        };
+        assert_eq!(
+            (0..4).map(|p| with_extra.component(p)).collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
+        // Contiguous (MROPE) runs.
+        let mrope = RopeSections {
+            sections: [2, 1, 0, 1],
+            interleaved: false,
+        };
+        assert_eq!(
+            (0..4).map(|p| mrope.component(p)).collect::<Vec<_>>(),
+            vec![0, 0, 1, 3]
+        );
+    }
+
+    #[test]
+    fn multi_section_rope_is_neox_except_for_the_extra_component() {
+        let neox = rope(RopeMode::NeoX, 8);
+        let mut multi = neox.clone();
+        multi.mode = RopeMode::MultiSection(RopeSections {
+            sections: [1, 1, 1, 1],
+            interleaved: true,
+        });
+        let (mut c1, mut s1) = (vec![0.0; 4], vec![0.0; 4]);
+        let (mut c2, mut s2) = (vec![0.0; 4], vec![0.0; 4]);
+        neox.angles(37, &mut c1, &mut s1);
+        multi.angles(37, &mut c2, &mut s2);
+        assert_eq!(&c1[..3], &c2[..3]);
+        assert_eq!(&s1[..3], &s2[..3]);
+        assert_eq!((c2[3], s2[3]), (1.0, 0.0));
+        let x = random_vec(16, 1.0, 9);
+        let (mut a, mut b) = (x.clone(), x.clone());
+        neox.apply(&mut a, &c1, &s1);
+        multi.apply(&mut b, &c2, &s2);
+        for i in 0..3 {
+            assert_eq!((a[i], a[i + 4]), (b[i], b[i + 4]), "pair {i}");
+        }
+        // Pair 3 (dims 3 and 7) of the extra component and the unrotated tail pass through.
+        assert_eq!((b[3], b[7]), (x[3], x[7]));
+        assert_eq!(&b[8..], &x[8..]);
+        // Sections that cover every pair make it plain NeoX.
+        multi.mode = RopeMode::MultiSection(RopeSections {
+            sections: [2, 1, 1, 0],
+            interleaved: true,
+        });
+        multi.angles(37, &mut c2, &mut s2);
+        assert_eq!((c1.clone(), s1.clone()), (c2.clone(), s2.clone()));
+    }
+
+    #[test]
+    fn l2_norm_sigmoid_softplus() {
+        let mut x = vec![3.0, 4.0];
+        l2_norm_in_place(&mut x, 1e-6);
+        assert_eq!(x, vec![0.6, 0.8]);
+        let mut zero = vec![0.0; 3];
+        l2_norm_in_place(&mut zero, 1e-6);
+        assert_eq!(zero, vec![0.0; 3]);
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert!((sigmoid(2.0) - 0.880_797).abs() < 1e-6);
+        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
+        assert_eq!(softplus(30.0), 30.0);
+        assert!((softplus(-5.0) - 0.006_715_348).abs() < 1e-8);
     }
 
     #[test]

@@ -1,4 +1,28 @@
 //! The [`ForwardPass`] implementation: one model, one sequence, a private thread pool.
+//!
+//! **Hybrid models** (qwen35, qwen3next) keep, besides the attention KV cache, the recurrent
+//! state of their Gated DeltaNet layers in a [`SnapshotRing`] of `depth + 1` planes, where
+//! `depth` is the verify capacity (`BackendParams::max_verify_tokens`, default 8, lowered with
+//! a warning when the memory for it cannot be had or exceeds the `ring_budget_bytes` option).
+//! Every evaluated token writes its state into the next plane, so:
+//!
+//! * a k-token verify (k ≤ depth) leaves the state after each of its tokens in the ring;
+//! * [`ForwardPass::truncate`] to any length of the last `depth` tokens selects that plane and
+//!   cuts the KV cache: O(1), nothing is recomputed. Rolled-back tokens' planes are reused by
+//!   the next tokens, and states older than `depth` evaluated tokens are gone, so the window is
+//!   "the last `depth` tokens evaluated, back to where the sequence still agrees with them":
+//!   a verify batch of up to `depth` tokens can always be rolled back to its start;
+//! * truncating further back takes the **slow path**: the backend keeps the sequence's tokens
+//!   and re-decodes the kept prefix from the empty state (one pass over `len` tokens, exact).
+//!   The option `deep_rollback = "refuse"` turns that into an `InvalidInput` error instead.
+//!
+//! The MTP head (models with a NextN block) has its own one-layer KV cache, one entry per
+//! position; [`ForwardPass::mtp_step`] at `position` cuts it to `position` entries and
+//! appends, and `truncate` cuts it together with the trunk.
+//!
+//! Options (`[target.options]` of the profile): `ring_budget_bytes` (an upper bound on the
+//! ring's memory) and `deep_rollback` (`redecode`, the default, or `refuse`). Unknown options
+//! are ignored with a warning.
 
 use std::path::Path;
 
@@ -10,9 +34,12 @@ use specula_plugin_api::{
     PluginResult,
 };
 
+use crate::arch::hybrid::{self, HybridScratch, TrunkState};
 use crate::arch::{forward_dense_layer, DenseConfig};
+use crate::blocks::mtp;
 use crate::kv_cache::KvCache;
-use crate::model::Model;
+use crate::model::{Graph, Model};
+use crate::recurrent::SnapshotRing;
 
 /// `max_verify_tokens` advertised when the host passes 0.
 pub const DEFAULT_MAX_VERIFY_TOKENS: u32 = 8;
@@ -20,6 +47,63 @@ pub const DEFAULT_MAX_VERIFY_TOKENS: u32 = 8;
 /// Rows pushed through the layers together. Longer evaluations (prefill) run in chunks of
 /// this many rows; chunking does not change any result, it only bounds scratch memory.
 const MIN_BATCH_ROWS: usize = 64;
+
+/// Backend option: the most bytes the recurrent-state snapshot ring may use.
+pub const OPTION_RING_BUDGET_BYTES: &str = "ring_budget_bytes";
+
+/// Backend option: what truncation beyond the rollback window does (`redecode` or `refuse`).
+pub const OPTION_DEEP_ROLLBACK: &str = "deep_rollback";
+
+/// What [`ForwardPass::truncate`] does for a length the snapshot ring no longer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeepRollback {
+    /// Re-decode the kept prefix from the empty state (exact, one pass over it).
+    Redecode,
+    /// Fail with an `InvalidInput` error.
+    Refuse,
+}
+
+/// The backend options cpu-simd understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Options {
+    ring_budget_bytes: Option<u64>,
+    deep_rollback: DeepRollback,
+}
+
+impl Options {
+    fn parse(params: &BackendParams) -> Result<Self, PluginError> {
+        let mut options = Options {
+            ring_budget_bytes: None,
+            deep_rollback: DeepRollback::Redecode,
+        };
+        for option in params.options.iter() {
+            let (key, value) = (option.0.as_str(), option.1.as_str().trim());
+            match key {
+                OPTION_RING_BUDGET_BYTES => {
+                    let bytes = value.parse::<u64>().map_err(|_| {
+                        PluginError::invalid_input(format!(
+                            "cpu-simd: option '{key}' = '{value}': expected a number of bytes"
+                        ))
+                    })?;
+                    options.ring_budget_bytes = Some(bytes);
+                }
+                OPTION_DEEP_ROLLBACK => {
+                    options.deep_rollback = match value {
+                        "redecode" => DeepRollback::Redecode,
+                        "refuse" => DeepRollback::Refuse,
+                        _ => {
+                            return Err(PluginError::invalid_input(format!(
+                            "cpu-simd: option '{key}' = '{value}': expected 'redecode' or 'refuse'"
+                        )))
+                        }
+                    };
+                }
+                _ => tracing::warn!("cpu-simd: ignoring unknown option '{key}' = '{value}'"),
+            }
+        }
+        Ok(options)
+    }
+}
 
 /// Preallocated buffers of a forward pass, sized for `batch_rows` rows.
 #[derive(Debug)]
@@ -87,12 +171,36 @@ impl std::fmt::Debug for CpuBackend {
 /// Everything the forward pass mutates, apart from the pool that runs it.
 struct Engine {
     model: Model,
+    /// Attention keys and values: one layer per attention layer of the trunk.
     kv: KvCache,
     batch_rows: usize,
-    scratch: Scratch,
     /// Final-norm hidden states of the rows of the last eval, `hidden_rows × n_embd`.
     hidden: Vec<f32>,
     hidden_rows: usize,
+    state: SeqState,
+}
+
+/// The per-family part of the sequence state and scratch.
+enum SeqState {
+    Dense(Box<Scratch>),
+    Hybrid(Box<HybridState>),
+}
+
+/// Sequence state of a hybrid model besides the KV cache.
+struct HybridState {
+    scratch: HybridScratch,
+    ring: SnapshotRing,
+    /// Every token of the sequence, for the slow rollback path.
+    tokens: Vec<u32>,
+    /// The MTP head's own cache (one layer), when the model has the head.
+    mtp_kv: Option<KvCache>,
+    deep_rollback: DeepRollback,
+    /// Truncations that took the slow path (re-decoding).
+    slow_rollbacks: u64,
+}
+
+fn internal(what: &str) -> PluginError {
+    PluginError::new(ErrorKind::Internal, format!("cpu-simd: {what}"))
 }
 
 impl CpuBackend {
@@ -113,13 +221,7 @@ impl CpuBackend {
             }
             asked => asked,
         };
-        for option in params.options.iter() {
-            tracing::warn!(
-                "cpu-simd: ignoring unknown option '{}' = '{}'",
-                option.0,
-                option.1
-            );
-        }
+        let options = Options::parse(params)?;
         let threads = match params.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n as usize,
@@ -134,19 +236,93 @@ impl CpuBackend {
                     format!("cpu-simd: cannot start {threads} worker threads: {e}"),
                 )
             })?;
-        let max_verify_tokens = match params.max_verify_tokens {
+        let requested_verify = match params.max_verify_tokens {
             0 => DEFAULT_MAX_VERIFY_TOKENS,
             n => n,
         };
-        let batch_rows = MIN_BATCH_ROWS.max(max_verify_tokens as usize);
-        let config = &model.config;
-        let kv = KvCache::new(
-            model.weights.layers.len(),
-            n_ctx as usize,
-            config.attention.k_width(),
-            config.attention.v_width(),
-        );
-        let scratch = Scratch::new(config, batch_rows, n_ctx as usize);
+        let n_ctx_us = n_ctx as usize;
+        let (kv, state, capabilities, has_mtp_head) = match &model.graph {
+            Graph::Dense(dense) => {
+                let config = &dense.config;
+                let batch_rows = MIN_BATCH_ROWS.max(requested_verify as usize);
+                let kv = KvCache::new(
+                    dense.weights.layers.len(),
+                    n_ctx_us,
+                    config.attention.k_width(),
+                    config.attention.v_width(),
+                );
+                let scratch = Scratch::new(config, batch_rows, n_ctx_us);
+                let capabilities = Capabilities {
+                    max_verify_tokens: requested_verify,
+                    rollback_depth: u32::MAX,
+                    hidden_state_export: true,
+                    mtp_head: false,
+                    snapshot_bytes_per_slot: 0,
+                };
+                (kv, SeqState::Dense(Box::new(scratch)), capabilities, false)
+            }
+            Graph::Hybrid(h) => {
+                let config = &h.config;
+                let layout = config.gdn.state_layout(config.n_gdn_layers);
+                let (ring, size) = SnapshotRing::allocate(
+                    layout,
+                    requested_verify as usize,
+                    options.ring_budget_bytes,
+                )?;
+                if size.depth < size.requested {
+                    tracing::warn!(
+                        "cpu-simd: the recurrent-state ring of {} holds {} snapshots of {} bytes instead of the {} asked for ({}); verify batches and rollback are limited to {} tokens",
+                        path.display(),
+                        size.depth,
+                        layout.plane_bytes(),
+                        size.requested,
+                        match options.ring_budget_bytes {
+                            Some(b) => format!("{OPTION_RING_BUDGET_BYTES} = {b}"),
+                            None => "allocation failed".to_string(),
+                        },
+                        size.depth
+                    );
+                }
+                let depth = u32::try_from(size.depth).unwrap_or(u32::MAX);
+                let kv = KvCache::new(
+                    config.n_attention_layers,
+                    n_ctx_us,
+                    config.attention.k_width(),
+                    config.attention.v_width(),
+                );
+                let mtp_kv = h.weights.mtp.as_ref().map(|_| {
+                    KvCache::new(
+                        1,
+                        n_ctx_us,
+                        config.attention.k_width(),
+                        config.attention.v_width(),
+                    )
+                });
+                let has_mtp = mtp_kv.is_some();
+                let batch_rows = MIN_BATCH_ROWS.max(size.depth);
+                let capabilities = Capabilities {
+                    max_verify_tokens: depth,
+                    rollback_depth: if layout.n_layers == 0 {
+                        u32::MAX
+                    } else {
+                        depth
+                    },
+                    hidden_state_export: true,
+                    mtp_head: has_mtp,
+                    snapshot_bytes_per_slot: layout.plane_bytes(),
+                };
+                let state = HybridState {
+                    scratch: HybridScratch::new(config, batch_rows, n_ctx_us),
+                    ring,
+                    tokens: Vec::with_capacity(n_ctx_us),
+                    mtp_kv,
+                    deep_rollback: options.deep_rollback,
+                    slow_rollbacks: 0,
+                };
+                (kv, SeqState::Hybrid(Box::new(state)), capabilities, has_mtp)
+            }
+        };
+        let batch_rows = MIN_BATCH_ROWS.max(capabilities.max_verify_tokens as usize);
         let info = ModelInfo {
             architecture: model.arch.name().into(),
             name: model.name.as_str().into(),
@@ -157,24 +333,19 @@ impl CpuBackend {
             n_layers: hp.block_count,
             bos_token: ROption::from(model.bos_token),
             eos_token: ROption::from(model.eos_token),
-            has_mtp_head: false,
+            has_mtp_head,
             n_params: model.n_params,
-            weight_bytes: model.weights.bytes_per_token(),
-        };
-        let capabilities = Capabilities {
-            max_verify_tokens,
-            rollback_depth: u32::MAX,
-            hidden_state_export: true,
-            mtp_head: false,
-            snapshot_bytes_per_slot: 0,
+            weight_bytes: model.graph.bytes_per_token(),
         };
         tracing::debug!(
-            "cpu-simd: opened {} ({}, {} layers, {} threads, context {n_ctx}, KV cache {} bytes)",
+            "cpu-simd: opened {} ({}, {} layers, {} threads, context {n_ctx}, KV cache {} bytes, {} snapshot bytes per slot × {})",
             path.display(),
             model.arch.name(),
             hp.block_count,
             threads,
-            kv.n_bytes()
+            kv.n_bytes(),
+            capabilities.snapshot_bytes_per_slot,
+            capabilities.rollback_depth
         );
         Ok(Self {
             pool,
@@ -182,9 +353,9 @@ impl CpuBackend {
                 model,
                 kv,
                 batch_rows,
-                scratch,
                 hidden: Vec::new(),
                 hidden_rows: 0,
+                state,
             },
             info,
             capabilities,
@@ -196,6 +367,11 @@ impl CpuBackend {
         &self.info
     }
 
+    /// What this instance can do (verify capacity, rollback depth, snapshot size, MTP head).
+    pub fn caps(&self) -> Capabilities {
+        self.capabilities
+    }
+
     /// Tokens in the sequence.
     pub fn len(&self) -> usize {
         self.engine.kv.len()
@@ -204,6 +380,15 @@ impl CpuBackend {
     /// Whether the sequence is empty.
     pub fn is_empty(&self) -> bool {
         self.engine.kv.is_empty()
+    }
+
+    /// The sequence lengths [`truncate_to`](Self::truncate_to) restores in O(1): every length
+    /// for a pure-attention model, the snapshot ring's window for a hybrid one.
+    pub fn rollback_window(&self) -> std::ops::RangeInclusive<usize> {
+        match &self.engine.state {
+            SeqState::Hybrid(h) if h.ring.layout().n_layers > 0 => h.ring.window(),
+            _ => 0..=self.engine.kv.len(),
+        }
     }
 
     /// [`ForwardPass::eval`] without the panic guard.
@@ -226,14 +411,152 @@ impl CpuBackend {
                 "cpu-simd: cannot truncate to {len} tokens: the sequence has only {seq_len}"
             )));
         }
-        self.engine.kv.set_len(len);
+        let engine = &mut self.engine;
+        let SeqState::Hybrid(h) = &mut engine.state else {
+            engine.kv.set_len(len);
+            return Ok(());
+        };
+        if let Some(mtp_kv) = &mut h.mtp_kv {
+            mtp_kv.set_len(mtp_kv.len().min(len));
+        }
+        if h.ring.layout().n_layers == 0 {
+            // No recurrent layer: only the KV cache to cut.
+            h.ring.reset();
+            h.ring.advance(len);
+        } else if !h.ring.restore(len) {
+            let window = h.ring.window();
+            match h.deep_rollback {
+                DeepRollback::Refuse => {
+                    return Err(PluginError::invalid_input(format!(
+                        "cpu-simd: cannot truncate to {len} tokens: the recurrent state is kept only for lengths {}..={} (rollback depth {}), and option '{OPTION_DEEP_ROLLBACK}' = 'refuse' forbids re-decoding",
+                        window.start(),
+                        window.end(),
+                        h.ring.depth()
+                    )));
+                }
+                DeepRollback::Redecode => {
+                    tracing::debug!(
+                        "cpu-simd: truncating to {len} tokens is outside the rollback window {}..={}; re-decoding them",
+                        window.start(),
+                        window.end()
+                    );
+                    h.slow_rollbacks += 1;
+                    let replay = h.tokens[..len].to_vec();
+                    h.ring.reset();
+                    h.tokens.clear();
+                    engine.kv.set_len(0);
+                    let hidden = (std::mem::take(&mut engine.hidden), engine.hidden_rows);
+                    let mut scratch_logits = RVec::new();
+                    let result = if replay.is_empty() {
+                        Ok(())
+                    } else {
+                        self.pool.install(|| {
+                            engine.forward(&replay, LogitRows::None, &mut scratch_logits)
+                        })
+                    };
+                    (engine.hidden, engine.hidden_rows) = hidden;
+                    return result;
+                }
+            }
+        }
+        h.tokens.truncate(len);
+        engine.kv.set_len(len);
         Ok(())
     }
 
     /// Final-norm hidden states of every row of the last eval (`rows × hidden_size`).
     pub fn last_hidden_states(&self) -> &[f32] {
-        let e = self.engine.model.config.n_embd;
+        let e = self.engine.model.graph.n_embd();
         &self.engine.hidden[..self.engine.hidden_rows * e]
+    }
+
+    /// How many truncations went beyond the snapshot ring and re-decoded (0 for dense models).
+    pub fn slow_rollbacks(&self) -> u64 {
+        match &self.engine.state {
+            SeqState::Hybrid(h) => h.slow_rollbacks,
+            SeqState::Dense(_) => 0,
+        }
+    }
+
+    /// Entries in the MTP head's KV cache (`None` without a head).
+    pub fn mtp_len(&self) -> Option<usize> {
+        match &self.engine.state {
+            SeqState::Hybrid(h) => h.mtp_kv.as_ref().map(KvCache::len),
+            SeqState::Dense(_) => None,
+        }
+    }
+
+    /// [`ForwardPass::mtp_step`] without the panic guard.
+    pub fn mtp_step_into(
+        &mut self,
+        hidden: &[f32],
+        token: u32,
+        position: usize,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), PluginError> {
+        let engine = &mut self.engine;
+        let no_head = || {
+            PluginError::unsupported(format!(
+                "cpu-simd: {} ({}) has no MTP head",
+                self.info.name, self.info.architecture
+            ))
+        };
+        let (Graph::Hybrid(model), SeqState::Hybrid(h)) = (&engine.model.graph, &mut engine.state)
+        else {
+            return Err(no_head());
+        };
+        let (Some(weights), Some(kv)) = (&model.weights.mtp, &mut h.mtp_kv) else {
+            return Err(no_head());
+        };
+        let e = model.config.n_embd;
+        let vocab = model.config.n_vocab;
+        if hidden.len() != e {
+            return Err(PluginError::invalid_input(format!(
+                "cpu-simd: mtp_step got a hidden state of {} values, expected the hidden size {e}",
+                hidden.len()
+            )));
+        }
+        if token as usize >= vocab {
+            return Err(PluginError::invalid_input(format!(
+                "cpu-simd: token id {token} is out of range (vocabulary size {vocab})"
+            )));
+        }
+        if position > kv.len() {
+            return Err(PluginError::invalid_input(format!(
+                "cpu-simd: mtp_step at position {position}, but the MTP head's cache holds only {} entries (steps must not skip positions)",
+                kv.len()
+            )));
+        }
+        if position >= kv.capacity() {
+            return Err(PluginError::new(
+                ErrorKind::ContextFull,
+                format!(
+                    "cpu-simd: context full: mtp_step at position {position} exceeds the context size {}",
+                    kv.capacity()
+                ),
+            ));
+        }
+        logits.clear();
+        logits.resize(vocab, 0.0);
+        hidden_out.clear();
+        hidden_out.resize(e, 0.0);
+        let file = &engine.model.file;
+        let scratch = &mut h.scratch;
+        self.pool.install(|| {
+            mtp::step(
+                &model.config,
+                weights,
+                file,
+                hidden,
+                token,
+                position,
+                kv,
+                scratch,
+                logits,
+                hidden_out,
+            )
+        })
     }
 }
 
@@ -274,13 +597,14 @@ impl Engine {
             model,
             kv,
             batch_rows,
-            scratch: s,
             hidden,
             hidden_rows,
+            state,
         } = self;
         let file = &model.file;
-        let config = &model.config;
-        let e = config.n_embd;
+        let graph = &model.graph;
+        let e = graph.n_embd();
+        let eps = graph.rms_eps();
         let vocab = model.hparams.vocab_size as usize;
         let n = tokens.len();
         let start = kv.len();
@@ -289,41 +613,80 @@ impl Engine {
         hidden.resize(n * e, 0.0);
         logits.clear();
         logits.resize(rows.count(n) * vocab, 0.0);
-        let embedding = model.weights.token_embd.view(file)?;
-        let output = model.weights.output.view(file)?;
+        let embedding = graph.token_embd().view(file)?;
+        let output = graph.output().view(file)?;
 
         for (chunk_index, chunk) in tokens.chunks(*batch_rows).enumerate() {
             let first = chunk_index * *batch_rows;
             let m = chunk.len();
-            for (x, &token) in s.x.chunks_exact_mut(e).zip(chunk) {
-                embedding.dequantize_row(token as usize, x);
-            }
-            for layer in 0..model.weights.layers.len() {
-                forward_dense_layer(model, layer, m, start + first, s, kv)?;
-            }
+            let (x, mm) = match state {
+                SeqState::Dense(s) => {
+                    let Graph::Dense(dense) = graph else {
+                        return Err(internal("dense state for a hybrid model"));
+                    };
+                    embed(&embedding, chunk, &mut s.x, e);
+                    for layer in 0..dense.weights.layers.len() {
+                        forward_dense_layer(file, dense, layer, m, start + first, s, kv)?;
+                    }
+                    let s = &mut **s;
+                    (&s.x, &mut s.matmul)
+                }
+                SeqState::Hybrid(h) => {
+                    let Graph::Hybrid(model) = graph else {
+                        return Err(internal("hybrid state for a dense model"));
+                    };
+                    let HybridState { scratch, ring, .. } = &mut **h;
+                    embed(&embedding, chunk, &mut scratch.x, e);
+                    let mut trunk = TrunkState { kv, ring };
+                    for layer in 0..model.weights.layers.len() {
+                        hybrid::forward_layer(
+                            model,
+                            file,
+                            layer,
+                            m,
+                            start + first,
+                            first,
+                            scratch,
+                            &mut trunk,
+                        )?;
+                    }
+                    (&scratch.x, &mut scratch.matmul)
+                }
+            };
             let chunk_hidden = &mut hidden[first * e..(first + m) * e];
-            for (x, h) in s.x.chunks_exact(e).zip(chunk_hidden.chunks_exact_mut(e)) {
-                ops::rms_norm(x, &model.weights.output_norm, config.rms_eps, h);
+            for (x, h) in x.chunks_exact(e).zip(chunk_hidden.chunks_exact_mut(e)) {
+                ops::rms_norm(x, graph.output_norm(), eps, h);
             }
             match rows {
                 LogitRows::All => matmul(
                     &output,
                     chunk_hidden,
                     &mut logits[first * vocab..(first + m) * vocab],
-                    &mut s.matmul,
+                    mm,
                 ),
                 LogitRows::Last if first + m == n => matmul(
                     &output,
                     &chunk_hidden[(m - 1) * e..],
                     &mut logits[..vocab],
-                    &mut s.matmul,
+                    mm,
                 ),
                 _ => {}
             }
         }
         kv.set_len(start + n);
+        if let SeqState::Hybrid(h) = state {
+            h.ring.advance(n);
+            h.tokens.extend_from_slice(tokens);
+        }
         *hidden_rows = n;
         Ok(())
+    }
+}
+
+/// Writes the embeddings of `tokens` into the first rows of `x` (`n_embd` each).
+fn embed(embedding: &specula_kernels::WeightMatrix<'_>, tokens: &[u32], x: &mut [f32], e: usize) {
+    for (row, &token) in x.chunks_exact_mut(e).zip(tokens) {
+        embedding.dequantize_row(token as usize, row);
     }
 }
 
@@ -374,17 +737,12 @@ impl ForwardPass for CpuBackend {
 
     fn mtp_step(
         &mut self,
-        _hidden: RSlice<'_, f32>,
-        _token: u32,
-        _position: usize,
-        _logits: &mut RVec<f32>,
-        _hidden_out: &mut RVec<f32>,
+        hidden: RSlice<'_, f32>,
+        token: u32,
+        position: usize,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        guard(|| {
-            Err(PluginError::unsupported(format!(
-                "cpu-simd: {} ({}) has no MTP head",
-                self.info.name, self.info.architecture
-            )))
-        })
+        guard(|| self.mtp_step_into(hidden.as_slice(), token, position, logits, hidden_out))
     }
 }

@@ -2,8 +2,12 @@
 //!
 //! Opens GGUF models (memory-mapped, weights used in place) and evaluates them on a private
 //! rayon pool with the kernels of `specula-kernels`. Supported architectures: `llama` and
-//! `qwen3` (dense); the hybrid `qwen35` / `qwen3next` are refused with a clear error for now.
-//! Weights may be F32, F16, BF16 or Q8_0.
+//! `qwen3` (dense), and the Gated DeltaNet hybrids `qwen35` (dense FFN) and `qwen3next`
+//! (mixture-of-experts FFN) with their NextN / MTP heads. Weights may be F32, F16, BF16 or
+//! Q8_0.
+//!
+//! Hybrid models keep their recurrent state in a snapshot ring ([`recurrent`]), so a verify
+//! batch can be rolled back to any of its token boundaries in O(1) (see [`backend`]).
 //!
 //! A multi-token eval returns, for every row, exactly the bits a single-token eval at that
 //! position would, which the host's speculative loop relies on.
@@ -17,6 +21,7 @@ pub mod backend;
 pub mod blocks;
 pub mod kv_cache;
 pub mod model;
+pub mod recurrent;
 
 pub use backend::CpuBackend;
 
@@ -31,7 +36,8 @@ use specula_plugin_api::{
 /// The name profiles select this plugin by.
 pub const PLUGIN_NAME: &str = "cpu-simd";
 
-const DESCRIPTION: &str = "GGUF models on the CPU (llama, qwen3; f32/f16/bf16/q8_0 weights)";
+const DESCRIPTION: &str =
+    "GGUF models on the CPU (llama, qwen3, qwen35, qwen3next + MTP; f32/f16/bf16/q8_0 weights)";
 
 fn describe() -> PluginInfo {
     PluginInfo {

@@ -1,5 +1,6 @@
 //! Every failure is a clear error value (never a panic): unsupported architectures and types,
-//! missing or broken files, bad inputs, a full context.
+//! missing or broken files (dense and hybrid), bad inputs and options, misuse of the MTP head,
+//! a full context.
 
 mod common;
 
@@ -15,39 +16,170 @@ fn open_err(path: &Path) -> PluginError {
     CpuBackend::open(&params(path, 1, 0)).expect_err("open must fail")
 }
 
+fn fixture(name: &str) -> std::path::PathBuf {
+    models_dir().join("fixtures").join(name)
+}
+
 #[test]
-fn hybrid_architectures_are_refused_as_not_supported_yet() {
-    let fixtures = models_dir().join("fixtures");
-    for (file, arch) in [
-        ("tiny-qwen35.gguf", "qwen35"),
-        ("tiny-qwen35-mtp.gguf", "qwen35"),
-        ("tiny-qwen35-4l-mtp.gguf", "qwen35"),
-        ("tiny-qwen3next.gguf", "qwen3next"),
-        ("tiny-qwen3next-mtp.gguf", "qwen3next"),
+fn broken_hybrid_files_are_refused_naming_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    // A missing Gated DeltaNet tensor.
+    let path = dir.path().join("no-conv.gguf");
+    rewrite_model(
+        &fixture("tiny-qwen35.gguf"),
+        &path,
+        &Rewrite {
+            drop_tensors: &["blk.0.ssm_conv1d.weight"],
+            ..Default::default()
+        },
+    );
+    let err = open_err(&path);
+    assert_eq!(err.kind, ErrorKind::Model);
+    assert!(
+        err.message.contains("blk.0.ssm_conv1d.weight") && err.message.contains("no-conv.gguf"),
+        "{}",
+        err.message
+    );
+    // A missing MTP tensor when nextn_predict_layers says there is a head.
+    let path = dir.path().join("no-eh-proj.gguf");
+    rewrite_model(
+        &fixture("tiny-qwen35-mtp.gguf"),
+        &path,
+        &Rewrite {
+            drop_tensors: &["blk.2.nextn.eh_proj.weight"],
+            ..Default::default()
+        },
+    );
+    let err = open_err(&path);
+    assert!(
+        err.message.contains("blk.2.nextn.eh_proj.weight"),
+        "{}",
+        err.message
+    );
+    // qwen35 needs its RoPE sections.
+    let path = dir.path().join("no-sections.gguf");
+    let file = specula_gguf::GgufFile::open(fixture("tiny-qwen35.gguf")).unwrap();
+    let mut w = specula_gguf::GgufWriter::new();
+    for (key, value) in file.metadata() {
+        if key != "qwen35.rope.dimension_sections" {
+            w.set(key.clone(), value.clone());
+        }
+    }
+    for info in file.tensors() {
+        let view = file.tensor(&info.name).unwrap();
+        w.add_tensor(info.name.clone(), &info.dims, info.ty, view.data.to_vec())
+            .unwrap();
+    }
+    w.write(&path).unwrap();
+    let err = open_err(&path);
+    assert!(
+        err.message.contains("'qwen35.rope.dimension_sections'"),
+        "{}",
+        err.message
+    );
+    // More than one NextN block is not implemented.
+    let path = dir.path().join("two-nextn.gguf");
+    rewrite_model(
+        &fixture("tiny-qwen35-4l-mtp.gguf"),
+        &path,
+        &Rewrite {
+            set_u32: &[("qwen35.nextn_predict_layers", 2)],
+            ..Default::default()
+        },
+    );
+    let err = open_err(&path);
+    assert_eq!(err.kind, ErrorKind::Model);
+    assert!(
+        err.message.contains("2 NextN / MTP blocks") && err.message.contains("not supported"),
+        "{}",
+        err.message
+    );
+}
+
+#[test]
+fn bad_backend_options_are_invalid_input() {
+    for (key, value) in [
+        ("ring_budget_bytes", "lots"),
+        ("deep_rollback", "sometimes"),
     ] {
-        let err = open_err(&fixtures.join(file));
-        assert_eq!(err.kind, ErrorKind::Model, "{file}");
-        let expected = format!("cpu-simd: architecture '{arch}' (hybrid Gated DeltaNet");
+        let mut p = params(&fixture("tiny-qwen35.gguf"), 1, 64);
+        p.options
+            .push(abi_stable::std_types::Tuple2(key.into(), value.into()));
+        let err = CpuBackend::open(&p).expect_err("bad option");
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{key}");
         assert!(
-            err.message.starts_with(&expected),
-            "{file}: {}",
-            err.message
-        );
-        assert!(
-            err.message.contains("is not supported yet"),
-            "{file}: {}",
+            err.message.contains(key) && err.message.contains(value),
+            "{}",
             err.message
         );
     }
-    let models = specula_cpu_simd::plugin_module();
-    let open_backend = models.open_backend().into_option().unwrap();
-    let err = open_backend(&params(&fixtures.join("tiny-qwen35.gguf"), 1, 0))
+}
+
+#[test]
+fn mtp_step_errors() {
+    let mut logits = RVec::new();
+    let mut hidden = RVec::new();
+    // No head: dense models and hybrids without a NextN block.
+    for path in [tiny_llama(), fixture("tiny-qwen35.gguf")] {
+        let mut b = open(&path, 1, 64);
+        let err = b
+            .mtp_step_into(&[0.0; 64], 5, 0, &mut logits, &mut hidden)
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Unsupported, "{}", path.display());
+        assert!(err.message.contains("has no MTP head"), "{}", err.message);
+    }
+    let mut b = open(&fixture("tiny-qwen35-mtp.gguf"), 1, 16);
+    // A hidden state of the wrong size, a bad token, a skipped position, a full context.
+    let cases: [(&[f32], u32, usize, ErrorKind, &str); 4] = [
+        (&[0.0; 63], 5, 0, ErrorKind::InvalidInput, "hidden size 64"),
+        (&[0.0; 64], 512, 0, ErrorKind::InvalidInput, "token id 512"),
+        (
+            &[0.0; 64],
+            5,
+            1,
+            ErrorKind::InvalidInput,
+            "holds only 0 entries",
+        ),
+        (
+            &[0.0; 64],
+            5,
+            16,
+            ErrorKind::InvalidInput,
+            "holds only 0 entries",
+        ),
+    ];
+    for (h, token, position, kind, text) in cases {
+        let err = b
+            .mtp_step_into(h, token, position, &mut logits, &mut hidden)
+            .unwrap_err();
+        assert_eq!(err.kind, kind, "{}", err.message);
+        assert!(err.message.contains(text), "{}", err.message);
+    }
+    for position in 0..16 {
+        b.mtp_step_into(&[0.1; 64], 5, position, &mut logits, &mut hidden)
+            .unwrap();
+    }
+    let err = b
+        .mtp_step_into(&[0.1; 64], 5, 16, &mut logits, &mut hidden)
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ContextFull, "{}", err.message);
+    // Through the trait object the errors are values too.
+    let module = specula_cpu_simd::plugin_module();
+    let open_backend = module.open_backend().into_option().unwrap();
+    let mut backend = open_backend(&params(&tiny_llama(), 1, 16))
         .into_result()
-        .err()
         .unwrap();
-    assert!(err
-        .message
-        .contains("'qwen35' (hybrid Gated DeltaNet) is not supported yet"));
+    let err = backend
+        .mtp_step(
+            RSlice::from_slice(&[0.0; 64]),
+            1,
+            0,
+            &mut logits,
+            &mut hidden,
+        )
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unsupported);
 }
 
 #[test]
@@ -66,7 +198,7 @@ fn unknown_architecture_lists_the_supported_ones() {
     assert_eq!(err.kind, ErrorKind::Model);
     assert!(
         err.message
-            .contains("unknown architecture 'gpt2' (supported: llama, qwen3)"),
+            .contains("unknown architecture 'gpt2' (supported: llama, qwen3, qwen35, qwen3next)"),
         "{}",
         err.message
     );

@@ -1,11 +1,14 @@
-//! The architectures cpu-simd runs, and the dense decoder block they share.
+//! The architectures cpu-simd runs, and the dense decoder block the dense ones share.
 //!
-//! Each architecture file says what is specific to it (RoPE variant, extra tensors); the
-//! pre-norm residual layout `x += attn(norm(x)); x += ffn(norm(x))` and the loading of the
-//! common tensors live here.
+//! Each architecture file says what is specific to it (RoPE variant, extra tensors, FFN kind).
+//! The dense pre-norm residual layout `x += attn(norm(x)); x += ffn(norm(x))` and the loading
+//! of its common tensors live here; the hybrid Gated DeltaNet decoder lives in [`hybrid`].
 
+pub mod hybrid;
 pub mod llama;
 pub mod qwen3;
+pub mod qwen35;
+pub mod qwen3next;
 
 use std::path::Path;
 
@@ -18,31 +21,30 @@ use crate::blocks::attention::{self, AttentionShape};
 use crate::blocks::ffn;
 use crate::kv_cache::KvCache;
 use crate::model::weights::{DenseDims, ModelWeights};
-use crate::model::{LoadError, Model};
+use crate::model::{DenseModel, Graph, LoadError};
 
 /// Architectures whose `general.architecture` cpu-simd accepts.
-pub const SUPPORTED: &str = "llama, qwen3";
+pub const SUPPORTED: &str = "llama, qwen3, qwen35, qwen3next";
 
 /// A supported architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Qwen3,
+    /// Qwen3.5 / 3.6: Gated DeltaNet hybrid, dense FFN, multi-section RoPE.
+    Qwen35,
+    /// Qwen3-Next: Gated DeltaNet hybrid, mixture-of-experts FFN, partial NeoX RoPE.
+    Qwen3Next,
 }
 
 impl Architecture {
     /// The architecture named `name` in the file at `path`, or a clear refusal.
     pub fn from_name(name: &str, path: &Path) -> Result<Self, LoadError> {
-        let not_yet = |description| LoadError::ArchitectureNotYetSupported {
-            path: path.display().to_string(),
-            arch: name.to_string(),
-            description,
-        };
         match name {
             "llama" => Ok(Architecture::Llama),
             "qwen3" => Ok(Architecture::Qwen3),
-            "qwen35" => Err(not_yet("hybrid Gated DeltaNet")),
-            "qwen3next" => Err(not_yet("hybrid Gated DeltaNet with mixture-of-experts FFN")),
+            "qwen35" => Ok(Architecture::Qwen35),
+            "qwen3next" => Ok(Architecture::Qwen3Next),
             other => Err(LoadError::UnknownArchitecture {
                 path: path.display().to_string(),
                 arch: other.to_string(),
@@ -56,18 +58,21 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen35 => "qwen35",
+            Architecture::Qwen3Next => "qwen3next",
         }
     }
 
     /// Loads the architecture's weights and block configuration.
-    pub fn load(
-        self,
-        file: &GgufFile,
-        hp: &HParams,
-    ) -> Result<(DenseConfig, ModelWeights), LoadError> {
+    pub fn load(self, file: &GgufFile, hp: &HParams) -> Result<Graph, LoadError> {
+        let dense = |(config, weights)| Graph::Dense(Box::new(DenseModel { config, weights }));
         match self {
-            Architecture::Llama => llama::load(file, hp),
-            Architecture::Qwen3 => qwen3::load(file, hp),
+            Architecture::Llama => llama::load(file, hp).map(dense),
+            Architecture::Qwen3 => qwen3::load(file, hp).map(dense),
+            Architecture::Qwen35 => qwen35::load(file, hp).map(|m| Graph::Hybrid(Box::new(m))),
+            Architecture::Qwen3Next => {
+                qwen3next::load(file, hp).map(|m| Graph::Hybrid(Box::new(m)))
+            }
         }
     }
 }
@@ -166,7 +171,7 @@ pub fn load_dense(
     Ok((config, weights))
 }
 
-/// Runs dense block `layer_index` of `model` over the `n` rows in `scratch.x` (tokens at positions
+/// Runs dense block `layer_index` of `model` (weights in `file`) over the `n` rows in `scratch.x` (tokens at positions
 /// `pos0 ..`), updating the residual stream in place and writing the rows' keys and values
 /// into the cache.
 ///
@@ -174,14 +179,14 @@ pub fn load_dense(
 /// compute each output independently of the batch, and row `i` attends to positions
 /// `0 ..= pos0 + i` in order.
 pub fn forward_dense_layer(
-    model: &Model,
+    file: &GgufFile,
+    model: &DenseModel,
     layer_index: usize,
     n: usize,
     pos0: usize,
     scratch: &mut Scratch,
     kv: &mut KvCache,
 ) -> Result<(), PluginError> {
-    let file = &model.file;
     let config = &model.config;
     let layer = &model.weights.layers[layer_index];
     let e = config.n_embd;
@@ -218,7 +223,9 @@ pub fn forward_dense_layer(
         let q = &mut s.q[i * qw..(i + 1) * qw];
         let k = &mut s.k[i * kw..(i + 1) * kw];
         attention::prepare_query_key(
-            config,
+            &config.rope,
+            shape.head_dim,
+            config.rms_eps,
             layer.attn_q_norm.as_deref(),
             layer.attn_k_norm.as_deref(),
             pos,

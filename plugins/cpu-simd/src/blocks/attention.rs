@@ -1,15 +1,26 @@
-//! Grouped-query softmax attention of one row over the KV cache.
+//! Grouped-query softmax attention of one row over the KV cache, and the gated full-attention
+//! block of the hybrid models.
 //!
 //! Query head `h` reads key/value head `h / (n_head / n_head_kv)` (ggml's broadcast). For each
 //! head the scores of positions `0 ..= pos` are computed in position order with the shared f32
 //! dot product, scaled by `1 / sqrt(head_dim)`, soft-maxed, and the value rows are accumulated
 //! in position order. Heads may run on different threads; each head's arithmetic is fixed, so
 //! the result does not depend on threads or on which batch the row came in.
+//!
+//! The gated block ([`forward_gated`], qwen35 / qwen3next and their MTP heads) projects query
+//! and output gate together (`attn_q` gives, per head, `head_dim` query values then `head_dim`
+//! gate values), normalises queries and keys per head, applies the model's RoPE (partial NeoX
+//! or multi-section), attends, and multiplies the attention output by `sigmoid(gate)` before
+//! `attn_output`.
 
 use rayon::prelude::*;
-use specula_kernels::{f32 as kf32, ops};
+use specula_gguf::GgufFile;
+use specula_kernels::{f32 as kf32, matmul, ops, MatmulScratch, Rope};
+use specula_plugin_api::PluginError;
 
-use crate::arch::DenseConfig;
+use crate::kv_cache::KvCache;
+use crate::model::weights::{load_vector, MatrixRef};
+use crate::model::LoadError;
 
 /// Below this many multiply-adds per row, heads run on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 14;
@@ -49,11 +60,14 @@ impl AttentionShape {
     }
 }
 
-/// Applies the optional per-head q/k RMSNorm and then RoPE for position `pos` to one row's
-/// query (`q_width`) and key (`k_width`) in place. `cos`/`sin` are scratch of `n_rot / 2`.
+/// Applies the optional per-head q/k RMSNorm (epsilon `eps`) and then `rope` for position `pos`
+/// to one row's query (`n_head × head_dim`) and key (`n_head_kv × head_dim`) in place.
+/// `cos`/`sin` are scratch of `n_rot / 2`.
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_query_key(
-    config: &DenseConfig,
+    rope: &Rope,
+    head_dim: usize,
+    eps: f32,
     q_norm: Option<&[f32]>,
     k_norm: Option<&[f32]>,
     pos: usize,
@@ -62,13 +76,11 @@ pub fn prepare_query_key(
     cos: &mut [f32],
     sin: &mut [f32],
 ) {
-    let rope = &config.rope;
-    let hd = config.attention.head_dim;
     rope.angles(pos, cos, sin);
     for (heads, norm) in [(q, q_norm), (k, k_norm)] {
-        for head in heads.chunks_exact_mut(hd) {
+        for head in heads.chunks_exact_mut(head_dim) {
             if let Some(weight) = norm {
-                ops::rms_norm_in_place(head, weight, config.rms_eps);
+                ops::rms_norm_in_place(head, weight, eps);
             }
             rope.apply(head, cos, sin);
         }
@@ -125,6 +137,169 @@ pub fn attend(
             .enumerate()
             .for_each(head);
     }
+}
+
+/// The weights of a gated full-attention block (`blk.N.attn_*`).
+#[derive(Debug, Clone)]
+pub struct GatedAttentionWeights {
+    /// `{n_embd, 2 × n_head × head_dim}`: per head, the query then the output gate.
+    pub attn_q: MatrixRef,
+    pub attn_k: MatrixRef,
+    pub attn_v: MatrixRef,
+    /// `{n_head × value_dim, n_embd}`.
+    pub attn_output: MatrixRef,
+    /// Per-head RMSNorm of queries, `head_dim` values.
+    pub q_norm: Vec<f32>,
+    /// Per-head RMSNorm of keys, `head_dim` values.
+    pub k_norm: Vec<f32>,
+}
+
+impl GatedAttentionWeights {
+    /// Loads the attention tensors of block `layer`.
+    pub fn load(
+        file: &GgufFile,
+        layer: usize,
+        shape: &AttentionShape,
+        n_embd: usize,
+    ) -> Result<Self, LoadError> {
+        let name = |t: &str| format!("blk.{layer}.{t}.weight");
+        let matrix = |t: &str, rows, cols| MatrixRef::load(file, &name(t), rows, cols);
+        Ok(Self {
+            attn_q: matrix("attn_q", 2 * shape.q_width(), n_embd)?,
+            attn_k: matrix("attn_k", shape.k_width(), n_embd)?,
+            attn_v: matrix("attn_v", shape.v_width(), n_embd)?,
+            attn_output: matrix("attn_output", n_embd, shape.out_width())?,
+            q_norm: load_vector(file, &name("attn_q_norm"), shape.head_dim)?,
+            k_norm: load_vector(file, &name("attn_k_norm"), shape.head_dim)?,
+        })
+    }
+
+    /// Every weight matrix of the block.
+    pub fn matrices(&self) -> [&MatrixRef; 4] {
+        [&self.attn_q, &self.attn_k, &self.attn_v, &self.attn_output]
+    }
+
+    /// Bytes of weights read per token.
+    pub fn bytes_per_token(&self) -> u64 {
+        let vectors = (self.q_norm.len() + self.k_norm.len()) as u64;
+        self.matrices().iter().map(|m| m.n_bytes()).sum::<u64>() + 4 * vectors
+    }
+}
+
+/// Buffers of [`forward_gated`] for up to `rows` rows over a context of `n_ctx`.
+#[derive(Debug, Default)]
+pub struct GatedScratch {
+    q_full: Vec<f32>,
+    q: Vec<f32>,
+    gate: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    scores: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl GatedScratch {
+    pub fn new(shape: &AttentionShape, rope: &Rope, rows: usize, n_ctx: usize) -> Self {
+        Self {
+            q_full: vec![0.0; rows * 2 * shape.q_width()],
+            q: vec![0.0; rows * shape.q_width()],
+            gate: vec![0.0; rows * shape.q_width()],
+            k: vec![0.0; rows * shape.k_width()],
+            v: vec![0.0; rows * shape.v_width()],
+            attn: vec![0.0; rows * shape.out_width()],
+            scores: vec![0.0; shape.n_head * n_ctx],
+            cos: vec![0.0; rope.n_rot / 2],
+            sin: vec![0.0; rope.n_rot / 2],
+        }
+    }
+}
+
+/// Where a gated-attention call keeps its keys and values.
+#[derive(Debug, Clone, Copy)]
+pub struct KvSlot {
+    /// Layer of the cache.
+    pub layer: usize,
+    /// Cache index of the first row; row `i` is stored at `pos0 + i` and attends to `0 ..= pos0 + i`.
+    pub pos0: usize,
+    /// RoPE position minus cache index (0 in the trunk; 1 for an MTP head, whose entry `p`
+    /// holds the token of position `p + 1`).
+    pub rope_offset: usize,
+}
+
+/// Runs gated attention over the `m` normalised rows `xn` (`m × n_embd`), storing the rows'
+/// keys and values in `kv` at `slot`, and writes the projected output to `out` (`m × n_embd`).
+///
+/// Projections are batched across rows; the per-row part (split, norms, RoPE, cache write,
+/// attention, gate) runs row by row, so row `i` gets exactly the bits of a single-row call.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_gated(
+    shape: &AttentionShape,
+    rope: &Rope,
+    eps: f32,
+    w: &GatedAttentionWeights,
+    file: &GgufFile,
+    xn: &[f32],
+    m: usize,
+    kv: &mut KvCache,
+    slot: KvSlot,
+    s: &mut GatedScratch,
+    mm: &mut MatmulScratch,
+    out: &mut [f32],
+) -> Result<(), PluginError> {
+    let (hd, qw, kw, vw, ow) = (
+        shape.head_dim,
+        shape.q_width(),
+        shape.k_width(),
+        shape.v_width(),
+        shape.out_width(),
+    );
+    matmul(&w.attn_q.view(file)?, xn, &mut s.q_full[..m * 2 * qw], mm);
+    matmul(&w.attn_k.view(file)?, xn, &mut s.k[..m * kw], mm);
+    matmul(&w.attn_v.view(file)?, xn, &mut s.v[..m * vw], mm);
+    for i in 0..m {
+        let q = &mut s.q[i * qw..(i + 1) * qw];
+        let gate = &mut s.gate[i * qw..(i + 1) * qw];
+        let full = &s.q_full[i * 2 * qw..(i + 1) * 2 * qw];
+        for ((pair, qh), gh) in full
+            .chunks_exact(2 * hd)
+            .zip(q.chunks_exact_mut(hd))
+            .zip(gate.chunks_exact_mut(hd))
+        {
+            qh.copy_from_slice(&pair[..hd]);
+            gh.copy_from_slice(&pair[hd..]);
+        }
+        let k = &mut s.k[i * kw..(i + 1) * kw];
+        let pos = slot.pos0 + i;
+        prepare_query_key(
+            rope,
+            hd,
+            eps,
+            Some(&w.q_norm),
+            Some(&w.k_norm),
+            pos + slot.rope_offset,
+            q,
+            k,
+            &mut s.cos,
+            &mut s.sin,
+        );
+        kv.store(slot.layer, pos, k, &s.v[i * vw..(i + 1) * vw]);
+        let attn = &mut s.attn[i * ow..(i + 1) * ow];
+        attend(
+            shape,
+            q,
+            kv.keys(slot.layer, pos + 1),
+            kv.values(slot.layer, pos + 1),
+            &mut s.scores,
+            attn,
+        );
+        for (a, g) in attn.iter_mut().zip(gate.iter()) {
+            *a *= ops::sigmoid(*g);
+        }
+    }
+    matmul(&w.attn_output.view(file)?, &s.attn[..m * ow], out, mm);
+    Ok(())
 }
 
 #[cfg(test)]

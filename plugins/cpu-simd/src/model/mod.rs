@@ -8,8 +8,9 @@ use std::path::Path;
 use specula_gguf::{GgmlType, GgufError, GgufFile, HParams};
 use specula_plugin_api::{ErrorKind, PluginError};
 
+use crate::arch::hybrid::HybridModel;
 use crate::arch::{Architecture, DenseConfig};
-use weights::ModelWeights;
+use weights::{MatrixRef, ModelWeights};
 
 /// Why a model could not be loaded. Every message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -28,12 +29,6 @@ pub enum LoadError {
         path: String,
         tensor: String,
         why: String,
-    },
-    #[error("cpu-simd: architecture '{arch}' ({description}) is not supported yet ({path})")]
-    ArchitectureNotYetSupported {
-        path: String,
-        arch: String,
-        description: &'static str,
     },
     #[error("cpu-simd: {path}: unknown architecture '{arch}' (supported: {supported})")]
     UnknownArchitecture {
@@ -61,13 +56,85 @@ impl From<GgufError> for LoadError {
     }
 }
 
+/// A dense decoder: its block configuration and weights.
+#[derive(Debug, Clone)]
+pub struct DenseModel {
+    pub config: DenseConfig,
+    pub weights: ModelWeights,
+}
+
+/// The computation graph of a model, by family.
+#[derive(Debug, Clone)]
+pub enum Graph {
+    /// llama, qwen3.
+    Dense(Box<DenseModel>),
+    /// qwen35, qwen3next: Gated DeltaNet hybrids.
+    Hybrid(Box<HybridModel>),
+}
+
+impl Graph {
+    /// The hidden size.
+    pub fn n_embd(&self) -> usize {
+        match self {
+            Graph::Dense(d) => d.config.n_embd,
+            Graph::Hybrid(h) => h.config.n_embd,
+        }
+    }
+
+    pub fn rms_eps(&self) -> f32 {
+        match self {
+            Graph::Dense(d) => d.config.rms_eps,
+            Graph::Hybrid(h) => h.config.rms_eps,
+        }
+    }
+
+    /// `token_embd.weight`.
+    pub fn token_embd(&self) -> &MatrixRef {
+        match self {
+            Graph::Dense(d) => &d.weights.token_embd,
+            Graph::Hybrid(h) => &h.weights.token_embd,
+        }
+    }
+
+    /// The output projection (LM head).
+    pub fn output(&self) -> &MatrixRef {
+        match self {
+            Graph::Dense(d) => &d.weights.output,
+            Graph::Hybrid(h) => &h.weights.output,
+        }
+    }
+
+    /// The final norm before the LM head.
+    pub fn output_norm(&self) -> &[f32] {
+        match self {
+            Graph::Dense(d) => &d.weights.output_norm,
+            Graph::Hybrid(h) => &h.weights.output_norm,
+        }
+    }
+
+    /// Bytes of weights read per evaluated token.
+    pub fn bytes_per_token(&self) -> u64 {
+        match self {
+            Graph::Dense(d) => d.weights.bytes_per_token(),
+            Graph::Hybrid(h) => h.weights.bytes_per_token(&h.config),
+        }
+    }
+
+    /// Trunk blocks the forward pass runs (without appended MTP blocks).
+    pub fn n_trunk_layers(&self) -> usize {
+        match self {
+            Graph::Dense(d) => d.weights.layers.len(),
+            Graph::Hybrid(h) => h.weights.layers.len(),
+        }
+    }
+}
+
 /// A loaded model: the mapped file, its hyper-parameters and its checked weights.
 pub struct Model {
     pub file: GgufFile,
     pub arch: Architecture,
     pub hparams: HParams,
-    pub config: DenseConfig,
-    pub weights: ModelWeights,
+    pub graph: Graph,
     /// `general.name`, else the file stem.
     pub name: String,
     pub bos_token: Option<u32>,
@@ -92,7 +159,7 @@ impl Model {
         let file = GgufFile::open(path)?;
         let arch = Architecture::from_name(file.architecture()?, path)?;
         let hparams = HParams::from_gguf(&file)?;
-        let (config, weights) = arch.load(&file, &hparams)?;
+        let graph = arch.load(&file, &hparams)?;
         let name = match file.get_str("general.name")? {
             Some(name) if !name.is_empty() => name.to_string(),
             _ => path
@@ -112,8 +179,7 @@ impl Model {
             file,
             arch,
             hparams,
-            config,
-            weights,
+            graph,
             name,
             bos_token,
             eos_token,

@@ -64,6 +64,99 @@ impl MatrixRef {
     }
 }
 
+impl MatrixRef {
+    /// Finds the 1-D tensor `name` of `cols` values and views it as a one-row matrix: a
+    /// projection to a single value per input row (e.g. the shared-expert gate
+    /// `ffn_gate_inp_shexp`, stored as `{n_embd}`).
+    pub fn load_row(file: &GgufFile, name: &str, cols: usize) -> Result<Self, LoadError> {
+        let view = file.tensor_shaped(name, &[cols as u64])?;
+        let ty = supported_type(file, name, view.info.ty)?;
+        WeightMatrix::new(ty, 1, cols, view.data).map_err(|e| LoadError::BadTensor {
+            path: file.path().display().to_string(),
+            tensor: name.to_string(),
+            why: e.to_string(),
+        })?;
+        Ok(Self {
+            name: name.to_string(),
+            ty,
+            rows: 1,
+            cols,
+        })
+    }
+}
+
+/// A checked stack of per-expert weight matrices: tensor `{cols, rows, n_expert}`, expert `e`
+/// being the contiguous `rows × cols` matrix at index `e`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertsRef {
+    pub name: String,
+    pub ty: WeightType,
+    pub rows: usize,
+    pub cols: usize,
+    pub n_expert: usize,
+}
+
+impl ExpertsRef {
+    /// Finds tensor `name` with shape `{cols, rows, n_expert}` and a supported type.
+    pub fn load(
+        file: &GgufFile,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        n_expert: usize,
+    ) -> Result<Self, LoadError> {
+        let view = file.tensor_shaped(name, &[cols as u64, rows as u64, n_expert as u64])?;
+        let ty = supported_type(file, name, view.info.ty)?;
+        WeightMatrix::new(ty, rows * n_expert, cols, view.data).map_err(|e| {
+            LoadError::BadTensor {
+                path: file.path().display().to_string(),
+                tensor: name.to_string(),
+                why: e.to_string(),
+            }
+        })?;
+        Ok(Self {
+            name: name.to_string(),
+            ty,
+            rows,
+            cols,
+            n_expert,
+        })
+    }
+
+    /// Expert `e`'s matrix over the file's bytes.
+    pub fn view<'f>(&self, file: &'f GgufFile, e: usize) -> Result<WeightMatrix<'f>, PluginError> {
+        let internal = |why: String| PluginError::new(specula_plugin_api::ErrorKind::Internal, why);
+        let tensor = file
+            .tensor(&self.name)
+            .map_err(|e| internal(e.to_string()))?;
+        let bytes = self.expert_bytes() as usize;
+        let data = tensor
+            .data
+            .get(e * bytes..(e + 1) * bytes)
+            .ok_or_else(|| internal(format!("tensor '{}': no expert {e}", self.name)))?;
+        WeightMatrix::new(self.ty, self.rows, self.cols, data)
+            .map_err(|err| internal(format!("tensor '{}': {err}", self.name)))
+    }
+
+    /// Bytes of one expert's matrix.
+    pub fn expert_bytes(&self) -> u64 {
+        (self.ty.row_bytes(self.cols).unwrap_or(0) * self.rows) as u64
+    }
+}
+
+/// Reads tensor `name` of shape `dims` (ggml order, any supported type) as f32 values in
+/// storage order (small tensors such as convolution kernels).
+pub fn load_f32(file: &GgufFile, name: &str, dims: &[u64]) -> Result<Vec<f32>, LoadError> {
+    let view = file.tensor_shaped(name, dims)?;
+    let ty = supported_type(file, name, view.info.ty)?;
+    let n = dims.iter().product::<u64>() as usize;
+    specula_kernels::try_dequantize(ty.ggml(), view.data, n).map_err(|e| LoadError::BadTensor {
+        path: file.path().display().to_string(),
+        tensor: name.to_string(),
+        why: e.to_string(),
+    })
+}
+
 /// Reads the vector tensor `name` of `len` values (any supported type) as f32.
 pub fn load_vector(file: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
     let view = file.tensor_shaped(name, &[len as u64])?;

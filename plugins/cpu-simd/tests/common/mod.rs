@@ -284,3 +284,150 @@ pub fn rewrite_model(src: &Path, dst: &Path, rewrite: &Rewrite<'_>) {
     }
     w.write(dst).unwrap();
 }
+
+/// A file of `../shared/models/fixtures`.
+pub fn fixture(name: &str) -> PathBuf {
+    models_dir().join("fixtures").join(name)
+}
+
+/// The trained qwen35 model with an MTP head (`f32` or `q8_0`).
+pub fn trained_qwen35(ty: &str) -> PathBuf {
+    models_dir().join(format!("trained/stories-qwen35-mtp-{ty}.gguf"))
+}
+
+/// The hybrid fixtures: (file, architecture, has an MTP head).
+pub const HYBRID_FIXTURES: [(&str, &str, bool); 5] = [
+    ("tiny-qwen35.gguf", "qwen35", false),
+    ("tiny-qwen35-mtp.gguf", "qwen35", true),
+    ("tiny-qwen35-4l-mtp.gguf", "qwen35", true),
+    ("tiny-qwen3next.gguf", "qwen3next", false),
+    ("tiny-qwen3next-mtp.gguf", "qwen3next", true),
+];
+
+/// Opens `path` asking for a verify capacity of `max_verify` (0: the default) with backend
+/// `options`.
+pub fn open_with(
+    path: &Path,
+    threads: u32,
+    context_size: u32,
+    max_verify: u32,
+    options: &[(&str, &str)],
+) -> CpuBackend {
+    let mut p = params(path, threads, context_size);
+    p.max_verify_tokens = max_verify;
+    for (key, value) in options {
+        p.options.push(abi_stable::std_types::Tuple2(
+            (*key).into(),
+            (*value).into(),
+        ));
+    }
+    CpuBackend::open(&p).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+}
+
+/// One MTP step; returns (logits, hidden).
+pub fn mtp(
+    backend: &mut CpuBackend,
+    hidden: &[f32],
+    token: u32,
+    position: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let (mut logits, mut out) = (RVec::new(), RVec::new());
+    backend
+        .mtp_step_into(hidden, token, position, &mut logits, &mut out)
+        .unwrap_or_else(|e| panic!("mtp_step at {position}: {e}"));
+    (logits.to_vec(), out.to_vec())
+}
+
+/// Row `i` (of `width` values) of `values`.
+pub fn row(values: &[f32], i: usize, width: usize) -> &[f32] {
+    &values[i * width..(i + 1) * width]
+}
+
+/// Writes a random-weight qwen35 hybrid larger than the shared fixtures (E 128; 4 trunk layers
+/// GDN, attention, GDN, attention; GDN with 4 key heads and 8 value heads of 64, so one
+/// layer's S matrices are 32768 values and the recurrence runs its heads in parallel;
+/// attention 4 heads / 2 kv heads of 32 with IMROPE sections [2, 2, 2, 2] over 16 dims, so the
+/// last two rotary pairs belong to the unrotated extra component; FFN 192; an MTP block),
+/// matrices stored as `ty`, vocabulary tok512.
+pub fn write_qwen35(path: &Path, ty: GgmlType, seed: u64) {
+    let (e, h, hkv, hd, ff, trunk) = (128u64, 4u64, 2u64, 32u64, 192u64, 4u32);
+    let (s, hk, hv, kernel) = (64u64, 4u64, 8u64, 4u64);
+    let channels = 2 * s * hk + s * hv;
+    let vocab = u64::from(QWEN3_VOCAB);
+    let mut rng = Rng::new(seed);
+    let mut w = GgufWriter::new();
+    let a = "qwen35";
+    w.set_str("general.architecture", a)
+        .set_str("general.name", "test-random-qwen35")
+        .set_u32(format!("{a}.context_length"), 512)
+        .set_u32(format!("{a}.embedding_length"), e as u32)
+        .set_u32(format!("{a}.block_count"), trunk + 1)
+        .set_u32(format!("{a}.feed_forward_length"), ff as u32)
+        .set_u32(format!("{a}.attention.head_count"), h as u32)
+        .set_u32(format!("{a}.attention.head_count_kv"), hkv as u32)
+        .set_u32(format!("{a}.attention.key_length"), hd as u32)
+        .set_u32(format!("{a}.attention.value_length"), hd as u32)
+        .set_f32(format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6)
+        .set_u32(format!("{a}.rope.dimension_count"), 16)
+        .set_f32(format!("{a}.rope.freq_base"), 1e7)
+        .set_i32_array(format!("{a}.rope.dimension_sections"), [2, 2, 2, 2])
+        .set_u32(format!("{a}.ssm.conv_kernel"), kernel as u32)
+        .set_u32(format!("{a}.ssm.state_size"), s as u32)
+        .set_u32(format!("{a}.ssm.group_count"), hk as u32)
+        .set_u32(format!("{a}.ssm.time_step_rank"), hv as u32)
+        .set_u32(format!("{a}.ssm.inner_size"), (s * hv) as u32)
+        .set_u32(format!("{a}.full_attention_interval"), 2)
+        .set_u32(format!("{a}.nextn_predict_layers"), 1);
+    copy_tokenizer(&GgufFile::open(stories()).unwrap(), &mut w);
+
+    let mut matrix = |w: &mut GgufWriter, name: String, dims: &[u64], gain: f32| {
+        let scale = gain * (3.0 / dims[0] as f32).sqrt();
+        let n: u64 = dims.iter().product();
+        let values: Vec<f32> = (0..n).map(|_| rng.unit() * scale).collect();
+        let (t, data) = encode(ty, dims, &values);
+        w.add_tensor(name, dims, t, data).unwrap();
+    };
+    let vector = |w: &mut GgufWriter, name: String, n: u64, seed: u64, base: f32, spread: f32| {
+        let mut r = Rng::new(seed);
+        let values: Vec<f32> = (0..n).map(|_| base + spread * r.unit()).collect();
+        w.add_f32(name, &[n], &values).unwrap();
+    };
+    matrix(&mut w, "token_embd.weight".into(), &[e, vocab], 1.0);
+    vector(&mut w, "output_norm.weight".into(), e, seed + 1, 1.0, 0.02);
+    matrix(&mut w, "output.weight".into(), &[e, vocab], 4.0);
+    for l in 0..=trunk {
+        let b = |t: &str| format!("blk.{l}.{t}.weight");
+        let sd = seed + 100 * u64::from(l + 1);
+        vector(&mut w, b("attn_norm"), e, sd, 1.0, 0.02);
+        vector(&mut w, b("post_attention_norm"), e, sd + 1, 1.0, 0.02);
+        let attention = l % 2 == 1 || l == trunk;
+        if attention {
+            matrix(&mut w, b("attn_q"), &[e, 2 * h * hd], 1.0);
+            matrix(&mut w, b("attn_k"), &[e, hkv * hd], 1.0);
+            matrix(&mut w, b("attn_v"), &[e, hkv * hd], 1.0);
+            matrix(&mut w, b("attn_output"), &[h * hd, e], 1.0);
+            vector(&mut w, b("attn_q_norm"), hd, sd + 2, 1.0, 0.02);
+            vector(&mut w, b("attn_k_norm"), hd, sd + 3, 1.0, 0.02);
+        } else {
+            matrix(&mut w, b("attn_qkv"), &[e, channels], 1.0);
+            matrix(&mut w, b("attn_gate"), &[e, s * hv], 1.0);
+            matrix(&mut w, b("ssm_conv1d"), &[kernel, channels], 1.0);
+            vector(&mut w, format!("blk.{l}.ssm_dt.bias"), hv, sd + 4, 0.0, 0.5);
+            vector(&mut w, format!("blk.{l}.ssm_a"), hv, sd + 5, -1.0, 0.5);
+            matrix(&mut w, b("ssm_beta"), &[e, hv], 1.0);
+            matrix(&mut w, b("ssm_alpha"), &[e, hv], 1.0);
+            vector(&mut w, b("ssm_norm"), s, sd + 6, 1.0, 0.02);
+            matrix(&mut w, b("ssm_out"), &[s * hv, e], 1.0);
+        }
+        matrix(&mut w, b("ffn_gate"), &[e, ff], 1.0);
+        matrix(&mut w, b("ffn_up"), &[e, ff], 1.0);
+        matrix(&mut w, b("ffn_down"), &[ff, e], 1.0);
+        if l == trunk {
+            matrix(&mut w, b("nextn.eh_proj"), &[2 * e, e], 1.0);
+            vector(&mut w, b("nextn.enorm"), e, sd + 7, 1.0, 0.02);
+            vector(&mut w, b("nextn.hnorm"), e, sd + 8, 1.0, 0.02);
+            vector(&mut w, b("nextn.shared_head_norm"), e, sd + 9, 1.0, 0.02);
+        }
+    }
+    w.write(path).unwrap();
+}

@@ -1,0 +1,471 @@
+//! The Gated DeltaNet mixer (linear attention with a recurrent state) of qwen35 / qwen3next.
+//!
+//! Per token, with `Kd = S × Hk` (key heads) and `Vd = S × Hv` (value heads):
+//!
+//! 1. `attn_qkv` gives the mixed `[q | k | v]` (`2·Kd + Vd` channels), `attn_gate` gives `z`
+//!    (`Vd`), and the beta / alpha projections one value each per value head (separate
+//!    `ssm_beta` / `ssm_alpha` in qwen35, one grouped `ssm_ba` in qwen3next);
+//! 2. a causal depthwise convolution over the mixed channels (kernel `ssm_conv1d`, the last
+//!    `kernel - 1` inputs kept as **conv state**), then SiLU;
+//! 3. `q` and `k` L2-normalised per head (epsilon = the RMS epsilon), `q` scaled by `1/sqrt(S)`;
+//! 4. `beta = sigmoid(b)`, `g = softplus(a + ssm_dt.bias) · ssm_a` (ssm_a is `-exp(A_log)`);
+//! 5. per value head `h` (reading key head [`HeadMap::key_head`]) with state `M` (row `j` is
+//!    value dimension `j`, column `i` key dimension `i`, as llama.cpp stores it):
+//!    `M ← exp(g)·M`; `d_j = (v_j − M_j·k)·beta`; `M_j ← M_j + d_j·k`; `o_j = M_j·q`;
+//! 6. `o` RMS-normalised per head with `ssm_norm`, times `silu(z)`, then `ssm_out`.
+//!
+//! The projections (1, 6) run batched over all rows with the shared mat-vec; the convolution
+//! and recurrence (2-5) run row by row through [`step`], reading the state at the row's length
+//! from the snapshot ring and writing the next ring plane. A verify row and a single-token
+//! evaluation therefore execute the same code on the same data, bit for bit.
+
+use rayon::prelude::*;
+use specula_gguf::GgufFile;
+use specula_kernels::{f32 as kf32, matmul, ops, MatmulScratch};
+use specula_plugin_api::PluginError;
+
+use crate::model::weights::{load_f32, load_vector, MatrixRef};
+use crate::model::LoadError;
+use crate::recurrent::{LayerState, LayerStateMut, SnapshotRing, StateLayout};
+
+/// Below this many state values per token, heads run on the calling thread.
+const PARALLEL_MIN_STATE: usize = 1 << 15;
+
+/// Which key head a value head reads when there are more value heads than key heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadMap {
+    /// Value head `h` reads key head `h % Hk` (qwen35 GGUFs store value heads tiled).
+    Tiled,
+    /// Value head `h` reads key head `h / (Hv / Hk)` (qwen3next: repeat-interleave).
+    Interleaved,
+}
+
+impl HeadMap {
+    /// The key head of value head `v_head`.
+    pub fn key_head(self, v_head: usize, n_k_heads: usize, n_v_heads: usize) -> usize {
+        match self {
+            HeadMap::Tiled => v_head % n_k_heads,
+            HeadMap::Interleaved => v_head / (n_v_heads / n_k_heads),
+        }
+    }
+}
+
+/// How a layer stores its beta and alpha projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BetaAlphaLayout {
+    /// `ssm_beta` and `ssm_alpha`, `{n_embd, Hv}` each (qwen35).
+    Separate,
+    /// One `ssm_ba {n_embd, 2·Hv}`: per key head, `Hv/Hk` betas then `Hv/Hk` alphas (qwen3next).
+    Grouped,
+}
+
+/// Dimensions of a GDN layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GdnShape {
+    pub n_embd: usize,
+    /// Convolution width (`ssm.conv_kernel`).
+    pub conv_kernel: usize,
+    /// Size of a key head and of a value head (`ssm.state_size`, S).
+    pub head_dim: usize,
+    /// Key heads (`ssm.group_count`).
+    pub n_k_heads: usize,
+    /// Value heads (`ssm.time_step_rank`), each with an S×S state.
+    pub n_v_heads: usize,
+    pub head_map: HeadMap,
+    pub beta_alpha: BetaAlphaLayout,
+    /// Epsilon of the L2 norms and of `ssm_norm`.
+    pub eps: f32,
+}
+
+impl GdnShape {
+    pub fn key_dim(&self) -> usize {
+        self.head_dim * self.n_k_heads
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.head_dim * self.n_v_heads
+    }
+
+    /// Convolution channels: `[q | k | v]`.
+    pub fn channels(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// The per-layer state of `n_layers` GDN layers: conv state plus S matrices.
+    pub fn state_layout(&self, n_layers: usize) -> StateLayout {
+        StateLayout {
+            n_layers,
+            conv_len: (self.conv_kernel - 1) * self.channels(),
+            ssm_len: self.n_v_heads * self.head_dim * self.head_dim,
+        }
+    }
+}
+
+/// The beta and alpha projections of a layer.
+#[derive(Debug, Clone)]
+pub enum BetaAlpha {
+    Separate { beta: MatrixRef, alpha: MatrixRef },
+    Grouped(MatrixRef),
+}
+
+/// The weights of one GDN layer.
+#[derive(Debug, Clone)]
+pub struct GdnWeights {
+    /// `{n_embd, channels}`.
+    pub attn_qkv: MatrixRef,
+    /// `{n_embd, Vd}`: the output gate `z`.
+    pub attn_gate: MatrixRef,
+    pub beta_alpha: BetaAlpha,
+    /// `ssm_conv1d {kernel, channels}`: channel `c`'s taps at `c·kernel ..`, oldest input first.
+    pub conv: Vec<f32>,
+    /// `ssm_dt.bias`, per value head.
+    pub dt_bias: Vec<f32>,
+    /// `ssm_a` (`-exp(A_log)`), per value head.
+    pub a: Vec<f32>,
+    /// `ssm_norm`, `S` values shared by every head.
+    pub norm: Vec<f32>,
+    /// `{Vd, n_embd}`.
+    pub ssm_out: MatrixRef,
+}
+
+impl GdnWeights {
+    /// Loads the GDN tensors of block `layer`.
+    pub fn load(file: &GgufFile, layer: usize, shape: &GdnShape) -> Result<Self, LoadError> {
+        let name = |t: &str| format!("blk.{layer}.{t}.weight");
+        let (e, hv, c, k) = (
+            shape.n_embd,
+            shape.n_v_heads,
+            shape.channels(),
+            shape.conv_kernel,
+        );
+        let beta_alpha = match shape.beta_alpha {
+            BetaAlphaLayout::Separate => BetaAlpha::Separate {
+                beta: MatrixRef::load(file, &name("ssm_beta"), hv, e)?,
+                alpha: MatrixRef::load(file, &name("ssm_alpha"), hv, e)?,
+            },
+            BetaAlphaLayout::Grouped => {
+                BetaAlpha::Grouped(MatrixRef::load(file, &name("ssm_ba"), 2 * hv, e)?)
+            }
+        };
+        Ok(Self {
+            attn_qkv: MatrixRef::load(file, &name("attn_qkv"), c, e)?,
+            attn_gate: MatrixRef::load(file, &name("attn_gate"), shape.value_dim(), e)?,
+            beta_alpha,
+            conv: load_f32(file, &name("ssm_conv1d"), &[k as u64, c as u64])?,
+            dt_bias: load_vector(file, &format!("blk.{layer}.ssm_dt.bias"), hv)?,
+            a: load_vector(file, &format!("blk.{layer}.ssm_a"), hv)?,
+            norm: load_vector(file, &name("ssm_norm"), shape.head_dim)?,
+            ssm_out: MatrixRef::load(file, &name("ssm_out"), e, shape.value_dim())?,
+        })
+    }
+
+    /// Bytes of weights read per token.
+    pub fn bytes_per_token(&self) -> u64 {
+        let projections: u64 = match &self.beta_alpha {
+            BetaAlpha::Separate { beta, alpha } => beta.n_bytes() + alpha.n_bytes(),
+            BetaAlpha::Grouped(ba) => ba.n_bytes(),
+        };
+        let vectors = self.conv.len() + self.dt_bias.len() + self.a.len() + self.norm.len();
+        self.attn_qkv.n_bytes()
+            + self.attn_gate.n_bytes()
+            + self.ssm_out.n_bytes()
+            + projections
+            + 4 * vectors as u64
+    }
+}
+
+/// Buffers of [`forward`] for up to `rows` rows.
+#[derive(Debug, Default)]
+pub struct GdnScratch {
+    mixed: Vec<f32>,
+    z: Vec<f32>,
+    beta: Vec<f32>,
+    alpha: Vec<f32>,
+    ba: Vec<f32>,
+    conv: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl GdnScratch {
+    pub fn new(shape: &GdnShape, rows: usize) -> Self {
+        let hv = shape.n_v_heads;
+        Self {
+            mixed: vec![0.0; rows * shape.channels()],
+            z: vec![0.0; rows * shape.value_dim()],
+            beta: vec![0.0; rows * hv],
+            alpha: vec![0.0; rows * hv],
+            ba: vec![0.0; rows * 2 * hv],
+            conv: vec![0.0; shape.channels()],
+            out: vec![0.0; rows * shape.value_dim()],
+        }
+    }
+}
+
+/// Runs GDN layer `slot` (its index among the model's GDN layers) over the `m` normalised rows
+/// `xn` and writes the projected output to `out` (`m × n_embd`).
+///
+/// Row `i` is the `step0 + i`-th token after the ring's live state: it reads that state and
+/// writes the next plane (see [`SnapshotRing::step_io`]); the caller advances the ring once the
+/// whole evaluation is done.
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    shape: &GdnShape,
+    w: &GdnWeights,
+    file: &GgufFile,
+    xn: &[f32],
+    m: usize,
+    ring: &mut SnapshotRing,
+    slot: usize,
+    step0: usize,
+    s: &mut GdnScratch,
+    mm: &mut MatmulScratch,
+    out: &mut [f32],
+) -> Result<(), PluginError> {
+    let (c, vd, hv) = (shape.channels(), shape.value_dim(), shape.n_v_heads);
+    matmul(&w.attn_qkv.view(file)?, xn, &mut s.mixed[..m * c], mm);
+    matmul(&w.attn_gate.view(file)?, xn, &mut s.z[..m * vd], mm);
+    match &w.beta_alpha {
+        BetaAlpha::Separate { beta, alpha } => {
+            matmul(&beta.view(file)?, xn, &mut s.beta[..m * hv], mm);
+            matmul(&alpha.view(file)?, xn, &mut s.alpha[..m * hv], mm);
+        }
+        BetaAlpha::Grouped(ba) => {
+            matmul(&ba.view(file)?, xn, &mut s.ba[..m * 2 * hv], mm);
+            let per_group = hv / shape.n_k_heads;
+            for i in 0..m {
+                let row = &s.ba[i * 2 * hv..(i + 1) * 2 * hv];
+                for (g, group) in row.chunks_exact(2 * per_group).enumerate() {
+                    let heads = i * hv + g * per_group..i * hv + (g + 1) * per_group;
+                    s.beta[heads.clone()].copy_from_slice(&group[..per_group]);
+                    s.alpha[heads].copy_from_slice(&group[per_group..]);
+                }
+            }
+        }
+    }
+    for i in 0..m {
+        let (src, dst) = ring.step_io(slot, step0 + i);
+        step(
+            shape,
+            w,
+            TokenInputs {
+                mixed: &s.mixed[i * c..(i + 1) * c],
+                z: &s.z[i * vd..(i + 1) * vd],
+                beta: &s.beta[i * hv..(i + 1) * hv],
+                alpha: &s.alpha[i * hv..(i + 1) * hv],
+            },
+            src,
+            dst,
+            &mut s.conv,
+            &mut s.out[i * vd..(i + 1) * vd],
+        );
+    }
+    matmul(&w.ssm_out.view(file)?, &s.out[..m * vd], out, mm);
+    Ok(())
+}
+
+/// One value head's work item: its index, output, next state and previous state.
+type HeadWork<'a> = (usize, ((&'a mut [f32], &'a mut [f32]), &'a [f32]));
+
+/// One token's projections, before the convolution.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenInputs<'a> {
+    /// `[q | k | v]` before the convolution (`channels`).
+    pub mixed: &'a [f32],
+    /// Output gate (`Vd`).
+    pub z: &'a [f32],
+    /// Pre-sigmoid beta per value head.
+    pub beta: &'a [f32],
+    /// Pre-softplus alpha per value head.
+    pub alpha: &'a [f32],
+}
+
+/// One token through the convolution and the recurrence: reads the state `src`, writes the
+/// next state to `dst`, and the gated, normalised head outputs to `out` (`Vd`). `conv` is
+/// scratch of `channels` values.
+pub fn step(
+    shape: &GdnShape,
+    w: &GdnWeights,
+    x: TokenInputs<'_>,
+    src: LayerState<'_>,
+    dst: LayerStateMut<'_>,
+    conv: &mut [f32],
+    out: &mut [f32],
+) {
+    let (c, kernel, sd) = (shape.channels(), shape.conv_kernel, shape.head_dim);
+    let history = kernel - 1;
+
+    // Causal depthwise convolution over [history..., current], then SiLU.
+    for (ch, (o, taps)) in conv.iter_mut().zip(w.conv.chunks_exact(kernel)).enumerate() {
+        let mut acc = 0.0f32;
+        for (t, tap) in taps[..history].iter().enumerate() {
+            acc += src.conv[t * c + ch] * tap;
+        }
+        acc += x.mixed[ch] * taps[history];
+        *o = ops::silu(acc);
+    }
+    if history > 0 {
+        dst.conv[..(history - 1) * c].copy_from_slice(&src.conv[c..]);
+        dst.conv[(history - 1) * c..].copy_from_slice(x.mixed);
+    }
+
+    let (q, rest) = conv.split_at_mut(shape.key_dim());
+    let (k, v) = rest.split_at_mut(shape.key_dim());
+    let q_scale = 1.0 / (sd as f32).sqrt();
+    for head in q.chunks_exact_mut(sd) {
+        ops::l2_norm_in_place(head, shape.eps);
+        for value in head.iter_mut() {
+            *value *= q_scale;
+        }
+    }
+    for head in k.chunks_exact_mut(sd) {
+        ops::l2_norm_in_place(head, shape.eps);
+    }
+    let (q, k, v) = (&*q, &*k, &*v);
+
+    let head = |(h, ((o, m_out), m_in)): HeadWork<'_>| {
+        let kh = shape.head_map.key_head(h, shape.n_k_heads, shape.n_v_heads);
+        let (qh, kh) = (&q[kh * sd..(kh + 1) * sd], &k[kh * sd..(kh + 1) * sd]);
+        let vh = &v[h * sd..(h + 1) * sd];
+        let beta = ops::sigmoid(x.beta[h]);
+        let g = ops::softplus(x.alpha[h] + w.dt_bias[h]) * w.a[h];
+        let decay = g.exp();
+        for (j, (row_out, row_in)) in m_out
+            .chunks_exact_mut(sd)
+            .zip(m_in.chunks_exact(sd))
+            .enumerate()
+        {
+            for (a, b) in row_out.iter_mut().zip(row_in) {
+                *a = b * decay;
+            }
+            let predicted = kf32::dot_f32(row_out, kh);
+            let delta = (vh[j] - predicted) * beta;
+            kf32::axpy(delta, kh, row_out);
+            o[j] = kf32::dot_f32(row_out, qh);
+        }
+        ops::rms_norm_in_place(o, &w.norm, shape.eps);
+        for (value, gate) in o.iter_mut().zip(&x.z[h * sd..(h + 1) * sd]) {
+            *value *= ops::silu(*gate);
+        }
+    };
+    let state = sd * sd;
+    if shape.n_v_heads * state < PARALLEL_MIN_STATE {
+        out.chunks_exact_mut(sd)
+            .zip(dst.ssm.chunks_exact_mut(state))
+            .zip(src.ssm.chunks_exact(state))
+            .enumerate()
+            .for_each(head);
+    } else {
+        out.par_chunks_exact_mut(sd)
+            .zip(dst.ssm.par_chunks_exact_mut(state))
+            .zip(src.ssm.par_chunks_exact(state))
+            .enumerate()
+            .for_each(head);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_maps() {
+        let tiled: Vec<usize> = (0..4).map(|h| HeadMap::Tiled.key_head(h, 2, 4)).collect();
+        let inter: Vec<usize> = (0..4)
+            .map(|h| HeadMap::Interleaved.key_head(h, 2, 4))
+            .collect();
+        assert_eq!(tiled, vec![0, 1, 0, 1]);
+        assert_eq!(inter, vec![0, 0, 1, 1]);
+    }
+
+    /// One head, S = 2, against the recurrence written out by hand in f64.
+    #[test]
+    fn step_matches_the_delta_rule() {
+        let shape = GdnShape {
+            n_embd: 4,
+            conv_kernel: 2,
+            head_dim: 2,
+            n_k_heads: 1,
+            n_v_heads: 1,
+            head_map: HeadMap::Tiled,
+            beta_alpha: BetaAlphaLayout::Separate,
+            eps: 1e-6,
+        };
+        let dummy = MatrixRef {
+            name: String::new(),
+            ty: specula_kernels::WeightType::F32,
+            rows: 0,
+            cols: 0,
+        };
+        let w = GdnWeights {
+            attn_qkv: dummy.clone(),
+            attn_gate: dummy.clone(),
+            beta_alpha: BetaAlpha::Grouped(dummy.clone()),
+            // Channel c: taps [0.5, 1.0] (previous input, current input).
+            conv: [0.5f32, 1.0].repeat(6),
+            dt_bias: vec![0.1],
+            a: vec![-0.5],
+            norm: vec![1.0, 1.0],
+            ssm_out: dummy,
+        };
+        let mixed = [0.3, -0.2, 0.4, 0.1, 0.7, -0.6];
+        let conv_prev = [0.2, 0.1, -0.3, 0.5, 0.0, 0.4];
+        let s_prev = [0.1, 0.2, -0.1, 0.3];
+        let (beta_raw, alpha_raw, z) = ([0.4f32], [-0.2f32], [0.9f32, -1.1]);
+        let mut conv_next = [0.0; 6];
+        let mut s_next = [0.0; 4];
+        let mut conv = vec![0.0; 6];
+        let mut out = [0.0; 2];
+        step(
+            &shape,
+            &w,
+            TokenInputs {
+                mixed: &mixed,
+                z: &z,
+                beta: &beta_raw,
+                alpha: &alpha_raw,
+            },
+            LayerState {
+                conv: &conv_prev,
+                ssm: &s_prev,
+            },
+            LayerStateMut {
+                conv: &mut conv_next,
+                ssm: &mut s_next,
+            },
+            &mut conv,
+            &mut out,
+        );
+        assert_eq!(conv_next, mixed);
+
+        let silu = |x: f64| x / (1.0 + (-x).exp());
+        let c: Vec<f64> = (0..6)
+            .map(|i| silu(0.5 * conv_prev[i] as f64 + mixed[i] as f64))
+            .collect();
+        let l2 = |v: &[f64]| {
+            let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            v.iter().map(|x| x / n).collect::<Vec<_>>()
+        };
+        let q: Vec<f64> = l2(&c[0..2]).iter().map(|x| x / 2f64.sqrt()).collect();
+        let k = l2(&c[2..4]);
+        let v = &c[4..6];
+        let beta = 1.0 / (1.0 + (-0.4f64).exp());
+        let g = ((-0.2f64 + 0.1).exp()).ln_1p() * -0.5;
+        let mut m: Vec<f64> = s_prev.iter().map(|x| *x as f64 * g.exp()).collect();
+        let mut o = [0.0; 2];
+        for j in 0..2 {
+            let pred = m[2 * j] * k[0] + m[2 * j + 1] * k[1];
+            let d = (v[j] - pred) * beta;
+            m[2 * j] += d * k[0];
+            m[2 * j + 1] += d * k[1];
+            o[j] = m[2 * j] * q[0] + m[2 * j + 1] * q[1];
+        }
+        for (got, want) in s_next.iter().zip(&m) {
+            assert!((*got as f64 - want).abs() < 1e-6, "{s_next:?} vs {m:?}");
+        }
+        let rms = ((o[0] * o[0] + o[1] * o[1]) / 2.0 + 1e-6).sqrt();
+        for j in 0..2 {
+            let want = o[j] / rms * silu(z[j] as f64);
+            assert!((out[j] as f64 - want).abs() < 1e-5, "{out:?}");
+        }
+    }
+}
