@@ -62,7 +62,7 @@ pub struct Capabilities {
     pub rollback_depth: u32,
     /// [`ForwardPass::hidden_states`] works.
     pub hidden_state_export: bool,
-    /// [`ForwardPass::mtp_step`] works.
+    /// [`ForwardPass::mtp_eval`] works.
     pub mtp_head: bool,
     /// Bytes one recurrent-state snapshot slot occupies (0 for pure-attention models).
     pub snapshot_bytes_per_slot: u64,
@@ -127,23 +127,29 @@ pub trait ForwardPass: Send + Sync {
     /// (row-major, `hidden_size` per row; resized).
     fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()>;
 
-    /// One MTP-head step: the final-norm `hidden` of position `position` and the token at
-    /// `position + 1` give the logits for `position + 2` and the head's own hidden state,
-    /// which feeds the next chained step.
+    /// The MTP head over consecutive positions, in one pass: row `i` takes the final-norm
+    /// hidden state of position `position + i` (`hidden`, row-major, `hidden_size` per row)
+    /// and the token at `position + i + 1` (`tokens[i]`), and gives the logits for position
+    /// `position + i + 2` and the head's own final-norm hidden state, which feeds a chained
+    /// step. `hidden_out` receives every row's hidden state; `logits` the rows asked for
+    /// (row-major, `vocab_size` per row; resized).
     ///
-    /// The head keeps its own KV cache, one entry per position. A step at `position` first
+    /// The head keeps its own KV cache, one entry per position. A call at `position` first
     /// cuts that cache to `position` entries (so `position` may not exceed its length), then
-    /// appends its own entry: stepping through every accepted position keeps the cache in step
-    /// with the trunk, and chained draft steps overwrite each other's speculative entries.
-    /// [`truncate`] cuts it together with the trunk.
+    /// appends one entry per row: feeding every accepted position keeps the cache in step with
+    /// the trunk, and chained draft steps overwrite each other's speculative entries.
+    /// [`truncate`] cuts it together with the trunk. Row `i` is bit-identical to a one-row
+    /// call at `position + i`.
     ///
     /// [`truncate`]: ForwardPass::truncate
     #[sabi(last_prefix_field)]
-    fn mtp_step(
+    #[allow(clippy::too_many_arguments)]
+    fn mtp_eval(
         &mut self,
         hidden: RSlice<'_, f32>,
-        token: u32,
+        tokens: RSlice<'_, u32>,
         position: usize,
+        rows: LogitRows,
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()>;

@@ -54,10 +54,11 @@ fn cpu_simd_loads_and_evaluates_across_the_abi() {
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     let mut hidden = RVec::new();
     let err = backend
-        .mtp_step(
+        .mtp_eval(
             RSlice::from_slice(&[0.0; 64]),
-            1,
+            RSlice::from_slice(&[1]),
             0,
+            LogitRows::All,
             &mut single,
             &mut hidden,
         )

@@ -7,7 +7,7 @@ use anyhow::Context;
 use specula_gguf::GgmlType;
 
 use crate::genmodel::{
-    write_demo_model, write_model, Arch, ModelSpec, RandomWeights, SpmVocab, PRESETS,
+    preset, write_demo_model, write_model, Arch, RandomWeights, SpmVocab, Vocab, PRESETS,
 };
 
 #[derive(Debug, clap::Args)]
@@ -21,9 +21,10 @@ pub struct GenModelArgs {
     /// List the presets and exit.
     #[arg(long)]
     list_presets: bool,
-    #[arg(long, value_enum)]
+    /// Architecture: llama, qwen3 (qwen35 / qwen3next come from presets).
+    #[arg(long, value_parser = parse_dense_arch)]
     arch: Option<Arch>,
-    /// Weight type of the matrices: f32, f16, bf16, q8_0.
+    /// Weight type of the matrices: f32, f16, bf16, q8_0 (and the K-quants the kernels write).
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
     #[arg(long)]
@@ -64,7 +65,7 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         println!("wrote {} (demo bigram model)", args.out.display());
         return Ok(ExitCode::SUCCESS);
     }
-    let mut spec = ModelSpec::preset(&args.preset)?;
+    let mut spec = preset(&args.preset)?;
     if let Some(a) = args.arch {
         spec.arch = a;
     }
@@ -84,7 +85,7 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
             "--vocab {vocab_size}: at least 259 tokens are needed (3 special + 256 bytes)"
         );
     }
-    let vocab = synthetic_vocab(vocab_size as usize);
+    let vocab = Vocab::Spm(SpmVocab::synthetic(vocab_size as usize));
     write_model(&spec, &vocab, &mut RandomWeights::new(args.seed), &args.out)?;
     println!(
         "wrote {}: {} dim {} layers {} heads {}/{} ffn {} vocab {} ({})",
@@ -101,27 +102,11 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A vocabulary of exactly `n` tokens: bytes, then letter pairs and triples as pieces.
-fn synthetic_vocab(n: usize) -> SpmVocab {
-    let mut vocab = SpmVocab::bytes_only();
-    let letters: Vec<char> = ('a'..='z').collect();
-    let mut pieces = letters
-        .iter()
-        .map(|c| format!("\u{2581}{c}"))
-        .collect::<Vec<_>>();
-    for a in &letters {
-        for b in &letters {
-            pieces.push(format!("{a}{b}"));
-        }
+fn parse_dense_arch(name: &str) -> Result<Arch, String> {
+    match Arch::from_name(name) {
+        Some(a @ (Arch::Llama | Arch::Qwen3)) => Ok(a),
+        _ => Err(format!(
+            "'{name}': --arch takes llama or qwen3; use --preset for hybrids"
+        )),
     }
-    let mut k = 0usize;
-    while vocab.len() < n {
-        let piece = match pieces.get(k) {
-            Some(p) => p.clone(),
-            None => format!("\u{2581}w{k}"),
-        };
-        vocab.push(piece, -(k as f32));
-        k += 1;
-    }
-    vocab
 }

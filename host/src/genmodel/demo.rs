@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use specula_gguf::{GgmlType, GgufFile, GgufWriter};
 
-use super::{write_model, Arch, ModelSpec, RandomWeights, SpmVocab, WeightSource};
+use super::{write_model, Arch, ModelSpec, RandomWeights, SpmVocab, Vocab, WeightSource};
 use crate::tokenizer::Tokenizer;
 
 /// What the default model is, for `--help` and logs.
@@ -94,20 +94,18 @@ pub fn write_demo_model(path: &Path) -> anyhow::Result<()> {
     }
 
     let spec = ModelSpec {
-        arch: Arch::Llama,
-        name: "specula-demo-bigram".into(),
-        hidden: HIDDEN as u32,
-        layers: LAYERS,
-        heads: 8,
-        kv_heads: 8,
-        head_dim: (HIDDEN / 8) as u32,
-        ffn: 512,
         context: 2048,
-        rope_base: 10000.0,
-        rms_eps: 1e-5,
         weight_type: GgmlType::Q8_0,
-        tied_output: false,
-        vocab: None,
+        ..ModelSpec::dense(
+            Arch::Llama,
+            "specula-demo-bigram",
+            HIDDEN as u32,
+            LAYERS,
+            8,
+            8,
+            (HIDDEN / 8) as u32,
+            512,
+        )
     };
     let mut weights = DemoWeights {
         random: RandomWeights::new(SEED),
@@ -115,7 +113,7 @@ pub fn write_demo_model(path: &Path) -> anyhow::Result<()> {
         log_probs,
         vocab: v,
     };
-    write_model(&spec, &vocab, &mut weights, path)
+    write_model(&spec, &Vocab::Spm(vocab), &mut weights, path)
         .with_context(|| format!("cannot write the default model to {}", path.display()))
 }
 

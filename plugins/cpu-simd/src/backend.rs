@@ -17,7 +17,7 @@
 //!   The option `deep_rollback = "refuse"` turns that into an `InvalidInput` error instead.
 //!
 //! The MTP head (models with a NextN block) has its own one-layer KV cache, one entry per
-//! position; [`ForwardPass::mtp_step`] at `position` cuts it to `position` entries and
+//! position; [`ForwardPass::mtp_eval`] at `position` cuts it to `position` entries and
 //! appends, and `truncate` cuts it together with the trunk.
 //!
 //! Options (`[target.options]` of the profile): `ring_budget_bytes` (an upper bound on the
@@ -486,12 +486,32 @@ impl CpuBackend {
         }
     }
 
-    /// [`ForwardPass::mtp_step`] without the panic guard.
+    /// One MTP step (a one-row [`CpuBackend::mtp_eval_into`] with logits).
     pub fn mtp_step_into(
         &mut self,
         hidden: &[f32],
         token: u32,
         position: usize,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), PluginError> {
+        self.mtp_eval_into(
+            hidden,
+            &[token],
+            position,
+            LogitRows::All,
+            logits,
+            hidden_out,
+        )
+    }
+
+    /// [`ForwardPass::mtp_eval`] without the panic guard.
+    pub fn mtp_eval_into(
+        &mut self,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        rows: LogitRows,
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
@@ -511,51 +531,73 @@ impl CpuBackend {
         };
         let e = model.config.n_embd;
         let vocab = model.config.n_vocab;
-        if hidden.len() != e {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(PluginError::invalid_input(
+                "cpu-simd: mtp_eval called with no tokens",
+            ));
+        }
+        if hidden.len() != n * e {
             return Err(PluginError::invalid_input(format!(
-                "cpu-simd: mtp_step got a hidden state of {} values, expected the hidden size {e}",
+                "cpu-simd: mtp_eval got {} hidden values for {n} rows, expected {n} × the hidden size {e}",
                 hidden.len()
             )));
         }
-        if token as usize >= vocab {
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(PluginError::invalid_input(format!(
-                "cpu-simd: token id {token} is out of range (vocabulary size {vocab})"
+                "cpu-simd: token id {bad} is out of range (vocabulary size {vocab})"
             )));
         }
         if position > kv.len() {
             return Err(PluginError::invalid_input(format!(
-                "cpu-simd: mtp_step at position {position}, but the MTP head's cache holds only {} entries (steps must not skip positions)",
+                "cpu-simd: mtp_eval at position {position}, but the MTP head's cache holds only {} entries (steps must not skip positions)",
                 kv.len()
             )));
         }
-        if position >= kv.capacity() {
+        if position + n > kv.capacity() {
             return Err(PluginError::new(
                 ErrorKind::ContextFull,
                 format!(
-                    "cpu-simd: context full: mtp_step at position {position} exceeds the context size {}",
+                    "cpu-simd: context full: mtp_eval of {n} rows at position {position} exceeds the context size {}",
                     kv.capacity()
                 ),
             ));
         }
+        let n_logits = rows.count(n);
         logits.clear();
-        logits.resize(vocab, 0.0);
+        logits.resize(n_logits * vocab, 0.0);
         hidden_out.clear();
-        hidden_out.resize(e, 0.0);
+        hidden_out.resize(n * e, 0.0);
         let file = &engine.model.file;
         let scratch = &mut h.scratch;
+        let chunk = engine.batch_rows;
         self.pool.install(|| {
-            mtp::step(
-                &model.config,
-                weights,
-                file,
-                hidden,
-                token,
-                position,
-                kv,
-                scratch,
-                logits,
-                hidden_out,
-            )
+            // Chunks of at most the scratch rows; logits come from the last chunks' rows.
+            let mut start = 0;
+            while start < n {
+                let m = chunk.min(n - start);
+                let first_logit_row = n - n_logits;
+                let (lo, hi) = (first_logit_row.max(start), start + m);
+                let chunk_logits = if lo < hi {
+                    &mut logits[(lo - first_logit_row) * vocab..(hi - first_logit_row) * vocab]
+                } else {
+                    &mut logits[..0]
+                };
+                mtp::forward(
+                    &model.config,
+                    weights,
+                    file,
+                    &hidden[start * e..(start + m) * e],
+                    &tokens[start..start + m],
+                    position + start,
+                    kv,
+                    scratch,
+                    chunk_logits,
+                    &mut hidden_out[start * e..(start + m) * e],
+                )?;
+                start += m;
+            }
+            Ok(())
         })
     }
 }
@@ -735,14 +777,24 @@ impl ForwardPass for CpuBackend {
         })
     }
 
-    fn mtp_step(
+    fn mtp_eval(
         &mut self,
         hidden: RSlice<'_, f32>,
-        token: u32,
+        tokens: RSlice<'_, u32>,
         position: usize,
+        rows: LogitRows,
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        guard(|| self.mtp_step_into(hidden.as_slice(), token, position, logits, hidden_out))
+        guard(|| {
+            self.mtp_eval_into(
+                hidden.as_slice(),
+                tokens.as_slice(),
+                position,
+                rows,
+                logits,
+                hidden_out,
+            )
+        })
     }
 }

@@ -116,7 +116,7 @@ fn bad_backend_options_are_invalid_input() {
 }
 
 #[test]
-fn mtp_step_errors() {
+fn mtp_eval_errors() {
     let mut logits = RVec::new();
     let mut hidden = RVec::new();
     // No head: dense models and hybrids without a NextN block.
@@ -170,10 +170,11 @@ fn mtp_step_errors() {
         .into_result()
         .unwrap();
     let err = backend
-        .mtp_step(
+        .mtp_eval(
             RSlice::from_slice(&[0.0; 64]),
-            1,
+            RSlice::from_slice(&[1]),
             0,
+            LogitRows::All,
             &mut logits,
             &mut hidden,
         )
@@ -355,10 +356,11 @@ fn bad_inputs_are_invalid_input_errors() {
 
     let mut hidden = RVec::new();
     let err = backend
-        .mtp_step(
+        .mtp_eval(
             RSlice::from_slice(&[0.0; 64]),
-            1,
+            RSlice::from_slice(&[1]),
             0,
+            LogitRows::All,
             &mut logits,
             &mut hidden,
         )

@@ -4,6 +4,7 @@
 
 mod common;
 
+use abi_stable::std_types::RVec;
 use common::*;
 use specula_cpu_simd::blocks::gdn::{BetaAlphaLayout, GdnShape, HeadMap};
 use specula_gguf::{GgufFile, HParams, HybridParams};
@@ -274,10 +275,11 @@ fn hybrid_through_the_plugin_module_and_trait_object() {
     let (mut mtp_logits, mut mtp_hidden) = (RVec::new(), RVec::new());
     for position in 0..3 {
         backend
-            .mtp_step(
+            .mtp_eval(
                 RSlice::from_slice(&hidden[position * 64..(position + 1) * 64]),
-                [403, 261, 378][position],
+                RSlice::from_slice(&[[403, 261, 378][position]]),
                 position,
+                LogitRows::All,
                 &mut mtp_logits,
                 &mut mtp_hidden,
             )
@@ -304,4 +306,59 @@ fn hybrid_through_the_plugin_module_and_trait_object() {
         .unwrap();
     backend.truncate(1).into_result().unwrap();
     assert_eq!(backend.seq_len(), 1);
+}
+
+#[test]
+fn batched_mtp_rows_are_bit_identical_to_one_row_calls() {
+    for path in [
+        fixture("tiny-qwen35-mtp.gguf"),
+        fixture("tiny-qwen3next-mtp.gguf"),
+        trained_qwen35("q8_0"),
+    ] {
+        let prompt = [1u32, 403, 261, 378, 300, 290, 13, 45, 400, 401, 402];
+        let mut b = open(&path, 2, 64);
+        eval(&mut b, &prompt, LogitRows::None);
+        let hidden = b.last_hidden_states().to_vec();
+        let e = hidden.len() / prompt.len();
+        let n = prompt.len() - 1;
+        let (mut batch_logits, mut batch_hidden) = (RVec::new(), RVec::new());
+        b.mtp_eval_into(
+            &hidden[..n * e],
+            &prompt[1..],
+            0,
+            LogitRows::All,
+            &mut batch_logits,
+            &mut batch_hidden,
+        )
+        .unwrap();
+        let vocab = batch_logits.len() / n;
+        // Only the last row's logits: the same bits as the last row of All.
+        let (mut last_logits, mut last_hidden) = (RVec::new(), RVec::new());
+        b.mtp_eval_into(
+            &hidden[..n * e],
+            &prompt[1..],
+            0,
+            LogitRows::Last,
+            &mut last_logits,
+            &mut last_hidden,
+        )
+        .unwrap();
+        assert_eq!(bits(&last_logits), bits(&batch_logits[(n - 1) * vocab..]));
+        assert_eq!(bits(&last_hidden), bits(&batch_hidden));
+        for i in 0..n {
+            let (logits, out) = mtp(&mut b, row(&hidden, i, e), prompt[i + 1], i);
+            assert_eq!(
+                bits(&logits),
+                bits(row(&batch_logits, i, vocab)),
+                "{} row {i}",
+                path.display()
+            );
+            assert_eq!(
+                bits(&out),
+                bits(row(&batch_hidden, i, e)),
+                "{} row {i}",
+                path.display()
+            );
+        }
+    }
 }

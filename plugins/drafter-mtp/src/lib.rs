@@ -14,7 +14,7 @@ use abi_stable::std_types::{RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
     box_drafter, export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels,
-    DrafterParams, ForwardPassMut, PluginError, PluginInfo, PluginKind, PluginModule,
+    DrafterParams, ForwardPassMut, LogitRows, PluginError, PluginInfo, PluginKind, PluginModule,
     PluginModuleRef, PluginResult,
 };
 
@@ -108,25 +108,29 @@ impl MtpDrafter {
         if !self.in_step
             || max == 0
             || room == 0
+            || certain_at <= self.real
             || self.pending_from > self.real
             || self.pending_from + self.pending_rows() < certain_at
         {
             return Ok(());
         }
-        // Catch up: real hidden of p with the token at p + 1, for every p up to the certain
-        // token's predecessor. The last step's logits give the first draft.
-        for p in self.real..certain_at {
-            let row = &self.pending[(p - self.pending_from) * h..(p - self.pending_from + 1) * h];
-            target
-                .mtp_step(
-                    RSlice::from_slice(row),
-                    context[p + 1],
-                    p,
-                    &mut self.logits,
-                    &mut self.hidden,
-                )
-                .into_result()?;
-        }
+        // Catch up in one pass: the real hidden of every p from `real` up to the certain
+        // token's predecessor, each with the token at p + 1. Only the last row's logits (the
+        // trunk's newest hidden with the certain token) are needed: they give the first draft.
+        let from = (self.real - self.pending_from) * h;
+        let to = (certain_at - self.pending_from) * h;
+        target
+            .mtp_eval(
+                RSlice::from_slice(&self.pending[from..to]),
+                RSlice::from_slice(&context[self.real + 1..=certain_at]),
+                self.real,
+                LogitRows::Last,
+                &mut self.logits,
+                &mut self.hidden,
+            )
+            .into_result()?;
+        let last = self.hidden.len() - h;
+        self.hidden.drain(..last);
         self.real = certain_at;
         self.pending.clear();
         self.pending_from = certain_at;
@@ -138,10 +142,11 @@ impl MtpDrafter {
             if i + 1 < n {
                 std::mem::swap(&mut self.chained, &mut self.hidden);
                 target
-                    .mtp_step(
+                    .mtp_eval(
                         RSlice::from_slice(&self.chained),
-                        token,
+                        RSlice::from_slice(&[token]),
                         certain_at + i,
+                        LogitRows::Last,
                         &mut self.logits,
                         &mut self.hidden,
                     )

@@ -292,7 +292,7 @@ pub struct HybridScratch {
     pub xn: Vec<f32>,
     /// Mixer / FFN output, `rows × n_embd`.
     pub proj: Vec<f32>,
-    /// MTP input `[enorm(embedding) | hnorm(hidden)]`, `2 × n_embd`.
+    /// MTP input rows `[enorm(embedding) | hnorm(hidden)]`, `rows × 2 × n_embd`.
     pub concat: Vec<f32>,
     pub attention: GatedScratch,
     pub gdn: GdnScratch,
@@ -307,7 +307,7 @@ impl HybridScratch {
             x: vec![0.0; rows * e],
             xn: vec![0.0; rows * e],
             proj: vec![0.0; rows * e],
-            concat: vec![0.0; 2 * e],
+            concat: vec![0.0; rows * 2 * e],
             attention: GatedScratch::new(&config.attention, &config.rope, rows, n_ctx),
             gdn: GdnScratch::new(&config.gdn, rows),
             ffn: FfnScratch::new(&config.ffn, rows),

@@ -79,17 +79,20 @@ impl MtpWeights {
     }
 }
 
-/// One MTP step at `position` (already validated: `position <= kv.len()`, within the cache,
-/// `hidden` of `n_embd` values, `token` in the vocabulary). Cuts the head's cache to `position`
-/// entries, appends the step's entry, and writes `logits` (`n_vocab`) and `hidden_out`
-/// (`n_embd`).
+/// The MTP head over `m` consecutive positions starting at `position` (already validated:
+/// `position <= kv.len()`, `position + m` within the cache, `m` at most the scratch rows,
+/// `hidden` of `m × n_embd` values, tokens in the vocabulary). Row `i` takes the trunk's
+/// final-norm hidden of position `position + i` and the token at `position + i + 1`. Cuts the
+/// head's cache to `position` entries and appends `m`; writes the head's final-norm hidden of
+/// every row to `hidden_out` (`m × n_embd`) and, for `logit_rows` (the last `k` rows, `k` =
+/// `logits.len() / n_vocab`), their logits.
 #[allow(clippy::too_many_arguments)]
-pub fn step(
+pub fn forward(
     config: &HybridConfig,
     w: &MtpWeights,
     file: &GgufFile,
     hidden: &[f32],
-    token: u32,
+    tokens: &[u32],
     position: usize,
     kv: &mut KvCache,
     s: &mut HybridScratch,
@@ -97,33 +100,38 @@ pub fn step(
     hidden_out: &mut [f32],
 ) -> Result<(), PluginError> {
     let e = config.n_embd;
+    let m = tokens.len();
     let eps = config.rms_eps;
     kv.set_len(position);
 
-    // Input: eh_proj · [enorm(embedding) | hnorm(hidden)].
-    let (embedded, normed_hidden) = s.concat.split_at_mut(e);
-    w.embed
-        .view(file)?
-        .dequantize_row(token as usize, &mut s.proj[..e]);
-    ops::rms_norm(&s.proj[..e], &w.enorm, eps, embedded);
-    ops::rms_norm(hidden, &w.hnorm, eps, normed_hidden);
+    // Input rows: eh_proj · [enorm(embedding) | hnorm(hidden)].
+    let embed = w.embed.view(file)?;
+    for (i, &token) in tokens.iter().enumerate() {
+        let (embedded, normed_hidden) = s.concat[i * 2 * e..(i + 1) * 2 * e].split_at_mut(e);
+        embed.dequantize_row(token as usize, &mut s.proj[..e]);
+        ops::rms_norm(&s.proj[..e], &w.enorm, eps, embedded);
+        ops::rms_norm(&hidden[i * e..(i + 1) * e], &w.hnorm, eps, normed_hidden);
+    }
+    let (x, xn, proj) = (&mut s.x[..m * e], &mut s.xn[..m * e], &mut s.proj[..m * e]);
     matmul(
         &w.eh_proj.view(file)?,
-        &s.concat,
-        &mut s.x[..e],
+        &s.concat[..m * 2 * e],
+        x,
         &mut s.matmul,
     );
 
     // The decoder block.
-    ops::rms_norm(&s.x[..e], &w.attn_norm, eps, &mut s.xn[..e]);
+    for (row, out) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
+        ops::rms_norm(row, &w.attn_norm, eps, out);
+    }
     attention::forward_gated(
         &config.attention,
         &config.rope,
         eps,
         &w.attention,
         file,
-        &s.xn[..e],
-        1,
+        xn,
+        m,
         kv,
         KvSlot {
             layer: 0,
@@ -132,25 +140,38 @@ pub fn step(
         },
         &mut s.attention,
         &mut s.matmul,
-        &mut s.proj[..e],
+        proj,
     )?;
-    ops::add_in_place(&mut s.x[..e], &s.proj[..e]);
-    ops::rms_norm(&s.x[..e], &w.post_attention_norm, eps, &mut s.xn[..e]);
+    ops::add_in_place(x, proj);
+    for (row, out) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
+        ops::rms_norm(row, &w.post_attention_norm, eps, out);
+    }
     ffn::forward_block(
         &config.ffn,
         &w.ffn,
         file,
-        &s.xn[..e],
-        1,
+        xn,
+        m,
         &mut s.ffn,
         &mut s.matmul,
-        &mut s.proj[..e],
+        proj,
     )?;
-    ops::add_in_place(&mut s.x[..e], &s.proj[..e]);
+    ops::add_in_place(x, proj);
 
-    // The shared head.
-    ops::rms_norm(&s.x[..e], &w.head_norm, eps, hidden_out);
-    matmul(&w.head.view(file)?, hidden_out, logits, &mut s.matmul);
-    kv.set_len(position + 1);
+    // The shared head, logits only for the rows asked for.
+    for (row, out) in x.chunks_exact(e).zip(hidden_out.chunks_exact_mut(e)) {
+        ops::rms_norm(row, &w.head_norm, eps, out);
+    }
+    let logit_rows = logits.len() / config.n_vocab;
+    if logit_rows > 0 {
+        let from = (m - logit_rows) * e;
+        matmul(
+            &w.head.view(file)?,
+            &hidden_out[from..],
+            logits,
+            &mut s.matmul,
+        );
+    }
+    kv.set_len(position + m);
     Ok(())
 }

@@ -1,6 +1,7 @@
-//! SentencePiece-style (`tokenizer.ggml.model = llama`) vocabularies for generated models.
+//! Tokenizer metadata for generated models: a SentencePiece-style vocabulary built here, or
+//! the tokenizer of an existing GGUF copied verbatim.
 
-use specula_gguf::GgufWriter;
+use specula_gguf::{GgufFile, GgufWriter, Value};
 
 /// Token types as GGUF stores them.
 const NORMAL: i32 = 1;
@@ -71,6 +72,29 @@ impl SpmVocab {
         v
     }
 
+    /// A vocabulary of exactly `n` tokens (at least the 259 special and byte tokens): letter
+    /// pieces, letter pairs, then numbered word pieces — for benchmark models.
+    pub fn synthetic(n: usize) -> Self {
+        let mut vocab = Self::bytes_only();
+        let letters: Vec<char> = ('a'..='z').collect();
+        let mut pieces: Vec<String> = letters.iter().map(|c| format!("\u{2581}{c}")).collect();
+        for a in &letters {
+            for b in &letters {
+                pieces.push(format!("{a}{b}"));
+            }
+        }
+        let mut k = 0usize;
+        while vocab.len() < n {
+            let piece = pieces
+                .get(k)
+                .cloned()
+                .unwrap_or_else(|| format!("\u{2581}w{k}"));
+            vocab.push(piece, -(k as f32));
+            k += 1;
+        }
+        vocab
+    }
+
     /// Adds a normal piece (ignored if present).
     pub fn push(&mut self, piece: String, score: f32) {
         self.add(piece, score, NORMAL);
@@ -107,5 +131,63 @@ impl SpmVocab {
             .set_u32("tokenizer.ggml.unknown_token_id", Self::UNK)
             .set_bool("tokenizer.ggml.add_bos_token", true)
             .set_bool("tokenizer.ggml.add_eos_token", false);
+    }
+}
+
+/// The tokenizer a generated model carries.
+#[derive(Debug, Clone)]
+pub enum Vocab {
+    /// A vocabulary built here.
+    Spm(SpmVocab),
+    /// Every `tokenizer.*` key of an existing model, copied.
+    Copied {
+        metadata: Vec<(String, Value)>,
+        size: usize,
+    },
+}
+
+impl Vocab {
+    /// The tokenizer of `file`, to be copied verbatim.
+    pub fn copy_from(file: &GgufFile) -> Result<Self, specula_gguf::GgufError> {
+        let size = file
+            .get_str_array("tokenizer.ggml.tokens")?
+            .map(|t| t.len())
+            .unwrap_or(0);
+        let metadata = file
+            .metadata()
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .cloned()
+            .collect();
+        Ok(Self::Copied { metadata, size })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Vocab::Spm(v) => v.len(),
+            Vocab::Copied { size, .. } => *size,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes the `tokenizer.*` keys.
+    pub fn write_metadata(&self, w: &mut GgufWriter) {
+        match self {
+            Vocab::Spm(v) => v.write_metadata(w),
+            Vocab::Copied { metadata, .. } => {
+                for (k, v) in metadata {
+                    w.set(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+}
+
+impl From<SpmVocab> for Vocab {
+    fn from(v: SpmVocab) -> Self {
+        Vocab::Spm(v)
     }
 }

@@ -1,0 +1,109 @@
+//! Every architecture the writer produces loads in the CPU backend and generates.
+
+use abi_stable::std_types::{RSlice, RVec, Tuple2};
+use specula_cpu_simd::backend::CpuBackend;
+use specula_gguf::GgmlType;
+use specula_modelgen::{
+    write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, Vocab,
+};
+use specula_plugin_api::{BackendParams, ForwardPass, LogitRows};
+
+fn hybrid(arch: Arch, mtp: bool) -> ModelSpec {
+    ModelSpec {
+        rope_dims: Some(8),
+        rope_sections: (arch == Arch::Qwen35).then_some([2, 1, 1, 0]),
+        hybrid: Some(HybridSpec {
+            state_size: 16,
+            k_heads: 2,
+            v_heads: 4,
+            conv_kernel: 4,
+            full_attention_interval: 2,
+        }),
+        moe: (arch == Arch::Qwen3Next).then_some(MoeSpec {
+            experts: 4,
+            experts_used: 2,
+            expert_ffn: 32,
+            shared_ffn: 64,
+        }),
+        mtp,
+        ..ModelSpec::dense(arch, "t", 64, 2, 4, 2, 16, 128)
+    }
+}
+
+fn open(path: &std::path::Path) -> CpuBackend {
+    let params = BackendParams {
+        model_path: path.to_str().unwrap().into(),
+        threads: 1,
+        context_size: 64,
+        max_verify_tokens: 4,
+        options: RVec::<Tuple2<_, _>>::new(),
+    };
+    CpuBackend::open(&params).unwrap()
+}
+
+#[test]
+fn every_architecture_loads_and_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let specs = [
+        ModelSpec::dense(Arch::Llama, "t", 64, 2, 4, 4, 16, 128),
+        ModelSpec {
+            tied_output: true,
+            ..ModelSpec::dense(Arch::Qwen3, "t", 64, 2, 4, 2, 32, 96)
+        },
+        hybrid(Arch::Qwen35, false),
+        hybrid(Arch::Qwen35, true),
+        hybrid(Arch::Qwen3Next, false),
+        hybrid(Arch::Qwen3Next, true),
+    ];
+    for spec in specs {
+        for ty in [GgmlType::F32, GgmlType::Q8_0] {
+            let spec = ModelSpec {
+                weight_type: ty,
+                ..spec.clone()
+            };
+            let path = dir.path().join("m.gguf");
+            write_model(
+                &spec,
+                &Vocab::Spm(SpmVocab::synthetic(300)),
+                &mut RandomWeights::new(7),
+                &path,
+            )
+            .unwrap();
+            let mut backend = open(&path);
+            let info = backend.model_info();
+            assert_eq!(info.architecture.as_str(), spec.arch.gguf_name());
+            assert_eq!(info.vocab_size, 300);
+            assert_eq!(info.has_mtp_head, spec.mtp, "{spec:?}");
+            let mut logits = RVec::new();
+            backend
+                .eval(
+                    RSlice::from_slice(&[1, 5, 9, 200]),
+                    LogitRows::All,
+                    &mut logits,
+                )
+                .into_result()
+                .unwrap_or_else(|e| panic!("{:?} {ty}: {e}", spec.arch));
+            assert_eq!(logits.len(), 4 * 300);
+            assert!(logits.iter().all(|l| l.is_finite()), "{:?} {ty}", spec.arch);
+        }
+    }
+}
+
+#[test]
+fn shapes_the_architecture_cannot_have_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let vocab = Vocab::Spm(SpmVocab::synthetic(300));
+    let bad = [
+        ModelSpec::dense(Arch::Llama, "t", 64, 2, 4, 3, 16, 128),
+        ModelSpec::dense(Arch::Qwen35, "t", 64, 2, 4, 2, 16, 128),
+        ModelSpec {
+            mtp: true,
+            ..ModelSpec::dense(Arch::Qwen3, "t", 64, 2, 4, 2, 16, 128)
+        },
+    ];
+    for spec in bad {
+        let err = write_model(&spec, &vocab, &mut RandomWeights::new(1), &path).unwrap_err();
+        assert!(err.to_string().contains("invalid model shape"), "{err}");
+    }
+}
