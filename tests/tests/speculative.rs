@@ -325,6 +325,13 @@ fn an_always_wrong_drafter_costs_almost_nothing() {
     with_bad_drafter(&mut p, false);
     let o = assert_parity(&mut p, "Once upon a time", 400, &[]);
     let s = &o.speculative;
+    println!(
+        "always-wrong drafter, 400 tokens: {:.4} target passes/token, {} of {} steps drafted, {} paused",
+        s.passes_per_token(),
+        s.steps_with_drafts,
+        s.steps,
+        s.paused_steps
+    );
     assert_eq!(s.accepted, 0);
     assert!(s.passes_per_token() <= 1.05, "{s:?}");
     // Speculation pauses itself: only a few probing steps draft at all.
