@@ -468,3 +468,48 @@ fn drafter_flags_and_example_profiles_speculate_with_plain_output() {
         stderr(&bad)
     );
 }
+
+#[test]
+fn prompt_from_stdin_drops_the_final_line_end() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "stories.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let mut child = std::process::Command::new(specula_bin())
+        .args([
+            "run",
+            "--profile",
+            profile.to_str().unwrap(),
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "--json",
+        ])
+        .env("SPECULA_PLUGIN_PATH", plugin_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Once upon a time\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert!(
+        v["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(", there was a little girl"),
+        "{v}"
+    );
+}

@@ -16,7 +16,8 @@ use crate::spec::{generate, SpecSettings};
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// The prompt; read from stdin when absent and stdin is not a terminal. Empty = start from BOS.
+    /// The prompt; read from stdin (without its final line end) when absent and stdin is not a
+    /// terminal. Empty = start from BOS.
     prompt: Option<String>,
     #[command(flatten)]
     profile: ProfileArg,
@@ -236,5 +237,12 @@ fn read_prompt(arg: Option<String>) -> anyhow::Result<String> {
         .lock()
         .read_to_string(&mut text)
         .context("cannot read the prompt from stdin")?;
+    // `echo TEXT | specula run` means TEXT: drop the one line end the shell added.
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
     Ok(text)
 }
