@@ -945,3 +945,27 @@ fn sigterm_drains_the_stream_in_flight_and_exits_zero() {
     let log = d.log();
     assert!(log.contains("SIGTERM") && log.contains("drained"), "{log}");
 }
+
+#[test]
+fn serve_help_explains_endpoints_and_reloading() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = specula(&["serve", "--help"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let help = stdout(&out);
+    for needle in [
+        "--profiles",
+        "--listen",
+        "/v1/chat/completions",
+        "/health",
+        "/metrics",
+        "/admin/reload",
+        "SIGHUP",
+        "SIGTERM",
+        "slots",
+    ] {
+        assert!(help.contains(needle), "{needle} missing from\n{help}");
+    }
+    let out = specula(&["serve", "--profiles", "/no/such/dir"], dir.path());
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("/no/such/dir"), "{}", stderr(&out));
+}

@@ -37,6 +37,7 @@ pub enum Command {
     /// Measure prefill, decode, verify cost and speculative speedups of a profile.
     Bench(bench::BenchArgs),
     /// Serve profiles over an OpenAI-compatible HTTP API, reloading them when they change.
+    #[command(long_about = serve::LONG_ABOUT)]
     Serve(serve::ServeArgs),
 }
 

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use crate::serve::{run, ServeOptions};
 
-const LONG_ABOUT: &str = "\
+/// `specula serve --help`.
+pub(super) const LONG_ABOUT: &str = "\
 Serve profiles over an OpenAI-compatible HTTP API.
 
 Each profile file is a model named by its file stem (profiles/stories.toml is `stories`).
@@ -27,7 +28,6 @@ more waiting (default 16; beyond that: 503). SIGTERM or Ctrl-C stops accepting c
 and waits for requests in flight (up to --drain-timeout) before exiting with status 0.";
 
 #[derive(Debug, clap::Args)]
-#[command(long_about = LONG_ABOUT)]
 pub struct ServeArgs {
     /// Profile directories (every *.toml file in them) and profile files.
     #[arg(long, value_name = "DIR|FILE", num_args = 1.., required = true)]

@@ -71,14 +71,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/admin/reload", post(admin_reload))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
-        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
-            |panic: Box<dyn std::any::Any + Send>| {
-                let message = worker::panic_message(&*panic);
-                tracing::error!("request handler panicked: {message}");
-                ApiError::internal(format!("internal error: {message}")).into_response()
-            },
-        ))
+        .layer(panics_to_500s())
         .with_state(state)
+}
+
+type PanicHandler = fn(Box<dyn std::any::Any + Send>) -> Response;
+
+/// Turns a panic in a handler into a logged 500 with an OpenAI-style body; the daemon and
+/// the connection's other requests carry on. (Panics during generation are caught in
+/// [`worker`], where the slot is also repaired.)
+fn panics_to_500s() -> tower_http::catch_panic::CatchPanicLayer<PanicHandler> {
+    tower_http::catch_panic::CatchPanicLayer::custom(|panic| {
+        let message = worker::panic_message(&*panic);
+        tracing::error!("request handler panicked: {message}");
+        ApiError::internal(format!("internal error: {message}")).into_response()
+    })
 }
 
 async fn completions(state: Shared, body: Result<Bytes, BytesRejection>) -> Response {
@@ -460,4 +467,48 @@ fn unix_now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request as HttpRequest;
+    use tower::ServiceExt;
+
+    #[test]
+    fn a_panicking_handler_is_a_500_in_openai_format() {
+        let app: Router = Router::new()
+            .route(
+                "/boom",
+                get(|| async {
+                    if unix_now() > 0 {
+                        panic!("kaboom");
+                    }
+                    "unreachable"
+                }),
+            )
+            .layer(panics_to_500s());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (status, body) = runtime.block_on(async {
+            let request = HttpRequest::get("/boom").body(Body::empty()).unwrap();
+            let response = app.oneshot(request).await.unwrap();
+            let status = response.status();
+            let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            (status, serde_json::from_slice::<Value>(&bytes).unwrap())
+        });
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(body["error"]["type"], "server_error");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("kaboom"),
+            "{body}"
+        );
+    }
 }
