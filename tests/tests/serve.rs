@@ -335,13 +335,30 @@ fn openai_python_client_completes_chats_and_streams() {
     let profile = stories_profile(dir.path(), "stories.toml", GREEDY);
     let d = Daemon::ready(&[&profile]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
-    let out = Command::new("python3")
+    let out_dir = tempfile::tempdir().unwrap();
+    let (out_path, err_path) = (out_dir.path().join("out"), out_dir.path().join("err"));
+    let mut child = Command::new("python3")
         .arg(&script)
         .args([&d.url, "stories"])
-        .output()
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
         .unwrap();
-    let (stdout, stderr) = (stdout(&out), stderr(&out));
-    assert!(out.status.success(), "{stdout}\n{stderr}\n{}", d.log());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the openai client script ran for over 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read_to_string(&out_path).unwrap();
+    let stderr = std::fs::read_to_string(&err_path).unwrap();
+    assert!(status.success(), "{stdout}\n{stderr}\n{}", d.log());
     println!("{}", stdout.trim());
 }
 
@@ -497,6 +514,68 @@ fn endpoints_answer_like_openai_and_requests_stay_isolated() {
         ) > 0.0
     );
     assert_eq!(metric(&m, "specula_queue_depth{model=\"stories\"}"), 0.0);
+}
+
+/// stories260K with a chat template in its metadata, written to `path`.
+fn stories_with_chat_template(path: &Path, template: &str) {
+    let source = specula_gguf::GgufFile::open(shared("models/stories260K.gguf")).unwrap();
+    let mut out = specula_gguf::GgufWriter::new();
+    for (key, value) in source.metadata() {
+        out.set(key.clone(), value.clone());
+    }
+    out.set_str("tokenizer.chat_template", template);
+    for info in source.tensors() {
+        let data = source.tensor(&info.name).unwrap().data.to_vec();
+        out.add_tensor(info.name.clone(), &info.dims, info.ty, data)
+            .unwrap();
+    }
+    out.write(path).unwrap();
+}
+
+#[test]
+fn chat_renders_the_gguf_template_and_its_exceptions_are_400s() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("templated.gguf");
+    let template = "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{% if loop.first %}{{ bos_token }}{% endif %}{{ m['role'] | upper }}: {{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}";
+    stories_with_chat_template(&model, template);
+    let profile = dir.path().join("templated.toml");
+    std::fs::write(
+        &profile,
+        format!(
+            "[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 1\n{GREEDY}",
+            model.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::ready(&[&profile]);
+    assert_eq!(d.health().1["models"]["templated"]["chat_template"], "gguf");
+
+    // The chat answer is the completion of the rendered template (its BOS added once).
+    let messages = json!([
+        {"role": "system", "content": "Stories."},
+        {"role": "user", "content": " Once upon a time "},
+    ]);
+    let (status, chat) = d.post(
+        "/v1/chat/completions",
+        &json!({"model": "templated", "messages": messages, "max_tokens": 24}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let rendered = "SYSTEM: Stories.\nUSER: Once upon a time\nASSISTANT:";
+    let (_, plain) = d.post("/v1/completions", &completion("templated", rendered, 24));
+    assert_eq!(
+        chat["usage"]["prompt_tokens"], plain["usage"]["prompt_tokens"],
+        "{chat}\n{plain}"
+    );
+    assert_eq!(text_of(&chat), text_of(&plain));
+
+    // raise_exception's message is the client's 400.
+    let (status, v) = d.post(
+        "/v1/chat/completions",
+        &json!({"model": "templated", "messages": [{"role": "tool", "content": "x"}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["message"], "Unknown role: tool");
+    assert_eq!(v["error"]["param"], "messages");
 }
 
 #[test]
