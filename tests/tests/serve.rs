@@ -751,6 +751,10 @@ fn bad_requests_get_clear_errors_and_the_daemon_keeps_serving() {
         generated < 1000.0,
         "{generated} tokens generated for a client that left"
     );
+    assert_eq!(
+        metric(&m, "specula_cancelled_requests_total{model=\"tight\"}"),
+        1.0
+    );
     let (status, c) = d.post(
         "/v1/completions",
         &completion("tight", "Once upon a time", 8),

@@ -11,7 +11,7 @@ use prometheus::{
     TextEncoder,
 };
 
-use crate::request::Outcome;
+use crate::request::{Outcome, StopReason};
 use crate::spec::SpecStats;
 
 /// Label value for requests that named no known model (keeps label cardinality bounded).
@@ -24,6 +24,8 @@ pub struct Metrics {
     pub requests: IntCounterVec,
     pub prompt_tokens: IntCounterVec,
     pub generated_tokens: IntCounterVec,
+    /// Generations stopped because the client went away.
+    pub cancelled: IntCounterVec,
     /// Time from arrival to the last token.
     pub request_seconds: HistogramVec,
     /// Time from arrival to the first generated text.
@@ -118,6 +120,11 @@ impl Metrics {
                 "Tokens generated",
                 &["model"],
             ),
+            cancelled: counter(
+                "specula_cancelled_requests_total",
+                "Generations stopped because the client disconnected",
+                &["model"],
+            ),
             request_seconds: histogram(
                 "specula_request_duration_seconds",
                 "Time from a request's arrival to its last token",
@@ -202,6 +209,9 @@ impl Metrics {
         self.generated_tokens
             .with_label_values(&[model])
             .inc_by(outcome.tokens.len() as u64);
+        if outcome.stop_reason == StopReason::Cancelled {
+            self.cancelled.with_label_values(&[model]).inc();
+        }
         let s = &outcome.speculative;
         let labels = [model, drafter];
         self.spec_steps.with_label_values(&labels).inc_by(s.steps);
@@ -264,7 +274,7 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::{StopReason, Timings};
+    use crate::request::Timings;
 
     fn outcome(drafted: usize, accepted: usize) -> Outcome {
         let mut speculative = SpecStats::default();

@@ -160,9 +160,7 @@ async fn prepare_and_start(
     };
     let label = model.name.clone();
     let labelled = |e: ApiError| (label.clone(), e);
-    let request = build_request(&model, endpoint, &body).map_err(labelled)?;
-    let stream = request.1;
-    let request = request.0;
+    let (request, stream) = build_request(&model, endpoint, &body).map_err(labelled)?;
 
     // Count the prompt's tokens off the async threads: long prompts take a while.
     let counting = model.clone();
