@@ -9,6 +9,7 @@
 //! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`, the default model);
 //! * [`bench`]: `specula bench`, speed figures measured side by side;
+//! * [`serve`]: `specula serve`, the OpenAI-compatible daemon with hot-reloaded profiles;
 //! * [`cli`]: the `specula` command line.
 
 pub mod bench;
@@ -19,5 +20,6 @@ pub mod plugins;
 pub mod profile;
 pub mod request;
 pub mod sampling;
+pub mod serve;
 pub mod spec;
 pub mod tokenizer;

@@ -61,6 +61,8 @@ pub struct Profile {
     pub speculation: SpeculationSection,
     #[serde(default)]
     pub generation: GenerationSection,
+    #[serde(default)]
+    pub serve: ServeSection,
 }
 
 /// `[target]`: the model being served and the backend that runs it.
@@ -196,6 +198,26 @@ impl Default for GenerationSection {
             max_tokens: 256,
             stop: Vec::new(),
             add_bos: true,
+        }
+    }
+}
+
+/// `[serve]`: how `specula serve` schedules this profile's requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeSection {
+    /// Requests generated at once. Each slot is its own pipeline (its own backend instance and
+    /// sequence state), so memory grows with it.
+    pub slots: u32,
+    /// Requests that may wait for a free slot; beyond that the daemon answers 503.
+    pub queue: u32,
+}
+
+impl Default for ServeSection {
+    fn default() -> Self {
+        Self {
+            slots: 2,
+            queue: 16,
         }
     }
 }
@@ -362,6 +384,18 @@ impl Profile {
         if self.generation.stop.iter().any(String::is_empty) {
             return bad("generation.stop", "stop strings must not be empty".into());
         }
+        if !(1..=64).contains(&self.serve.slots) {
+            return bad(
+                "serve.slots",
+                format!("{} must be between 1 and 64", self.serve.slots),
+            );
+        }
+        if self.serve.queue > 100_000 {
+            return bad(
+                "serve.queue",
+                format!("{} is more than 100000 waiting requests", self.serve.queue),
+            );
+        }
         Ok(())
     }
 
@@ -380,6 +414,7 @@ impl Profile {
             sampling: SamplingSection::default(),
             speculation: SpeculationSection::default(),
             generation: GenerationSection::default(),
+            serve: ServeSection::default(),
         }
     }
 }
@@ -449,6 +484,9 @@ mod tests {
                 "speculation.draft_min",
             ),
             ("[generation]\nstop = [\"\"]\n", "generation.stop"),
+            ("[serve]\nslots = 0\n", "serve.slots"),
+            ("[serve]\nqueue = -1\n", "serve.queue"),
+            ("[serve]\nslot = 2\n", "serve.slot"),
         ] {
             let err = parse(&format!("{MINIMAL}{extra}")).unwrap_err().to_string();
             assert!(err.contains(key), "{extra}: {err}");

@@ -1,4 +1,8 @@
-//! Generation requests and their outcomes: stop reasons, timings, stop-string matching.
+//! Generation requests and their outcomes: stop reasons, timings, stop-string matching,
+//! cancellation.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::sampling::SamplingParams;
 use crate::spec::SpecStats;
@@ -14,6 +18,25 @@ pub struct Request {
     pub add_bos: bool,
     /// Draft tokens per step, or `None` for plain decoding.
     pub speculation: Option<crate::spec::SpecSettings>,
+    /// Checked once per decode step: once cancelled, generation ends with
+    /// [`StopReason::Cancelled`] (the daemon cancels when a client disconnects).
+    pub cancel: CancelFlag,
+}
+
+/// A shared "stop now" flag. Clones share the flag; the default is never cancelled until
+/// [`CancelFlag::cancel`] is called on it or a clone.
+#[derive(Debug, Clone, Default)]
+pub struct CancelFlag(Arc<AtomicBool>);
+
+impl CancelFlag {
+    /// Asks every holder of this flag to stop.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 /// Why generation ended.
@@ -28,6 +51,8 @@ pub enum StopReason {
     MaxTokens,
     /// The context is full.
     ContextFull,
+    /// The request was cancelled (see [`Request::cancel`]).
+    Cancelled,
 }
 
 /// Time spent, for the closing summary.

@@ -217,6 +217,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         sampling: SamplingParams::greedy(),
         add_bos: true,
         speculation,
+        cancel: Default::default(),
     };
     let mut plain_rates = Vec::new();
     let mut plain_output: Option<Outcome> = None;

@@ -5,6 +5,7 @@ mod gen_model;
 mod plugins;
 mod profile;
 mod run;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,18 +36,27 @@ pub enum Command {
     GenModel(gen_model::GenModelArgs),
     /// Measure prefill, decode, verify cost and speculative speedups of a profile.
     Bench(bench::BenchArgs),
+    /// Serve profiles over an OpenAI-compatible HTTP API, reloading them when they change.
+    #[command(long_about = serve::LONG_ABOUT)]
+    Serve(serve::ServeArgs),
 }
 
 /// Parses the command line, runs it, and turns errors into a message and exit code 1.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log.as_deref());
+    // The daemon logs its life cycle (loads, reloads, shutdown) by default.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "warn,specula_host::serve=info",
+        _ => "warn",
+    };
+    init_logging(cli.log.as_deref(), default_filter);
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Plugins(args) => plugins::run(args),
         Command::Profile(cmd) => profile::run(cmd),
         Command::GenModel(args) => gen_model::run(args),
         Command::Bench(args) => bench::run_cli(args),
+        Command::Serve(args) => serve::run_cli(args),
     };
     match result {
         Ok(code) => code,
@@ -57,14 +67,15 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_logging(filter: Option<&str>) {
+fn init_logging(filter: Option<&str>, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = filter
         .map(EnvFilter::new)
         .or_else(|| EnvFilter::try_from_env("SPECULA_LOG").ok())
-        .unwrap_or_else(|| EnvFilter::new("warn"));
+        .unwrap_or_else(|| EnvFilter::new(default_filter));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();

@@ -92,6 +92,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .drafter
             .is_some()
             .then(|| SpecSettings::from(&profile.speculation)),
+        cancel: Default::default(),
     };
 
     let stdout = std::io::stdout();

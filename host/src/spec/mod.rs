@@ -199,6 +199,9 @@ pub fn generate(
         StopReason::MaxTokens
     } else {
         'generation: loop {
+            if request.cancel.is_cancelled() {
+                break StopReason::Cancelled;
+            }
             // 1. The certain token.
             if is_end(t0) {
                 break StopReason::EndOfGeneration;

@@ -1,0 +1,1054 @@
+//! `specula serve` over real HTTP: the real binary on a free port of 127.0.0.1, loading the
+//! real plugins, driven by a small HTTP client (and by the official `openai` Python client).
+//!
+//! Every daemon is killed when its test ends (see [`Daemon`]'s `Drop`), and every wait has a
+//! deadline.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use specula_host::plugins::library_file_name;
+use specula_tests::*;
+
+/// Greedy continuation of "Once upon a time" by stories260K.
+const LILY: &str = ", there was a little girl named Lily";
+
+/// A running daemon; killed on drop, its log printed when the test failed.
+struct Daemon {
+    child: Child,
+    url: String,
+    log: PathBuf,
+    agent: ureq::Agent,
+    _dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts `specula serve --profiles SOURCES --listen 127.0.0.1:0` with this build's
+    /// plugins (or `plugin_path`) and waits until it listens.
+    fn start(sources: &[&Path], plugin_path: Option<&Path>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("daemon.log");
+        let mut cmd = Command::new(specula_bin());
+        cmd.arg("serve").arg("--profiles");
+        cmd.args(sources);
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--debounce-ms",
+            "100",
+            "--drain-timeout",
+            "20",
+        ])
+        .env(
+            "SPECULA_PLUGIN_PATH",
+            plugin_path.map_or_else(plugin_dir, Path::to_path_buf),
+        )
+        .env("SPECULA_HOME", dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap());
+        let mut child = cmd.spawn().expect("spawn specula serve");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = tx.send(line);
+            }
+            for _ in lines {} // keep draining
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "the daemon did not start listening:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+        };
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string();
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        Self {
+            child,
+            url,
+            log,
+            agent,
+            _dir: dir,
+        }
+    }
+
+    /// Starts and waits until `/health` says 200.
+    fn ready(sources: &[&Path]) -> Self {
+        let d = Self::start(sources, None);
+        d.wait_healthy();
+        d
+    }
+
+    fn wait_healthy(&self) {
+        self.wait_for("GET /health = 200", |d| d.get("/health").0 == 200);
+    }
+
+    /// Polls `check` every 25 ms for up to 15 s.
+    fn wait_for(&self, what: &str, check: impl Fn(&Self) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !check(self) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let mut r = self
+            .agent
+            .get(format!("{}{path}", self.url))
+            .call()
+            .unwrap();
+        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    }
+
+    fn get_json(&self, path: &str) -> (u16, Value) {
+        let (status, text) = self.get(path);
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        )
+    }
+
+    /// POSTs raw text; returns the status and the JSON answer.
+    fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let mut r = self
+            .agent
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .send(body)
+            .unwrap();
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        )
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, &body.to_string())
+    }
+
+    /// Starts a streaming request; its events are read as the test goes.
+    fn stream(&self, path: &str, body: &Value) -> Sse {
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let r = self
+            .agent
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .send(body.to_string())
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let content_type = r.headers()["content-type"].to_str().unwrap().to_string();
+        assert!(
+            content_type.starts_with("text/event-stream"),
+            "{content_type}"
+        );
+        Sse {
+            lines: BufReader::new(Box::new(r.into_body().into_reader())),
+        }
+    }
+
+    fn metrics(&self) -> String {
+        let (status, text) = self.get("/metrics");
+        assert_eq!(status, 200);
+        text
+    }
+
+    fn health(&self) -> (u16, Value) {
+        self.get_json("/health")
+    }
+
+    /// Sends a Unix signal (`TERM`, `HUP`).
+    fn signal(&self, name: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{name} failed");
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- daemon log ---\n{}", self.log());
+        }
+    }
+}
+
+/// A server-sent event stream.
+struct Sse {
+    lines: BufReader<Box<dyn Read + Send>>,
+}
+
+/// What a finished stream carried.
+struct Streamed {
+    text: String,
+    chunks: usize,
+    last: Value,
+}
+
+impl Sse {
+    /// The next `data:` payload (comments and blank lines skipped).
+    fn next_data(&mut self) -> Option<String> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.lines.read_line(&mut line).ok()? == 0 {
+                return None;
+            }
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                return Some(data.to_string());
+            }
+        }
+    }
+
+    /// The next chunk as JSON.
+    fn next_chunk(&mut self) -> Value {
+        let data = self.next_data().expect("stream ended early");
+        serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}"))
+    }
+
+    /// Reads to `[DONE]`, which must come right after the chunk with the finish reason, and
+    /// the stream must end there.
+    fn finish(mut self, already: &str) -> Streamed {
+        let mut text = already.to_string();
+        let mut chunks = 0;
+        loop {
+            let data = self.next_data().expect("stream cut before [DONE]");
+            assert_ne!(data, "[DONE]", "[DONE] before a finish reason");
+            let chunk: Value = serde_json::from_str(&data).unwrap();
+            assert!(chunk.get("error").is_none(), "error event: {chunk}");
+            chunks += 1;
+            let choice = &chunk["choices"][0];
+            text.push_str(
+                choice["text"]
+                    .as_str()
+                    .or(choice["delta"]["content"].as_str())
+                    .unwrap_or(""),
+            );
+            if !choice["finish_reason"].is_null() {
+                assert_eq!(self.next_data().as_deref(), Some("[DONE]"));
+                assert_eq!(self.next_data(), None, "data after [DONE]");
+                return Streamed {
+                    text,
+                    chunks,
+                    last: chunk,
+                };
+            }
+            assert!(
+                chunk.get("usage").is_none(),
+                "usage before the end: {chunk}"
+            );
+        }
+    }
+}
+
+/// A profile for stories260K (one thread per slot, greedy by default) plus `extra` TOML.
+fn stories_profile(dir: &Path, file: &str, extra: &str) -> PathBuf {
+    let path = dir.join(file);
+    write_stories_profile(&path, extra);
+    path
+}
+
+fn write_stories_profile(path: &Path, extra: &str) {
+    let text = format!(
+        "[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 1\n{extra}\n",
+        shared("models/stories260K.gguf").to_str().unwrap()
+    );
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap(); // atomic, as editors save
+}
+
+const GREEDY: &str = "[sampling]\ntemperature = 0.0\n";
+
+/// Long generations, for requests that must still run while something else happens.
+const LONG_CONTEXT: &str = "context_size = 2048\n";
+
+fn completion(model: &str, prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": model, "prompt": prompt, "max_tokens": max_tokens})
+}
+
+fn text_of(v: &Value) -> &str {
+    v["choices"][0]["text"]
+        .as_str()
+        .or(v["choices"][0]["message"]["content"].as_str())
+        .unwrap_or_else(|| panic!("no text in {v}"))
+}
+
+fn metric(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from\n{metrics}"))
+}
+
+#[test]
+fn openai_python_client_completes_chats_and_streams() {
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_openai {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI is set but the `openai` Python module is missing (pip install openai)"
+        );
+        println!("skipping: the `openai` Python module is not installed (pip install openai)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let profile = stories_profile(dir.path(), "stories.toml", GREEDY);
+    let d = Daemon::ready(&[&profile]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
+    let out_dir = tempfile::tempdir().unwrap();
+    let (out_path, err_path) = (out_dir.path().join("out"), out_dir.path().join("err"));
+    let mut child = Command::new("python3")
+        .arg(&script)
+        .args([&d.url, "stories"])
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the openai client script ran for over 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read_to_string(&out_path).unwrap();
+    let stderr = std::fs::read_to_string(&err_path).unwrap();
+    assert!(status.success(), "{stdout}\n{stderr}\n{}", d.log());
+    println!("{}", stdout.trim());
+}
+
+#[test]
+fn endpoints_answer_like_openai_and_requests_stay_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = stories_profile(
+        dir.path(),
+        "stories.toml",
+        "[drafter]\nplugin = \"lookup\"\n[sampling]\ntemperature = 0.0\n[speculation]\nadaptive = false\ndraft_max = 4\ndraft_min = 1\n",
+    );
+    let d = Daemon::ready(&[&profile]);
+
+    let (status, health) = d.health();
+    assert_eq!(status, 200);
+    assert_eq!(health["status"], "ok");
+    let s = &health["models"]["stories"];
+    assert_eq!(
+        (s["state"].as_str(), s["drafter"].as_str()),
+        (Some("ready"), Some("lookup"))
+    );
+    assert_eq!(s["slots"], 2);
+    let (_, models) = d.get_json("/v1/models");
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "stories");
+
+    // Completion: text, finish reason, usage, speculative statistics.
+    let (status, c) = d.post(
+        "/v1/completions",
+        &completion("stories", "Once upon a time", 40),
+    );
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["object"], "text_completion");
+    let text = text_of(&c).to_string();
+    assert!(text.starts_with(LILY), "{text}");
+    assert_eq!(c["choices"][0]["finish_reason"], "length");
+    assert_eq!(c["usage"]["completion_tokens"], 40);
+    assert_eq!(
+        c["usage"]["total_tokens"].as_u64(),
+        Some(c["usage"]["prompt_tokens"].as_u64().unwrap() + 40)
+    );
+    assert_eq!(c["speculative"]["drafter"], "lookup");
+    assert_eq!(c["system_fingerprint"], "stories-r1");
+    // A repetitive prompt gives prompt lookup something to draft.
+    let cat = "The cat sat on the mat. The cat sat on the mat. The cat";
+    let (_, c) = d.post("/v1/completions", &completion("stories", cat, 40));
+    let spec = &c["speculative"];
+    assert!(spec["drafted"].as_u64().unwrap() > 0, "{spec}");
+    assert!(
+        spec["accepted"].as_u64().unwrap() <= spec["drafted"].as_u64().unwrap(),
+        "{spec}"
+    );
+    assert!(spec["acceptance_by_position"][0].is_number(), "{spec}");
+
+    // Stop strings (string or list) and max_tokens.
+    let (_, c) = d.post(
+        "/v1/completions",
+        &json!({"model": "stories", "prompt": "Once upon a time", "max_tokens": 40, "stop": "Lily"}),
+    );
+    assert_eq!(text_of(&c), ", there was a little girl named ");
+    assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    let (_, c) = d.post(
+        "/v1/completions",
+        &json!({"model": "stories", "prompt": "Once upon a time", "max_tokens": 40, "stop": ["zzz", "girl"]}),
+    );
+    assert_eq!(text_of(&c), ", there was a little ");
+
+    // Sampling: the same seed draws the same text; top_p near 0 is greedy.
+    let sampled = |seed: u64, top_p: f64| {
+        let body = json!({"model": "stories", "prompt": "Once upon a time", "max_tokens": 40,
+                          "temperature": 1.0, "top_p": top_p, "seed": seed});
+        text_of(&d.post("/v1/completions", &body).1).to_string()
+    };
+    assert_eq!(sampled(7, 1.0), sampled(7, 1.0));
+    assert_ne!(sampled(7, 1.0), sampled(8, 1.0));
+    assert_eq!(sampled(9, 0.001), text);
+
+    // Streaming: the same text in chunks, usage and statistics in the last one, then [DONE].
+    let streamed = d
+        .stream(
+            "/v1/completions",
+            &completion("stories", "Once upon a time", 40),
+        )
+        .finish("");
+    assert_eq!(streamed.text, text);
+    assert!(streamed.chunks > 5);
+    assert_eq!(streamed.last["choices"][0]["finish_reason"], "length");
+    assert_eq!(streamed.last["usage"]["completion_tokens"], 40);
+    assert_eq!(streamed.last["speculative"]["drafter"], "lookup");
+
+    // Chat (no template in this GGUF: the plain fallback), plain and streamed.
+    let chat = json!({"model": "stories", "max_tokens": 30,
+                      "messages": [{"role": "user", "content": "Once upon a time"}]});
+    let (status, c) = d.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["object"], "chat.completion");
+    assert_eq!(c["choices"][0]["message"]["role"], "assistant");
+    let reply = text_of(&c).to_string();
+    let mut s = d.stream("/v1/chat/completions", &chat);
+    let first = s.next_chunk();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let streamed = s.finish("");
+    assert_eq!(streamed.text, reply);
+    assert!(streamed.last["speculative"].is_object());
+
+    // Several requests at once on two slots: each gets exactly its own greedy text.
+    let prompts = [
+        "Once upon a time",
+        "Lily and Ben",
+        "The dog",
+        "One day",
+        "Tom had a",
+    ];
+    let solo: Vec<String> = prompts
+        .iter()
+        .map(|p| text_of(&d.post("/v1/completions", &completion("stories", p, 60)).1).to_string())
+        .collect();
+    let parallel: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let d = &d;
+                scope.spawn(move || {
+                    let s = d.stream("/v1/completions", &completion("stories", p, 60));
+                    s.finish("").text
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(parallel, solo);
+
+    let m = d.metrics();
+    for series in [
+        "specula_requests_total{endpoint=\"completions\",model=\"stories\",status=\"200\"}",
+        "specula_generated_tokens_total{model=\"stories\"}",
+        "specula_prompt_tokens_total{model=\"stories\"}",
+        "specula_request_duration_seconds_count{model=\"stories\"}",
+        "specula_time_to_first_token_seconds_count{model=\"stories\"}",
+        "specula_queue_wait_seconds_count{model=\"stories\"}",
+        "specula_queue_depth{model=\"stories\"}",
+        "specula_spec_drafted_tokens_total{drafter=\"lookup\",model=\"stories\"}",
+        "specula_spec_accepted_tokens_total{drafter=\"lookup\",model=\"stories\"}",
+        "specula_spec_acceptance_by_position{drafter=\"lookup\",model=\"stories\",position=\"0\"}",
+    ] {
+        metric(&m, series);
+    }
+    assert!(
+        metric(
+            &m,
+            "specula_spec_drafted_tokens_total{drafter=\"lookup\",model=\"stories\"}"
+        ) > 0.0
+    );
+    assert_eq!(metric(&m, "specula_queue_depth{model=\"stories\"}"), 0.0);
+}
+
+/// stories260K with a chat template in its metadata, written to `path`.
+fn stories_with_chat_template(path: &Path, template: &str) {
+    let source = specula_gguf::GgufFile::open(shared("models/stories260K.gguf")).unwrap();
+    let mut out = specula_gguf::GgufWriter::new();
+    for (key, value) in source.metadata() {
+        out.set(key.clone(), value.clone());
+    }
+    out.set_str("tokenizer.chat_template", template);
+    for info in source.tensors() {
+        let data = source.tensor(&info.name).unwrap().data.to_vec();
+        out.add_tensor(info.name.clone(), &info.dims, info.ty, data)
+            .unwrap();
+    }
+    out.write(path).unwrap();
+}
+
+#[test]
+fn chat_renders_the_gguf_template_and_its_exceptions_are_400s() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("templated.gguf");
+    let template = "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{% if loop.first %}{{ bos_token }}{% endif %}{{ m['role'] | upper }}: {{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}";
+    stories_with_chat_template(&model, template);
+    let profile = dir.path().join("templated.toml");
+    std::fs::write(
+        &profile,
+        format!(
+            "[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 1\n{GREEDY}",
+            model.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::ready(&[&profile]);
+    assert_eq!(d.health().1["models"]["templated"]["chat_template"], "gguf");
+
+    // The chat answer is the completion of the rendered template (its BOS added once).
+    let messages = json!([
+        {"role": "system", "content": "Stories."},
+        {"role": "user", "content": " Once upon a time "},
+    ]);
+    let (status, chat) = d.post(
+        "/v1/chat/completions",
+        &json!({"model": "templated", "messages": messages, "max_tokens": 24}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let rendered = "SYSTEM: Stories.\nUSER: Once upon a time\nASSISTANT:";
+    let (_, plain) = d.post("/v1/completions", &completion("templated", rendered, 24));
+    assert_eq!(
+        chat["usage"]["prompt_tokens"], plain["usage"]["prompt_tokens"],
+        "{chat}\n{plain}"
+    );
+    assert_eq!(text_of(&chat), text_of(&plain));
+
+    // raise_exception's message is the client's 400.
+    let (status, v) = d.post(
+        "/v1/chat/completions",
+        &json!({"model": "templated", "messages": [{"role": "tool", "content": "x"}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["message"], "Unknown role: tool");
+    assert_eq!(v["error"]["param"], "messages");
+}
+
+#[test]
+fn bad_requests_get_clear_errors_and_the_daemon_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let stories = stories_profile(
+        dir.path(),
+        "stories.toml",
+        "context_size = 64\n[sampling]\ntemperature = 0.0\n",
+    );
+    // One slot, no queue, long context: for a full queue and a client that leaves.
+    let tight = stories_profile(
+        dir.path(),
+        "tight.toml",
+        &format!("{LONG_CONTEXT}[serve]\nslots = 1\nqueue = 0\n[sampling]\ntemperature = 0.0\n"),
+    );
+    let d = Daemon::ready(&[&stories, &tight]);
+    let long_prompt = "Once upon a time there was a little girl. ".repeat(20);
+    let cases: &[(&str, &str, u16, Option<&str>, &str)] = &[
+        (
+            "/v1/completions",
+            "{\"model\": \"stories\", ",
+            400,
+            None,
+            "not valid JSON",
+        ),
+        ("/v1/completions", "[1, 2]", 400, None, "JSON object"),
+        (
+            "/v1/completions",
+            r#"{"model": "stories", "max_tokens": "ten"}"#,
+            400,
+            Some("max_tokens"),
+            "invalid type",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "stories", "temperature": "hot"}"#,
+            400,
+            Some("temperature"),
+            "invalid type",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "stories", "stop": [1]}"#,
+            400,
+            Some("stop"),
+            "list of strings",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": 7, "prompt": "x"}"#,
+            400,
+            Some("model"),
+            "invalid type",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x"}"#,
+            400,
+            None,
+            "missing field `model`",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "gpt-4", "prompt": "x"}"#,
+            404,
+            Some("model"),
+            "does not exist",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "stories", "prompt": "x", "max_tokens": -5}"#,
+            400,
+            Some("max_tokens"),
+            "non-negative",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "stories", "prompt": "x", "n": 3}"#,
+            400,
+            Some("n"),
+            "n = 1",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "stories", "prompt": "x", "top_p": 2}"#,
+            400,
+            Some("top_p"),
+            "(0, 1]",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model": "stories"}"#,
+            400,
+            Some("messages"),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model": "stories", "messages": "hi"}"#,
+            400,
+            Some("messages"),
+            "invalid type",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model": "stories", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+            400,
+            Some("messages[0].content"),
+            "image_url",
+        ),
+    ];
+    for &(path, body, status, param, needle) in cases {
+        let (got, v) = d.post_raw(path, body);
+        assert_eq!(got, status, "{body}: {v}");
+        let e = &v["error"];
+        assert_eq!(e["param"].as_str(), param, "{body}: {v}");
+        assert!(e["type"].is_string() && e.get("code").is_some(), "{v}");
+        assert!(
+            e["message"].as_str().unwrap().contains(needle),
+            "{body}: {v}"
+        );
+    }
+    let (status, v) = d.post("/v1/completions", &completion("stories", &long_prompt, 4));
+    assert_eq!(status, 413, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "prompt");
+    let chat = json!({"model": "stories", "messages": [{"role": "user", "content": long_prompt}]});
+    let (status, v) = d.post("/v1/chat/completions", &chat);
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (413, Some("messages")),
+        "{v}"
+    );
+    let (status, v) = d.get_json("/v1/nothing");
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(d.get("/v1/completions").0, 405);
+
+    // Still serving.
+    assert_eq!(d.health().0, 200);
+    let (status, c) = d.post(
+        "/v1/completions",
+        &completion("stories", "Once upon a time", 8),
+    );
+    assert_eq!(status, 200, "{c}");
+    assert!(text_of(&c).starts_with(", there was"), "{c}");
+
+    // The one slot is busy and nothing may wait: 503 with Retry-After, not a hang.
+    let mut running = d.stream(
+        "/v1/completions",
+        &completion("tight", "Once upon a time", 1800),
+    );
+    running.next_chunk();
+    let r = d
+        .agent
+        .post(format!("{}/v1/completions", d.url))
+        .send(completion("tight", "Once", 4).to_string())
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v: Value = serde_json::from_str(&r.into_body().read_to_string().unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], "queue_full", "{v}");
+
+    // The client leaves mid-stream: generation stops and the slot frees long before the
+    // 1800 tokens would have been generated.
+    drop(running);
+    d.wait_for("the abandoned request to stop", |d| {
+        d.health().1["models"]["tight"]["busy"] == 0
+    });
+    let m = d.metrics();
+    let generated = metric(&m, "specula_generated_tokens_total{model=\"tight\"}");
+    assert!(
+        generated < 1000.0,
+        "{generated} tokens generated for a client that left"
+    );
+    assert_eq!(
+        metric(&m, "specula_cancelled_requests_total{model=\"tight\"}"),
+        1.0
+    );
+    let (status, c) = d.post(
+        "/v1/completions",
+        &completion("tight", "Once upon a time", 8),
+    );
+    assert_eq!(status, 200, "{c}");
+}
+
+#[test]
+fn reload_under_load_finishes_old_streams_and_routes_new_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let lookup =
+        format!("{LONG_CONTEXT}[drafter]\nplugin = \"lookup\"\n[serve]\nslots = 3\n{GREEDY}");
+    let profile = stories_profile(dir.path(), "stories.toml", &lookup);
+    let d = Daemon::ready(&[dir.path()]);
+    let old_fingerprint = d.health().1["models"]["stories"]["revision"].clone();
+
+    // Three long streams on the lookup revision.
+    const N: u64 = 1500;
+    let prompts = ["Once upon a time", "Lily and Ben", "The dog"];
+    let mut streams: Vec<(Sse, String)> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = d.stream("/v1/completions", &completion("stories", p, N as u32));
+            let first = s.next_chunk();
+            (s, first["choices"][0]["text"].as_str().unwrap().to_string())
+        })
+        .collect();
+
+    // The profile changes: draft with llama2xs-281K instead.
+    let draft_model = format!(
+        "{LONG_CONTEXT}[drafter]\nplugin = \"model\"\nmodel = {:?}\n[speculation]\ndraft_max = 4\n[serve]\nslots = 2\n{GREEDY}",
+        shared("models/llama2xs-281K.gguf").to_str().unwrap()
+    );
+    write_stories_profile(&profile, &draft_model);
+    d.wait_for("the new revision", |d| {
+        d.health().1["models"]["stories"]["drafter"] == "model"
+    });
+    let (_, health) = d.health();
+    let draining = &health["models"]["stories"]["draining"];
+    assert_eq!(draining[0]["revision"], old_fingerprint, "{health}");
+    assert!(
+        draining[0]["active"].as_u64().unwrap() > 0,
+        "the old streams already ended: {health}"
+    );
+
+    // New requests go to the new revision.
+    let (status, c) = d.post(
+        "/v1/completions",
+        &completion("stories", "Once upon a time", 40),
+    );
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["speculative"]["drafter"], "model");
+    assert!(c["speculative"]["drafted"].as_u64().unwrap() > 0, "{c}");
+    assert!(text_of(&c).starts_with(LILY));
+    let new_fingerprint = c["system_fingerprint"].as_str().unwrap().to_string();
+    assert_ne!(new_fingerprint, format!("stories-r{old_fingerprint}"));
+
+    // The old streams finish on the old revision, whole.
+    for (s, first) in streams.drain(..) {
+        let done = s.finish(&first);
+        assert_eq!(done.last["usage"]["completion_tokens"], N, "{}", done.last);
+        assert_eq!(done.last["choices"][0]["finish_reason"], "length");
+        assert_eq!(done.last["speculative"]["drafter"], "lookup");
+        assert_eq!(
+            done.last["system_fingerprint"],
+            format!("stories-r{old_fingerprint}")
+        );
+        assert!(done.text.len() > N as usize, "{} bytes", done.text.len());
+    }
+    d.wait_for("the old revision to be gone", |d| {
+        d.health().1["models"]["stories"]["draining"] == json!([])
+    });
+
+    // Metrics show both drafters of the model.
+    let m = d.metrics();
+    assert!(
+        metric(
+            &m,
+            "specula_spec_steps_total{drafter=\"lookup\",model=\"stories\"}"
+        ) >= (3 * N) as f64 / 8.0
+    );
+    assert!(
+        metric(
+            &m,
+            "specula_spec_drafted_tokens_total{drafter=\"model\",model=\"stories\"}"
+        ) > 0.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "specula_profile_loads_total{model=\"stories\",result=\"ok\"}"
+        ),
+        2.0
+    );
+    assert_eq!(metric(&m, "specula_slots{model=\"stories\"}"), 2.0);
+}
+
+#[test]
+fn broken_profiles_keep_the_old_model_and_dropped_plugins_load_on_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("profiles");
+    let plugins = dir.path().join("plugins");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::create_dir_all(&plugins).unwrap();
+    let profile = stories_profile(&profiles, "stories.toml", GREEDY);
+    let d = Daemon::ready(&[&profiles]);
+    let serves = |d: &Daemon| {
+        let (status, c) = d.post(
+            "/v1/completions",
+            &completion("stories", "Once upon a time", 8),
+        );
+        assert_eq!(status, 200, "{c}");
+        assert!(text_of(&c).starts_with(", there was"), "{c}");
+        c
+    };
+
+    // A syntax error: the old revision keeps serving; /health and the reload say why.
+    std::fs::write(&profile, "[target\nbackend = \"cpu-simd\"\n").unwrap();
+    d.wait_for("the error in /health", |d| {
+        !d.health().1["models"]["stories"]["last_error"].is_null()
+    });
+    let (status, health) = d.health();
+    assert_eq!(status, 200);
+    let s = &health["models"]["stories"];
+    assert_eq!(
+        (s["state"].as_str(), s["revision"].as_u64()),
+        (Some("ready"), Some(1)),
+        "{health}"
+    );
+    assert!(
+        s["last_error"].as_str().unwrap().contains("stories.toml"),
+        "{health}"
+    );
+    serves(&d);
+    let (status, report) = d.post("/admin/reload", &json!({}));
+    assert_eq!(status, 422, "{report}");
+    assert_eq!(report["ok"], false);
+    let failed = &report["failed"][0];
+    assert_eq!(
+        (failed["model"].as_str(), failed["still_serving"].as_u64()),
+        (Some("stories"), Some(1))
+    );
+    assert!(
+        failed["error"]
+            .as_str()
+            .unwrap()
+            .contains("TOML parse error"),
+        "{report}"
+    );
+
+    // A valid profile whose drafter plugin is not there yet: same.
+    let extra = format!("plugin_dir = {:?}\n", plugins.to_str().unwrap());
+    let text = format!(
+        "{extra}[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 1\n[drafter]\nplugin = \"dropped\"\n{GREEDY}",
+        shared("models/stories260K.gguf").to_str().unwrap()
+    );
+    std::fs::write(&profile, &text).unwrap();
+    d.wait_for("the missing plugin in /health", |d| {
+        d.health().1["models"]["stories"]["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("'dropped' not found"))
+    });
+    serves(&d);
+
+    // The plugin is dropped into the plugin directory: SIGHUP loads the profile with it.
+    std::fs::copy(
+        plugin_library("drafter-lookup"),
+        plugins.join(library_file_name("dropped")),
+    )
+    .unwrap();
+    d.signal("HUP");
+    d.wait_for("the reloaded profile", |d| {
+        d.health().1["models"]["stories"]["drafter"] == "dropped"
+    });
+    let (_, health) = d.health();
+    assert!(
+        health["models"]["stories"]["last_error"].is_null(),
+        "{health}"
+    );
+    assert_eq!(serves(&d)["speculative"]["drafter"], "dropped");
+
+    // Adding a profile file adds a model; removing it removes the model.
+    stories_profile(&profiles, "second.toml", GREEDY);
+    d.wait_for("the added model", |d| {
+        d.post("/v1/completions", &completion("second", "Once", 2))
+            .0
+            == 200
+    });
+    std::fs::remove_file(profiles.join("second.toml")).unwrap();
+    d.wait_for("the removed model", |d| {
+        d.post("/v1/completions", &completion("second", "Once", 2))
+            .0
+            == 404
+    });
+    let (_, models) = d.get_json("/v1/models");
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");
+
+    // A profile that never loaded: /health is 503 when nothing is ready.
+    std::fs::write(
+        &profile,
+        "[target]\nbackend = \"cpu-simd\"\nmodel = \"missing.gguf\"\n",
+    )
+    .unwrap();
+    let alone = Daemon::start(&[&profile], None);
+    alone.wait_for("the failed load", |d| {
+        d.health().1["models"]["stories"]["state"] == "failed"
+    });
+    let (status, health) = alone.health();
+    assert_eq!(status, 503, "{health}");
+    assert!(
+        health["models"]["stories"]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("missing.gguf"),
+        "{health}"
+    );
+    let (status, v) = alone.post("/v1/completions", &completion("stories", "Once", 2));
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("model_not_ready")),
+        "{v}"
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_drains_the_stream_in_flight_and_exits_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = stories_profile(
+        dir.path(),
+        "stories.toml",
+        &format!("{LONG_CONTEXT}{GREEDY}"),
+    );
+    let mut d = Daemon::ready(&[&profile]);
+    const N: u64 = 1500;
+    let mut s = d.stream(
+        "/v1/completions",
+        &completion("stories", "Once upon a time", N as u32),
+    );
+    let first = s.next_chunk()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    d.signal("TERM");
+    // No new connections once the signal is handled.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.agent.get(format!("{}/health", d.url)).call().is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "still accepting connections\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let done = s.finish(&first);
+    assert_eq!(done.last["usage"]["completion_tokens"], N);
+    assert_eq!(done.last["choices"][0]["finish_reason"], "length");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = d.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the daemon did not exit\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0), "{}", d.log());
+    let log = d.log();
+    assert!(log.contains("SIGTERM") && log.contains("drained"), "{log}");
+}
+
+#[test]
+fn serve_help_explains_endpoints_and_reloading() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = specula(&["serve", "--help"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let help = stdout(&out);
+    for needle in [
+        "--profiles",
+        "--listen",
+        "/v1/chat/completions",
+        "/health",
+        "/metrics",
+        "/admin/reload",
+        "SIGHUP",
+        "SIGTERM",
+        "slots",
+    ] {
+        assert!(help.contains(needle), "{needle} missing from\n{help}");
+    }
+    let out = specula(&["serve", "--profiles", "/no/such/dir"], dir.path());
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("/no/such/dir"), "{}", stderr(&out));
+}
