@@ -2,10 +2,15 @@
 //!
 //! Also home of the lane-accumulator scheme every floating-point dot product in this crate
 //! shares: element `i` of a row is accumulated into lane `i % LANES` in row order, and the
-//! lanes are summed by a fixed pairwise tree at the end. The result is therefore a fixed
-//! function of the two rows, whatever the caller does around it, and the loop shape lets the
-//! compiler vectorise it. A future hand-written SIMD path sits beside the scalar reference and
-//! is chosen once per process, so a given machine always runs the same code for every row.
+//! lanes are summed by a fixed pairwise tree at the end. The scalar reference
+//! ([`dot_scalar`]) does exactly that with 16 lanes; the SIMD versions keep the scheme with
+//! fused multiply-adds (AVX2: 16 lanes, AVX-512: 32 lanes folded to 16 before the tree). The
+//! result is a fixed function of the two rows for a given [`SimdLevel`], and the process runs
+//! one level (see [`crate::simd`]), so a row's result never depends on what runs beside it.
+//!
+//! The float-family dispatch ([`float_dot_rows`]) lives here and is shared by F16 and BF16.
+
+use crate::simd::{self, Rows, SimdLevel};
 
 /// Values per block (plain type).
 pub const BLOCK_VALUES: usize = 1;
@@ -36,9 +41,19 @@ fn decode(bytes: &[u8]) -> f32 {
     f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
 }
 
-/// Dot product of an encoded f32 weight row with an f32 activation row.
+/// Dot product of an encoded f32 weight row with an f32 activation row, at the process's
+/// [`simd::level`].
 pub fn dot(w: &[u8], x: &[f32]) -> f32 {
-    dot_scalar(w, x)
+    let mut out = [0.0];
+    dot_rows(simd::level(), w, Rows::single(x), &mut out);
+    out[0]
+}
+
+/// `out[b] = dot(w, x_b)` for every activation row `x_b` of `x`, reading `w` once per pass of
+/// rows, at `level` (which must be supported). Row `b`'s result is bit-identical to [`dot`]
+/// of that row at the same level.
+pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, f32>, out: &mut [f32]) {
+    float_dot_rows(FloatEncoding::F32, level, w, x, out);
 }
 
 /// Scalar reference of [`dot`].
@@ -46,8 +61,30 @@ pub fn dot_scalar(w: &[u8], x: &[f32]) -> f32 {
     lane_dot::<BLOCK_BYTES>(w, x, f32::from_le_bytes)
 }
 
-/// Dot product of two f32 slices of equal length (attention scores), same lane scheme.
+/// Dot product of two f32 slices of equal length (attention scores), at the process's
+/// [`simd::level`]; bit-identical to [`dot`] of `a`'s encoding with `b`.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    dot_f32_with(simd::level(), a, b)
+}
+
+/// [`dot_f32`] at `level` (which must be supported).
+pub fn dot_f32_with(level: SimdLevel, a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32: length mismatch");
+    match level {
+        SimdLevel::Scalar => dot_f32_scalar(a, b),
+        #[cfg(target_arch = "x86_64")]
+        _ => {
+            let mut out = [0.0];
+            dot_rows(level, simd::f32_bytes(a), Rows::single(b), &mut out);
+            out[0]
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("no SIMD levels on this target"),
+    }
+}
+
+/// Scalar reference of [`dot_f32`] (same lanes and tree as [`dot_scalar`]).
+pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f32: length mismatch");
     let mut acc = [0.0f32; LANES];
     let a_chunks = a.chunks_exact(LANES);
@@ -64,11 +101,117 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     reduce_lanes(acc)
 }
 
-/// `y += a * x`, element-wise (attention value accumulation).
+/// `y += a * x`, element-wise (attention value accumulation), at the process's
+/// [`simd::level`]. SIMD levels use one fused multiply-add per element (so AVX2 and AVX-512
+/// agree bit for bit); the scalar level multiplies, then adds.
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    axpy_with(simd::level(), a, x, y);
+}
+
+/// [`axpy`] at `level` (which must be supported).
+pub fn axpy_with(level: SimdLevel, a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy: length mismatch");
+    level.assert_supported();
+    match level {
+        SimdLevel::Scalar => axpy_scalar(a, x, y),
+        // SAFETY: the level is supported (checked above) and the lengths are equal.
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => unsafe { simd::avx2::axpy(a, x, y) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => unsafe { simd::avx512::axpy(a, x, y) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("no SIMD levels on this target"),
+    }
+}
+
+/// Scalar reference of [`axpy`].
+pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy: length mismatch");
     for (yv, xv) in y.iter_mut().zip(x) {
         *yv += a * xv;
+    }
+}
+
+/// The float weight encodings (F32, F16, BF16), which share one kernel family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FloatEncoding {
+    F32,
+    F16,
+    BF16,
+}
+
+impl FloatEncoding {
+    fn bytes(self) -> usize {
+        match self {
+            FloatEncoding::F32 => 4,
+            FloatEncoding::F16 | FloatEncoding::BF16 => 2,
+        }
+    }
+
+    fn scalar_dot(self) -> fn(&[u8], &[f32]) -> f32 {
+        match self {
+            FloatEncoding::F32 => dot_scalar,
+            FloatEncoding::F16 => crate::f16::dot_scalar,
+            FloatEncoding::BF16 => crate::bf16::dot_scalar,
+        }
+    }
+}
+
+/// The multi-input dot product of a float-family weight row: checks sizes and `level`, then
+/// runs the level's kernel (the scalar level runs the reference once per row).
+pub(crate) fn float_dot_rows(
+    encoding: FloatEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        w.len(),
+        x.len() * encoding.bytes(),
+        "dot: weight row and activation sizes differ"
+    );
+    assert_eq!(
+        out.len(),
+        x.count(),
+        "dot_rows: one output per activation row"
+    );
+    level.assert_supported();
+    match level {
+        SimdLevel::Scalar => {
+            let scalar = encoding.scalar_dot();
+            for (b, o) in out.iter_mut().enumerate() {
+                *o = scalar(w, x.row(b));
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => {
+            use simd::avx2::{float_rows, BF16, F16, F32};
+            // SAFETY: the level is supported and the sizes match (checked above).
+            unsafe {
+                match encoding {
+                    FloatEncoding::F32 => float_rows::<F32>(w, x, out),
+                    FloatEncoding::F16 => float_rows::<F16>(w, x, out),
+                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, out),
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => {
+            use simd::avx2::{BF16, F16, F32};
+            use simd::avx512::float_rows;
+            // SAFETY: the level is supported and the sizes match (checked above).
+            unsafe {
+                match encoding {
+                    FloatEncoding::F32 => float_rows::<F32>(w, x, out),
+                    FloatEncoding::F16 => float_rows::<F16>(w, x, out),
+                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, out),
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("no SIMD levels on this target"),
     }
 }
 

@@ -1,16 +1,25 @@
-//! Weight matrices viewed over raw bytes, and the multi-row mat-vec.
+//! Weight matrices viewed over raw bytes, and the multi-input mat-vec.
 //!
-//! [`matmul`] multiplies a weight matrix with one or more activation rows. Output rows of the
-//! weight matrix are split across the current rayon pool (run it inside `pool.install`); every
-//! output element is computed by exactly one call of the type's `dot` on the full weight row
-//! and the full (prepared) activation row. Nothing is ever split along the reduction, so an
-//! element does not depend on the thread count, on how the rows were chunked, or on how many
-//! activation rows were multiplied together: row `b` of a batch is bit-identical to a
-//! single-row call with that activation.
+//! [`matmul`] multiplies a weight matrix with one or more activation rows. Activation rows are
+//! first encoded for the weight type ([`WeightType::activation`]: f32, Q8_0 or Q8_K), once per
+//! call. Output rows of the weight matrix are then split across the current rayon pool (run it
+//! inside `pool.install`); each worker walks a contiguous range of weight rows, and for each
+//! weight row runs the type's multi-input kernel (`dot_rows`), which decodes every weight block
+//! once and dots it with up to [`simd::MAX_ROWS_PER_PASS`] activation rows — so a verify batch reads
+//! the weights from memory once, not once per row.
+//!
+//! Every output element is computed by one fixed instruction sequence on the full weight row
+//! and the full encoded activation row: nothing is split along the reduction, and each
+//! activation row has its own accumulators inside a pass. So an element depends neither on the
+//! thread count, nor on how rows were chunked, nor on how many activation rows were multiplied
+//! together: row `b` of a batch is bit-identical to a single-row call with that activation.
 
 use rayon::prelude::*;
 
-use crate::{bf16, f16, f32, q8_0, KernelError, WeightType};
+use crate::simd::{self, Rows, SimdLevel};
+use crate::{
+    bf16, f16, f32, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError, WeightType,
+};
 
 /// Below this many multiply-adds a call runs on the calling thread only (the fork-join costs
 /// more than it saves). Results are the same either way.
@@ -100,7 +109,7 @@ impl<'a> WeightMatrix<'a> {
 /// Reusable buffers of [`matmul`], so that steady-state calls do not allocate.
 #[derive(Debug, Default, Clone)]
 pub struct MatmulScratch {
-    /// Activation rows quantised for quantised weight types.
+    /// Activation rows encoded for quantised weight types (Q8_0 or Q8_K rows).
     quantized: Vec<u8>,
     /// Multi-row results in weight-row-major order before they are transposed into place.
     staging: Vec<f32>,
@@ -113,12 +122,20 @@ impl MatmulScratch {
 }
 
 /// `out[b * rows + r] = dot(w.row(r), x[b * cols .. (b + 1) * cols])` for every activation row
-/// `b` of `x` (`x.len()` is a multiple of `w.cols()`).
-///
-/// Activation rows are prepared once per call for the weight type (quantised to Q8_0 for Q8_0
-/// weights, left f32 otherwise); then each worker walks a contiguous range of weight rows and
-/// computes all activation rows against each weight row, so a batch reads the weights once.
+/// `b` of `x` (`x.len()` is a multiple of `w.cols()`), at the process's [`simd::level`].
 pub fn matmul(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+    matmul_at(simd::level(), w, x, out, scratch);
+}
+
+/// [`matmul`] at an explicit SIMD `level` (which must be supported): for tests and benchmarks
+/// that compare levels. Production code calls [`matmul`], so one process uses one level.
+pub fn matmul_at(
+    level: SimdLevel,
+    w: &WeightMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
     let (rows, cols) = (w.rows(), w.cols());
     assert!(
         cols > 0 && x.len().is_multiple_of(cols),
@@ -126,6 +143,7 @@ pub fn matmul(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
     );
     let n = x.len() / cols;
     assert_eq!(out.len(), n * rows, "matmul: output size");
+    level.assert_supported();
     if n == 0 || rows == 0 {
         return;
     }
@@ -136,21 +154,37 @@ pub fn matmul(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
         staging.resize(n * rows, 0.0);
         staging
     };
-    let input = |b: usize| &x[b * cols..(b + 1) * cols];
-    match w.ty() {
-        WeightType::F32 => for_each_output(w, n, dest, |row, b| f32::dot(row, input(b))),
-        WeightType::F16 => for_each_output(w, n, dest, |row, b| f16::dot(row, input(b))),
-        WeightType::BF16 => for_each_output(w, n, dest, |row, b| bf16::dot(row, input(b))),
-        WeightType::Q8_0 => {
-            let q_row = w.row_bytes();
+    match w.ty().activation() {
+        ActivationFormat::F32 => {
+            let acts = Rows::new(x, cols, cols, n);
+            let kernel = match w.ty() {
+                WeightType::F32 => f32::dot_rows,
+                WeightType::F16 => f16::dot_rows,
+                _ => bf16::dot_rows,
+            };
+            for_each_weight_row(w, n, dest, |row, out| kernel(level, row, acts, out));
+        }
+        format => {
+            let q_row = format
+                .row_bytes(cols)
+                .expect("weight rows are whole blocks");
             quantized.resize(n * q_row, 0);
+            let encode = match format {
+                ActivationFormat::Q8_0 => q8_0::quantize_row,
+                _ => q8_k::quantize_row,
+            };
             for (b, q) in quantized.chunks_exact_mut(q_row).enumerate() {
-                q8_0::quantize_row(input(b), q);
+                encode(&x[b * cols..(b + 1) * cols], q);
             }
-            let quantized = &*quantized;
-            for_each_output(w, n, dest, |row, b| {
-                q8_0::dot(row, &quantized[b * q_row..(b + 1) * q_row])
-            });
+            let acts = Rows::new(&quantized[..n * q_row], q_row, q_row, n);
+            let kernel = match w.ty() {
+                WeightType::Q8_0 => q8_0::dot_rows,
+                WeightType::Q4_0 => q4_0::dot_rows,
+                WeightType::Q4K => q4_k::dot_rows,
+                WeightType::Q5K => q5_k::dot_rows,
+                _ => q6_k::dot_rows,
+            };
+            for_each_weight_row(w, n, dest, |row, out| kernel(level, row, acts, out));
         }
     }
     if n > 1 {
@@ -168,11 +202,11 @@ pub fn matvec(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
     matmul(w, x, out, scratch);
 }
 
-/// Fills `dest[r * n + b] = dot(r, b)` over all weight rows `r` and activation rows `b`,
+/// Runs `dot_rows(weight row r, dest[r * n .. (r + 1) * n])` for every weight row `r`,
 /// splitting contiguous ranges of weight rows across the current rayon pool.
-fn for_each_output<F>(w: &WeightMatrix<'_>, n: usize, dest: &mut [f32], dot: F)
+fn for_each_weight_row<F>(w: &WeightMatrix<'_>, n: usize, dest: &mut [f32], dot_rows: F)
 where
-    F: Fn(&[u8], usize) -> f32 + Sync,
+    F: Fn(&[u8], &mut [f32]) + Sync,
 {
     let rows = w.rows();
     let threads = rayon::current_num_threads().max(1);
@@ -180,10 +214,7 @@ where
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
         for (i, outputs) in dst.chunks_exact_mut(n).enumerate() {
-            let row = w.row(first + i);
-            for (b, o) in outputs.iter_mut().enumerate() {
-                *o = dot(row, b);
-            }
+            dot_rows(w.row(first + i), outputs);
         }
     };
     if threads == 1 || rows * w.cols() * n < PARALLEL_MIN_WORK {
@@ -212,49 +243,102 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
-    #[test]
-    fn results_do_not_depend_on_threads_or_batch_size() {
-        let (rows, cols, n) = (300, 4096 + 32, 5);
-        for ty in WeightType::ALL {
-            let weights = random_vec(rows * cols, 0.05, 80);
-            let data = crate::quantize(ty.ggml(), &weights);
-            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
-            let x = random_vec(n * cols, 1.0, 81);
+    /// Activation rows of `cols` values; a few rows have extreme or degenerate content.
+    fn activations(n: usize, cols: usize, seed: u64) -> Vec<f32> {
+        let mut x = random_vec(n * cols, 1.0, seed);
+        if n > 2 {
+            x[cols..2 * cols].iter_mut().for_each(|v| *v *= 1e4);
+            x[2 * cols..3 * cols].iter_mut().for_each(|v| *v *= 1e-4);
+        }
+        if n > 3 {
+            x[3 * cols..4 * cols].fill(0.0);
+        }
+        x
+    }
 
-            let batched = |threads| {
-                run_in_pool(threads, || {
-                    let mut out = vec![0.0; n * rows];
-                    matmul(&w, &x, &mut out, &mut MatmulScratch::new());
-                    out
-                })
-            };
-            let one = batched(1);
-            for threads in [2, 3, 7] {
-                assert_eq!(
-                    bits(&one),
-                    bits(&batched(threads)),
-                    "{ty:?} threads={threads}"
-                );
+    fn weight_data(ty: WeightType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        crate::quantize(ty.ggml(), &random_vec(rows * cols, 0.05, seed))
+    }
+
+    /// The guarantee speculative decoding rests on: for every type and every level this CPU
+    /// runs, row `b` of an n-row matmul (n = 1..=8, and 11 = more than one pass) is bit-identical
+    /// to a single-row matmul of that activation, whatever the thread count. 37 weight rows do
+    /// not divide into the thread chunks evenly.
+    #[test]
+    fn batched_rows_are_bit_identical_to_single_rows_at_every_level() {
+        let (rows, cols) = (37, 512);
+        let max_n = 11;
+        for ty in WeightType::ALL {
+            let data = weight_data(ty, rows, cols, 80);
+            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            let x = activations(max_n, cols, 81);
+            for level in SimdLevel::supported() {
+                let mut scratch = MatmulScratch::new();
+                let singles: Vec<Vec<f32>> = (0..max_n)
+                    .map(|b| {
+                        let mut out = vec![0.0; rows];
+                        let row = &x[b * cols..(b + 1) * cols];
+                        matmul_at(level, &w, row, &mut out, &mut scratch);
+                        out
+                    })
+                    .collect();
+                for n in (1..=8).chain([max_n]) {
+                    for threads in [1, 2, 3] {
+                        let batched = run_in_pool(threads, || {
+                            let mut out = vec![0.0; n * rows];
+                            matmul_at(level, &w, &x[..n * cols], &mut out, &mut scratch);
+                            out
+                        });
+                        for (b, single) in singles.iter().take(n).enumerate() {
+                            assert_eq!(
+                                bits(&batched[b * rows..(b + 1) * rows]),
+                                bits(single),
+                                "{ty} at {level}: row {b} of {n} ({threads} threads)"
+                            );
+                        }
+                    }
+                }
             }
-            let mut scratch = MatmulScratch::new();
-            for b in 0..n {
-                let single = run_in_pool(3, || {
-                    let mut out = vec![0.0; rows];
-                    matvec(&w, &x[b * cols..(b + 1) * cols], &mut out, &mut scratch);
-                    out
-                });
-                assert_eq!(
-                    bits(&single),
-                    bits(&one[b * rows..(b + 1) * rows]),
-                    "{ty:?} row {b}"
-                );
+        }
+    }
+
+    /// Float weights accept any row length: tails shorter than a SIMD chunk go through the
+    /// same per-row code in a batch.
+    #[test]
+    fn float_types_stay_bit_identical_on_ragged_lengths() {
+        let rows = 5;
+        for cols in [1, 7, 31, 33, 100] {
+            for ty in [WeightType::F32, WeightType::F16, WeightType::BF16] {
+                let data = weight_data(ty, rows, cols, 82);
+                let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+                let x = activations(3, cols, 83);
+                for level in SimdLevel::supported() {
+                    let mut scratch = MatmulScratch::new();
+                    let mut batched = vec![0.0; 3 * rows];
+                    matmul_at(level, &w, &x, &mut batched, &mut scratch);
+                    for b in 0..3 {
+                        let mut single = vec![0.0; rows];
+                        matmul_at(
+                            level,
+                            &w,
+                            &x[b * cols..(b + 1) * cols],
+                            &mut single,
+                            &mut scratch,
+                        );
+                        assert_eq!(
+                            bits(&single),
+                            bits(&batched[b * rows..(b + 1) * rows]),
+                            "{ty} at {level}, cols {cols}, row {b}"
+                        );
+                    }
+                }
             }
         }
     }
 
     #[test]
     fn matvec_matches_dequantised_reference() {
-        let (rows, cols) = (17, 96);
+        let (rows, cols) = (17, 256);
         let weights = random_vec(rows * cols, 0.5, 90);
         let x = random_vec(cols, 1.0, 91);
         for ty in WeightType::ALL {
@@ -266,8 +350,11 @@ mod tests {
             for (r, got) in out.iter().enumerate() {
                 w.dequantize_row(r, &mut row);
                 let reference: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                // Q8_0 also quantises the activation: allow its error.
-                let tol = if ty == WeightType::Q8_0 { 0.05 } else { 1e-4 };
+                // Quantised types also quantise the activation: allow its error.
+                let tol = match ty.activation() {
+                    ActivationFormat::F32 => 1e-4,
+                    _ => 0.05,
+                };
                 assert!(
                     (*got as f64 - reference).abs() < tol,
                     "{ty:?} row {r}: {got} vs {reference}"

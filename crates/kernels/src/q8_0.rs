@@ -11,10 +11,12 @@
 //! are `round(x * (1/d))` (ties away from zero) with the unrounded f32 `d`, and `d` is then
 //! stored as f16. A Q8_0 weight row is multiplied with an activation row quantised the same
 //! way (once per input row, see [`crate::matvec`]), block by block as
-//! `ggml_vec_dot_q8_0_q8_0`: an exact integer sum per block, times `d_w * d_x` in f32, summed
-//! over blocks in order in f32.
+//! `ggml_vec_dot_q8_0_q8_0`: an exact integer sum per block, times `d_w * d_x` in f32. The
+//! scalar reference sums the blocks in order in one f32; the SIMD kernels (shared with Q4_0,
+//! see [`block32_dot_rows`]) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
+use crate::simd::{self, Rows, SimdLevel};
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
@@ -71,14 +73,109 @@ pub fn dequantize_row(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The f16 scale at the start of a Q8_0 (or Q4_0) block, as f32.
 #[inline(always)]
-fn scale(block: &[u8]) -> f32 {
+pub(crate) fn scale(block: &[u8]) -> f32 {
     f16::to_f32(u16::from_le_bytes([block[0], block[1]]))
 }
 
-/// Dot product of a Q8_0 weight row with a Q8_0-quantised activation row.
+/// Dot product of a Q8_0 weight row with a Q8_0-quantised activation row, at the process's
+/// [`simd::level`].
 pub fn dot(w: &[u8], x: &[u8]) -> f32 {
-    dot_scalar(w, x)
+    let mut out = [0.0];
+    dot_rows(simd::level(), w, Rows::single(x), &mut out);
+    out[0]
+}
+
+/// `out[b] = dot(w, x_b)` for every Q8_0 activation row of `x`, reading `w` once per pass of
+/// rows, at `level` (which must be supported); row `b` is bit-identical to [`dot`] at that
+/// level.
+pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
+    block32_dot_rows(Block32Encoding::Q8_0, level, w, x, out);
+}
+
+/// The weight encodings with 32-value blocks that multiply Q8_0 activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Block32Encoding {
+    Q8_0,
+    Q4_0,
+}
+
+impl Block32Encoding {
+    fn block_bytes(self) -> usize {
+        match self {
+            Block32Encoding::Q8_0 => BLOCK_BYTES,
+            Block32Encoding::Q4_0 => crate::q4_0::BLOCK_BYTES,
+        }
+    }
+
+    fn scalar_dot(self) -> fn(&[u8], &[u8]) -> f32 {
+        match self {
+            Block32Encoding::Q8_0 => dot_scalar,
+            Block32Encoding::Q4_0 => crate::q4_0::dot_scalar,
+        }
+    }
+}
+
+/// The multi-input dot product of a Q8_0 / Q4_0 weight row with Q8_0 activation rows: checks
+/// sizes and `level`, then runs the level's kernel (the scalar level runs the reference once
+/// per row).
+pub(crate) fn block32_dot_rows(
+    encoding: Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        x.len() % BLOCK_BYTES,
+        0,
+        "dot: activation row is not whole Q8_0 blocks"
+    );
+    assert_eq!(
+        w.len(),
+        x.len() / BLOCK_BYTES * encoding.block_bytes(),
+        "dot: weight row and activation sizes differ"
+    );
+    assert_eq!(
+        out.len(),
+        x.count(),
+        "dot_rows: one output per activation row"
+    );
+    level.assert_supported();
+    match level {
+        SimdLevel::Scalar => {
+            let scalar = encoding.scalar_dot();
+            for (b, o) in out.iter_mut().enumerate() {
+                *o = scalar(w, x.row(b));
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => {
+            use simd::avx2::{block32_rows, Q4_0, Q8_0};
+            // SAFETY: the level is supported and the sizes match (checked above).
+            unsafe {
+                match encoding {
+                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, out),
+                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, out),
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => {
+            use simd::avx2::{Q4_0, Q8_0};
+            use simd::avx512::block32_rows;
+            // SAFETY: the level is supported and the sizes match (checked above).
+            unsafe {
+                match encoding {
+                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, out),
+                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, out),
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("no SIMD levels on this target"),
+    }
 }
 
 /// Scalar reference of [`dot`].

@@ -3,7 +3,7 @@
 //! Opens GGUF models (memory-mapped, weights used in place) and evaluates them on a private
 //! rayon pool with the kernels of `specula-kernels`. Supported architectures: `llama` and
 //! `qwen3` (dense); the hybrid `qwen35` / `qwen3next` are refused with a clear error for now.
-//! Weights may be F32, F16, BF16 or Q8_0.
+//! Weights may be F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K.
 //!
 //! A multi-token eval returns, for every row, exactly the bits a single-token eval at that
 //! position would, which the host's speculative loop relies on.
@@ -31,7 +31,8 @@ use specula_plugin_api::{
 /// The name profiles select this plugin by.
 pub const PLUGIN_NAME: &str = "cpu-simd";
 
-const DESCRIPTION: &str = "GGUF models on the CPU (llama, qwen3; f32/f16/bf16/q8_0 weights)";
+const DESCRIPTION: &str =
+    "GGUF models on the CPU (llama, qwen3; f32/f16/bf16/q8_0/q4_0/q4_K/q5_K/q6_K weights)";
 
 fn describe() -> PluginInfo {
     PluginInfo {

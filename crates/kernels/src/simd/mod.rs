@@ -1,0 +1,300 @@
+//! Instruction-set levels and the once-per-process choice of one.
+//!
+//! Every kernel exists as a scalar reference (in its type's module) and, on x86-64, as AVX2+FMA
+//! and AVX-512 versions ([`avx2`], [`avx512`]). The level a process runs is decided once, the
+//! first time [`level`] is called, and never changes afterwards: every row on a given machine
+//! then goes through the same code, which is what makes a verify row bit-identical to a
+//! single-token pass. Different levels sum in different orders, so their results differ in the
+//! last bits (tests bound that difference against an f64 reference).
+//!
+//! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`) lowers the level, e.g.
+//! to compare levels in a benchmark; it can never raise it above what the CPU supports.
+//!
+//! The SIMD modules hold all of the crate's `unsafe` code. Their entry points are
+//! `#[target_feature]` functions, called only through the dispatchers in the type modules,
+//! which check [`SimdLevel::is_supported`] and the slice sizes first.
+
+use std::sync::OnceLock;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+
+/// Activation rows one weight-row pass of a multi-input kernel serves at most; callers with
+/// more rows run further passes over the (by then cache-resident) weight row.
+pub const MAX_ROWS_PER_PASS: usize = 8;
+
+/// An instruction-set level a kernel can be compiled for, from slowest to fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdLevel {
+    /// Portable Rust, written so the compiler can vectorise it: the reference semantics.
+    Scalar,
+    /// AVX2 with FMA and F16C (x86-64, Haswell / Zen 1 and later).
+    Avx2,
+    /// AVX-512 F, BW, VL and VNNI on top of the AVX2 set (Ice Lake / Zen 4 and later).
+    Avx512,
+}
+
+impl SimdLevel {
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+
+    /// Lower-case name, as accepted by `SPECULA_SIMD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+
+    /// The level named `name` (see [`SimdLevel::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|l| l.name() == name)
+    }
+
+    /// The best level this CPU supports (detected once).
+    pub fn best_supported() -> Self {
+        static BEST: OnceLock<SimdLevel> = OnceLock::new();
+        *BEST.get_or_init(detect)
+    }
+
+    /// Whether this CPU can run code of this level.
+    #[inline]
+    pub fn is_supported(self) -> bool {
+        self <= Self::best_supported()
+    }
+
+    /// Every level this CPU can run, lowest first (what tests iterate over).
+    pub fn supported() -> impl Iterator<Item = SimdLevel> {
+        Self::ALL.into_iter().filter(|l| l.is_supported())
+    }
+
+    /// Panics unless this CPU supports the level: the guard in front of every SIMD entry.
+    #[inline]
+    pub(crate) fn assert_supported(self) {
+        assert!(
+            self.is_supported(),
+            "SIMD level {} is not supported by this CPU (best: {})",
+            self.name(),
+            Self::best_supported().name()
+        );
+    }
+}
+
+impl std::fmt::Display for SimdLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> SimdLevel {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let avx512 = avx2
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni");
+    if avx512 {
+        SimdLevel::Avx512
+    } else if avx2 {
+        SimdLevel::Avx2
+    } else {
+        SimdLevel::Scalar
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> SimdLevel {
+    SimdLevel::Scalar
+}
+
+/// The level every kernel of this process runs: the best supported one, lowered by
+/// `SPECULA_SIMD` when that names a lower level. Decided on the first call, fixed after.
+pub fn level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let best = SimdLevel::best_supported();
+        match std::env::var("SPECULA_SIMD") {
+            Ok(name) => match SimdLevel::from_name(name.trim()) {
+                Some(asked) => asked.min(best),
+                None => best,
+            },
+            Err(_) => best,
+        }
+    })
+}
+
+/// Calls `$kernel::<G…, N>($args…)` with `N` the const equal to `$n`
+/// (1 ..= [`MAX_ROWS_PER_PASS`]): multi-input kernels are monomorphised per row count so
+/// their per-row state lives in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_row_count {
+    ($n:expr, $kernel:ident :: < $($generic:ident),* > ( $($arg:expr),* $(,)? )) => {
+        match $n {
+            1 => $kernel::<$($generic,)* 1>($($arg),*),
+            2 => $kernel::<$($generic,)* 2>($($arg),*),
+            3 => $kernel::<$($generic,)* 3>($($arg),*),
+            4 => $kernel::<$($generic,)* 4>($($arg),*),
+            5 => $kernel::<$($generic,)* 5>($($arg),*),
+            6 => $kernel::<$($generic,)* 6>($($arg),*),
+            7 => $kernel::<$($generic,)* 7>($($arg),*),
+            8 => $kernel::<$($generic,)* 8>($($arg),*),
+            n => unreachable!("row pass of {n} rows"),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use with_row_count;
+
+/// Activation rows of a multi-input dot product: row `b` starts at `data[b * stride]`, and
+/// each row has `len` elements. Checked once by the dispatchers, so kernels can index freely.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a, T> {
+    data: &'a [T],
+    stride: usize,
+    len: usize,
+    count: usize,
+}
+
+impl<'a, T> Rows<'a, T> {
+    /// `count` rows of `len` elements, `stride` apart, inside `data`.
+    ///
+    /// # Panics
+    ///
+    /// If the rows do not fit in `data` or overlap (`stride < len`).
+    pub fn new(data: &'a [T], stride: usize, len: usize, count: usize) -> Self {
+        assert!(stride >= len, "rows: stride {stride} < row length {len}");
+        if count > 0 {
+            assert!(
+                (count - 1) * stride + len <= data.len(),
+                "rows: {count} rows of {len} (stride {stride}) do not fit in {}",
+                data.len()
+            );
+        }
+        Self {
+            data,
+            stride,
+            len,
+            count,
+        }
+    }
+
+    /// One row.
+    pub fn single(row: &'a [T]) -> Self {
+        Self::new(row, row.len(), row.len(), 1)
+    }
+
+    /// Number of rows.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Elements per row.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the rows are empty (zero-length).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Row `b`.
+    #[inline]
+    pub fn row(&self, b: usize) -> &'a [T] {
+        assert!(b < self.count, "rows: row {b} of {}", self.count);
+        &self.data[b * self.stride..][..self.len]
+    }
+
+    /// Rows `first .. first + count` as a new view.
+    #[inline]
+    pub(crate) fn sub(&self, first: usize, count: usize) -> Self {
+        assert!(first + count <= self.count, "rows: sub-range out of bounds");
+        if count == 0 {
+            return Self {
+                data: &self.data[..0],
+                stride: self.stride,
+                len: self.len,
+                count,
+            };
+        }
+        Self {
+            data: &self.data[first * self.stride..],
+            stride: self.stride,
+            len: self.len,
+            count,
+        }
+    }
+
+    /// Pointer to the first element of row `b` (kernels index from it within `len`).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) fn ptr(&self, b: usize) -> *const T {
+        debug_assert!(b < self.count);
+        // Within bounds: `new` checked that every row fits in `data`.
+        self.data[b * self.stride..].as_ptr()
+    }
+}
+
+/// Runs `pass(first, rows, out)` over consecutive groups of at most [`MAX_ROWS_PER_PASS`] rows
+/// (used by every SIMD multi-input entry point).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn in_passes<T>(
+    rows: Rows<'_, T>,
+    out: &mut [f32],
+    mut pass: impl FnMut(Rows<'_, T>, &mut [f32]),
+) {
+    debug_assert_eq!(rows.count(), out.len());
+    for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let group = rows.sub(g * MAX_ROWS_PER_PASS, group_out.len());
+        pass(group, group_out);
+    }
+}
+
+/// The bytes of an f32 slice (native order, which is the little-endian f32 weight encoding on
+/// every target with SIMD kernels), so f32 vectors can go through the F32-weight kernels.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and no invalid bit patterns; the byte view covers exactly the
+    // same memory as `values` and borrows it for the same lifetime.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_ordered_and_the_process_level_is_supported() {
+        assert!(SimdLevel::Scalar < SimdLevel::Avx2 && SimdLevel::Avx2 < SimdLevel::Avx512);
+        assert!(SimdLevel::Scalar.is_supported());
+        assert!(level().is_supported());
+        assert!(level() <= SimdLevel::best_supported());
+        for l in SimdLevel::ALL {
+            assert_eq!(SimdLevel::from_name(l.name()), Some(l));
+        }
+        assert_eq!(
+            SimdLevel::supported().last(),
+            Some(SimdLevel::best_supported())
+        );
+    }
+
+    #[test]
+    fn rows_views_check_their_bounds() {
+        let data = [0u8; 11];
+        let rows = Rows::new(&data, 4, 3, 3);
+        assert_eq!(rows.row(2).len(), 3);
+        assert_eq!(rows.sub(1, 2).row(1).as_ptr(), rows.row(2).as_ptr());
+        assert!(std::panic::catch_unwind(|| Rows::new(&data[..10], 4, 3, 3)).is_err());
+        assert!(std::panic::catch_unwind(|| Rows::new(&data, 2, 3, 1)).is_err());
+    }
+}
