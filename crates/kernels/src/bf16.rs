@@ -60,6 +60,17 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, f32>, out: &mut [f32]) {
     float_dot_rows(FloatEncoding::BF16, level, w, x, out);
 }
 
+/// Adds this weight row (or a column tile of it) times each activation row into the rows'
+/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    acc: &mut [crate::simd::Accumulator],
+) {
+    crate::f32::float_accumulate(FloatEncoding::BF16, level, w, x, acc);
+}
+
 /// Scalar reference of [`dot`].
 pub fn dot_scalar(w: &[u8], x: &[f32]) -> f32 {
     lane_dot::<BLOCK_BYTES>(w, x, |b| to_f32(u16::from_le_bytes(b)))

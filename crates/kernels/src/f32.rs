@@ -10,7 +10,7 @@
 //!
 //! The float-family dispatch ([`float_dot_rows`]) lives here and is shared by F16 and BF16.
 
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, Accumulator, Rows, SimdLevel};
 
 /// Values per block (plain type).
 pub const BLOCK_VALUES: usize = 1;
@@ -54,6 +54,17 @@ pub fn dot(w: &[u8], x: &[f32]) -> f32 {
 /// of that row at the same level.
 pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, f32>, out: &mut [f32]) {
     float_dot_rows(FloatEncoding::F32, level, w, x, out);
+}
+
+/// Adds this weight row (or a column tile of it) times each activation row into the rows'
+/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    acc: &mut [crate::simd::Accumulator],
+) {
+    float_accumulate(FloatEncoding::F32, level, w, x, acc);
 }
 
 /// Scalar reference of [`dot`].
@@ -142,7 +153,7 @@ pub(crate) enum FloatEncoding {
 }
 
 impl FloatEncoding {
-    fn bytes(self) -> usize {
+    pub(crate) fn bytes(self) -> usize {
         match self {
             FloatEncoding::F32 => 4,
             FloatEncoding::F16 | FloatEncoding::BF16 => 2,
@@ -159,7 +170,7 @@ impl FloatEncoding {
 }
 
 /// The multi-input dot product of a float-family weight row: checks sizes and `level`, then
-/// runs the level's kernel (the scalar level runs the reference once per row).
+/// runs the level's kernel over the whole row (the scalar level runs the reference per row).
 pub(crate) fn float_dot_rows(
     encoding: FloatEncoding,
     level: SimdLevel,
@@ -168,32 +179,61 @@ pub(crate) fn float_dot_rows(
     out: &mut [f32],
 ) {
     assert_eq!(
-        w.len(),
-        x.len() * encoding.bytes(),
-        "dot: weight row and activation sizes differ"
-    );
-    assert_eq!(
         out.len(),
         x.count(),
         "dot_rows: one output per activation row"
     );
+    if level == SimdLevel::Scalar {
+        check_float_sizes(encoding, w, x.len());
+        let scalar = encoding.scalar_dot();
+        for (b, o) in out.iter_mut().enumerate() {
+            *o = scalar(w, x.row(b));
+        }
+    } else {
+        simd::accumulate_and_sum(x, out, float_lanes(level), |x, acc| {
+            float_accumulate(encoding, level, w, x, acc)
+        });
+    }
+}
+
+fn check_float_sizes(encoding: FloatEncoding, w: &[u8], x_len: usize) {
+    assert_eq!(
+        w.len(),
+        x_len * encoding.bytes(),
+        "dot: weight row and activation sizes differ"
+    );
+}
+
+/// Accumulator lanes of the float-family kernels at a SIMD `level`.
+pub(crate) fn float_lanes(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512 => 32,
+        _ => 16,
+    }
+}
+
+/// Adds a float-family weight row (or column tile) times each activation row (the same
+/// columns) into the rows' accumulators, at a SIMD `level` (checked to be supported).
+pub(crate) fn float_accumulate(
+    encoding: FloatEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    acc: &mut [Accumulator],
+) {
+    check_float_sizes(encoding, w, x.len());
+    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
     level.assert_supported();
     match level {
-        SimdLevel::Scalar => {
-            let scalar = encoding.scalar_dot();
-            for (b, o) in out.iter_mut().enumerate() {
-                *o = scalar(w, x.row(b));
-            }
-        }
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => {
             use simd::avx2::{float_rows, BF16, F16, F32};
             // SAFETY: the level is supported and the sizes match (checked above).
             unsafe {
                 match encoding {
-                    FloatEncoding::F32 => float_rows::<F32>(w, x, out),
-                    FloatEncoding::F16 => float_rows::<F16>(w, x, out),
-                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, out),
+                    FloatEncoding::F32 => float_rows::<F32>(w, x, acc),
+                    FloatEncoding::F16 => float_rows::<F16>(w, x, acc),
+                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, acc),
                 }
             }
         }
@@ -204,14 +244,13 @@ pub(crate) fn float_dot_rows(
             // SAFETY: the level is supported and the sizes match (checked above).
             unsafe {
                 match encoding {
-                    FloatEncoding::F32 => float_rows::<F32>(w, x, out),
-                    FloatEncoding::F16 => float_rows::<F16>(w, x, out),
-                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, out),
+                    FloatEncoding::F32 => float_rows::<F32>(w, x, acc),
+                    FloatEncoding::F16 => float_rows::<F16>(w, x, acc),
+                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, acc),
                 }
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => unreachable!("no SIMD levels on this target"),
+        _ => unreachable!("accumulate runs SIMD levels only"),
     }
 }
 

@@ -10,7 +10,7 @@
 //! and the SIMD kernels (8 or 16 f32 lanes summed at the end).
 
 use crate::q8_k;
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, Accumulator, Rows, SimdLevel};
 
 /// Values per super-block (ggml's `QK_K`).
 pub const SUPER_BLOCK_VALUES: usize = 256;
@@ -282,7 +282,7 @@ pub(crate) enum KEncoding {
 }
 
 impl KEncoding {
-    fn block_bytes(self) -> usize {
+    pub(crate) fn block_bytes(self) -> usize {
         match self {
             KEncoding::Q4K => crate::q4_k::BLOCK_BYTES,
             KEncoding::Q5K => crate::q5_k::BLOCK_BYTES,
@@ -314,7 +314,8 @@ pub(crate) fn check_sizes(encoding: KEncoding, w: &[u8], x_len: usize) {
 }
 
 /// The multi-input dot product of a K-quant weight row with Q8_K activation rows: checks sizes
-/// and `level`, then runs the level's kernel (the scalar level runs the reference per row).
+/// and `level`, then runs the level's kernel over the whole row (the scalar level runs the
+/// reference per row).
 pub(crate) fn k_quant_dot_rows(
     encoding: KEncoding,
     level: SimdLevel,
@@ -322,29 +323,54 @@ pub(crate) fn k_quant_dot_rows(
     x: Rows<'_, u8>,
     out: &mut [f32],
 ) {
-    check_sizes(encoding, w, x.len());
     assert_eq!(
         out.len(),
         x.count(),
         "dot_rows: one output per activation row"
     );
+    if level == SimdLevel::Scalar {
+        check_sizes(encoding, w, x.len());
+        let scalar = encoding.scalar_dot();
+        for (b, o) in out.iter_mut().enumerate() {
+            *o = scalar(w, x.row(b));
+        }
+    } else {
+        simd::accumulate_and_sum(x, out, k_quant_lanes(level), |x, acc| {
+            k_quant_accumulate(encoding, level, w, x, acc)
+        });
+    }
+}
+
+/// Accumulator lanes of the K-quant kernels at a SIMD `level`.
+pub(crate) fn k_quant_lanes(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512 => 16,
+        _ => 8,
+    }
+}
+
+/// Adds a K-quant weight row (or run of super-blocks) times each Q8_K activation row (the same
+/// super-blocks) into the rows' accumulators, at a SIMD `level` (checked to be supported).
+pub(crate) fn k_quant_accumulate(
+    encoding: KEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    check_sizes(encoding, w, x.len());
+    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
     level.assert_supported();
     match level {
-        SimdLevel::Scalar => {
-            let scalar = encoding.scalar_dot();
-            for (b, o) in out.iter_mut().enumerate() {
-                *o = scalar(w, x.row(b));
-            }
-        }
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => {
             use simd::avx2::{k_quant_rows, Q4_K, Q5_K, Q6_K};
             // SAFETY: the level is supported and the sizes match (checked above).
             unsafe {
                 match encoding {
-                    KEncoding::Q4K => k_quant_rows::<Q4_K>(w, x, out),
-                    KEncoding::Q5K => k_quant_rows::<Q5_K>(w, x, out),
-                    KEncoding::Q6K => k_quant_rows::<Q6_K>(w, x, out),
+                    KEncoding::Q4K => k_quant_rows::<Q4_K>(w, x, acc),
+                    KEncoding::Q5K => k_quant_rows::<Q5_K>(w, x, acc),
+                    KEncoding::Q6K => k_quant_rows::<Q6_K>(w, x, acc),
                 }
             }
         }
@@ -355,14 +381,13 @@ pub(crate) fn k_quant_dot_rows(
             // SAFETY: the level is supported and the sizes match (checked above).
             unsafe {
                 match encoding {
-                    KEncoding::Q4K => k_quant_rows::<Q4_K>(w, x, out),
-                    KEncoding::Q5K => k_quant_rows::<Q5_K>(w, x, out),
-                    KEncoding::Q6K => k_quant_rows::<Q6_K>(w, x, out),
+                    KEncoding::Q4K => k_quant_rows::<Q4_K>(w, x, acc),
+                    KEncoding::Q5K => k_quant_rows::<Q5_K>(w, x, acc),
+                    KEncoding::Q6K => k_quant_rows::<Q6_K>(w, x, acc),
                 }
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => unreachable!("no SIMD levels on this target"),
+        _ => unreachable!("accumulate runs SIMD levels only"),
     }
 }
 

@@ -97,6 +97,17 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
     block32_dot_rows(Block32Encoding::Q4_0, level, w, x, out);
 }
 
+/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
+/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [crate::simd::Accumulator],
+) {
+    crate::q8_0::block32_accumulate(Block32Encoding::Q4_0, level, w, x, acc);
+}
+
 /// Scalar reference of [`dot`]: per block the exact integer sum, times `d_w · d_x`, summed
 /// over blocks in order in one f32.
 pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {

@@ -102,6 +102,17 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
     k_quants::k_quant_dot_rows(KEncoding::Q5K, level, w, x, out);
 }
 
+/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
+/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [crate::simd::Accumulator],
+) {
+    k_quants::k_quant_accumulate(KEncoding::Q5K, level, w, x, acc);
+}
+
 /// Scalar reference of [`dot`] (see [`k_quants::dot_with_mins_scalar`]).
 pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {
     k_quants::dot_with_mins_scalar(KEncoding::Q5K, w, x, levels)

@@ -16,7 +16,7 @@
 //! see [`block32_dot_rows`]) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, Accumulator, Rows, SimdLevel};
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
@@ -102,7 +102,7 @@ pub(crate) enum Block32Encoding {
 }
 
 impl Block32Encoding {
-    fn block_bytes(self) -> usize {
+    pub(crate) fn block_bytes(self) -> usize {
         match self {
             Block32Encoding::Q8_0 => BLOCK_BYTES,
             Block32Encoding::Q4_0 => crate::q4_0::BLOCK_BYTES,
@@ -118,8 +118,8 @@ impl Block32Encoding {
 }
 
 /// The multi-input dot product of a Q8_0 / Q4_0 weight row with Q8_0 activation rows: checks
-/// sizes and `level`, then runs the level's kernel (the scalar level runs the reference once
-/// per row).
+/// sizes and `level`, then runs the level's kernel over the whole row (the scalar level runs
+/// the reference per row).
 pub(crate) fn block32_dot_rows(
     encoding: Block32Encoding,
     level: SimdLevel,
@@ -128,36 +128,60 @@ pub(crate) fn block32_dot_rows(
     out: &mut [f32],
 ) {
     assert_eq!(
-        x.len() % BLOCK_BYTES,
+        out.len(),
+        x.count(),
+        "dot_rows: one output per activation row"
+    );
+    if level == SimdLevel::Scalar {
+        check_block32_sizes(encoding, w, x.len());
+        let scalar = encoding.scalar_dot();
+        for (b, o) in out.iter_mut().enumerate() {
+            *o = scalar(w, x.row(b));
+        }
+    } else {
+        simd::accumulate_and_sum(x, out, BLOCK32_LANES, |x, acc| {
+            block32_accumulate(encoding, level, w, x, acc)
+        });
+    }
+}
+
+/// Accumulator lanes of the 32-value block kernels (every SIMD level).
+pub(crate) const BLOCK32_LANES: usize = 8;
+
+fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], x_len: usize) {
+    assert_eq!(
+        x_len % BLOCK_BYTES,
         0,
         "dot: activation row is not whole Q8_0 blocks"
     );
     assert_eq!(
         w.len(),
-        x.len() / BLOCK_BYTES * encoding.block_bytes(),
+        x_len / BLOCK_BYTES * encoding.block_bytes(),
         "dot: weight row and activation sizes differ"
     );
-    assert_eq!(
-        out.len(),
-        x.count(),
-        "dot_rows: one output per activation row"
-    );
+}
+
+/// Adds a Q8_0 / Q4_0 weight row (or run of blocks) times each Q8_0 activation row (the same
+/// blocks) into the rows' accumulators, at a SIMD `level` (checked to be supported).
+pub(crate) fn block32_accumulate(
+    encoding: Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    check_block32_sizes(encoding, w, x.len());
+    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
     level.assert_supported();
     match level {
-        SimdLevel::Scalar => {
-            let scalar = encoding.scalar_dot();
-            for (b, o) in out.iter_mut().enumerate() {
-                *o = scalar(w, x.row(b));
-            }
-        }
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => {
             use simd::avx2::{block32_rows, Q4_0, Q8_0};
             // SAFETY: the level is supported and the sizes match (checked above).
             unsafe {
                 match encoding {
-                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, out),
-                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, out),
+                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, acc),
+                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, acc),
                 }
             }
         }
@@ -168,14 +192,24 @@ pub(crate) fn block32_dot_rows(
             // SAFETY: the level is supported and the sizes match (checked above).
             unsafe {
                 match encoding {
-                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, out),
-                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, out),
+                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, acc),
+                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, acc),
                 }
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => unreachable!("no SIMD levels on this target"),
+        _ => unreachable!("accumulate runs SIMD levels only"),
     }
+}
+
+/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
+/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [crate::simd::Accumulator],
+) {
+    block32_accumulate(Block32Encoding::Q8_0, level, w, x, acc);
 }
 
 /// Scalar reference of [`dot`].

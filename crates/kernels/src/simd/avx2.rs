@@ -1,11 +1,12 @@
 //! AVX2 + FMA + F16C kernels.
 //!
-//! Every entry point is a multi-input kernel: it reads a weight row once per pass and dots it
-//! with up to [`super::MAX_ROWS_PER_PASS`] activation rows (fewer for the float family, whose
-//! per-row accumulators fill the 16 ymm registers sooner). Each activation row has its own
-//! accumulators, updated by the same instruction sequence whatever the number of rows in the
-//! pass, so a row's result does not depend on its neighbours: the single-row `dot` of every type
-//! is this kernel with one row.
+//! Every entry point is a multi-input kernel: it reads a weight row (or a column tile of it)
+//! once per pass and dots it with up to [`super::MAX_ROWS_PER_PASS`] activation rows (fewer for
+//! the float family, whose per-row accumulators fill the 16 ymm registers sooner). Each
+//! activation row has its own accumulator ([`Accumulator`], loaded into registers at the start
+//! and stored back at the end), updated by the same instruction sequence whatever the number of
+//! rows in the pass, so a row's result does not depend on its neighbours: the single-row `dot`
+//! of every type is this kernel with one row.
 //!
 //! Callers (the type modules' `dot_rows`) have checked that the CPU supports AVX2, FMA and F16C
 //! and that the weight row and every activation row have matching, whole-block sizes; the
@@ -13,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{in_passes, with_row_count, Rows};
+use super::{in_passes, with_row_count, Accumulator, Rows};
 use crate::{k_quants, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k};
 
 // ---------------------------------------------------------------------------------------------
@@ -49,24 +50,43 @@ pub(crate) unsafe fn load8<const KIND: u8>(p: *const u8) -> __m256 {
     }
 }
 
-/// Sums the 8 lanes of `v` by the pairwise tree of [`crate::f32::reduce_lanes`] (lane i with
-/// lane i + width, halving the width).
+/// Lanes `first .. first + 8` of an accumulator.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) fn sum_lanes8(v: __m256) -> f32 {
-    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-    let one = _mm_add_ss(pair, _mm_shuffle_ps::<1>(pair, pair));
-    _mm_cvtss_f32(one)
+pub(crate) fn load_lanes8(acc: &Accumulator, first: usize) -> __m256 {
+    let lanes = &acc.0[first..first + 8];
+    // SAFETY: `lanes` is 8 readable f32.
+    unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
+}
+
+/// Stores `v` to lanes `first .. first + 8` of an accumulator.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn store_lanes8(acc: &mut Accumulator, first: usize, v: __m256) {
+    let lanes = &mut acc.0[first..first + 8];
+    // SAFETY: `lanes` is 8 writable f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) }
 }
 
 /// The f32 value of the little-endian binary16 at `p` (hardware conversion, exact).
+///
+/// The half is broadcast before converting: inserting it into a register instead lets the
+/// compiler merge into a live register (a false dependency that serialised whole loops).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn load_f16(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees two readable bytes at `p`.
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
+}
+
+/// The binary16 at `p` as f32 in all 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn splat_f16(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees two readable bytes at `p`.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
 }
 
 /// The little-endian f32 at `p`.
@@ -90,24 +110,28 @@ pub(crate) fn row_ptrs<T, const N: usize>(rows: &Rows<'_, T>) -> [*const T; N] {
 /// leave room for the weights and loads.
 const FLOAT_ROWS_PER_PASS: usize = 4;
 
-/// `out[b] = Σ_i w[i] · x_b[i]` for a float-family weight row, 16 lanes per row (element `i` in
-/// lane `i % 16`, two ymm registers), fused multiply-adds, lanes summed by the pairwise tree.
+/// Adds `w[i] · x_b[i]` for a float-family weight row into each row's accumulator: 16 lanes
+/// per row (element `i` in lane `i % 16`, two ymm registers), fused multiply-adds.
 ///
 /// # Safety
 ///
 /// AVX2, FMA and F16C must be available; `w` must hold `rows.len()` elements of `KIND`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn float_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, f32>, out: &mut [f32]) {
+pub(crate) unsafe fn float_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, f32>,
+    acc: &mut [Accumulator],
+) {
     debug_assert_eq!(w.len(), rows.len() * float_size(KIND));
-    for (g, group_out) in out.chunks_mut(FLOAT_ROWS_PER_PASS).enumerate() {
-        let group = rows.sub(g * FLOAT_ROWS_PER_PASS, group_out.len());
+    for (g, group_acc) in acc.chunks_mut(FLOAT_ROWS_PER_PASS).enumerate() {
+        let group = rows.sub(g * FLOAT_ROWS_PER_PASS, group_acc.len());
         // SAFETY: forwarded contract; `group` rows are checked views of `rows`.
         unsafe {
-            match group_out.len() {
-                1 => float_pass::<KIND, 1>(w, group, group_out),
-                2 => float_pass::<KIND, 2>(w, group, group_out),
-                3 => float_pass::<KIND, 3>(w, group, group_out),
-                _ => float_pass::<KIND, 4>(w, group, group_out),
+            match group_acc.len() {
+                1 => float_pass::<KIND, 1>(w, group, group_acc),
+                2 => float_pass::<KIND, 2>(w, group, group_acc),
+                3 => float_pass::<KIND, 3>(w, group, group_acc),
+                _ => float_pass::<KIND, 4>(w, group, group_acc),
             }
         }
     }
@@ -117,14 +141,15 @@ pub(crate) unsafe fn float_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, f32>, o
 unsafe fn float_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, f32>,
-    out: &mut [f32],
+    state: &mut [Accumulator],
 ) {
     let size = float_size(KIND);
     let len = rows.len();
     let full = len / 16;
     let wp = w.as_ptr();
     let xp = row_ptrs::<f32, N>(&rows);
-    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    let mut acc: [[__m256; 2]; N] =
+        std::array::from_fn(|r| [load_lanes8(&state[r], 0), load_lanes8(&state[r], 8)]);
     for c in 0..full {
         // SAFETY: chunk `c` (16 elements) lies inside the weight row and every activation row.
         unsafe {
@@ -159,8 +184,9 @@ unsafe fn float_pass<const KIND: u8, const N: usize>(
             }
         }
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = sum_lanes8(_mm256_add_ps(a[0], a[1]));
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes8(s, 0, a[0]);
+        store_lanes8(s, 8, a[1]);
     }
 }
 
@@ -200,16 +226,17 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 pub(crate) const Q8_0: u8 = 0;
 pub(crate) const Q4_0: u8 = 1;
 
-/// Decodes weight block `b` of encoding `KIND`: its 32 signed quants and its scale.
+/// Decodes weight block `b` of encoding `KIND`: its 32 signed quants and its scale (in every
+/// lane).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn decode_block32<const KIND: u8>(w: *const u8, b: usize) -> (__m256i, f32) {
+pub(crate) unsafe fn decode_block32<const KIND: u8>(w: *const u8, b: usize) -> (__m256i, __m256) {
     // SAFETY: the caller guarantees block `b` lies inside the weight row.
     unsafe {
         match KIND {
             Q8_0 => {
                 let block = w.add(b * q8_0::BLOCK_BYTES);
-                (_mm256_loadu_si256(block.add(2).cast()), load_f16(block))
+                (_mm256_loadu_si256(block.add(2).cast()), splat_f16(block))
             }
             _ => {
                 let block = w.add(b * q4_0::BLOCK_BYTES);
@@ -218,25 +245,30 @@ pub(crate) unsafe fn decode_block32<const KIND: u8>(w: *const u8, b: usize) -> (
                 let low = _mm_and_si128(packed, nibble);
                 let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), nibble);
                 let q = _mm256_set_m128i(high, low);
-                (_mm256_sub_epi8(q, _mm256_set1_epi8(8)), load_f16(block))
+                (_mm256_sub_epi8(q, _mm256_set1_epi8(8)), splat_f16(block))
             }
         }
     }
 }
 
 /// Q8_0 / Q4_0 weight row × Q8_0 activation rows. Per row and block: the exact integer dot of
-/// the 32 quant pairs in 8 i32 lanes, converted to f32 and fused into 8 f32 lanes with scale
-/// `d_w · d_x`; the lanes are summed at the end.
+/// the 32 quant pairs in 8 i32 lanes, converted to f32 and multiplied by `d_w · d_x`; two
+/// consecutive blocks are summed (`fma(s1, f1, s0 · f0)`) and then added to the row's 8
+/// accumulator lanes (an odd last block is fused in alone).
 ///
 /// # Safety
 ///
 /// AVX2, FMA and F16C must be available; `w` and every row must be the same whole number of
 /// blocks (`rows.len()` bytes of Q8_0 activations).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn block32_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, out: &mut [f32]) {
-    in_passes(rows, out, |group, group_out| {
+pub(crate) unsafe fn block32_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_out.len(), block32_pass::<KIND>(w, group, group_out)) }
+        unsafe { with_row_count!(group_acc.len(), block32_pass::<KIND>(w, group, group_acc)) }
     });
 }
 
@@ -244,30 +276,56 @@ pub(crate) unsafe fn block32_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, 
 unsafe fn block32_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, u8>,
-    out: &mut [f32],
+    state: &mut [Accumulator],
 ) {
     let blocks = rows.len() / q8_0::BLOCK_BYTES;
     let xp = row_ptrs::<u8, N>(&rows);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); N];
-    for b in 0..blocks {
+    // Block `b` of row `r`: (scale d_w · d_x, exact integer dot as f32), 8 lanes each.
+    let term = |wq: __m256i, w_abs: __m256i, dw: __m256, xb: *const u8| {
+        // SAFETY: `xb` is a whole Q8_0 block of an activation row.
+        unsafe {
+            let xq = _mm256_loadu_si256(xb.add(2).cast());
+            // |w| · (x with w's sign) = w · x; pair sums stay below 2 · 128 · 127.
+            let pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xq, wq));
+            let sums = _mm256_madd_epi16(pairs, ones);
+            (_mm256_mul_ps(dw, splat_f16(xb)), _mm256_cvtepi32_ps(sums))
+        }
+    };
+    let mut acc: [__m256; N] = std::array::from_fn(|r| load_lanes8(&state[r], 0));
+    // Blocks go in pairs, summed before they meet the accumulator (half the dependency chain);
+    // an odd last block is fused alone. Callers tile rows at even blocks, so pairs never
+    // straddle a tile boundary.
+    let mut b = 0;
+    while b + 1 < blocks {
+        // SAFETY: blocks `b`, `b + 1` lie inside the weight row and every activation row.
+        unsafe {
+            let (wq0, dw0) = decode_block32::<KIND>(w.as_ptr(), b);
+            let (wq1, dw1) = decode_block32::<KIND>(w.as_ptr(), b + 1);
+            let (abs0, abs1) = (_mm256_sign_epi8(wq0, wq0), _mm256_sign_epi8(wq1, wq1));
+            for r in 0..N {
+                let xb = xp[r].add(b * q8_0::BLOCK_BYTES);
+                let (s0, f0) = term(wq0, abs0, dw0, xb);
+                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::BLOCK_BYTES));
+                let pair = _mm256_fmadd_ps(s1, f1, _mm256_mul_ps(s0, f0));
+                acc[r] = _mm256_add_ps(acc[r], pair);
+            }
+        }
+        b += 2;
+    }
+    if b < blocks {
         // SAFETY: block `b` lies inside the weight row and every activation row.
         unsafe {
             let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
             let w_abs = _mm256_sign_epi8(wq, wq);
             for r in 0..N {
-                let xb = xp[r].add(b * q8_0::BLOCK_BYTES);
-                let xq = _mm256_loadu_si256(xb.add(2).cast());
-                // |w| · (x with w's sign) = w · x; pair sums stay below 2 · 128 · 127.
-                let pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xq, wq));
-                let sums = _mm256_madd_epi16(pairs, ones);
-                let scale = _mm256_set1_ps(dw * load_f16(xb));
-                acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[r]);
+                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::BLOCK_BYTES));
+                acc[r] = _mm256_fmadd_ps(s, f, acc[r]);
             }
         }
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = sum_lanes8(a);
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes8(s, 0, a);
     }
 }
 
@@ -418,17 +476,21 @@ pub(crate) unsafe fn decode_q6_k(block: *const u8) -> DecodedSuperBlock {
 /// K-quant weight row × Q8_K activation rows. Per row and super-block: the exact integer sums
 /// `Σ scale · Σ q_w · q_x` (8 i32 lanes) and the bsum term (mins for Q4_K / Q5_K, the `-32`
 /// offset for Q6_K), converted to f32 and fused into 8 f32 lanes with `d_x · d` and
-/// `d_x · dmin`; the lanes are summed at the end.
+/// `d_x · dmin`, into the row's accumulator lanes.
 ///
 /// # Safety
 ///
 /// AVX2, FMA and F16C must be available; `w` must be whole super-blocks of `KIND` and every
 /// row the same number of Q8_K blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn k_quant_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, out: &mut [f32]) {
-    in_passes(rows, out, |group, group_out| {
+pub(crate) unsafe fn k_quant_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_out.len(), k_quant_pass::<KIND>(w, group, group_out)) }
+        unsafe { with_row_count!(group_acc.len(), k_quant_pass::<KIND>(w, group, group_acc)) }
     });
 }
 
@@ -436,11 +498,11 @@ pub(crate) unsafe fn k_quant_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, 
 unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, u8>,
-    out: &mut [f32],
+    state: &mut [Accumulator],
 ) {
     let blocks = rows.len() / q8_k::BLOCK_BYTES;
     let xp = row_ptrs::<u8, N>(&rows);
-    let mut acc = [_mm256_setzero_ps(); N];
+    let mut acc: [__m256; N] = std::array::from_fn(|r| load_lanes8(&state[r], 0));
     for b in 0..blocks {
         // SAFETY: super-block `b` lies inside the weight row and every activation row.
         unsafe {
@@ -478,7 +540,7 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
             }
         }
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = sum_lanes8(a);
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes8(s, 0, a);
     }
 }

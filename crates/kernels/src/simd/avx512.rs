@@ -16,25 +16,46 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    decode_block32, decode_k_with_mins, decode_q6_k, float_size, k_block_bytes, load_f16, load_f32,
-    row_ptrs, sum_lanes8, DecodedSuperBlock, F16, F32, Q6_K,
+    decode_block32, decode_k_with_mins, decode_q6_k, float_size, k_block_bytes, load_f32,
+    load_lanes8, row_ptrs, splat_f16, store_lanes8, DecodedSuperBlock, F16, F32, Q6_K,
 };
-use super::{in_passes, with_row_count, Rows};
+use super::{in_passes, with_row_count, Accumulator, Rows};
 use crate::{q8_0, q8_k};
 
-/// Sums the 16 lanes of `v` by the pairwise tree of [`crate::f32::reduce_lanes`].
+/// Lanes `first .. first + 16` of an accumulator.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn sum_lanes16(v: __m512) -> f32 {
-    let low = _mm512_castps512_ps256(v);
-    let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-    sum_lanes8(_mm256_add_ps(low, high))
+fn load_lanes16(acc: &Accumulator, first: usize) -> __m512 {
+    let lanes = &acc.0[first..first + 16];
+    // SAFETY: `lanes` is 16 readable f32.
+    unsafe { _mm512_loadu_ps(lanes.as_ptr()) }
+}
+
+/// Stores `v` to lanes `first .. first + 16` of an accumulator.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn store_lanes16(acc: &mut Accumulator, first: usize, v: __m512) {
+    let lanes = &mut acc.0[first..first + 16];
+    // SAFETY: `lanes` is 16 writable f32.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) }
 }
 
 /// Loads the first `count` (≤ 16) weights of encoding `KIND` at `p`, zeros elsewhere, as f32.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn load16<const KIND: u8>(p: *const u8, count: usize) -> __m512 {
+    if count >= 16 {
+        // SAFETY: the caller guarantees 16 elements are readable at `p`.
+        return unsafe {
+            match KIND {
+                F32 => _mm512_loadu_ps(p.cast()),
+                F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+                _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(p.cast()),
+                ))),
+            }
+        };
+    }
     let mask = if count >= 16 {
         0xffff
     } else {
@@ -70,19 +91,22 @@ unsafe fn load16_f32(p: *const f32, count: usize) -> __m512 {
 // F32 / F16 / BF16 weights × f32 activations
 // ---------------------------------------------------------------------------------------------
 
-/// `out[b] = Σ_i w[i] · x_b[i]` for a float-family weight row, 32 lanes per row (element `i`
-/// in lane `i % 32`, two zmm registers), fused multiply-adds; the two registers are added and
-/// the 16 lanes summed by the pairwise tree.
+/// Adds `w[i] · x_b[i]` for a float-family weight row into each row's accumulator: 32 lanes
+/// per row (element `i` in lane `i % 32`, two zmm registers), fused multiply-adds.
 ///
 /// # Safety
 ///
 /// The AVX-512 level must be available; `w` must hold `rows.len()` elements of `KIND`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn float_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, f32>, out: &mut [f32]) {
+pub(crate) unsafe fn float_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, f32>,
+    acc: &mut [Accumulator],
+) {
     debug_assert_eq!(w.len(), rows.len() * float_size(KIND));
-    in_passes(rows, out, |group, group_out| {
+    in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_out.len(), float_pass::<KIND>(w, group, group_out)) }
+        unsafe { with_row_count!(group_acc.len(), float_pass::<KIND>(w, group, group_acc)) }
     });
 }
 
@@ -90,19 +114,34 @@ pub(crate) unsafe fn float_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, f32>, o
 unsafe fn float_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, f32>,
-    out: &mut [f32],
+    state: &mut [Accumulator],
 ) {
     let size = float_size(KIND);
     let len = rows.len();
     let wp = w.as_ptr();
     let xp = row_ptrs::<f32, N>(&rows);
-    let mut acc = [[_mm512_setzero_ps(); 2]; N];
-    let mut i = 0;
-    while i < len {
-        // The last chunk may be partial: masked loads read only the elements that exist and
-        // give zeros elsewhere (0 · 0 adds nothing to a lane).
+    let mut acc: [[__m512; 2]; N] =
+        std::array::from_fn(|r| [load_lanes16(&state[r], 0), load_lanes16(&state[r], 16)]);
+    let full = len / 32;
+    for c in 0..full {
+        let i = 32 * c;
+        // SAFETY: elements `i .. i + 32` are inside the weight row and every activation row.
+        unsafe {
+            let w0 = load16::<KIND>(wp.add(i * size), 16);
+            let w1 = load16::<KIND>(wp.add((i + 16) * size), 16);
+            for r in 0..N {
+                let x = xp[r].add(i);
+                acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), acc[r][1]);
+            }
+        }
+    }
+    let i = 32 * full;
+    if i < len {
+        // The partial last chunk: masked loads read only the elements that exist and give
+        // zeros elsewhere (0 · 0 adds nothing to a lane).
         let first = (len - i).min(16);
-        let second = (len - i).saturating_sub(16).min(16);
+        let second = (len - i).saturating_sub(16);
         // SAFETY: `first` elements from `i` and `second` from `i + 16` are inside the weight
         // row and every activation row; the second pointers may lie past the end when
         // `second` is 0 (wrapping arithmetic, never dereferenced: every lane is masked off).
@@ -115,10 +154,10 @@ unsafe fn float_pass<const KIND: u8, const N: usize>(
                 acc[r][1] = _mm512_fmadd_ps(w1, load16_f32(x.wrapping_add(16), second), acc[r][1]);
             }
         }
-        i += 32;
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = sum_lanes16(_mm512_add_ps(a[0], a[1]));
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes16(s, 0, a[0]);
+        store_lanes16(s, 16, a[1]);
     }
 }
 
@@ -158,18 +197,22 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 // Q8_0 / Q4_0 weights × Q8_0 activations (blocks of 32)
 // ---------------------------------------------------------------------------------------------
 
-/// Q8_0 / Q4_0 weight row × Q8_0 activation rows: as the AVX2 kernel, with the block's
-/// integer dot formed by one `vpdpbusd` (`|w|` unsigned × `x` carrying `w`'s sign).
+/// Q8_0 / Q4_0 weight row × Q8_0 activation rows: as the AVX2 kernel (blocks in pairs), with
+/// the block's integer dot formed by one `vpdpbusd` (`|w|` unsigned × `x` carrying `w`'s sign).
 ///
 /// # Safety
 ///
 /// The AVX-512 level must be available; `w` and every row must be the same whole number of
 /// blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn block32_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, out: &mut [f32]) {
-    in_passes(rows, out, |group, group_out| {
+pub(crate) unsafe fn block32_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_out.len(), block32_pass::<KIND>(w, group, group_out)) }
+        unsafe { with_row_count!(group_acc.len(), block32_pass::<KIND>(w, group, group_acc)) }
     });
 }
 
@@ -177,28 +220,52 @@ pub(crate) unsafe fn block32_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, 
 unsafe fn block32_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, u8>,
-    out: &mut [f32],
+    state: &mut [Accumulator],
 ) {
     let blocks = rows.len() / q8_0::BLOCK_BYTES;
     let xp = row_ptrs::<u8, N>(&rows);
-    let mut acc = [_mm256_setzero_ps(); N];
-    for b in 0..blocks {
+    // Block `b` of row `r`: (scale d_w · d_x, exact integer dot as f32), 8 lanes each.
+    let term = |wq: __m256i, w_abs: __m256i, dw: __m256, xb: *const u8| {
+        // SAFETY: `xb` is a whole Q8_0 block of an activation row.
+        unsafe {
+            let xq = _mm256_loadu_si256(xb.add(2).cast());
+            let signed_x = _mm256_sign_epi8(xq, wq);
+            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, signed_x);
+            (_mm256_mul_ps(dw, splat_f16(xb)), _mm256_cvtepi32_ps(sums))
+        }
+    };
+    let mut acc: [__m256; N] = std::array::from_fn(|r| load_lanes8(&state[r], 0));
+    // Pairs of blocks as in the AVX2 kernel.
+    let mut b = 0;
+    while b + 1 < blocks {
+        // SAFETY: blocks `b`, `b + 1` lie inside the weight row and every activation row.
+        unsafe {
+            let (wq0, dw0) = decode_block32::<KIND>(w.as_ptr(), b);
+            let (wq1, dw1) = decode_block32::<KIND>(w.as_ptr(), b + 1);
+            let (abs0, abs1) = (_mm256_sign_epi8(wq0, wq0), _mm256_sign_epi8(wq1, wq1));
+            for r in 0..N {
+                let xb = xp[r].add(b * q8_0::BLOCK_BYTES);
+                let (s0, f0) = term(wq0, abs0, dw0, xb);
+                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::BLOCK_BYTES));
+                let pair = _mm256_fmadd_ps(s1, f1, _mm256_mul_ps(s0, f0));
+                acc[r] = _mm256_add_ps(acc[r], pair);
+            }
+        }
+        b += 2;
+    }
+    if b < blocks {
         // SAFETY: block `b` lies inside the weight row and every activation row.
         unsafe {
             let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
             let w_abs = _mm256_sign_epi8(wq, wq);
             for r in 0..N {
-                let xb = xp[r].add(b * q8_0::BLOCK_BYTES);
-                let xq = _mm256_loadu_si256(xb.add(2).cast());
-                let sums =
-                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xq, wq));
-                let scale = _mm256_set1_ps(dw * load_f16(xb));
-                acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[r]);
+                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::BLOCK_BYTES));
+                acc[r] = _mm256_fmadd_ps(s, f, acc[r]);
             }
         }
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = sum_lanes8(a);
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes8(s, 0, a);
     }
 }
 
@@ -233,17 +300,21 @@ fn widen(narrow: DecodedSuperBlock) -> WideSuperBlock {
 }
 
 /// K-quant weight row × Q8_K activation rows: as the AVX2 kernel, 64 values per step, the
-/// scales applied by `vpdpwssd` into 16 i32 lanes, fused into 16 f32 lanes per row.
+/// scales applied by `vpdpwssd` into 16 i32 lanes, fused into the row's 16 accumulator lanes.
 ///
 /// # Safety
 ///
 /// The AVX-512 level must be available; `w` must be whole super-blocks of `KIND` and every
 /// row the same number of Q8_K blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn k_quant_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, out: &mut [f32]) {
-    in_passes(rows, out, |group, group_out| {
+pub(crate) unsafe fn k_quant_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_out.len(), k_quant_pass::<KIND>(w, group, group_out)) }
+        unsafe { with_row_count!(group_acc.len(), k_quant_pass::<KIND>(w, group, group_acc)) }
     });
 }
 
@@ -251,11 +322,11 @@ pub(crate) unsafe fn k_quant_rows<const KIND: u8>(w: &[u8], rows: Rows<'_, u8>, 
 unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, u8>,
-    out: &mut [f32],
+    state: &mut [Accumulator],
 ) {
     let blocks = rows.len() / q8_k::BLOCK_BYTES;
     let xp = row_ptrs::<u8, N>(&rows);
-    let mut acc = [_mm512_setzero_ps(); N];
+    let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
     for b in 0..blocks {
         // SAFETY: super-block `b` lies inside the weight row and every activation row.
         unsafe {
@@ -294,7 +365,7 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
             }
         }
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = sum_lanes16(a);
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes16(s, 0, a);
     }
 }

@@ -151,15 +151,56 @@ macro_rules! with_row_count {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use with_row_count;
 
+/// The running sums of one (weight row, activation row) pair inside a SIMD kernel, kept
+/// between calls so a row can be processed in column tiles: a kernel loads it into registers,
+/// adds the tile's products in the level's fixed lane order, and stores it back. Splitting a
+/// row into tiles at whole lane-chunk / block boundaries therefore changes no result bit.
+///
+/// Lanes used: float family 16 (AVX2) or 32 (AVX-512); 32-value blocks 8; K-quants 8 (AVX2)
+/// or 16 (AVX-512). [`Accumulator::sum`] reduces them by the pairwise tree.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(64))]
+pub struct Accumulator(pub(crate) [f32; 32]);
+
+impl Accumulator {
+    /// All lanes zero.
+    pub const ZERO: Accumulator = Accumulator([0.0; 32]);
+
+    /// Sums the first `lanes` lanes (a power of two) by the pairwise tree of
+    /// [`crate::f32::reduce_lanes`]: lane `i` plus lane `i + width`, halving the width — the
+    /// same additions, in the same order, as the kernels' horizontal sums.
+    pub fn sum(&self, lanes: usize) -> f32 {
+        debug_assert!(lanes.is_power_of_two() && lanes <= 32);
+        let mut v = self.0;
+        let mut width = lanes / 2;
+        while width > 0 {
+            for i in 0..width {
+                v[i] += v[i + width];
+            }
+            width /= 2;
+        }
+        v[0]
+    }
+}
+
 /// Activation rows of a multi-input dot product: row `b` starts at `data[b * stride]`, and
 /// each row has `len` elements. Checked once by the dispatchers, so kernels can index freely.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Rows<'a, T> {
     data: &'a [T],
     stride: usize,
     len: usize,
     count: usize,
 }
+
+// A view is copyable whatever the element type (derive would require `T: Copy`).
+impl<T> Clone for Rows<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Rows<'_, T> {}
 
 impl<'a, T> Rows<'a, T> {
     /// `count` rows of `len` elements, `stride` apart, inside `data`.
@@ -213,7 +254,7 @@ impl<'a, T> Rows<'a, T> {
 
     /// Rows `first .. first + count` as a new view.
     #[inline]
-    pub(crate) fn sub(&self, first: usize, count: usize) -> Self {
+    pub fn sub(&self, first: usize, count: usize) -> Self {
         assert!(first + count <= self.count, "rows: sub-range out of bounds");
         if count == 0 {
             return Self {
@@ -231,6 +272,21 @@ impl<'a, T> Rows<'a, T> {
         }
     }
 
+    /// Columns `start .. start + len` of every row, as a new view (a column tile).
+    #[inline]
+    pub fn columns(&self, start: usize, len: usize) -> Self {
+        assert!(start + len <= self.len, "rows: column range out of bounds");
+        if self.count == 0 {
+            return Self { len, ..*self };
+        }
+        Self {
+            data: &self.data[start..],
+            stride: self.stride,
+            len,
+            count: self.count,
+        }
+    }
+
     /// Pointer to the first element of row `b` (kernels index from it within `len`).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -241,19 +297,39 @@ impl<'a, T> Rows<'a, T> {
     }
 }
 
-/// Runs `pass(first, rows, out)` over consecutive groups of at most [`MAX_ROWS_PER_PASS`] rows
-/// (used by every SIMD multi-input entry point).
+/// Runs `pass(rows, accumulators)` over consecutive groups of at most [`MAX_ROWS_PER_PASS`]
+/// rows (used by every SIMD multi-input entry point).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn in_passes<T>(
     rows: Rows<'_, T>,
-    out: &mut [f32],
-    mut pass: impl FnMut(Rows<'_, T>, &mut [f32]),
+    acc: &mut [Accumulator],
+    mut pass: impl FnMut(Rows<'_, T>, &mut [Accumulator]),
 ) {
-    debug_assert_eq!(rows.count(), out.len());
+    debug_assert_eq!(rows.count(), acc.len());
+    for (g, group_acc) in acc.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let group = rows.sub(g * MAX_ROWS_PER_PASS, group_acc.len());
+        pass(group, group_acc);
+    }
+}
+
+/// Runs a kernel family's `accumulate` over `x` (any number of rows) in passes of at most
+/// [`MAX_ROWS_PER_PASS`] rows, then writes each row's lane sum: the untiled multi-input dot
+/// product every SIMD `dot_rows` is.
+pub(crate) fn accumulate_and_sum<T>(
+    x: Rows<'_, T>,
+    out: &mut [f32],
+    lanes: usize,
+    mut accumulate: impl FnMut(Rows<'_, T>, &mut [Accumulator]),
+) {
+    let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
     for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
-        let group = rows.sub(g * MAX_ROWS_PER_PASS, group_out.len());
-        pass(group, group_out);
+        let acc = &mut acc[..group_out.len()];
+        acc.fill(Accumulator::ZERO);
+        accumulate(x.sub(g * MAX_ROWS_PER_PASS, group_out.len()), acc);
+        for (o, a) in group_out.iter_mut().zip(acc.iter()) {
+            *o = a.sum(lanes);
+        }
     }
 }
 
