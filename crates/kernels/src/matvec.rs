@@ -113,8 +113,11 @@ impl<'a> WeightMatrix<'a> {
 /// Reusable buffers of [`matmul`], so that steady-state calls do not allocate.
 #[derive(Debug, Default, Clone)]
 pub struct MatmulScratch {
-    /// Activation rows encoded for quantised weight types (Q8_0 or Q8_K rows).
+    /// Activation rows encoded for quantised weight types (Q8_0 — widened at SIMD levels — or
+    /// Q8_K rows).
     quantized: Vec<u8>,
+    /// One Q8_0 row on its way to being widened.
+    row_buffer: Vec<u8>,
     /// Multi-row results in weight-row-major order before they are transposed into place.
     staging: Vec<f32>,
 }
@@ -162,7 +165,11 @@ pub fn matmul_at(
     if n == 0 || rows == 0 {
         return;
     }
-    let MatmulScratch { quantized, staging } = scratch;
+    let MatmulScratch {
+        quantized,
+        row_buffer,
+        staging,
+    } = scratch;
     let dest: &mut [f32] = if n == 1 {
         out
     } else {
@@ -196,25 +203,42 @@ pub fn matmul_at(
             let q_row = format
                 .row_bytes(cols)
                 .expect("weight rows are whole blocks");
-            quantized.resize(n * q_row, 0);
-            let encode = match format {
-                ActivationFormat::Q8_0 => q8_0::quantize_row,
-                _ => q8_k::quantize_row,
+            // SIMD levels multiply Q8_0 activations in widened blocks (f32 scales).
+            let widen = format == ActivationFormat::Q8_0 && level != SimdLevel::Scalar;
+            let (act_block, act_row) = if widen {
+                let blocks = cols / q8_0::BLOCK_VALUES;
+                (q8_0::WIDE_BLOCK_BYTES, blocks * q8_0::WIDE_BLOCK_BYTES)
+            } else if format == ActivationFormat::Q8_0 {
+                (q8_0::BLOCK_BYTES, q_row)
+            } else {
+                (q8_k::BLOCK_BYTES, q_row)
             };
-            for (b, q) in quantized.chunks_exact_mut(q_row).enumerate() {
-                encode(&x[b * cols..(b + 1) * cols], q);
+            quantized.resize(n * act_row, 0);
+            if widen {
+                row_buffer.resize(q_row, 0);
             }
-            let acts = Rows::new(&quantized[..n * q_row], q_row, q_row, n);
+            for (b, q) in quantized.chunks_exact_mut(act_row).enumerate() {
+                let values = &x[b * cols..(b + 1) * cols];
+                match format {
+                    ActivationFormat::Q8_0 if widen => {
+                        q8_0::quantize_row(values, row_buffer);
+                        q8_0::widen_row(row_buffer, q);
+                    }
+                    ActivationFormat::Q8_0 => q8_0::quantize_row(values, q),
+                    _ => q8_k::quantize_row(values, q),
+                }
+            }
+            let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
             let (dot_rows, accumulate, lanes): (DotRowsFn<u8>, AccumulateFn<u8>, usize) = match ty {
-                WeightType::Q8_0 => (q8_0::dot_rows, q8_0::accumulate, q8_0::BLOCK32_LANES),
-                WeightType::Q4_0 => (q4_0::dot_rows, q4_0::accumulate, q8_0::BLOCK32_LANES),
+                WeightType::Q8_0 => (q8_0::dot_rows, q8_0::accumulate, q8_0::block32_lanes(level)),
+                WeightType::Q4_0 => (q4_0::dot_rows, q4_0::accumulate, q8_0::block32_lanes(level)),
                 WeightType::Q4K => (q4_k::dot_rows, q4_k::accumulate, 0),
                 WeightType::Q5K => (q5_k::dot_rows, q5_k::accumulate, 0),
                 _ => (q6_k::dot_rows, q6_k::accumulate, 0),
             };
-            let (block_values, act_block) = match format {
-                ActivationFormat::Q8_0 => (q8_0::BLOCK_VALUES, q8_0::BLOCK_BYTES),
-                _ => (q8_k::BLOCK_VALUES, q8_k::BLOCK_BYTES),
+            let block_values = match format {
+                ActivationFormat::Q8_0 => q8_0::BLOCK_VALUES,
+                _ => q8_k::BLOCK_VALUES,
             };
             let kernel = Kernel {
                 dot_rows,

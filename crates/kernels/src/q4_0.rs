@@ -97,8 +97,9 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
     block32_dot_rows(Block32Encoding::Q4_0, level, w, x, out);
 }
 
-/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
-/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+/// Adds this weight row (or a run of its blocks) times each widened Q8_0 activation row
+/// ([`crate::q8_0::widen_row`]) into the rows' accumulators at a SIMD `level`: the tiled form
+/// of [`dot_rows`] used by the mat-vec.
 pub(crate) fn accumulate(
     level: SimdLevel,
     w: &[u8],

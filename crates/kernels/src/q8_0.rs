@@ -16,7 +16,7 @@
 //! see [`block32_dot_rows`]) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
-use crate::simd::{self, Accumulator, Rows, SimdLevel};
+use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
@@ -119,7 +119,8 @@ impl Block32Encoding {
 
 /// The multi-input dot product of a Q8_0 / Q4_0 weight row with Q8_0 activation rows: checks
 /// sizes and `level`, then runs the level's kernel over the whole row (the scalar level runs
-/// the reference per row).
+/// the reference per row). SIMD levels widen the activation rows' scales first
+/// ([`widen_row`]), a run of blocks at a time on the stack.
 pub(crate) fn block32_dot_rows(
     encoding: Block32Encoding,
     level: SimdLevel,
@@ -132,37 +133,92 @@ pub(crate) fn block32_dot_rows(
         x.count(),
         "dot_rows: one output per activation row"
     );
+    check_block32_sizes(encoding, w, x.len() / BLOCK_BYTES * WIDE_BLOCK_BYTES);
     if level == SimdLevel::Scalar {
-        check_block32_sizes(encoding, w, x.len());
         let scalar = encoding.scalar_dot();
         for (b, o) in out.iter_mut().enumerate() {
             *o = scalar(w, x.row(b));
         }
-    } else {
-        simd::accumulate_and_sum(x, out, BLOCK32_LANES, |x, acc| {
-            block32_accumulate(encoding, level, w, x, acc)
-        });
+        return;
+    }
+    /// Blocks widened per step (even, so pairs of blocks stay together).
+    const STEP: usize = 32;
+    let blocks = x.len() / BLOCK_BYTES;
+    let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * WIDE_BLOCK_BYTES];
+    let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
+    for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
+        let acc = &mut acc[..group_out.len()];
+        acc.fill(Accumulator::ZERO);
+        for first in (0..blocks).step_by(STEP) {
+            let count = STEP.min(blocks - first);
+            let wide_row = count * WIDE_BLOCK_BYTES;
+            for (b, dst) in wide
+                .chunks_exact_mut(wide_row)
+                .take(group.count())
+                .enumerate()
+            {
+                let src = &group.row(b)[first * BLOCK_BYTES..(first + count) * BLOCK_BYTES];
+                widen_row(src, dst);
+            }
+            let wide_rows = Rows::new(
+                &wide[..group.count() * wide_row],
+                wide_row,
+                wide_row,
+                group.count(),
+            );
+            let w_blocks =
+                &w[first * encoding.block_bytes()..(first + count) * encoding.block_bytes()];
+            block32_accumulate(encoding, level, w_blocks, wide_rows, acc);
+        }
+        for (o, a) in group_out.iter_mut().zip(acc.iter()) {
+            *o = a.sum(block32_lanes(level));
+        }
     }
 }
 
-/// Accumulator lanes of the 32-value block kernels (every SIMD level).
-pub(crate) const BLOCK32_LANES: usize = 8;
+/// Accumulator lanes of the 32-value block kernels at a SIMD `level`: 8 at AVX2, 16 at AVX-512
+/// (two blocks per register: even blocks in lanes 0..8, odd blocks in lanes 8..16).
+pub(crate) fn block32_lanes(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512 => 16,
+        _ => 8,
+    }
+}
 
-fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], x_len: usize) {
+/// Bytes of a widened Q8_0 block, the activation format of the SIMD kernels: the scale as f32
+/// (the f16 value, converted exactly), then the 32 quants.
+pub(crate) const WIDE_BLOCK_BYTES: usize = 4 + BLOCK_VALUES;
+
+/// Converts a Q8_0 row into widened blocks (`bytes.len() / 34 * 36` bytes): the same values,
+/// with the scale stored as f32 so the kernels do not convert it once per weight row.
+pub(crate) fn widen_row(bytes: &[u8], wide: &mut [u8]) {
+    debug_assert_eq!(wide.len(), bytes.len() / BLOCK_BYTES * WIDE_BLOCK_BYTES);
+    for (src, dst) in bytes
+        .chunks_exact(BLOCK_BYTES)
+        .zip(wide.chunks_exact_mut(WIDE_BLOCK_BYTES))
+    {
+        dst[..4].copy_from_slice(&scale(src).to_le_bytes());
+        dst[4..].copy_from_slice(&src[2..]);
+    }
+}
+
+fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], wide_len: usize) {
     assert_eq!(
-        x_len % BLOCK_BYTES,
+        wide_len % WIDE_BLOCK_BYTES,
         0,
         "dot: activation row is not whole Q8_0 blocks"
     );
     assert_eq!(
         w.len(),
-        x_len / BLOCK_BYTES * encoding.block_bytes(),
+        wide_len / WIDE_BLOCK_BYTES * encoding.block_bytes(),
         "dot: weight row and activation sizes differ"
     );
 }
 
-/// Adds a Q8_0 / Q4_0 weight row (or run of blocks) times each Q8_0 activation row (the same
-/// blocks) into the rows' accumulators, at a SIMD `level` (checked to be supported).
+/// Adds a Q8_0 / Q4_0 weight row (or run of blocks, starting at an even block of the row)
+/// times each widened Q8_0 activation row ([`widen_row`], the same blocks) into the rows'
+/// accumulators, at a SIMD `level` (checked to be supported).
 pub(crate) fn block32_accumulate(
     encoding: Block32Encoding,
     level: SimdLevel,
@@ -201,14 +257,10 @@ pub(crate) fn block32_accumulate(
     }
 }
 
-/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
-/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
-pub(crate) fn accumulate(
-    level: SimdLevel,
-    w: &[u8],
-    x: Rows<'_, u8>,
-    acc: &mut [crate::simd::Accumulator],
-) {
+/// Adds this weight row (or a run of its blocks) times each widened activation row
+/// ([`widen_row`]) into the rows' accumulators at a SIMD `level`: the tiled form of
+/// [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, acc: &mut [Accumulator]) {
     block32_accumulate(Block32Encoding::Q8_0, level, w, x, acc);
 }
 
@@ -323,6 +375,6 @@ mod tests {
             let dx = half::f16::from_bits(u16::from_le_bytes([xb[0], xb[1]])).to_f32();
             expected += s as f32 * (dw * dx);
         }
-        assert_eq!(dot(&wq, &xq).to_bits(), expected.to_bits());
+        assert_eq!(dot_scalar(&wq, &xq).to_bits(), expected.to_bits());
     }
 }

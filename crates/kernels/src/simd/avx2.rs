@@ -256,10 +256,12 @@ pub(crate) unsafe fn decode_block32<const KIND: u8>(w: *const u8, b: usize) -> (
 /// consecutive blocks are summed (`fma(s1, f1, s0 · f0)`) and then added to the row's 8
 /// accumulator lanes (an odd last block is fused in alone).
 ///
+/// Activation rows are widened Q8_0 blocks ([`q8_0::widen_row`]: f32 scale, 32 quants).
+///
 /// # Safety
 ///
 /// AVX2, FMA and F16C must be available; `w` and every row must be the same whole number of
-/// blocks (`rows.len()` bytes of Q8_0 activations).
+/// blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn block32_rows<const KIND: u8>(
     w: &[u8],
@@ -278,18 +280,19 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
     rows: Rows<'_, u8>,
     state: &mut [Accumulator],
 ) {
-    let blocks = rows.len() / q8_0::BLOCK_BYTES;
+    let blocks = rows.len() / q8_0::WIDE_BLOCK_BYTES;
     let xp = row_ptrs::<u8, N>(&rows);
     let ones = _mm256_set1_epi16(1);
     // Block `b` of row `r`: (scale d_w · d_x, exact integer dot as f32), 8 lanes each.
     let term = |wq: __m256i, w_abs: __m256i, dw: __m256, xb: *const u8| {
-        // SAFETY: `xb` is a whole Q8_0 block of an activation row.
+        // SAFETY: `xb` is a whole widened Q8_0 block of an activation row.
         unsafe {
-            let xq = _mm256_loadu_si256(xb.add(2).cast());
+            let xq = _mm256_loadu_si256(xb.add(4).cast());
             // |w| · (x with w's sign) = w · x; pair sums stay below 2 · 128 · 127.
             let pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xq, wq));
             let sums = _mm256_madd_epi16(pairs, ones);
-            (_mm256_mul_ps(dw, splat_f16(xb)), _mm256_cvtepi32_ps(sums))
+            let dx = _mm256_set1_ps(load_f32(xb));
+            (_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(sums))
         }
     };
     let mut acc: [__m256; N] = std::array::from_fn(|r| load_lanes8(&state[r], 0));
@@ -304,9 +307,9 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
             let (wq1, dw1) = decode_block32::<KIND>(w.as_ptr(), b + 1);
             let (abs0, abs1) = (_mm256_sign_epi8(wq0, wq0), _mm256_sign_epi8(wq1, wq1));
             for r in 0..N {
-                let xb = xp[r].add(b * q8_0::BLOCK_BYTES);
+                let xb = xp[r].add(b * q8_0::WIDE_BLOCK_BYTES);
                 let (s0, f0) = term(wq0, abs0, dw0, xb);
-                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::BLOCK_BYTES));
+                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::WIDE_BLOCK_BYTES));
                 let pair = _mm256_fmadd_ps(s1, f1, _mm256_mul_ps(s0, f0));
                 acc[r] = _mm256_add_ps(acc[r], pair);
             }
@@ -319,7 +322,7 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
             let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
             let w_abs = _mm256_sign_epi8(wq, wq);
             for r in 0..N {
-                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::BLOCK_BYTES));
+                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::WIDE_BLOCK_BYTES));
                 acc[r] = _mm256_fmadd_ps(s, f, acc[r]);
             }
         }

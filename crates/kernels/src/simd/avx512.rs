@@ -16,8 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    decode_block32, decode_k_with_mins, decode_q6_k, float_size, k_block_bytes, load_f32,
-    load_lanes8, row_ptrs, splat_f16, store_lanes8, DecodedSuperBlock, F16, F32, Q6_K,
+    decode_block32, decode_k_with_mins, decode_q6_k, float_size, k_block_bytes, load_f32, row_ptrs,
+    DecodedSuperBlock, F16, F32, Q6_K, Q8_0,
 };
 use super::{in_passes, with_row_count, Accumulator, Rows};
 use crate::{q8_0, q8_k};
@@ -197,13 +197,16 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 // Q8_0 / Q4_0 weights × Q8_0 activations (blocks of 32)
 // ---------------------------------------------------------------------------------------------
 
-/// Q8_0 / Q4_0 weight row × Q8_0 activation rows: as the AVX2 kernel (blocks in pairs), with
-/// the block's integer dot formed by one `vpdpbusd` (`|w|` unsigned × `x` carrying `w`'s sign).
+/// Q8_0 / Q4_0 weight row × widened Q8_0 activation rows ([`q8_0::widen_row`]), two blocks per
+/// zmm register: block `2p` in lanes 0..8, block `2p + 1` in lanes 8..16. Per row and pair: the
+/// exact integer dots by one `vpdpbusd` (`|w|` unsigned × `x` carrying `w`'s sign), converted
+/// to f32 and fused into the row's 16 accumulator lanes with the scales `d_w · d_x` of each
+/// half. An odd last block goes into lanes 0..8 alone.
 ///
 /// # Safety
 ///
 /// The AVX-512 level must be available; `w` and every row must be the same whole number of
-/// blocks.
+/// blocks, and the run must start at an even block of the row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn block32_rows<const KIND: u8>(
     w: &[u8],
@@ -222,33 +225,32 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
     rows: Rows<'_, u8>,
     state: &mut [Accumulator],
 ) {
-    let blocks = rows.len() / q8_0::BLOCK_BYTES;
+    const WIDE: usize = q8_0::WIDE_BLOCK_BYTES;
+    let blocks = rows.len() / WIDE;
     let xp = row_ptrs::<u8, N>(&rows);
-    // Block `b` of row `r`: (scale d_w · d_x, exact integer dot as f32), 8 lanes each.
-    let term = |wq: __m256i, w_abs: __m256i, dw: __m256, xb: *const u8| {
-        // SAFETY: `xb` is a whole Q8_0 block of an activation row.
-        unsafe {
-            let xq = _mm256_loadu_si256(xb.add(2).cast());
-            let signed_x = _mm256_sign_epi8(xq, wq);
-            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, signed_x);
-            (_mm256_mul_ps(dw, splat_f16(xb)), _mm256_cvtepi32_ps(sums))
-        }
-    };
-    let mut acc: [__m256; N] = std::array::from_fn(|r| load_lanes8(&state[r], 0));
-    // Pairs of blocks as in the AVX2 kernel.
+    let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
     let mut b = 0;
     while b + 1 < blocks {
         // SAFETY: blocks `b`, `b + 1` lie inside the weight row and every activation row.
         unsafe {
-            let (wq0, dw0) = decode_block32::<KIND>(w.as_ptr(), b);
-            let (wq1, dw1) = decode_block32::<KIND>(w.as_ptr(), b + 1);
-            let (abs0, abs1) = (_mm256_sign_epi8(wq0, wq0), _mm256_sign_epi8(wq1, wq1));
+            let (wq, dw) = decode_block32_pair::<KIND>(w.as_ptr(), b);
+            let w_abs = _mm512_abs_epi8(wq);
+            let negative = _mm512_movepi8_mask(wq);
             for r in 0..N {
-                let xb = xp[r].add(b * q8_0::BLOCK_BYTES);
-                let (s0, f0) = term(wq0, abs0, dw0, xb);
-                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::BLOCK_BYTES));
-                let pair = _mm256_fmadd_ps(s1, f1, _mm256_mul_ps(s0, f0));
-                acc[r] = _mm256_add_ps(acc[r], pair);
+                let xb = xp[r].add(b * WIDE);
+                let xq = join(
+                    _mm256_loadu_si256(xb.add(4).cast()),
+                    _mm256_loadu_si256(xb.add(WIDE + 4).cast()),
+                );
+                // x with w's sign: |w| · that = w · x (w = 0 gives 0 either way).
+                let signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, signed_x);
+                let dx = _mm512_mask_broadcastss_ps(
+                    _mm512_set1_ps(load_f32(xb)),
+                    0xff00,
+                    _mm_set_ss(load_f32(xb.add(WIDE))),
+                );
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(sums), acc[r]);
             }
         }
         b += 2;
@@ -259,13 +261,62 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
             let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
             let w_abs = _mm256_sign_epi8(wq, wq);
             for r in 0..N {
-                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::BLOCK_BYTES));
-                acc[r] = _mm256_fmadd_ps(s, f, acc[r]);
+                let xb = xp[r].add(b * WIDE);
+                let xq = _mm256_loadu_si256(xb.add(4).cast());
+                let sums =
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xq, wq));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(xb)));
+                let low = _mm512_castps512_ps256(acc[r]);
+                let low = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), low);
+                acc[r] = _mm512_castpd_ps(_mm512_insertf64x4::<0>(
+                    _mm512_castps_pd(acc[r]),
+                    _mm256_castps_pd(low),
+                ));
             }
         }
     }
     for (s, a) in state.iter_mut().zip(acc) {
-        store_lanes8(s, 0, a);
+        store_lanes16(s, 0, a);
+    }
+}
+
+/// Decodes weight blocks `b` and `b + 1` of encoding `KIND` into one zmm of 64 signed quants
+/// (block `b` in the low half) and their scales (`d_b` in lanes 0..8, `d_{b+1}` in 8..16).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode_block32_pair<const KIND: u8>(w: *const u8, b: usize) -> (__m512i, __m512) {
+    let (bytes, quants_at) = match KIND {
+        Q8_0 => (q8_0::BLOCK_BYTES, 2),
+        _ => (crate::q4_0::BLOCK_BYTES, 2),
+    };
+    // SAFETY: the caller guarantees blocks `b` and `b + 1` lie inside the weight row.
+    unsafe {
+        let first = w.add(b * bytes);
+        let second = first.add(bytes);
+        let half = |p: *const u8| _mm_set1_epi16(p.cast::<u16>().read_unaligned() as i16);
+        let scales = _mm512_cvtph_ps(_mm256_set_m128i(half(second), half(first)));
+        let quants = match KIND {
+            Q8_0 => join(
+                _mm256_loadu_si256(first.add(quants_at).cast()),
+                _mm256_loadu_si256(second.add(quants_at).cast()),
+            ),
+            _ => {
+                // 128-bit lanes [q_b, q_b, q_b+1, q_b+1], odd lanes shifted down a nibble:
+                // low nibbles (values 0..16) then high nibbles (16..32) of each block.
+                let packed = _mm256_set_m128i(
+                    _mm_loadu_si128(second.add(quants_at).cast()),
+                    _mm_loadu_si128(first.add(quants_at).cast()),
+                );
+                let spread = _mm512_permutexvar_epi64(
+                    _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                    _mm512_castsi256_si512(packed),
+                );
+                let shifted = _mm512_srlv_epi64(spread, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+                let nibbles = _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+                _mm512_sub_epi8(nibbles, _mm512_set1_epi8(8))
+            }
+        };
+        (quants, scales)
     }
 }
 
