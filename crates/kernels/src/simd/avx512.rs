@@ -5,19 +5,19 @@
 //! accumulators updated by a fixed instruction sequence, so that a row's result does not
 //! depend on the other rows of the pass. The differences from AVX2:
 //!
-//! - float family: 32 lanes per row (two zmm registers), masked loads for the tail;
-//! - 32-value blocks: `vpdpbusd` (VNNI) forms the block's integer dot in one instruction;
-//! - K-quants: 64 values per register, `vpmaddubsw` then `vpdpwssd` (VNNI) applies the
-//!   sub-block scales while accumulating, so a super-block is 8 instructions per row.
+//! - float family: 32 lanes per row (two zmm registers), masked loads only for a ragged tail;
+//! - 32-value blocks: two blocks per zmm, `vpdpbusd` (VNNI) forms each block's integer dot;
+//! - K-quants: decoded straight into 64-value registers (scales spread by `vpermw`),
+//!   `vpmaddubsw` then `vpdpwssd` (VNNI) applies the sub-block scales while accumulating, so a
+//!   super-block is 8 multiply instructions per row.
 //!
-//! Weight decoding is shared with the AVX2 module (its functions run here too: AVX-512 implies
-//! the AVX2 set this crate asks for).
+//! The 32-value block decoder for a single (odd last) block is shared with the AVX2 module (its
+//! functions run here too: AVX-512 implies the AVX2 set this crate asks for).
 
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    decode_block32, decode_k_with_mins, decode_q6_k, float_size, k_block_bytes, load_f32, row_ptrs,
-    DecodedSuperBlock, F16, F32, Q6_K, Q8_0,
+    decode_block32, float_size, k_block_bytes, load_f32, row_ptrs, F16, F32, Q4_K, Q6_K, Q8_0,
 };
 use super::{in_passes, with_row_count, Accumulator, Rows};
 use crate::{q8_0, q8_k};
@@ -331,22 +331,137 @@ fn join(low: __m256i, high: __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
 }
 
-/// A decoded super-block regrouped into 64-value registers.
+/// One K-quant weight super-block decoded for the integer dot products, 64 values per
+/// register: unsigned quants in value order, the i16 multipliers of the 32 `vpmaddubsw` pair
+/// sums of each register, the bsum multipliers, and the block scales.
 struct WideSuperBlock {
     quants: [__m512i; 4],
     multipliers: [__m512i; 4],
-    narrow: DecodedSuperBlock,
+    /// Q4_K / Q5_K: `m_j` in i16 lanes `2j, 2j + 1` (for the 16 bsums); Q6_K: the 16 signed
+    /// group scales (for the `-32` offset).
+    bsum_multipliers: __m256i,
+    d: f32,
+    dmin: f32,
 }
 
+/// Index vector for `vpermw` selecting i16 element `f(lane)` into each of the 32 lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn widen(narrow: DecodedSuperBlock) -> WideSuperBlock {
-    WideSuperBlock {
-        quants: std::array::from_fn(|k| join(narrow.quants[2 * k], narrow.quants[2 * k + 1])),
-        multipliers: std::array::from_fn(|k| {
-            join(narrow.multipliers[2 * k], narrow.multipliers[2 * k + 1])
-        }),
-        narrow,
+fn lane_pattern(f: impl Fn(i16) -> i16) -> __m512i {
+    let lanes: [i16; 32] = std::array::from_fn(|i| f(i as i16));
+    // SAFETY: `lanes` is 64 readable bytes.
+    unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) }
+}
+
+/// Decodes the Q4_K / Q5_K super-block at `block` straight into 64-value registers.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode_k_with_mins_wide<const KIND: u8>(block: *const u8) -> WideSuperBlock {
+    // SAFETY: the caller guarantees a whole super-block at `block`.
+    unsafe {
+        // The 6-bit scales and mins, four at a time (ggml-common.h layout): bytes 0..4 hold
+        // scales 0..4 and the top bits of scales 4..8, bytes 4..8 the same for mins, bytes
+        // 8..12 the low nibbles of scales (low) and mins (high) 4..8.
+        let word = |i: usize| block.add(4 + 4 * i).cast::<u32>().read_unaligned();
+        let (a, b, c) = (word(0), word(1), word(2));
+        let (low6, low4, top2) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+        let scales_0_4 = a & low6;
+        let mins_0_4 = b & low6;
+        let scales_4_8 = (c & low4) | (((a >> 6) & top2) << 4);
+        let mins_4_8 = ((c >> 4) & low4) | (((b >> 6) & top2) << 4);
+        // i16 elements 0..8: scales, 8..16: mins.
+        let scale_min = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_setr_epi32(
+            scales_0_4 as i32,
+            scales_4_8 as i32,
+            mins_0_4 as i32,
+            mins_4_8 as i32,
+        )));
+        // Register k holds sub-blocks 2k (pair sums 0..16) and 2k + 1 (16..32).
+        let multipliers = std::array::from_fn(|k| {
+            let k = k as i16;
+            _mm512_permutexvar_epi16(lane_pattern(|i| 2 * k + i / 16), scale_min)
+        });
+        let bsum_multipliers = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
+            lane_pattern(|i| 8 + (i % 16) / 2),
+            scale_min,
+        ));
+        let qs = match KIND {
+            Q4_K => block.add(16),
+            _ => block.add(48),
+        };
+        let nibble = _mm512_set1_epi8(0x0f);
+        let high_half_down = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+        let quants = std::array::from_fn(|c| {
+            // Chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high ones.
+            let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c).cast()));
+            let low4 = _mm512_and_si512(_mm512_srlv_epi64(packed, high_half_down), nibble);
+            if KIND == Q4_K {
+                return low4;
+            }
+            // Fifth bits: bit 2c (low half) or 2c + 1 (high half) of qh[l].
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16).cast()));
+            let bits = _mm512_inserti64x4::<1>(
+                _mm512_set1_epi8(1 << (2 * c)),
+                _mm256_set1_epi8(1 << (2 * c + 1)),
+            );
+            let has_fifth = _mm512_test_epi8_mask(qh, bits);
+            _mm512_mask_add_epi8(low4, has_fifth, low4, _mm512_set1_epi8(16))
+        });
+        let halves = block.cast::<u32>().read_unaligned();
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(halves as i32));
+        WideSuperBlock {
+            quants,
+            multipliers,
+            bsum_multipliers,
+            d: _mm_cvtss_f32(scales),
+            dmin: _mm_cvtss_f32(_mm_movehdup_ps(scales)),
+        }
+    }
+}
+
+/// Decodes the Q6_K super-block at `block` straight into 64-value registers; quants stay
+/// unsigned (`q + 32`), the offset is applied through the bsums.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode_q6_k_wide(block: *const u8) -> WideSuperBlock {
+    // SAFETY: the caller guarantees a whole super-block at `block`.
+    unsafe {
+        let nibble = _mm512_set1_epi8(0x0f);
+        let two_bits = _mm512_set1_epi8(0x30);
+        let mut quants = [_mm512_setzero_si512(); 4];
+        for half in 0..2 {
+            // ql[64h..64h+64]: low nibbles are values 0..64 of the half, high nibbles 64..128;
+            // qh[32h..32h+32]: bits (0,1), (2,3), (4,5), (6,7) top values 0.., 32.., 64.., 96...
+            let ql = _mm512_loadu_si512(block.add(64 * half).cast());
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
+            let top_a = _mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2));
+            let top_b = _mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2));
+            quants[2 * half] = _mm512_or_si512(
+                _mm512_and_si512(ql, nibble),
+                _mm512_and_si512(top_a, two_bits),
+            );
+            quants[2 * half + 1] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), nibble),
+                _mm512_and_si512(top_b, two_bits),
+            );
+        }
+        let group_scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(192).cast()));
+        let scales = _mm512_castsi256_si512(group_scales);
+        // Register k holds groups 4k .. 4k + 4 of 16 values: 8 pair sums each.
+        let multipliers = std::array::from_fn(|k| {
+            let k = k as i16;
+            _mm512_permutexvar_epi16(lane_pattern(|i| 4 * k + i / 8), scales)
+        });
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(
+            block.add(208).cast::<u16>().read_unaligned() as i16,
+        )));
+        WideSuperBlock {
+            quants,
+            multipliers,
+            bsum_multipliers: group_scales,
+            d,
+            dmin: 0.0,
+        }
     }
 }
 
@@ -382,10 +497,10 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
         // SAFETY: super-block `b` lies inside the weight row and every activation row.
         unsafe {
             let block = w.as_ptr().add(b * k_block_bytes(KIND));
-            let decoded = widen(match KIND {
-                Q6_K => decode_q6_k(block),
-                _ => decode_k_with_mins::<KIND>(block),
-            });
+            let decoded = match KIND {
+                Q6_K => decode_q6_k_wide(block),
+                _ => decode_k_with_mins_wide::<KIND>(block),
+            };
             for r in 0..N {
                 let xb = xp[r].add(b * q8_k::BLOCK_BYTES);
                 let dx = load_f32(xb);
@@ -397,18 +512,16 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
                     sums = _mm512_dpwssd_epi32(sums, pairs, decoded.multipliers[k]);
                 }
                 let bsums = _mm256_loadu_si256(xb.add(260).cast());
-                let bsum_term = _mm512_zextsi256_si512(_mm256_madd_epi16(
-                    bsums,
-                    decoded.narrow.bsum_multipliers,
-                ));
-                let scale = _mm512_set1_ps(dx * decoded.narrow.d);
+                let bsum_term =
+                    _mm512_zextsi256_si512(_mm256_madd_epi16(bsums, decoded.bsum_multipliers));
+                let scale = _mm512_set1_ps(dx * decoded.d);
                 match KIND {
                     Q6_K => {
                         let exact = _mm512_sub_epi32(sums, _mm512_slli_epi32::<5>(bsum_term));
                         acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(exact), acc[r]);
                     }
                     _ => {
-                        let min_scale = _mm512_set1_ps(dx * decoded.narrow.dmin);
+                        let min_scale = _mm512_set1_ps(dx * decoded.dmin);
                         acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[r]);
                         acc[r] = _mm512_fnmadd_ps(min_scale, _mm512_cvtepi32_ps(bsum_term), acc[r]);
                     }
