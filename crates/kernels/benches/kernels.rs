@@ -4,14 +4,18 @@
 //!   threads — the bandwidth a memory-bound kernel can reach.
 //! - `matvec/{type}/{n}x{rows}x{cols}/t{threads}`: [`matmul`] of `n` activation rows (1: a
 //!   decode step, 8: a verify batch) against a `rows × cols` weight matrix at the process's SIMD
-//!   level (`SPECULA_SIMD` lowers it), in a rayon pool of 1 or 2 threads.
+//!   level (`SPECULA_SIMD` lowers it), in a rayon pool of 1 or 2 threads. A quantised 4096 ×
+//!   4096 matrix (9–18 MB) fits this machine's 32 MiB L3, so repeated runs read it from cache.
+//! - `matvec-cold/{type}/{n}x4096x4096xK/t{threads}`: the same product over K distinct copies
+//!   of the matrix in turn, K chosen so they exceed 96 MiB: weights come from DRAM, as they do
+//!   in a real model whose weights are gigabytes.
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an
 //! 8-row mat-mul that reads its weights once should run at nearly the 1-row rate.
 //!
-//! Run: `cargo bench -p specula-kernels --bench kernels` (add a filter such as `q4_K` or
-//! `stream` to run part of it).
+//! Run: `cargo bench -p specula-kernels --bench kernels` (add a filter such as `q4_K`,
+//! `matvec-cold` or `stream` to run part of it).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -100,6 +104,45 @@ fn matvec(c: &mut Criterion) {
     }
 }
 
+/// Bytes the cold benchmarks cycle through (well beyond a 32 MiB L3).
+const COLD_BYTES: usize = 96 << 20;
+
+fn matvec_cold(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(9);
+    let (rows, cols) = (4096, 4096);
+    for ty in WeightType::ALL {
+        let data = weight_bytes(ty, rows, cols);
+        let copies = COLD_BYTES.div_ceil(data.len());
+        let matrices: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
+        let views: Vec<WeightMatrix<'_>> = matrices
+            .iter()
+            .map(|m| WeightMatrix::new(ty, rows, cols, m).expect("weight matrix"))
+            .collect();
+        let mut group = c.benchmark_group(format!("matvec-cold/{ty}"));
+        group.throughput(Throughput::Bytes((copies * data.len()) as u64));
+        for n in [1, 8] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            let mut out = vec![0.0; n * rows];
+            let mut scratch = MatmulScratch::new();
+            for threads in [1, 2] {
+                let pool = pool(threads);
+                let id =
+                    BenchmarkId::new(format!("{n}x{rows}x{cols}x{copies}"), format!("t{threads}"));
+                group.bench_function(id, |b| {
+                    b.iter(|| {
+                        pool.install(|| {
+                            for w in &views {
+                                matmul(w, black_box(&x), &mut out, &mut scratch);
+                            }
+                        })
+                    })
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -110,6 +153,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = stream, matvec
+    targets = stream, matvec, matvec_cold
 }
 criterion_main!(benches);

@@ -136,6 +136,62 @@ pub fn axpy_with(level: SimdLevel, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `y += Σ_j weights[j] · rows[j]`, rows in order: the attention output `Σ_j p_j · v_j`, at
+/// the process's [`simd::level`]. Bit-identical to calling [`axpy`] once per row in order (each
+/// element goes through the same chain of fused multiply-adds, or of multiply-then-add at the
+/// scalar level), but the SIMD versions keep `y` in registers across the rows.
+pub fn weighted_sum(weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    weighted_sum_with(simd::level(), weights, rows, y);
+}
+
+/// [`weighted_sum`] at `level` (which must be supported).
+pub fn weighted_sum_with(level: SimdLevel, weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    assert_eq!(
+        weights.len(),
+        rows.count(),
+        "weighted_sum: one weight per row"
+    );
+    assert_eq!(rows.len(), y.len(), "weighted_sum: row length");
+    level.assert_supported();
+    match level {
+        // SAFETY: the level is supported and the sizes match (checked above).
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => unsafe { simd::avx2::weighted_sum(weights, rows, y) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => unsafe { simd::avx512::weighted_sum(weights, rows, y) },
+        _ => {
+            for (j, &wj) in weights.iter().enumerate() {
+                axpy_scalar(wj, rows.row(j), y);
+            }
+        }
+    }
+}
+
+/// `out[j] = dot_f32(a, rows[j])` for every row (attention scores of one query against many
+/// keys), at the process's [`simd::level`]: the multi-input kernel with `a` as the weight row,
+/// so each score is bit-identical to [`dot_f32`] of that row.
+pub fn dot_f32_rows(a: &[f32], rows: Rows<'_, f32>, out: &mut [f32]) {
+    dot_f32_rows_with(simd::level(), a, rows, out);
+}
+
+/// [`dot_f32_rows`] at `level` (which must be supported).
+pub fn dot_f32_rows_with(level: SimdLevel, a: &[f32], rows: Rows<'_, f32>, out: &mut [f32]) {
+    assert_eq!(a.len(), rows.len(), "dot_f32_rows: length mismatch");
+    assert_eq!(out.len(), rows.count(), "dot_f32_rows: one output per row");
+    match level {
+        SimdLevel::Scalar => {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = dot_f32_scalar(a, rows.row(j));
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        _ => dot_rows(level, simd::f32_bytes(a), rows, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("no SIMD levels on this target"),
+    }
+}
+
 /// Scalar reference of [`axpy`].
 pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy: length mismatch");

@@ -234,7 +234,7 @@ fn every_simd_level_matches_the_exact_dot_product_for_every_type() {
 
 #[test]
 fn attention_helpers_match_their_references_at_every_level() {
-    for n in [0, 1, 7, 16, 31, 32, 33, 64, 100, 128, 1000] {
+    for n in [0, 1, 7, 16, 31, 32, 33, 64, 100, 128, 129, 200, 1000] {
         let a = awkward_values(n, 16, &ACTIVATION_SCALES, 7 + n as u64);
         let b = awkward_values(n, 16, &ACTIVATION_SCALES, 8 + n as u64);
         let terms = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y));
@@ -267,6 +267,27 @@ fn attention_helpers_match_their_references_at_every_level() {
                     (got - reference).abs() <= tol,
                     "axpy[{i}] of {n} at {level}"
                 );
+            }
+            // The many-rows forms equal the one-row forms bit for bit.
+            if n > 0 {
+                let keys: Vec<f32> = (0..5)
+                    .flat_map(|k| b.iter().map(move |v| v * k as f32))
+                    .collect();
+                let rows = Rows::new(&keys, n, n, 5);
+                let mut scores = [0.0; 5];
+                crate::f32::dot_f32_rows_with(level, &a, rows, &mut scores);
+                for (j, s) in scores.iter().enumerate() {
+                    let one = crate::f32::dot_f32_with(level, &a, rows.row(j));
+                    assert_eq!(s.to_bits(), one.to_bits(), "dot_f32_rows of {n} at {level}");
+                }
+                let weights = [0.5, -1.25, 3.0, 1e-3, 7.0];
+                let mut summed = a.clone();
+                crate::f32::weighted_sum_with(level, &weights, rows, &mut summed);
+                let mut stepped = a.clone();
+                for (j, w) in weights.iter().enumerate() {
+                    crate::f32::axpy_with(level, *w, rows.row(j), &mut stepped);
+                }
+                assert_eq!(summed, stepped, "weighted_sum of {n} at {level}");
             }
             if level > SimdLevel::Scalar {
                 // Every SIMD level fuses each element: AVX2 and AVX-512 agree bit for bit.

@@ -218,6 +218,54 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
+/// but each chunk of `y` stays in registers across all rows.
+///
+/// # Safety
+///
+/// AVX2 and FMA must be available; `weights.len() == rows.count()` and
+/// `rows.len() == y.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn weighted_sum(weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    debug_assert!(weights.len() == rows.count() && rows.len() == y.len());
+    /// Registers of `y` kept live per sweep over the rows.
+    const REGS: usize = 8;
+    let len = y.len();
+    let full = len / 8;
+    let mut chunk = 0;
+    while chunk < full {
+        let used = (full - chunk).min(REGS);
+        // SAFETY: registers cover elements `8 · chunk .. 8 · (chunk + used)`, inside `y` and
+        // every row.
+        unsafe {
+            let yp = y.as_mut_ptr().add(8 * chunk);
+            let mut acc: [__m256; REGS] = std::array::from_fn(|k| {
+                if k < used {
+                    _mm256_loadu_ps(yp.add(8 * k))
+                } else {
+                    _mm256_setzero_ps()
+                }
+            });
+            for (j, &wj) in weights.iter().enumerate() {
+                let wv = _mm256_set1_ps(wj);
+                let vp = rows.ptr(j).add(8 * chunk);
+                for (k, a) in acc.iter_mut().enumerate().take(used) {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vp.add(8 * k)), *a);
+                }
+            }
+            for (k, a) in acc.iter().enumerate().take(used) {
+                _mm256_storeu_ps(yp.add(8 * k), *a);
+            }
+        }
+        chunk += used;
+    }
+    for (i, yv) in y.iter_mut().enumerate().skip(8 * full) {
+        for (j, &wj) in weights.iter().enumerate() {
+            *yv = wj.mul_add(rows.row(j)[i], *yv);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Q8_0 / Q4_0 weights × Q8_0 activations (blocks of 32)
 // ---------------------------------------------------------------------------------------------

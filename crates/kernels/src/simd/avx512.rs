@@ -171,25 +171,95 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len());
     let av = _mm512_set1_ps(a);
     let len = x.len();
-    let mut i = 0;
-    while i < len {
-        let count = (len - i).min(16);
-        let mask = if count == 16 {
-            0xffff
-        } else {
-            (1u16 << count) - 1
-        };
-        // SAFETY: `count` elements from `i` exist in both slices; masked lanes are untouched.
+    let full = len / 16;
+    for c in 0..full {
+        // SAFETY: elements `16c .. 16c + 16` exist in both slices.
         unsafe {
-            let yp = y.as_mut_ptr().add(i);
+            let yp = y.as_mut_ptr().add(16 * c);
             let v = _mm512_fmadd_ps(
                 av,
-                _mm512_maskz_loadu_ps(mask, x.as_ptr().add(i)),
+                _mm512_loadu_ps(x.as_ptr().add(16 * c)),
+                _mm512_loadu_ps(yp),
+            );
+            _mm512_storeu_ps(yp, v);
+        }
+    }
+    let rest = len - 16 * full;
+    if rest > 0 {
+        let mask = (1u16 << rest) - 1;
+        // SAFETY: `rest` elements from `16 · full` exist in both slices; masked lanes are not
+        // accessed.
+        unsafe {
+            let yp = y.as_mut_ptr().add(16 * full);
+            let v = _mm512_fmadd_ps(
+                av,
+                _mm512_maskz_loadu_ps(mask, x.as_ptr().add(16 * full)),
                 _mm512_maskz_loadu_ps(mask, yp),
             );
             _mm512_mask_storeu_ps(yp, mask, v);
         }
-        i += 16;
+    }
+}
+
+/// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
+/// but each chunk of `y` stays in registers across all rows.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `weights.len() == rows.count()` and
+/// `rows.len() == y.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn weighted_sum(weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    debug_assert!(weights.len() == rows.count() && rows.len() == y.len());
+    /// Registers of `y` kept live per sweep over the rows.
+    const REGS: usize = 8;
+    let len = y.len();
+    let mut start = 0;
+    while start < len {
+        let count = (len - start).min(16 * REGS);
+        let masks: [u16; REGS] = std::array::from_fn(|k| {
+            let lanes = count.saturating_sub(16 * k).min(16);
+            if lanes == 16 {
+                0xffff
+            } else {
+                (1u16 << lanes) - 1
+            }
+        });
+        let used = count.div_ceil(16);
+        // SAFETY: lane `l` of register `k` is element `start + 16k + l` of `y` and of every row;
+        // masks cover exactly the elements that exist (a full mask loads plainly).
+        unsafe {
+            let load = |p: *const f32, mask: u16| {
+                if mask == 0xffff {
+                    _mm512_loadu_ps(p)
+                } else {
+                    _mm512_maskz_loadu_ps(mask, p)
+                }
+            };
+            let yp = y.as_mut_ptr().add(start);
+            let mut acc: [__m512; REGS] = std::array::from_fn(|k| {
+                if k < used {
+                    load(yp.add(16 * k), masks[k])
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            for (j, &wj) in weights.iter().enumerate() {
+                let wv = _mm512_set1_ps(wj);
+                let vp = rows.ptr(j).add(start);
+                for (k, (a, &mask)) in acc.iter_mut().zip(&masks).enumerate().take(used) {
+                    *a = _mm512_fmadd_ps(wv, load(vp.add(16 * k), mask), *a);
+                }
+            }
+            for (k, (a, &mask)) in acc.iter().zip(&masks).enumerate().take(used) {
+                if mask == 0xffff {
+                    _mm512_storeu_ps(yp.add(16 * k), *a);
+                } else {
+                    _mm512_mask_storeu_ps(yp.add(16 * k), mask, *a);
+                }
+            }
+        }
+        start += count;
     }
 }
 

@@ -322,6 +322,13 @@ pub(crate) fn accumulate_and_sum<T>(
     lanes: usize,
     mut accumulate: impl FnMut(Rows<'_, T>, &mut [Accumulator]),
 ) {
+    if out.len() == 1 {
+        // The common single-row call (e.g. one attention score) zeroes one accumulator only.
+        let mut acc = [Accumulator::ZERO];
+        accumulate(x, &mut acc);
+        out[0] = acc[0].sum(lanes);
+        return;
+    }
     let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
     for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
         let acc = &mut acc[..group_out.len()];
