@@ -15,11 +15,18 @@ use crate::simd::{self, Accumulator, Rows, SimdLevel};
 /// Values per super-block (ggml's `QK_K`).
 pub const SUPER_BLOCK_VALUES: usize = 256;
 
-/// ggml's `nearest_int`: round to nearest, ties to even (its float trick, valid for
-/// `|v| < 2^22`, which every caller here stays within).
+/// ggml's `nearest_int`: round to nearest, ties to even. Well below `2^22` in magnitude (every
+/// activation, and any sane weight) adding `1.5 · 2^23` makes the float unit round at the
+/// integer position, and the integer is read from the mantissa — a few inline instructions,
+/// where `round_ties_even` is a library call without SSE4.1; beyond that the library call.
 #[inline]
 pub(crate) fn nearest_int(v: f32) -> i32 {
-    v.round_ties_even() as i32
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    if v.abs() < 4_000_000.0 {
+        ((v + MAGIC).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+    } else {
+        v.round_ties_even() as i32
+    }
 }
 
 /// ggml's `make_qkx2_quants` without the mean-absolute-deviation option: fits
@@ -481,6 +488,38 @@ pub(crate) fn check_round_trip(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nearest_int_equals_round_ties_even() {
+        let mut v = -5_000_000.0f32;
+        while v < 5_000_000.0 {
+            for x in [
+                v,
+                v + 0.5,
+                v + 0.25,
+                v + 0.499_999_97,
+                v.next_up(),
+                v.next_down(),
+            ] {
+                assert_eq!(nearest_int(x), x.round_ties_even() as i32, "{x}");
+            }
+            v += 997.31;
+        }
+        for x in [
+            0.0,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            2.5,
+            127.5,
+            -127.5,
+            4_194_303.5,
+            f32::NAN,
+        ] {
+            assert_eq!(nearest_int(x), x.round_ties_even() as i32, "{x}");
+        }
+    }
 
     #[test]
     fn nearest_int_rounds_ties_to_even_like_ggml() {

@@ -50,7 +50,22 @@ fn quantize_block(values: &[f32], block: &mut [u8]) {
     let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
     block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
     for (q, v) in block[2..].iter_mut().zip(values) {
-        *q = ((v * inverse).round() as i8) as u8;
+        *q = round_half_away(v * inverse) as i8 as u8;
+    }
+}
+
+/// C's `roundf`: to nearest, ties away from zero, as an integer (for `|v| < 2^31`; `f32::round`
+/// is a library call without SSE4.1). Exact: truncation, then the fraction `|v| - trunc` is
+/// exactly representable and compared with one half.
+#[inline]
+pub(crate) fn round_half_away(v: f32) -> i32 {
+    let magnitude = v.abs();
+    let whole = magnitude as i32;
+    let rounded = whole + i32::from(magnitude - whole as f32 >= 0.5);
+    if v < 0.0 {
+        -rounded
+    } else {
+        rounded
     }
 }
 
@@ -308,6 +323,30 @@ mod tests {
             for (a, b) in values.iter().zip(restored) {
                 assert!((a - b).abs() <= bound, "{a} -> {b} (bound {bound})");
             }
+        }
+    }
+
+    #[test]
+    fn round_half_away_equals_roundf() {
+        let mut v = -200.0f32;
+        while v < 200.0 {
+            for x in [v, v + 0.5, v + 0.499_999_97, v.next_up(), v.next_down()] {
+                assert_eq!(round_half_away(x), x.round() as i32, "{x}");
+            }
+            v += 0.731;
+        }
+        for x in [
+            0.0,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            -2.5,
+            127.49,
+            8_388_607.5,
+            f32::NAN,
+        ] {
+            assert_eq!(round_half_away(x), x.round() as i32, "{x}");
         }
     }
 
