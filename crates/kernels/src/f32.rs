@@ -122,17 +122,9 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 /// [`axpy`] at `level` (which must be supported).
 pub fn axpy_with(level: SimdLevel, a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy: length mismatch");
-    level.assert_supported();
     match level {
         SimdLevel::Scalar => axpy_scalar(a, x, y),
-        // SAFETY: the level is supported (checked above) and the lengths are equal.
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => unsafe { simd::avx2::axpy(a, x, y) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => unsafe { simd::avx512::axpy(a, x, y) },
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => unreachable!("no SIMD levels on this target"),
+        _ => simd::axpy(level, a, x, y),
     }
 }
 
@@ -152,19 +144,13 @@ pub fn weighted_sum_with(level: SimdLevel, weights: &[f32], rows: Rows<'_, f32>,
         "weighted_sum: one weight per row"
     );
     assert_eq!(rows.len(), y.len(), "weighted_sum: row length");
-    level.assert_supported();
     match level {
-        // SAFETY: the level is supported and the sizes match (checked above).
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => unsafe { simd::avx2::weighted_sum(weights, rows, y) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => unsafe { simd::avx512::weighted_sum(weights, rows, y) },
-        _ => {
+        SimdLevel::Scalar => {
             for (j, &wj) in weights.iter().enumerate() {
                 axpy_scalar(wj, rows.row(j), y);
             }
         }
+        _ => simd::weighted_sum(level, weights, rows, y),
     }
 }
 
@@ -252,7 +238,7 @@ pub(crate) fn float_dot_rows(
     }
 }
 
-fn check_float_sizes(encoding: FloatEncoding, w: &[u8], x_len: usize) {
+pub(crate) fn check_float_sizes(encoding: FloatEncoding, w: &[u8], x_len: usize) {
     assert_eq!(
         w.len(),
         x_len * encoding.bytes(),
@@ -277,37 +263,7 @@ pub(crate) fn float_accumulate(
     x: Rows<'_, f32>,
     acc: &mut [Accumulator],
 ) {
-    check_float_sizes(encoding, w, x.len());
-    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
-    level.assert_supported();
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            use simd::avx2::{float_rows, BF16, F16, F32};
-            // SAFETY: the level is supported and the sizes match (checked above).
-            unsafe {
-                match encoding {
-                    FloatEncoding::F32 => float_rows::<F32>(w, x, acc),
-                    FloatEncoding::F16 => float_rows::<F16>(w, x, acc),
-                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, acc),
-                }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => {
-            use simd::avx2::{BF16, F16, F32};
-            use simd::avx512::float_rows;
-            // SAFETY: the level is supported and the sizes match (checked above).
-            unsafe {
-                match encoding {
-                    FloatEncoding::F32 => float_rows::<F32>(w, x, acc),
-                    FloatEncoding::F16 => float_rows::<F16>(w, x, acc),
-                    FloatEncoding::BF16 => float_rows::<BF16>(w, x, acc),
-                }
-            }
-        }
-        _ => unreachable!("accumulate runs SIMD levels only"),
-    }
+    simd::float_accumulate(encoding, level, w, x, acc);
 }
 
 /// The shared lane-accumulated dot product of a weight row stored as `SIZE`-byte elements

@@ -365,37 +365,7 @@ pub(crate) fn k_quant_accumulate(
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
 ) {
-    check_sizes(encoding, w, x.len());
-    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
-    level.assert_supported();
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            use simd::avx2::{k_quant_rows, Q4_K, Q5_K, Q6_K};
-            // SAFETY: the level is supported and the sizes match (checked above).
-            unsafe {
-                match encoding {
-                    KEncoding::Q4K => k_quant_rows::<Q4_K>(w, x, acc),
-                    KEncoding::Q5K => k_quant_rows::<Q5_K>(w, x, acc),
-                    KEncoding::Q6K => k_quant_rows::<Q6_K>(w, x, acc),
-                }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => {
-            use simd::avx2::{Q4_K, Q5_K, Q6_K};
-            use simd::avx512::k_quant_rows;
-            // SAFETY: the level is supported and the sizes match (checked above).
-            unsafe {
-                match encoding {
-                    KEncoding::Q4K => k_quant_rows::<Q4_K>(w, x, acc),
-                    KEncoding::Q5K => k_quant_rows::<Q5_K>(w, x, acc),
-                    KEncoding::Q6K => k_quant_rows::<Q6_K>(w, x, acc),
-                }
-            }
-        }
-        _ => unreachable!("accumulate runs SIMD levels only"),
-    }
+    simd::k_quant_accumulate(encoding, level, w, x, acc);
 }
 
 /// The scalar dot product of Q4_K / Q5_K weights with Q8_K activations, given the decoder of

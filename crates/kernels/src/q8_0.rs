@@ -218,7 +218,7 @@ pub(crate) fn widen_row(bytes: &[u8], wide: &mut [u8]) {
     }
 }
 
-fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], wide_len: usize) {
+pub(crate) fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], wide_len: usize) {
     assert_eq!(
         wide_len % WIDE_BLOCK_BYTES,
         0,
@@ -241,35 +241,7 @@ pub(crate) fn block32_accumulate(
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
 ) {
-    check_block32_sizes(encoding, w, x.len());
-    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
-    level.assert_supported();
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            use simd::avx2::{block32_rows, Q4_0, Q8_0};
-            // SAFETY: the level is supported and the sizes match (checked above).
-            unsafe {
-                match encoding {
-                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, acc),
-                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, acc),
-                }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => {
-            use simd::avx2::{Q4_0, Q8_0};
-            use simd::avx512::block32_rows;
-            // SAFETY: the level is supported and the sizes match (checked above).
-            unsafe {
-                match encoding {
-                    Block32Encoding::Q8_0 => block32_rows::<Q8_0>(w, x, acc),
-                    Block32Encoding::Q4_0 => block32_rows::<Q4_0>(w, x, acc),
-                }
-            }
-        }
-        _ => unreachable!("accumulate runs SIMD levels only"),
-    }
+    simd::block32_accumulate(encoding, level, w, x, acc);
 }
 
 /// Adds this weight row (or a run of its blocks) times each widened activation row

@@ -10,9 +10,11 @@
 //! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`) lowers the level, e.g.
 //! to compare levels in a benchmark; it can never raise it above what the CPU supports.
 //!
-//! The SIMD modules hold all of the crate's `unsafe` code. Their entry points are
-//! `#[target_feature]` functions, called only through the dispatchers in the type modules,
-//! which check [`SimdLevel::is_supported`] and the slice sizes first.
+//! This module holds all of the crate's `unsafe` code. The kernels in [`avx2`] and [`avx512`]
+//! are `#[target_feature]` functions; the only callers are the safe entry points at the end of
+//! this file (`float_accumulate`, `block32_accumulate`, `k_quant_accumulate`, `axpy`,
+//! `weighted_sum`), which check [`SimdLevel::is_supported`] and every slice size the kernels'
+//! unchecked loads rely on.
 
 use std::sync::OnceLock;
 
@@ -336,6 +338,148 @@ pub(crate) fn accumulate_and_sum<T>(
         accumulate(x.sub(g * MAX_ROWS_PER_PASS, group_out.len()), acc);
         for (o, a) in group_out.iter_mut().zip(acc.iter()) {
             *o = a.sum(lanes);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Safe entry points: check everything the unsafe kernels rely on, then call the level's kernel.
+// ---------------------------------------------------------------------------------------------
+
+/// Panics unless `level` is a SIMD level this CPU supports and there is one accumulator per
+/// activation row.
+fn check_simd_call<T>(level: SimdLevel, x: &Rows<'_, T>, acc: &[Accumulator]) {
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
+}
+
+/// Float-family weights (`w`, encoding `encoding`) times f32 activation rows, accumulated.
+pub(crate) fn float_accumulate(
+    encoding: crate::f32::FloatEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    acc: &mut [Accumulator],
+) {
+    crate::f32::check_float_sizes(encoding, w, x.len());
+    check_simd_call(level, &x, acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::f32::FloatEncoding as E;
+        use avx2::{BF16, F16, F32};
+        // SAFETY: the level is supported and `w` holds exactly `x.len()` elements (checked
+        // above); every row of `x` is a checked view.
+        unsafe {
+            match (level, encoding) {
+                (SimdLevel::Avx2, E::F32) => avx2::float_rows::<F32>(w, x, acc),
+                (SimdLevel::Avx2, E::F16) => avx2::float_rows::<F16>(w, x, acc),
+                (SimdLevel::Avx2, E::BF16) => avx2::float_rows::<BF16>(w, x, acc),
+                (_, E::F32) => avx512::float_rows::<F32>(w, x, acc),
+                (_, E::F16) => avx512::float_rows::<F16>(w, x, acc),
+                (_, E::BF16) => avx512::float_rows::<BF16>(w, x, acc),
+            }
+        }
+    }
+}
+
+/// Q8_0 / Q4_0 weights (a run of blocks starting at an even block of the row) times widened
+/// Q8_0 activation rows, accumulated.
+pub(crate) fn block32_accumulate(
+    encoding: crate::q8_0::Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    crate::q8_0::check_block32_sizes(encoding, w, x.len());
+    check_simd_call(level, &x, acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::q8_0::Block32Encoding as E;
+        use avx2::{Q4_0, Q8_0};
+        // SAFETY: the level is supported and `w` and every row hold the same whole number of
+        // blocks (checked above).
+        unsafe {
+            match (level, encoding) {
+                (SimdLevel::Avx2, E::Q8_0) => avx2::block32_rows::<Q8_0>(w, x, acc),
+                (SimdLevel::Avx2, E::Q4_0) => avx2::block32_rows::<Q4_0>(w, x, acc),
+                (_, E::Q8_0) => avx512::block32_rows::<Q8_0>(w, x, acc),
+                (_, E::Q4_0) => avx512::block32_rows::<Q4_0>(w, x, acc),
+            }
+        }
+    }
+}
+
+/// K-quant weights times Q8_K activation rows, accumulated.
+pub(crate) fn k_quant_accumulate(
+    encoding: crate::k_quants::KEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    crate::k_quants::check_sizes(encoding, w, x.len());
+    check_simd_call(level, &x, acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::k_quants::KEncoding as E;
+        use avx2::{Q4_K, Q5_K, Q6_K};
+        // SAFETY: the level is supported and `w` and every row hold the same whole number of
+        // super-blocks (checked above).
+        unsafe {
+            match (level, encoding) {
+                (SimdLevel::Avx2, E::Q4K) => avx2::k_quant_rows::<Q4_K>(w, x, acc),
+                (SimdLevel::Avx2, E::Q5K) => avx2::k_quant_rows::<Q5_K>(w, x, acc),
+                (SimdLevel::Avx2, E::Q6K) => avx2::k_quant_rows::<Q6_K>(w, x, acc),
+                (_, E::Q4K) => avx512::k_quant_rows::<Q4_K>(w, x, acc),
+                (_, E::Q5K) => avx512::k_quant_rows::<Q5_K>(w, x, acc),
+                (_, E::Q6K) => avx512::k_quant_rows::<Q6_K>(w, x, acc),
+            }
+        }
+    }
+}
+
+/// `y += a · x` with fused multiply-adds at a SIMD `level`.
+pub(crate) fn axpy(level: SimdLevel, a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy: length mismatch");
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the lengths are equal (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::axpy(a, x, y),
+            _ => avx512::axpy(a, x, y),
+        }
+    }
+}
+
+/// `y += Σ_j weights[j] · rows[j]` (fused, rows in order) at a SIMD `level`.
+pub(crate) fn weighted_sum(level: SimdLevel, weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    assert_eq!(
+        weights.len(),
+        rows.count(),
+        "weighted_sum: one weight per row"
+    );
+    assert_eq!(rows.len(), y.len(), "weighted_sum: row length");
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the sizes match (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::weighted_sum(weights, rows, y),
+            _ => avx512::weighted_sum(weights, rows, y),
         }
     }
 }
