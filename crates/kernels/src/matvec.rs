@@ -133,11 +133,13 @@ impl MatmulScratch {
 const WEIGHT_ROWS_PER_GROUP: usize = 8;
 
 /// Bytes of activations (one pass of rows, one column tile) kept close to the core while a
-/// group of weight rows streams through. Measured on Zen 4 (1 thread, 4096 × 4096, 8 rows):
-/// f32 / f16 rows (128 / 64 KiB per pass untiled) gain 30–50 % from 8–64 KiB tiles, while
-/// splitting the ~35 KiB of an 8-row Q8_0 / Q8_K pass costs up to 35 % (the group's weight
-/// rows then stream in interleaved pieces); 32 KiB keeps such passes whole.
-const ACTIVATION_TILE_BYTES: usize = 32 << 10;
+/// group of weight rows streams through, for f32 activations and for encoded (Q8_0 / Q8_K)
+/// ones. Measured on this Zen 4 (1 thread, 4096 × 4096, 4 and 8 rows): f32 / f16 / bf16
+/// weights (f32 rows of 16 KiB) gain 10–20 % from 8–16 KiB tiles, while splitting the rows of
+/// an encoded pass (4.5 KiB each) costs 30–45 % (the group's weight rows then stream in
+/// interleaved pieces), so encoded passes are tiled only beyond 64 KiB.
+const F32_ACTIVATION_TILE_BYTES: usize = 16 << 10;
+const ENCODED_ACTIVATION_TILE_BYTES: usize = 64 << 10;
 
 /// `out[b * rows + r] = dot(w.row(r), x[b * cols .. (b + 1) * cols])` for every activation row
 /// `b` of `x` (`x.len()` is a multiple of `w.cols()`), at the process's [`simd::level`].
@@ -153,6 +155,19 @@ pub fn matmul_at(
     x: &[f32],
     out: &mut [f32],
     scratch: &mut MatmulScratch,
+) {
+    matmul_tiled(level, w, x, out, scratch, None);
+}
+
+/// [`matmul_at`] with the activation tile budget overridden (tests force small tiles to check
+/// that tiling changes no bit).
+fn matmul_tiled(
+    level: SimdLevel,
+    w: &WeightMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    tile_bytes: Option<usize>,
 ) {
     let (rows, cols) = (w.rows(), w.cols());
     assert!(
@@ -196,6 +211,7 @@ pub fn matmul_at(
                 act_elem_bytes: 4,
                 // Whole 32-value chunks (the AVX-512 step; two AVX2 steps).
                 tile_align_blocks: 32,
+                tile_bytes: tile_bytes.unwrap_or(F32_ACTIVATION_TILE_BYTES),
             };
             run(&kernel, level, w, acts, dest);
         }
@@ -258,6 +274,7 @@ pub fn matmul_at(
                 } else {
                     1
                 },
+                tile_bytes: tile_bytes.unwrap_or(ENCODED_ACTIVATION_TILE_BYTES),
             };
             run(&kernel, level, w, acts, dest);
         }
@@ -297,6 +314,8 @@ struct Kernel<T> {
     act_block_elems: usize,
     act_elem_bytes: usize,
     tile_align_blocks: usize,
+    /// Activation bytes of one pass per column tile.
+    tile_bytes: usize,
 }
 
 /// Fills `dest[r * n + b]` for every weight row `r` and activation row `b`, splitting
@@ -348,7 +367,7 @@ fn tiled_rows<T>(
     let aligned_act_bytes = align * kernel.act_block_elems * kernel.act_elem_bytes;
     // Whole alignment steps of activations that fit the L1 budget (at least one); the row's
     // ragged end, if any, joins the last tile.
-    let tile_blocks = (ACTIVATION_TILE_BYTES / (pass_rows * aligned_act_bytes)).max(1) * align;
+    let tile_blocks = (kernel.tile_bytes / (pass_rows * aligned_act_bytes)).max(1) * align;
     let mut acc = [Accumulator::ZERO; WEIGHT_ROWS_PER_GROUP * MAX_ROWS_PER_PASS];
     for (g, group_dst) in dst.chunks_mut(WEIGHT_ROWS_PER_GROUP * n).enumerate() {
         let group_first = first + g * WEIGHT_ROWS_PER_GROUP;
@@ -477,18 +496,23 @@ mod tests {
             let data = weight_data(ty, rows, cols, 84);
             let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
             let x = activations(11, cols, 85);
-            for level in SimdLevel::supported().filter(|l| *l != SimdLevel::Scalar) {
+            let levels = SimdLevel::supported().filter(|l| *l != SimdLevel::Scalar);
+            // The default budgets, and small ones that split every type's rows into many
+            // tiles (of different sizes for 8-, 3- and 1-row passes).
+            for (level, budget) in
+                levels.flat_map(|l| [(l, None), (l, Some(2048)), (l, Some(9000))])
+            {
                 let mut scratch = MatmulScratch::new();
                 let mut batched = vec![0.0; 11 * rows];
-                matmul_at(level, &w, &x, &mut batched, &mut scratch);
+                matmul_tiled(level, &w, &x, &mut batched, &mut scratch, budget);
                 for b in 0..11 {
                     let row = &x[b * cols..(b + 1) * cols];
                     let mut single = vec![0.0; rows];
-                    matmul_at(level, &w, row, &mut single, &mut scratch);
+                    matmul_tiled(level, &w, row, &mut single, &mut scratch, budget);
                     assert_eq!(
                         bits(&single),
                         bits(&batched[b * rows..(b + 1) * rows]),
-                        "{ty} at {level}: row {b}"
+                        "{ty} at {level}, budget {budget:?}: row {b}"
                     );
                     // And equal to the type's untiled whole-row kernel.
                     for (r, s) in single.iter().enumerate() {
