@@ -3,7 +3,8 @@
 //! Weight rows stay in f16; the activation row stays f32. Each weight is widened exactly to f32
 //! and the products are accumulated with the shared lane scheme of [`crate::f32`].
 
-use crate::f32::lane_dot;
+use crate::f32::{float_dot_rows, lane_dot, FloatEncoding};
+use crate::simd::{self, Rows, SimdLevel};
 
 /// Values per block (plain type).
 pub const BLOCK_VALUES: usize = 1;
@@ -57,9 +58,29 @@ pub fn dequantize_row(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Dot product of an f16 weight row with an f32 activation row.
+/// Dot product of an f16 weight row with an f32 activation row, at the process's
+/// [`simd::level`].
 pub fn dot(w: &[u8], x: &[f32]) -> f32 {
-    dot_scalar(w, x)
+    let mut out = [0.0];
+    dot_rows(simd::level(), w, Rows::single(x), &mut out);
+    out[0]
+}
+
+/// `out[b] = dot(w, x_b)` for every activation row of `x`, reading `w` once per pass of rows,
+/// at `level` (which must be supported); row `b` is bit-identical to [`dot`] at that level.
+pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, f32>, out: &mut [f32]) {
+    float_dot_rows(FloatEncoding::F16, level, w, x, out);
+}
+
+/// Adds this weight row (or a column tile of it) times each activation row into the rows'
+/// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    acc: &mut [crate::simd::Accumulator],
+) {
+    crate::f32::float_accumulate(FloatEncoding::F16, level, w, x, acc);
 }
 
 /// Scalar reference of [`dot`].

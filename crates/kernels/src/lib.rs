@@ -2,11 +2,15 @@
 //! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax, SwiGLU,
 //! sigmoid, softplus).
 //!
-//! One module per tensor type, as ggml-cpu is organised ([`f32`], [`f16`], [`bf16`],
-//! [`q8_0`]); each has its block layout, `quantize_row`, `dequantize_row` and `dot` (a weight
-//! row with an activation row). The `dot` functions currently call scalar references
-//! (`dot_scalar`) written so the compiler vectorises them; hand-written SIMD paths will sit
-//! beside them, selected once per process, so every row on a given machine runs the same code.
+//! One module per tensor type, as ggml-cpu is organised: weights [`f32`], [`f16`], [`bf16`],
+//! [`q8_0`], [`q4_0`], [`q4_k`], [`q5_k`], [`q6_k`], and the K-quants' activation format
+//! [`q8_k`]. Each has its block layout, `quantize_row` (ggml's reference quantiser),
+//! `dequantize_row`, `dot_scalar` (the reference dot product), and `dot` / `dot_rows` (one or
+//! several activation rows against one weight row) running hand-written AVX2 or AVX-512
+//! kernels ([`simd`]) at the level chosen once per process, so every row on a given machine
+//! runs the same code. Activation rows multiply f32 / f16 / bf16 weights as f32, Q8_0 / Q4_0
+//! weights as Q8_0 and K-quant weights as Q8_K, quantised the way ggml does
+//! ([`WeightType::activation`]).
 //!
 //! Determinism is a design rule: every output element is computed by one fixed sequential
 //! code path, so results never depend on the thread count or on how many rows are batched
@@ -21,13 +25,21 @@ pub mod bf16;
 mod error;
 pub mod f16;
 pub mod f32;
+pub mod k_quants;
 pub mod matvec;
 pub mod ops;
+pub mod q4_0;
+pub mod q4_k;
+pub mod q5_k;
+pub mod q6_k;
 pub mod q8_0;
+pub mod q8_k;
+pub mod simd;
 
 pub use error::KernelError;
-pub use matvec::{matmul, matvec, MatmulScratch, WeightMatrix};
+pub use matvec::{matmul, matmul_at, matvec, MatmulScratch, WeightMatrix};
 pub use ops::{Rope, RopeMode, RopeSections};
+pub use simd::{Rows, SimdLevel};
 pub use specula_gguf::GgmlType;
 
 /// A tensor type the kernels can multiply with.
@@ -37,26 +49,51 @@ pub enum WeightType {
     F16,
     BF16,
     Q8_0,
+    Q4_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+/// How activation rows are encoded for a weight type's dot product (ggml's `vec_dot_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActivationFormat {
+    /// Plain f32 rows (float weights).
+    F32,
+    /// Q8_0 blocks of 32 (Q8_0 and Q4_0 weights).
+    Q8_0,
+    /// Q8_K super-blocks of 256 (K-quant weights).
+    Q8K,
+}
+
+impl ActivationFormat {
+    /// Bytes of an encoded row of `n` values (`n` whole blocks of the format), or `None`.
+    pub fn row_bytes(self, n: usize) -> Option<usize> {
+        let (values, bytes) = match self {
+            ActivationFormat::F32 => (1, 4),
+            ActivationFormat::Q8_0 => (q8_0::BLOCK_VALUES, q8_0::BLOCK_BYTES),
+            ActivationFormat::Q8K => (q8_k::BLOCK_VALUES, q8_k::BLOCK_BYTES),
+        };
+        n.is_multiple_of(values).then(|| n / values * bytes)
+    }
 }
 
 impl WeightType {
     /// Every supported type.
-    pub const ALL: [WeightType; 4] = [
+    pub const ALL: [WeightType; 8] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::BF16,
         WeightType::Q8_0,
+        WeightType::Q4_0,
+        WeightType::Q4K,
+        WeightType::Q5K,
+        WeightType::Q6K,
     ];
 
     /// The supported type for a GGUF tensor type, if any.
     pub fn from_ggml(ty: GgmlType) -> Option<Self> {
-        match ty {
-            GgmlType::F32 => Some(WeightType::F32),
-            GgmlType::F16 => Some(WeightType::F16),
-            GgmlType::BF16 => Some(WeightType::BF16),
-            GgmlType::Q8_0 => Some(WeightType::Q8_0),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|w| w.ggml() == ty)
     }
 
     /// The GGUF tensor type.
@@ -66,6 +103,19 @@ impl WeightType {
             WeightType::F16 => GgmlType::F16,
             WeightType::BF16 => GgmlType::BF16,
             WeightType::Q8_0 => GgmlType::Q8_0,
+            WeightType::Q4_0 => GgmlType::Q4_0,
+            WeightType::Q4K => GgmlType::Q4K,
+            WeightType::Q5K => GgmlType::Q5K,
+            WeightType::Q6K => GgmlType::Q6K,
+        }
+    }
+
+    /// How activation rows are encoded to multiply this type.
+    pub fn activation(self) -> ActivationFormat {
+        match self {
+            WeightType::F32 | WeightType::F16 | WeightType::BF16 => ActivationFormat::F32,
+            WeightType::Q8_0 | WeightType::Q4_0 => ActivationFormat::Q8_0,
+            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => ActivationFormat::Q8K,
         }
     }
 
@@ -76,6 +126,10 @@ impl WeightType {
             WeightType::F16 => f16::BLOCK_VALUES,
             WeightType::BF16 => bf16::BLOCK_VALUES,
             WeightType::Q8_0 => q8_0::BLOCK_VALUES,
+            WeightType::Q4_0 => q4_0::BLOCK_VALUES,
+            WeightType::Q4K => q4_k::BLOCK_VALUES,
+            WeightType::Q5K => q5_k::BLOCK_VALUES,
+            WeightType::Q6K => q6_k::BLOCK_VALUES,
         }
     }
 
@@ -86,6 +140,10 @@ impl WeightType {
             WeightType::F16 => f16::BLOCK_BYTES,
             WeightType::BF16 => bf16::BLOCK_BYTES,
             WeightType::Q8_0 => q8_0::BLOCK_BYTES,
+            WeightType::Q4_0 => q4_0::BLOCK_BYTES,
+            WeightType::Q4K => q4_k::BLOCK_BYTES,
+            WeightType::Q5K => q5_k::BLOCK_BYTES,
+            WeightType::Q6K => q6_k::BLOCK_BYTES,
         }
     }
 
@@ -114,6 +172,10 @@ pub fn quantize_row_into(ty: WeightType, x: &[f32], out: &mut [u8]) {
         WeightType::F16 => f16::quantize_row(x, out),
         WeightType::BF16 => bf16::quantize_row(x, out),
         WeightType::Q8_0 => q8_0::quantize_row(x, out),
+        WeightType::Q4_0 => q4_0::quantize_row(x, out),
+        WeightType::Q4K => q4_k::quantize_row(x, out),
+        WeightType::Q5K => q5_k::quantize_row(x, out),
+        WeightType::Q6K => q6_k::quantize_row(x, out),
     }
 }
 
@@ -124,10 +186,15 @@ pub fn dequantize_row_into(ty: WeightType, bytes: &[u8], out: &mut [f32]) {
         WeightType::F16 => f16::dequantize_row(bytes, out),
         WeightType::BF16 => bf16::dequantize_row(bytes, out),
         WeightType::Q8_0 => q8_0::dequantize_row(bytes, out),
+        WeightType::Q4_0 => q4_0::dequantize_row(bytes, out),
+        WeightType::Q4K => q4_k::dequantize_row(bytes, out),
+        WeightType::Q5K => q5_k::dequantize_row(bytes, out),
+        WeightType::Q6K => q6_k::dequantize_row(bytes, out),
     }
 }
 
-/// Encodes the values `x` as tensor data of type `ty` (F32, F16, BF16 or Q8_0).
+/// Encodes the values `x` as tensor data of type `ty` (any [`WeightType`]), with ggml's
+/// reference quantisers.
 ///
 /// For block types `x.len()` must be a whole number of blocks; a tensor whose rows are whole
 /// blocks always is.
@@ -185,6 +252,9 @@ pub fn try_dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, 
 }
 
 #[cfg(test)]
+mod parity_tests;
+
+#[cfg(test)]
 pub(crate) mod test_util {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -220,7 +290,7 @@ mod tests {
 
     #[test]
     fn dispatchers_round_trip_every_supported_type() {
-        let x = random_vec(4096 + 32, 2.0, 5);
+        let x = random_vec(4096 + 256, 2.0, 5);
         for ty in WeightType::ALL {
             let bytes = quantize(ty.ggml(), &x);
             assert_eq!(bytes.len(), ty.ggml().row_bytes(x.len()).unwrap(), "{ty}");
@@ -235,6 +305,11 @@ mod tests {
                 WeightType::F16 => 2.0 / 2048.0,
                 WeightType::BF16 => 2.0 / 256.0,
                 WeightType::Q8_0 => 2.0 / 127.0,
+                // Whole steps of the block grids (16, 32 and 64 levels over at most [-2, 2)).
+                WeightType::Q4_0 => 2.0 / 8.0 * 1.01,
+                WeightType::Q4K => 4.0 / 15.0,
+                WeightType::Q5K => 4.0 / 31.0,
+                WeightType::Q6K => 2.0 / 32.0,
             };
             assert!(max_err <= bound, "{ty}: max error {max_err} > {bound}");
         }
@@ -243,8 +318,8 @@ mod tests {
     #[test]
     fn dispatchers_reject_what_they_cannot_do() {
         assert_eq!(
-            try_quantize(GgmlType::Q4K, &[0.0; 256]),
-            Err(KernelError::UnsupportedType(GgmlType::Q4K))
+            try_quantize(GgmlType::Q2K, &[0.0; 256]),
+            Err(KernelError::UnsupportedType(GgmlType::Q2K))
         );
         assert!(matches!(
             try_quantize(GgmlType::Q8_0, &[0.0; 40]),

@@ -11,10 +11,12 @@
 //! are `round(x * (1/d))` (ties away from zero) with the unrounded f32 `d`, and `d` is then
 //! stored as f16. A Q8_0 weight row is multiplied with an activation row quantised the same
 //! way (once per input row, see [`crate::matvec`]), block by block as
-//! `ggml_vec_dot_q8_0_q8_0`: an exact integer sum per block, times `d_w * d_x` in f32, summed
-//! over blocks in order in f32.
+//! `ggml_vec_dot_q8_0_q8_0`: an exact integer sum per block, times `d_w * d_x` in f32. The
+//! scalar reference sums the blocks in order in one f32; the SIMD kernels (shared with Q4_0,
+//! see [`block32_dot_rows`]) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
+use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
@@ -48,7 +50,22 @@ fn quantize_block(values: &[f32], block: &mut [u8]) {
     let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
     block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
     for (q, v) in block[2..].iter_mut().zip(values) {
-        *q = ((v * inverse).round() as i8) as u8;
+        *q = round_half_away(v * inverse) as i8 as u8;
+    }
+}
+
+/// C's `roundf`: to nearest, ties away from zero, as an integer (for `|v| < 2^31`; `f32::round`
+/// is a library call without SSE4.1). Exact: truncation, then the fraction `|v| - trunc` is
+/// exactly representable and compared with one half.
+#[inline]
+pub(crate) fn round_half_away(v: f32) -> i32 {
+    let magnitude = v.abs();
+    let whole = magnitude as i32;
+    let rounded = whole + i32::from(magnitude - whole as f32 >= 0.5);
+    if v < 0.0 {
+        -rounded
+    } else {
+        rounded
     }
 }
 
@@ -71,14 +88,167 @@ pub fn dequantize_row(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The f16 scale at the start of a Q8_0 (or Q4_0) block, as f32.
 #[inline(always)]
-fn scale(block: &[u8]) -> f32 {
+pub(crate) fn scale(block: &[u8]) -> f32 {
     f16::to_f32(u16::from_le_bytes([block[0], block[1]]))
 }
 
-/// Dot product of a Q8_0 weight row with a Q8_0-quantised activation row.
+/// Dot product of a Q8_0 weight row with a Q8_0-quantised activation row, at the process's
+/// [`simd::level`].
 pub fn dot(w: &[u8], x: &[u8]) -> f32 {
-    dot_scalar(w, x)
+    let mut out = [0.0];
+    dot_rows(simd::level(), w, Rows::single(x), &mut out);
+    out[0]
+}
+
+/// `out[b] = dot(w, x_b)` for every Q8_0 activation row of `x`, reading `w` once per pass of
+/// rows, at `level` (which must be supported); row `b` is bit-identical to [`dot`] at that
+/// level.
+pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
+    block32_dot_rows(Block32Encoding::Q8_0, level, w, x, out);
+}
+
+/// The weight encodings with 32-value blocks that multiply Q8_0 activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Block32Encoding {
+    Q8_0,
+    Q4_0,
+}
+
+impl Block32Encoding {
+    pub(crate) fn block_bytes(self) -> usize {
+        match self {
+            Block32Encoding::Q8_0 => BLOCK_BYTES,
+            Block32Encoding::Q4_0 => crate::q4_0::BLOCK_BYTES,
+        }
+    }
+
+    fn scalar_dot(self) -> fn(&[u8], &[u8]) -> f32 {
+        match self {
+            Block32Encoding::Q8_0 => dot_scalar,
+            Block32Encoding::Q4_0 => crate::q4_0::dot_scalar,
+        }
+    }
+}
+
+/// The multi-input dot product of a Q8_0 / Q4_0 weight row with Q8_0 activation rows: checks
+/// sizes and `level`, then runs the level's kernel over the whole row (the scalar level runs
+/// the reference per row). SIMD levels widen the activation rows' scales first
+/// ([`widen_row`]), a run of blocks at a time on the stack.
+pub(crate) fn block32_dot_rows(
+    encoding: Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        out.len(),
+        x.count(),
+        "dot_rows: one output per activation row"
+    );
+    check_block32_sizes(encoding, w, x.len() / BLOCK_BYTES * WIDE_BLOCK_BYTES);
+    if level == SimdLevel::Scalar {
+        let scalar = encoding.scalar_dot();
+        for (b, o) in out.iter_mut().enumerate() {
+            *o = scalar(w, x.row(b));
+        }
+        return;
+    }
+    /// Blocks widened per step (even, so pairs of blocks stay together).
+    const STEP: usize = 32;
+    let blocks = x.len() / BLOCK_BYTES;
+    let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * WIDE_BLOCK_BYTES];
+    let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
+    for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
+        let acc = &mut acc[..group_out.len()];
+        acc.fill(Accumulator::ZERO);
+        for first in (0..blocks).step_by(STEP) {
+            let count = STEP.min(blocks - first);
+            let wide_row = count * WIDE_BLOCK_BYTES;
+            for (b, dst) in wide
+                .chunks_exact_mut(wide_row)
+                .take(group.count())
+                .enumerate()
+            {
+                let src = &group.row(b)[first * BLOCK_BYTES..(first + count) * BLOCK_BYTES];
+                widen_row(src, dst);
+            }
+            let wide_rows = Rows::new(
+                &wide[..group.count() * wide_row],
+                wide_row,
+                wide_row,
+                group.count(),
+            );
+            let w_blocks =
+                &w[first * encoding.block_bytes()..(first + count) * encoding.block_bytes()];
+            block32_accumulate(encoding, level, w_blocks, wide_rows, acc);
+        }
+        for (o, a) in group_out.iter_mut().zip(acc.iter()) {
+            *o = a.sum(block32_lanes(level));
+        }
+    }
+}
+
+/// Accumulator lanes of the 32-value block kernels at a SIMD `level`: 8 at AVX2, 16 at AVX-512
+/// (two blocks per register: even blocks in lanes 0..8, odd blocks in lanes 8..16).
+pub(crate) fn block32_lanes(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512 => 16,
+        _ => 8,
+    }
+}
+
+/// Bytes of a widened Q8_0 block, the activation format of the SIMD kernels: the scale as f32
+/// (the f16 value, converted exactly), then the 32 quants.
+pub(crate) const WIDE_BLOCK_BYTES: usize = 4 + BLOCK_VALUES;
+
+/// Converts a Q8_0 row into widened blocks (`bytes.len() / 34 * 36` bytes): the same values,
+/// with the scale stored as f32 so the kernels do not convert it once per weight row.
+pub(crate) fn widen_row(bytes: &[u8], wide: &mut [u8]) {
+    debug_assert_eq!(wide.len(), bytes.len() / BLOCK_BYTES * WIDE_BLOCK_BYTES);
+    for (src, dst) in bytes
+        .chunks_exact(BLOCK_BYTES)
+        .zip(wide.chunks_exact_mut(WIDE_BLOCK_BYTES))
+    {
+        dst[..4].copy_from_slice(&scale(src).to_le_bytes());
+        dst[4..].copy_from_slice(&src[2..]);
+    }
+}
+
+pub(crate) fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], wide_len: usize) {
+    assert_eq!(
+        wide_len % WIDE_BLOCK_BYTES,
+        0,
+        "dot: activation row is not whole Q8_0 blocks"
+    );
+    assert_eq!(
+        w.len(),
+        wide_len / WIDE_BLOCK_BYTES * encoding.block_bytes(),
+        "dot: weight row and activation sizes differ"
+    );
+}
+
+/// Adds a Q8_0 / Q4_0 weight row (or run of blocks, starting at an even block of the row)
+/// times each widened Q8_0 activation row ([`widen_row`], the same blocks) into the rows'
+/// accumulators, at a SIMD `level` (checked to be supported).
+pub(crate) fn block32_accumulate(
+    encoding: Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    simd::block32_accumulate(encoding, level, w, x, acc);
+}
+
+/// Adds this weight row (or a run of its blocks) times each widened activation row
+/// ([`widen_row`]) into the rows' accumulators at a SIMD `level`: the tiled form of
+/// [`dot_rows`] used by the mat-vec.
+pub(crate) fn accumulate(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, acc: &mut [Accumulator]) {
+    block32_accumulate(Block32Encoding::Q8_0, level, w, x, acc);
 }
 
 /// Scalar reference of [`dot`].
@@ -125,6 +295,30 @@ mod tests {
             for (a, b) in values.iter().zip(restored) {
                 assert!((a - b).abs() <= bound, "{a} -> {b} (bound {bound})");
             }
+        }
+    }
+
+    #[test]
+    fn round_half_away_equals_roundf() {
+        let mut v = -200.0f32;
+        while v < 200.0 {
+            for x in [v, v + 0.5, v + 0.499_999_97, v.next_up(), v.next_down()] {
+                assert_eq!(round_half_away(x), x.round() as i32, "{x}");
+            }
+            v += 0.731;
+        }
+        for x in [
+            0.0,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            -2.5,
+            127.49,
+            8_388_607.5,
+            f32::NAN,
+        ] {
+            assert_eq!(round_half_away(x), x.round() as i32, "{x}");
         }
     }
 
@@ -192,6 +386,6 @@ mod tests {
             let dx = half::f16::from_bits(u16::from_le_bytes([xb[0], xb[1]])).to_f32();
             expected += s as f32 * (dw * dx);
         }
-        assert_eq!(dot(&wq, &xq).to_bits(), expected.to_bits());
+        assert_eq!(dot_scalar(&wq, &xq).to_bits(), expected.to_bits());
     }
 }

@@ -3,8 +3,8 @@
 //! Opens GGUF models (memory-mapped, weights used in place) and evaluates them on a private
 //! rayon pool with the kernels of `specula-kernels`. Supported architectures: `llama` and
 //! `qwen3` (dense), and the Gated DeltaNet hybrids `qwen35` (dense FFN) and `qwen3next`
-//! (mixture-of-experts FFN) with their NextN / MTP heads. Weights may be F32, F16, BF16 or
-//! Q8_0.
+//! (mixture-of-experts FFN) with their NextN / MTP heads. Weights may be F32, F16, BF16, Q8_0,
+//! Q4_0, Q4_K, Q5_K or Q6_K.
 //!
 //! Hybrid models keep their recurrent state in a snapshot ring ([`recurrent`]), so a verify
 //! batch can be rolled back to any of its token boundaries in O(1) (see [`backend`]).
@@ -37,7 +37,7 @@ use specula_plugin_api::{
 pub const PLUGIN_NAME: &str = "cpu-simd";
 
 const DESCRIPTION: &str =
-    "GGUF models on the CPU (llama, qwen3, qwen35, qwen3next + MTP; f32/f16/bf16/q8_0 weights)";
+    "GGUF models on the CPU (llama, qwen3, qwen35, qwen3next + MTP; f32/f16/bf16/q8_0/q4_0/q4_K/q5_K/q6_K weights)";
 
 fn describe() -> PluginInfo {
     PluginInfo {

@@ -279,12 +279,12 @@ fn wrong_shape_and_unsupported_type_are_named() {
         err.message
     );
 
-    let path = dir.path().join("q4.gguf");
+    let path = dir.path().join("q5_0.gguf");
     rewrite_model(
         &tiny_llama(),
         &path,
         &Rewrite {
-            raw_type: Some(("blk.0.attn_q.weight", GgmlType::Q4_0)),
+            raw_type: Some(("blk.0.attn_q.weight", GgmlType::Q5_0)),
             ..Default::default()
         },
     );
@@ -292,7 +292,7 @@ fn wrong_shape_and_unsupported_type_are_named() {
     assert_eq!(err.kind, ErrorKind::Model);
     assert!(
         err.message
-            .contains("tensor 'blk.0.attn_q.weight' has type q4_0"),
+            .contains("tensor 'blk.0.attn_q.weight' has type q5_0"),
         "{}",
         err.message
     );

@@ -25,7 +25,12 @@ fn models() -> Models {
         ("stories260K f32".to_string(), stories()),
         ("tiny-llama f32".to_string(), tiny_llama()),
     ];
-    for ty in [GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
+    for ty in [
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+    ] {
         for (name, src) in [("stories260K", stories()), ("tiny-llama", tiny_llama())] {
             let dst = dir.path().join(format!("{name}-{ty}.gguf"));
             rewrite_model(
@@ -39,9 +44,21 @@ fn models() -> Models {
             paths.push((format!("{name} {ty}"), dst));
         }
     }
-    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+    ] {
         let dst = dir.path().join(format!("qwen3-{ty}.gguf"));
         write_qwen3(&dst, ty, 7);
+        paths.push((format!("qwen3 {ty}"), dst));
+    }
+    // K-quants need 256-value rows: a wider qwen3.
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        let dst = dir.path().join(format!("qwen3-{ty}.gguf"));
+        write_qwen3_shaped(&dst, ty, 7, Qwen3Shape::K_QUANT);
         paths.push((format!("qwen3 {ty}"), dst));
     }
     Models { _dir: dir, paths }
@@ -129,7 +146,7 @@ fn truncate_matches_a_run_that_never_saw_the_rejected_tokens() {
     for (name, path) in models
         .paths
         .iter()
-        .filter(|(n, _)| n.ends_with("f32") || n.contains("q8_0"))
+        .filter(|(n, _)| n.ends_with("f32") || n.contains("q8_0") || n.contains("q4_K"))
     {
         let k = 5;
         let drafts: Vec<u32> = vec![300, 301, 302, 303, 304];
@@ -192,7 +209,9 @@ fn thread_count_does_not_change_any_bit() {
     let dir = tempfile::tempdir().unwrap();
     let qwen = dir.path().join("qwen3-q8_0.gguf");
     write_qwen3(&qwen, GgmlType::Q8_0, 3);
-    for path in [stories(), qwen] {
+    let qwen_k = dir.path().join("qwen3-q6_K.gguf");
+    write_qwen3_shaped(&qwen_k, GgmlType::Q6K, 3, Qwen3Shape::K_QUANT);
+    for path in [stories(), qwen, qwen_k] {
         let one = run_with_threads(&path, 1);
         let two = run_with_threads(&path, 2);
         assert_eq!(bits(&one), bits(&two), "{}: 1 vs 2 threads", path.display());
@@ -225,12 +244,24 @@ fn retyped_models_stay_close_to_f32() {
             .zip(&reference)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        let bound = if name.ends_with("f32") { 0.0 } else { 0.5 };
+        let four_bit = name.ends_with("q4_0");
+        let bound = if name.ends_with("f32") {
+            0.0
+        } else if four_bit {
+            // 4 bits per weight on a 260K-parameter model move logits by ~1.9 and change its
+            // top token; the kernels add only ~0.13 to that (measured against the model with
+            // its Q4_0 weights dequantised to F32).
+            2.5
+        } else {
+            0.5
+        };
         assert!(max_diff <= bound, "{name}: max logit difference {max_diff}");
-        assert_eq!(
-            argmax(&logits),
-            argmax(&reference),
-            "{name}: top token changed"
-        );
+        if !four_bit {
+            assert_eq!(
+                argmax(&logits),
+                argmax(&reference),
+                "{name}: top token changed"
+            );
+        }
     }
 }

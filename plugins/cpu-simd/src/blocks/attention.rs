@@ -2,10 +2,11 @@
 //! block of the hybrid models.
 //!
 //! Query head `h` reads key/value head `h / (n_head / n_head_kv)` (ggml's broadcast). For each
-//! head the scores of positions `0 ..= pos` are computed in position order with the shared f32
-//! dot product, scaled by `1 / sqrt(head_dim)`, soft-maxed, and the value rows are accumulated
-//! in position order. Heads may run on different threads; each head's arithmetic is fixed, so
-//! the result does not depend on threads or on which batch the row came in.
+//! head the scores of positions `0 ..= pos` are computed with the kernels' f32 dot product (one
+//! multi-row call; each score bit-identical to a single dot), scaled by `1 / sqrt(head_dim)`,
+//! soft-maxed, and the value rows are accumulated in position order (`weighted_sum`). Heads may
+//! run on different threads; each head's arithmetic is fixed, so the result does not depend on
+//! threads or on which batch the row came in.
 //!
 //! The gated block ([`forward_gated`], qwen35 / qwen3next and their MTP heads) projects query
 //! and output gate together (`attn_q` gives, per head, `head_dim` query values then `head_dim`
@@ -15,7 +16,7 @@
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
-use specula_kernels::{f32 as kf32, matmul, ops, MatmulScratch, Rope};
+use specula_kernels::{f32 as kf32, matmul, ops, MatmulScratch, Rope, Rows};
 use specula_plugin_api::PluginError;
 
 use crate::kv_cache::KvCache;
@@ -116,15 +117,16 @@ pub fn attend(
         let kv_head = h / group;
         let q_h = &q[h * hd..(h + 1) * hd];
         let scores_h = &mut scores_h[..n_keys];
-        for (j, score) in scores_h.iter_mut().enumerate() {
-            let k_j = &keys[j * kw + kv_head * hd..][..hd];
-            *score = kf32::dot_f32(q_h, k_j) * scale;
+        // Key / value head `kv_head` of every cached position (rows `kw` / `vw` apart).
+        let k_rows = Rows::new(&keys[kv_head * hd..], kw, hd, n_keys);
+        let v_rows = Rows::new(&values[kv_head * vd..], vw, vd, n_keys);
+        kf32::dot_f32_rows(q_h, k_rows, scores_h);
+        for score in scores_h.iter_mut() {
+            *score *= scale;
         }
         ops::softmax_in_place(scores_h);
         out_h.fill(0.0);
-        for (j, p) in scores_h.iter().enumerate() {
-            kf32::axpy(*p, &values[j * vw + kv_head * vd..][..vd], out_h);
-        }
+        kf32::weighted_sum(scores_h, v_rows, out_h);
     };
     if shape.n_head * n_keys * (hd + vd) < PARALLEL_MIN_WORK {
         out.chunks_exact_mut(vd)

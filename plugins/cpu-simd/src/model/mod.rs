@@ -18,7 +18,7 @@ pub enum LoadError {
     /// The GGUF reader's error (it names the file and the key or tensor).
     #[error("{0}")]
     Gguf(GgufError),
-    #[error("{path}: tensor '{tensor}' has type {ty}, which cpu-simd does not support (supported: f32, f16, bf16, q8_0)")]
+    #[error("{path}: tensor '{tensor}' has type {ty}, which cpu-simd does not support (supported: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K)")]
     UnsupportedTensorType {
         path: String,
         tensor: String,

@@ -176,7 +176,49 @@ pub const QWEN3_VOCAB: u32 = 512;
 /// not E / H —, FFN 96, 2 layers, per-head q/k norms, untied output) with matrices stored as
 /// `ty`, and the tok512 vocabulary of stories260K.
 pub fn write_qwen3(path: &Path, ty: GgmlType, seed: u64) {
-    let (e, h, hkv, hd, ff, layers) = (64u64, 4u64, 2u64, 32u64, 96u64, 2);
+    write_qwen3_shaped(path, ty, seed, Qwen3Shape::SMALL);
+}
+
+/// Sizes of a random qwen3 test model.
+#[derive(Debug, Clone, Copy)]
+pub struct Qwen3Shape {
+    pub embd: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub ffn: u64,
+}
+
+impl Qwen3Shape {
+    /// The shape of [`write_qwen3`].
+    pub const SMALL: Qwen3Shape = Qwen3Shape {
+        embd: 64,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        ffn: 96,
+    };
+    /// Every matrix input a whole number of 256-value super-blocks, so K-quant types apply to
+    /// every matrix (E 256, 4 heads / 2 kv heads of 64, FFN 512).
+    pub const K_QUANT: Qwen3Shape = Qwen3Shape {
+        embd: 256,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        ffn: 512,
+    };
+}
+
+/// [`write_qwen3`] with the given sizes.
+pub fn write_qwen3_shaped(path: &Path, ty: GgmlType, seed: u64, shape: Qwen3Shape) {
+    let Qwen3Shape {
+        embd: e,
+        heads: h,
+        kv_heads: hkv,
+        head_dim: hd,
+        ffn: ff,
+    } = shape;
+    let layers = 2;
     let vocab = u64::from(QWEN3_VOCAB);
     let mut rng = Rng::new(seed);
     let mut w = GgufWriter::new();

@@ -1,0 +1,605 @@
+//! AVX-512 (F, BW, VL, VNNI) kernels.
+//!
+//! Same structure and contract as [`super::avx2`]: multi-input kernels that read a weight row
+//! once per pass of up to [`super::MAX_ROWS_PER_PASS`] activation rows, with per-row
+//! accumulators updated by a fixed instruction sequence, so that a row's result does not
+//! depend on the other rows of the pass. The differences from AVX2:
+//!
+//! - float family: 32 lanes per row (two zmm registers), masked loads only for a ragged tail;
+//! - 32-value blocks: two blocks per zmm, `vpdpbusd` (VNNI) forms each block's integer dot;
+//! - K-quants: decoded straight into 64-value registers (scales spread by `vpermw`),
+//!   `vpmaddubsw` then `vpdpwssd` (VNNI) applies the sub-block scales while accumulating, so a
+//!   super-block is 8 multiply instructions per row.
+//!
+//! The 32-value block decoder for a single (odd last) block is shared with the AVX2 module (its
+//! functions run here too: AVX-512 implies the AVX2 set this crate asks for).
+
+use std::arch::x86_64::*;
+
+use super::avx2::{
+    decode_block32, float_size, k_block_bytes, load_f32, row_ptrs, F16, F32, Q4_K, Q6_K, Q8_0,
+};
+use super::{in_passes, with_row_count, Accumulator, Rows};
+use crate::{q8_0, q8_k};
+
+/// Lanes `first .. first + 16` of an accumulator.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn load_lanes16(acc: &Accumulator, first: usize) -> __m512 {
+    let lanes = &acc.0[first..first + 16];
+    // SAFETY: `lanes` is 16 readable f32.
+    unsafe { _mm512_loadu_ps(lanes.as_ptr()) }
+}
+
+/// Stores `v` to lanes `first .. first + 16` of an accumulator.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn store_lanes16(acc: &mut Accumulator, first: usize, v: __m512) {
+    let lanes = &mut acc.0[first..first + 16];
+    // SAFETY: `lanes` is 16 writable f32.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) }
+}
+
+/// Loads the first `count` (≤ 16) weights of encoding `KIND` at `p`, zeros elsewhere, as f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn load16<const KIND: u8>(p: *const u8, count: usize) -> __m512 {
+    if count >= 16 {
+        // SAFETY: the caller guarantees 16 elements are readable at `p`.
+        return unsafe {
+            match KIND {
+                F32 => _mm512_loadu_ps(p.cast()),
+                F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+                _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(p.cast()),
+                ))),
+            }
+        };
+    }
+    let mask = if count >= 16 {
+        0xffff
+    } else {
+        (1u16 << count) - 1
+    };
+    // SAFETY: the caller guarantees `count` elements are readable at `p`; masked-off lanes
+    // are not accessed.
+    unsafe {
+        match KIND {
+            F32 => _mm512_maskz_loadu_ps(mask, p.cast()),
+            F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())),
+            _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_maskz_loadu_epi16(mask, p.cast()),
+            ))),
+        }
+    }
+}
+
+/// Loads the first `count` (≤ 16) f32 at `p`, zeros elsewhere.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn load16_f32(p: *const f32, count: usize) -> __m512 {
+    let mask = if count >= 16 {
+        0xffff
+    } else {
+        (1u16 << count) - 1
+    };
+    // SAFETY: the caller guarantees `count` f32 are readable at `p`.
+    unsafe { _mm512_maskz_loadu_ps(mask, p) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// F32 / F16 / BF16 weights × f32 activations
+// ---------------------------------------------------------------------------------------------
+
+/// Adds `w[i] · x_b[i]` for a float-family weight row into each row's accumulator: 32 lanes
+/// per row (element `i` in lane `i % 32`, two zmm registers), fused multiply-adds.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `w` must hold `rows.len()` elements of `KIND`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn float_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, f32>,
+    acc: &mut [Accumulator],
+) {
+    debug_assert_eq!(w.len(), rows.len() * float_size(KIND));
+    in_passes(rows, acc, |group, group_acc| {
+        // SAFETY: forwarded contract.
+        unsafe { with_row_count!(group_acc.len(), float_pass::<KIND>(w, group, group_acc)) }
+    });
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn float_pass<const KIND: u8, const N: usize>(
+    w: &[u8],
+    rows: Rows<'_, f32>,
+    state: &mut [Accumulator],
+) {
+    let size = float_size(KIND);
+    let len = rows.len();
+    let wp = w.as_ptr();
+    let xp = row_ptrs::<f32, N>(&rows);
+    let mut acc: [[__m512; 2]; N] =
+        std::array::from_fn(|r| [load_lanes16(&state[r], 0), load_lanes16(&state[r], 16)]);
+    let full = len / 32;
+    for c in 0..full {
+        let i = 32 * c;
+        // SAFETY: elements `i .. i + 32` are inside the weight row and every activation row.
+        unsafe {
+            let w0 = load16::<KIND>(wp.add(i * size), 16);
+            let w1 = load16::<KIND>(wp.add((i + 16) * size), 16);
+            for r in 0..N {
+                let x = xp[r].add(i);
+                acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), acc[r][1]);
+            }
+        }
+    }
+    let i = 32 * full;
+    if i < len {
+        // The partial last chunk: masked loads read only the elements that exist and give
+        // zeros elsewhere (0 · 0 adds nothing to a lane).
+        let first = (len - i).min(16);
+        let second = (len - i).saturating_sub(16);
+        // SAFETY: `first` elements from `i` and `second` from `i + 16` are inside the weight
+        // row and every activation row; the second pointers may lie past the end when
+        // `second` is 0 (wrapping arithmetic, never dereferenced: every lane is masked off).
+        unsafe {
+            let w0 = load16::<KIND>(wp.add(i * size), first);
+            let w1 = load16::<KIND>(wp.wrapping_add((i + 16) * size), second);
+            for r in 0..N {
+                let x = xp[r].add(i);
+                acc[r][0] = _mm512_fmadd_ps(w0, load16_f32(x, first), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, load16_f32(x.wrapping_add(16), second), acc[r][1]);
+            }
+        }
+    }
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes16(s, 0, a[0]);
+        store_lanes16(s, 16, a[1]);
+    }
+}
+
+/// `y += a · x` with one fused multiply-add per element (bit-identical to the AVX2 version).
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `x.len() == y.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    let av = _mm512_set1_ps(a);
+    let len = x.len();
+    let full = len / 16;
+    for c in 0..full {
+        // SAFETY: elements `16c .. 16c + 16` exist in both slices.
+        unsafe {
+            let yp = y.as_mut_ptr().add(16 * c);
+            let v = _mm512_fmadd_ps(
+                av,
+                _mm512_loadu_ps(x.as_ptr().add(16 * c)),
+                _mm512_loadu_ps(yp),
+            );
+            _mm512_storeu_ps(yp, v);
+        }
+    }
+    let rest = len - 16 * full;
+    if rest > 0 {
+        let mask = (1u16 << rest) - 1;
+        // SAFETY: `rest` elements from `16 · full` exist in both slices; masked lanes are not
+        // accessed.
+        unsafe {
+            let yp = y.as_mut_ptr().add(16 * full);
+            let v = _mm512_fmadd_ps(
+                av,
+                _mm512_maskz_loadu_ps(mask, x.as_ptr().add(16 * full)),
+                _mm512_maskz_loadu_ps(mask, yp),
+            );
+            _mm512_mask_storeu_ps(yp, mask, v);
+        }
+    }
+}
+
+/// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
+/// but each chunk of `y` stays in registers across all rows.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `weights.len() == rows.count()` and
+/// `rows.len() == y.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn weighted_sum(weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    debug_assert!(weights.len() == rows.count() && rows.len() == y.len());
+    /// Registers of `y` kept live per sweep over the rows.
+    const REGS: usize = 8;
+    let len = y.len();
+    let mut start = 0;
+    while start < len {
+        let count = (len - start).min(16 * REGS);
+        let masks: [u16; REGS] = std::array::from_fn(|k| {
+            let lanes = count.saturating_sub(16 * k).min(16);
+            if lanes == 16 {
+                0xffff
+            } else {
+                (1u16 << lanes) - 1
+            }
+        });
+        let used = count.div_ceil(16);
+        // SAFETY: lane `l` of register `k` is element `start + 16k + l` of `y` and of every row;
+        // masks cover exactly the elements that exist (a full mask loads plainly).
+        unsafe {
+            let load = |p: *const f32, mask: u16| {
+                if mask == 0xffff {
+                    _mm512_loadu_ps(p)
+                } else {
+                    _mm512_maskz_loadu_ps(mask, p)
+                }
+            };
+            let yp = y.as_mut_ptr().add(start);
+            let mut acc: [__m512; REGS] = std::array::from_fn(|k| {
+                if k < used {
+                    load(yp.add(16 * k), masks[k])
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            for (j, &wj) in weights.iter().enumerate() {
+                let wv = _mm512_set1_ps(wj);
+                let vp = rows.ptr(j).add(start);
+                for (k, (a, &mask)) in acc.iter_mut().zip(&masks).enumerate().take(used) {
+                    *a = _mm512_fmadd_ps(wv, load(vp.add(16 * k), mask), *a);
+                }
+            }
+            for (k, (a, &mask)) in acc.iter().zip(&masks).enumerate().take(used) {
+                if mask == 0xffff {
+                    _mm512_storeu_ps(yp.add(16 * k), *a);
+                } else {
+                    _mm512_mask_storeu_ps(yp.add(16 * k), mask, *a);
+                }
+            }
+        }
+        start += count;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q8_0 / Q4_0 weights × Q8_0 activations (blocks of 32)
+// ---------------------------------------------------------------------------------------------
+
+/// Q8_0 / Q4_0 weight row × widened Q8_0 activation rows ([`q8_0::widen_row`]), two blocks per
+/// zmm register: block `2p` in lanes 0..8, block `2p + 1` in lanes 8..16. Per row and pair: the
+/// exact integer dots by one `vpdpbusd` (`|w|` unsigned × `x` carrying `w`'s sign), converted
+/// to f32 and fused into the row's 16 accumulator lanes with the scales `d_w · d_x` of each
+/// half. An odd last block goes into lanes 0..8 alone.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `w` and every row must be the same whole number of
+/// blocks, and the run must start at an even block of the row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn block32_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    in_passes(rows, acc, |group, group_acc| {
+        // SAFETY: forwarded contract.
+        unsafe { with_row_count!(group_acc.len(), block32_pass::<KIND>(w, group, group_acc)) }
+    });
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn block32_pass<const KIND: u8, const N: usize>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    state: &mut [Accumulator],
+) {
+    const WIDE: usize = q8_0::WIDE_BLOCK_BYTES;
+    let blocks = rows.len() / WIDE;
+    let xp = row_ptrs::<u8, N>(&rows);
+    let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
+    let mut b = 0;
+    while b + 1 < blocks {
+        // SAFETY: blocks `b`, `b + 1` lie inside the weight row and every activation row.
+        unsafe {
+            let (wq, dw) = decode_block32_pair::<KIND>(w.as_ptr(), b);
+            let w_abs = _mm512_abs_epi8(wq);
+            let negative = _mm512_movepi8_mask(wq);
+            for r in 0..N {
+                let xb = xp[r].add(b * WIDE);
+                let xq = join(
+                    _mm256_loadu_si256(xb.add(4).cast()),
+                    _mm256_loadu_si256(xb.add(WIDE + 4).cast()),
+                );
+                // x with w's sign: |w| · that = w · x (w = 0 gives 0 either way).
+                let signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, signed_x);
+                let dx = _mm512_mask_broadcastss_ps(
+                    _mm512_set1_ps(load_f32(xb)),
+                    0xff00,
+                    _mm_set_ss(load_f32(xb.add(WIDE))),
+                );
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(sums), acc[r]);
+            }
+        }
+        b += 2;
+    }
+    if b < blocks {
+        // SAFETY: block `b` lies inside the weight row and every activation row.
+        unsafe {
+            let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
+            let w_abs = _mm256_sign_epi8(wq, wq);
+            for r in 0..N {
+                let xb = xp[r].add(b * WIDE);
+                let xq = _mm256_loadu_si256(xb.add(4).cast());
+                let sums =
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xq, wq));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(xb)));
+                let low = _mm512_castps512_ps256(acc[r]);
+                let low = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), low);
+                acc[r] = _mm512_castpd_ps(_mm512_insertf64x4::<0>(
+                    _mm512_castps_pd(acc[r]),
+                    _mm256_castps_pd(low),
+                ));
+            }
+        }
+    }
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes16(s, 0, a);
+    }
+}
+
+/// Decodes weight blocks `b` and `b + 1` of encoding `KIND` into one zmm of 64 signed quants
+/// (block `b` in the low half) and their scales (`d_b` in lanes 0..8, `d_{b+1}` in 8..16).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode_block32_pair<const KIND: u8>(w: *const u8, b: usize) -> (__m512i, __m512) {
+    let (bytes, quants_at) = match KIND {
+        Q8_0 => (q8_0::BLOCK_BYTES, 2),
+        _ => (crate::q4_0::BLOCK_BYTES, 2),
+    };
+    // SAFETY: the caller guarantees blocks `b` and `b + 1` lie inside the weight row.
+    unsafe {
+        let first = w.add(b * bytes);
+        let second = first.add(bytes);
+        let half = |p: *const u8| _mm_set1_epi16(p.cast::<u16>().read_unaligned() as i16);
+        let scales = _mm512_cvtph_ps(_mm256_set_m128i(half(second), half(first)));
+        let quants = match KIND {
+            Q8_0 => join(
+                _mm256_loadu_si256(first.add(quants_at).cast()),
+                _mm256_loadu_si256(second.add(quants_at).cast()),
+            ),
+            _ => {
+                // 128-bit lanes [q_b, q_b, q_b+1, q_b+1], odd lanes shifted down a nibble:
+                // low nibbles (values 0..16) then high nibbles (16..32) of each block.
+                let packed = _mm256_set_m128i(
+                    _mm_loadu_si128(second.add(quants_at).cast()),
+                    _mm_loadu_si128(first.add(quants_at).cast()),
+                );
+                let spread = _mm512_permutexvar_epi64(
+                    _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                    _mm512_castsi256_si512(packed),
+                );
+                let shifted = _mm512_srlv_epi64(spread, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+                let nibbles = _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+                _mm512_sub_epi8(nibbles, _mm512_set1_epi8(8))
+            }
+        };
+        (quants, scales)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K-quants (super-blocks of 256) × Q8_K activations
+// ---------------------------------------------------------------------------------------------
+
+/// Joins two 256-bit halves into one zmm (`low` in lanes 0..8 of i32, `high` above).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn join(low: __m256i, high: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
+}
+
+/// One K-quant weight super-block decoded for the integer dot products, 64 values per
+/// register: unsigned quants in value order, the i16 multipliers of the 32 `vpmaddubsw` pair
+/// sums of each register, the bsum multipliers, and the block scales.
+struct WideSuperBlock {
+    quants: [__m512i; 4],
+    multipliers: [__m512i; 4],
+    /// Q4_K / Q5_K: `m_j` in i16 lanes `2j, 2j + 1` (for the 16 bsums); Q6_K: the 16 signed
+    /// group scales (for the `-32` offset).
+    bsum_multipliers: __m256i,
+    d: f32,
+    dmin: f32,
+}
+
+/// Index vector for `vpermw` selecting i16 element `f(lane)` into each of the 32 lanes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn lane_pattern(f: impl Fn(i16) -> i16) -> __m512i {
+    let lanes: [i16; 32] = std::array::from_fn(|i| f(i as i16));
+    // SAFETY: `lanes` is 64 readable bytes.
+    unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) }
+}
+
+/// Decodes the Q4_K / Q5_K super-block at `block` straight into 64-value registers.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode_k_with_mins_wide<const KIND: u8>(block: *const u8) -> WideSuperBlock {
+    // SAFETY: the caller guarantees a whole super-block at `block`.
+    unsafe {
+        // The 6-bit scales and mins, four at a time (ggml-common.h layout): bytes 0..4 hold
+        // scales 0..4 and the top bits of scales 4..8, bytes 4..8 the same for mins, bytes
+        // 8..12 the low nibbles of scales (low) and mins (high) 4..8.
+        let word = |i: usize| block.add(4 + 4 * i).cast::<u32>().read_unaligned();
+        let (a, b, c) = (word(0), word(1), word(2));
+        let (low6, low4, top2) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+        let scales_0_4 = a & low6;
+        let mins_0_4 = b & low6;
+        let scales_4_8 = (c & low4) | (((a >> 6) & top2) << 4);
+        let mins_4_8 = ((c >> 4) & low4) | (((b >> 6) & top2) << 4);
+        // i16 elements 0..8: scales, 8..16: mins.
+        let scale_min = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_setr_epi32(
+            scales_0_4 as i32,
+            scales_4_8 as i32,
+            mins_0_4 as i32,
+            mins_4_8 as i32,
+        )));
+        // Register k holds sub-blocks 2k (pair sums 0..16) and 2k + 1 (16..32).
+        let multipliers = std::array::from_fn(|k| {
+            let k = k as i16;
+            _mm512_permutexvar_epi16(lane_pattern(|i| 2 * k + i / 16), scale_min)
+        });
+        let bsum_multipliers = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
+            lane_pattern(|i| 8 + (i % 16) / 2),
+            scale_min,
+        ));
+        let qs = match KIND {
+            Q4_K => block.add(16),
+            _ => block.add(48),
+        };
+        let nibble = _mm512_set1_epi8(0x0f);
+        let high_half_down = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+        let quants = std::array::from_fn(|c| {
+            // Chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high ones.
+            let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c).cast()));
+            let low4 = _mm512_and_si512(_mm512_srlv_epi64(packed, high_half_down), nibble);
+            if KIND == Q4_K {
+                return low4;
+            }
+            // Fifth bits: bit 2c (low half) or 2c + 1 (high half) of qh[l].
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16).cast()));
+            let bits = _mm512_inserti64x4::<1>(
+                _mm512_set1_epi8(1 << (2 * c)),
+                _mm256_set1_epi8(1 << (2 * c + 1)),
+            );
+            let has_fifth = _mm512_test_epi8_mask(qh, bits);
+            _mm512_mask_add_epi8(low4, has_fifth, low4, _mm512_set1_epi8(16))
+        });
+        let halves = block.cast::<u32>().read_unaligned();
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(halves as i32));
+        WideSuperBlock {
+            quants,
+            multipliers,
+            bsum_multipliers,
+            d: _mm_cvtss_f32(scales),
+            dmin: _mm_cvtss_f32(_mm_movehdup_ps(scales)),
+        }
+    }
+}
+
+/// Decodes the Q6_K super-block at `block` straight into 64-value registers; quants stay
+/// unsigned (`q + 32`), the offset is applied through the bsums.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode_q6_k_wide(block: *const u8) -> WideSuperBlock {
+    // SAFETY: the caller guarantees a whole super-block at `block`.
+    unsafe {
+        let nibble = _mm512_set1_epi8(0x0f);
+        let two_bits = _mm512_set1_epi8(0x30);
+        let mut quants = [_mm512_setzero_si512(); 4];
+        for half in 0..2 {
+            // ql[64h..64h+64]: low nibbles are values 0..64 of the half, high nibbles 64..128;
+            // qh[32h..32h+32]: bits (0,1), (2,3), (4,5), (6,7) top values 0.., 32.., 64.., 96...
+            let ql = _mm512_loadu_si512(block.add(64 * half).cast());
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
+            let top_a = _mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2));
+            let top_b = _mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2));
+            quants[2 * half] = _mm512_or_si512(
+                _mm512_and_si512(ql, nibble),
+                _mm512_and_si512(top_a, two_bits),
+            );
+            quants[2 * half + 1] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), nibble),
+                _mm512_and_si512(top_b, two_bits),
+            );
+        }
+        let group_scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(192).cast()));
+        let scales = _mm512_castsi256_si512(group_scales);
+        // Register k holds groups 4k .. 4k + 4 of 16 values: 8 pair sums each.
+        let multipliers = std::array::from_fn(|k| {
+            let k = k as i16;
+            _mm512_permutexvar_epi16(lane_pattern(|i| 4 * k + i / 8), scales)
+        });
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(
+            block.add(208).cast::<u16>().read_unaligned() as i16,
+        )));
+        WideSuperBlock {
+            quants,
+            multipliers,
+            bsum_multipliers: group_scales,
+            d,
+            dmin: 0.0,
+        }
+    }
+}
+
+/// K-quant weight row × Q8_K activation rows: as the AVX2 kernel, 64 values per step, the
+/// scales applied by `vpdpwssd` into 16 i32 lanes, fused into the row's 16 accumulator lanes.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `w` must be whole super-blocks of `KIND` and every
+/// row the same number of Q8_K blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn k_quant_rows<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    in_passes(rows, acc, |group, group_acc| {
+        // SAFETY: forwarded contract.
+        unsafe { with_row_count!(group_acc.len(), k_quant_pass::<KIND>(w, group, group_acc)) }
+    });
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    state: &mut [Accumulator],
+) {
+    let blocks = rows.len() / q8_k::BLOCK_BYTES;
+    let xp = row_ptrs::<u8, N>(&rows);
+    let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
+    for b in 0..blocks {
+        // SAFETY: super-block `b` lies inside the weight row and every activation row.
+        unsafe {
+            let block = w.as_ptr().add(b * k_block_bytes(KIND));
+            let decoded = match KIND {
+                Q6_K => decode_q6_k_wide(block),
+                _ => decode_k_with_mins_wide::<KIND>(block),
+            };
+            for r in 0..N {
+                let xb = xp[r].add(b * q8_k::BLOCK_BYTES);
+                let dx = load_f32(xb);
+                let xq = xb.add(4);
+                let mut sums = _mm512_setzero_si512();
+                for k in 0..4 {
+                    let x = _mm512_loadu_si512(xq.add(64 * k).cast());
+                    let pairs = _mm512_maddubs_epi16(decoded.quants[k], x);
+                    sums = _mm512_dpwssd_epi32(sums, pairs, decoded.multipliers[k]);
+                }
+                let bsums = _mm256_loadu_si256(xb.add(260).cast());
+                let bsum_term =
+                    _mm512_zextsi256_si512(_mm256_madd_epi16(bsums, decoded.bsum_multipliers));
+                let scale = _mm512_set1_ps(dx * decoded.d);
+                match KIND {
+                    Q6_K => {
+                        let exact = _mm512_sub_epi32(sums, _mm512_slli_epi32::<5>(bsum_term));
+                        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(exact), acc[r]);
+                    }
+                    _ => {
+                        let min_scale = _mm512_set1_ps(dx * decoded.dmin);
+                        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[r]);
+                        acc[r] = _mm512_fnmadd_ps(min_scale, _mm512_cvtepi32_ps(bsum_term), acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (s, a) in state.iter_mut().zip(acc) {
+        store_lanes16(s, 0, a);
+    }
+}

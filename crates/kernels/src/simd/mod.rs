@@ -1,0 +1,527 @@
+//! Instruction-set levels and the once-per-process choice of one.
+//!
+//! Every kernel exists as a scalar reference (in its type's module) and, on x86-64, as AVX2+FMA
+//! and AVX-512 versions ([`avx2`], [`avx512`]). The level a process runs is decided once, the
+//! first time [`level`] is called, and never changes afterwards: every row on a given machine
+//! then goes through the same code, which is what makes a verify row bit-identical to a
+//! single-token pass. Different levels sum in different orders, so their results differ in the
+//! last bits (tests bound that difference against an f64 reference).
+//!
+//! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`) lowers the level, e.g.
+//! to compare levels in a benchmark; it can never raise it above what the CPU supports.
+//!
+//! This module holds all of the crate's `unsafe` code. The kernels in [`avx2`] and [`avx512`]
+//! are `#[target_feature]` functions; the only callers are the safe entry points at the end of
+//! this file (`float_accumulate`, `block32_accumulate`, `k_quant_accumulate`, `axpy`,
+//! `weighted_sum`), which check [`SimdLevel::is_supported`] and every slice size the kernels'
+//! unchecked loads rely on.
+
+use std::sync::OnceLock;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+
+/// Activation rows one weight-row pass of a multi-input kernel serves at most; callers with
+/// more rows run further passes over the (by then cache-resident) weight row.
+pub const MAX_ROWS_PER_PASS: usize = 8;
+
+/// An instruction-set level a kernel can be compiled for, from slowest to fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdLevel {
+    /// Portable Rust, written so the compiler can vectorise it: the reference semantics.
+    Scalar,
+    /// AVX2 with FMA and F16C (x86-64, Haswell / Zen 1 and later).
+    Avx2,
+    /// AVX-512 F, BW, VL and VNNI on top of the AVX2 set (Ice Lake / Zen 4 and later).
+    Avx512,
+}
+
+impl SimdLevel {
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+
+    /// Lower-case name, as accepted by `SPECULA_SIMD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+
+    /// The level named `name` (see [`SimdLevel::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|l| l.name() == name)
+    }
+
+    /// The best level this CPU supports (detected once).
+    pub fn best_supported() -> Self {
+        static BEST: OnceLock<SimdLevel> = OnceLock::new();
+        *BEST.get_or_init(detect)
+    }
+
+    /// Whether this CPU can run code of this level.
+    #[inline]
+    pub fn is_supported(self) -> bool {
+        self <= Self::best_supported()
+    }
+
+    /// Every level this CPU can run, lowest first (what tests iterate over).
+    pub fn supported() -> impl Iterator<Item = SimdLevel> {
+        Self::ALL.into_iter().filter(|l| l.is_supported())
+    }
+
+    /// Panics unless this CPU supports the level: the guard in front of every SIMD entry.
+    #[inline]
+    pub(crate) fn assert_supported(self) {
+        assert!(
+            self.is_supported(),
+            "SIMD level {} is not supported by this CPU (best: {})",
+            self.name(),
+            Self::best_supported().name()
+        );
+    }
+}
+
+impl std::fmt::Display for SimdLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> SimdLevel {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let avx512 = avx2
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni");
+    if avx512 {
+        SimdLevel::Avx512
+    } else if avx2 {
+        SimdLevel::Avx2
+    } else {
+        SimdLevel::Scalar
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> SimdLevel {
+    SimdLevel::Scalar
+}
+
+/// The level every kernel of this process runs: the best supported one, lowered by
+/// `SPECULA_SIMD` when that names a lower level. Decided on the first call, fixed after.
+pub fn level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let best = SimdLevel::best_supported();
+        match std::env::var("SPECULA_SIMD") {
+            Ok(name) => match SimdLevel::from_name(name.trim()) {
+                Some(asked) => asked.min(best),
+                None => best,
+            },
+            Err(_) => best,
+        }
+    })
+}
+
+/// Calls `$kernel::<G…, N>($args…)` with `N` the const equal to `$n`
+/// (1 ..= [`MAX_ROWS_PER_PASS`]): multi-input kernels are monomorphised per row count so
+/// their per-row state lives in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_row_count {
+    ($n:expr, $kernel:ident :: < $($generic:ident),* > ( $($arg:expr),* $(,)? )) => {
+        match $n {
+            1 => $kernel::<$($generic,)* 1>($($arg),*),
+            2 => $kernel::<$($generic,)* 2>($($arg),*),
+            3 => $kernel::<$($generic,)* 3>($($arg),*),
+            4 => $kernel::<$($generic,)* 4>($($arg),*),
+            5 => $kernel::<$($generic,)* 5>($($arg),*),
+            6 => $kernel::<$($generic,)* 6>($($arg),*),
+            7 => $kernel::<$($generic,)* 7>($($arg),*),
+            8 => $kernel::<$($generic,)* 8>($($arg),*),
+            n => unreachable!("row pass of {n} rows"),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use with_row_count;
+
+/// The running sums of one (weight row, activation row) pair inside a SIMD kernel, kept
+/// between calls so a row can be processed in column tiles: a kernel loads it into registers,
+/// adds the tile's products in the level's fixed lane order, and stores it back. Splitting a
+/// row into tiles at whole lane-chunk / block boundaries therefore changes no result bit.
+///
+/// Lanes used: float family 16 (AVX2) or 32 (AVX-512); 32-value blocks 8; K-quants 8 (AVX2)
+/// or 16 (AVX-512). [`Accumulator::sum`] reduces them by the pairwise tree.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(64))]
+pub struct Accumulator(pub(crate) [f32; 32]);
+
+impl Accumulator {
+    /// All lanes zero.
+    pub const ZERO: Accumulator = Accumulator([0.0; 32]);
+
+    /// Sums the first `lanes` lanes (a power of two) by the pairwise tree of
+    /// [`crate::f32::reduce_lanes`]: lane `i` plus lane `i + width`, halving the width — the
+    /// same additions, in the same order, as the kernels' horizontal sums.
+    pub fn sum(&self, lanes: usize) -> f32 {
+        debug_assert!(lanes.is_power_of_two() && lanes <= 32);
+        let mut v = self.0;
+        let mut width = lanes / 2;
+        while width > 0 {
+            for i in 0..width {
+                v[i] += v[i + width];
+            }
+            width /= 2;
+        }
+        v[0]
+    }
+}
+
+/// Activation rows of a multi-input dot product: row `b` starts at `data[b * stride]`, and
+/// each row has `len` elements. Checked once by the dispatchers, so kernels can index freely.
+#[derive(Debug)]
+pub struct Rows<'a, T> {
+    data: &'a [T],
+    stride: usize,
+    len: usize,
+    count: usize,
+}
+
+// A view is copyable whatever the element type (derive would require `T: Copy`).
+impl<T> Clone for Rows<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Rows<'_, T> {}
+
+impl<'a, T> Rows<'a, T> {
+    /// `count` rows of `len` elements, `stride` apart, inside `data`.
+    ///
+    /// # Panics
+    ///
+    /// If the rows do not fit in `data` or overlap (`stride < len`).
+    pub fn new(data: &'a [T], stride: usize, len: usize, count: usize) -> Self {
+        assert!(stride >= len, "rows: stride {stride} < row length {len}");
+        if count > 0 {
+            assert!(
+                (count - 1) * stride + len <= data.len(),
+                "rows: {count} rows of {len} (stride {stride}) do not fit in {}",
+                data.len()
+            );
+        }
+        Self {
+            data,
+            stride,
+            len,
+            count,
+        }
+    }
+
+    /// One row.
+    pub fn single(row: &'a [T]) -> Self {
+        Self::new(row, row.len(), row.len(), 1)
+    }
+
+    /// Number of rows.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Elements per row.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the rows are empty (zero-length).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Row `b`.
+    #[inline]
+    pub fn row(&self, b: usize) -> &'a [T] {
+        assert!(b < self.count, "rows: row {b} of {}", self.count);
+        &self.data[b * self.stride..][..self.len]
+    }
+
+    /// Rows `first .. first + count` as a new view.
+    #[inline]
+    pub fn sub(&self, first: usize, count: usize) -> Self {
+        assert!(first + count <= self.count, "rows: sub-range out of bounds");
+        if count == 0 {
+            return Self {
+                data: &self.data[..0],
+                stride: self.stride,
+                len: self.len,
+                count,
+            };
+        }
+        Self {
+            data: &self.data[first * self.stride..],
+            stride: self.stride,
+            len: self.len,
+            count,
+        }
+    }
+
+    /// Columns `start .. start + len` of every row, as a new view (a column tile).
+    #[inline]
+    pub fn columns(&self, start: usize, len: usize) -> Self {
+        assert!(start + len <= self.len, "rows: column range out of bounds");
+        if self.count == 0 {
+            return Self { len, ..*self };
+        }
+        Self {
+            data: &self.data[start..],
+            stride: self.stride,
+            len,
+            count: self.count,
+        }
+    }
+
+    /// Pointer to the first element of row `b` (kernels index from it within `len`).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) fn ptr(&self, b: usize) -> *const T {
+        debug_assert!(b < self.count);
+        // Within bounds: `new` checked that every row fits in `data`.
+        self.data[b * self.stride..].as_ptr()
+    }
+}
+
+/// Runs `pass(rows, accumulators)` over consecutive groups of at most [`MAX_ROWS_PER_PASS`]
+/// rows (used by every SIMD multi-input entry point).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn in_passes<T>(
+    rows: Rows<'_, T>,
+    acc: &mut [Accumulator],
+    mut pass: impl FnMut(Rows<'_, T>, &mut [Accumulator]),
+) {
+    debug_assert_eq!(rows.count(), acc.len());
+    for (g, group_acc) in acc.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let group = rows.sub(g * MAX_ROWS_PER_PASS, group_acc.len());
+        pass(group, group_acc);
+    }
+}
+
+/// Runs a kernel family's `accumulate` over `x` (any number of rows) in passes of at most
+/// [`MAX_ROWS_PER_PASS`] rows, then writes each row's lane sum: the untiled multi-input dot
+/// product every SIMD `dot_rows` is.
+pub(crate) fn accumulate_and_sum<T>(
+    x: Rows<'_, T>,
+    out: &mut [f32],
+    lanes: usize,
+    mut accumulate: impl FnMut(Rows<'_, T>, &mut [Accumulator]),
+) {
+    if out.len() == 1 {
+        // The common single-row call (e.g. one attention score) zeroes one accumulator only.
+        let mut acc = [Accumulator::ZERO];
+        accumulate(x, &mut acc);
+        out[0] = acc[0].sum(lanes);
+        return;
+    }
+    let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
+    for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let acc = &mut acc[..group_out.len()];
+        acc.fill(Accumulator::ZERO);
+        accumulate(x.sub(g * MAX_ROWS_PER_PASS, group_out.len()), acc);
+        for (o, a) in group_out.iter_mut().zip(acc.iter()) {
+            *o = a.sum(lanes);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Safe entry points: check everything the unsafe kernels rely on, then call the level's kernel.
+// ---------------------------------------------------------------------------------------------
+
+/// Panics unless `level` is a SIMD level this CPU supports and there is one accumulator per
+/// activation row.
+fn check_simd_call<T>(level: SimdLevel, x: &Rows<'_, T>, acc: &[Accumulator]) {
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
+}
+
+/// Float-family weights (`w`, encoding `encoding`) times f32 activation rows, accumulated.
+pub(crate) fn float_accumulate(
+    encoding: crate::f32::FloatEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, f32>,
+    acc: &mut [Accumulator],
+) {
+    crate::f32::check_float_sizes(encoding, w, x.len());
+    check_simd_call(level, &x, acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::f32::FloatEncoding as E;
+        use avx2::{BF16, F16, F32};
+        // SAFETY: the level is supported and `w` holds exactly `x.len()` elements (checked
+        // above); every row of `x` is a checked view.
+        unsafe {
+            match (level, encoding) {
+                (SimdLevel::Avx2, E::F32) => avx2::float_rows::<F32>(w, x, acc),
+                (SimdLevel::Avx2, E::F16) => avx2::float_rows::<F16>(w, x, acc),
+                (SimdLevel::Avx2, E::BF16) => avx2::float_rows::<BF16>(w, x, acc),
+                (_, E::F32) => avx512::float_rows::<F32>(w, x, acc),
+                (_, E::F16) => avx512::float_rows::<F16>(w, x, acc),
+                (_, E::BF16) => avx512::float_rows::<BF16>(w, x, acc),
+            }
+        }
+    }
+}
+
+/// Q8_0 / Q4_0 weights (a run of blocks starting at an even block of the row) times widened
+/// Q8_0 activation rows, accumulated.
+pub(crate) fn block32_accumulate(
+    encoding: crate::q8_0::Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    crate::q8_0::check_block32_sizes(encoding, w, x.len());
+    check_simd_call(level, &x, acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::q8_0::Block32Encoding as E;
+        use avx2::{Q4_0, Q8_0};
+        // SAFETY: the level is supported and `w` and every row hold the same whole number of
+        // blocks (checked above).
+        unsafe {
+            match (level, encoding) {
+                (SimdLevel::Avx2, E::Q8_0) => avx2::block32_rows::<Q8_0>(w, x, acc),
+                (SimdLevel::Avx2, E::Q4_0) => avx2::block32_rows::<Q4_0>(w, x, acc),
+                (_, E::Q8_0) => avx512::block32_rows::<Q8_0>(w, x, acc),
+                (_, E::Q4_0) => avx512::block32_rows::<Q4_0>(w, x, acc),
+            }
+        }
+    }
+}
+
+/// K-quant weights times Q8_K activation rows, accumulated.
+pub(crate) fn k_quant_accumulate(
+    encoding: crate::k_quants::KEncoding,
+    level: SimdLevel,
+    w: &[u8],
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+) {
+    crate::k_quants::check_sizes(encoding, w, x.len());
+    check_simd_call(level, &x, acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::k_quants::KEncoding as E;
+        use avx2::{Q4_K, Q5_K, Q6_K};
+        // SAFETY: the level is supported and `w` and every row hold the same whole number of
+        // super-blocks (checked above).
+        unsafe {
+            match (level, encoding) {
+                (SimdLevel::Avx2, E::Q4K) => avx2::k_quant_rows::<Q4_K>(w, x, acc),
+                (SimdLevel::Avx2, E::Q5K) => avx2::k_quant_rows::<Q5_K>(w, x, acc),
+                (SimdLevel::Avx2, E::Q6K) => avx2::k_quant_rows::<Q6_K>(w, x, acc),
+                (_, E::Q4K) => avx512::k_quant_rows::<Q4_K>(w, x, acc),
+                (_, E::Q5K) => avx512::k_quant_rows::<Q5_K>(w, x, acc),
+                (_, E::Q6K) => avx512::k_quant_rows::<Q6_K>(w, x, acc),
+            }
+        }
+    }
+}
+
+/// `y += a · x` with fused multiply-adds at a SIMD `level`.
+pub(crate) fn axpy(level: SimdLevel, a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy: length mismatch");
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the lengths are equal (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::axpy(a, x, y),
+            _ => avx512::axpy(a, x, y),
+        }
+    }
+}
+
+/// `y += Σ_j weights[j] · rows[j]` (fused, rows in order) at a SIMD `level`.
+pub(crate) fn weighted_sum(level: SimdLevel, weights: &[f32], rows: Rows<'_, f32>, y: &mut [f32]) {
+    assert_eq!(
+        weights.len(),
+        rows.count(),
+        "weighted_sum: one weight per row"
+    );
+    assert_eq!(rows.len(), y.len(), "weighted_sum: row length");
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the sizes match (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::weighted_sum(weights, rows, y),
+            _ => avx512::weighted_sum(weights, rows, y),
+        }
+    }
+}
+
+/// The bytes of an f32 slice (native order, which is the little-endian f32 weight encoding on
+/// every target with SIMD kernels), so f32 vectors can go through the F32-weight kernels.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and no invalid bit patterns; the byte view covers exactly the
+    // same memory as `values` and borrows it for the same lifetime.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_ordered_and_the_process_level_is_supported() {
+        assert!(SimdLevel::Scalar < SimdLevel::Avx2 && SimdLevel::Avx2 < SimdLevel::Avx512);
+        assert!(SimdLevel::Scalar.is_supported());
+        assert!(level().is_supported());
+        assert!(level() <= SimdLevel::best_supported());
+        for l in SimdLevel::ALL {
+            assert_eq!(SimdLevel::from_name(l.name()), Some(l));
+        }
+        assert_eq!(
+            SimdLevel::supported().last(),
+            Some(SimdLevel::best_supported())
+        );
+    }
+
+    #[test]
+    fn rows_views_check_their_bounds() {
+        let data = [0u8; 11];
+        let rows = Rows::new(&data, 4, 3, 3);
+        assert_eq!(rows.row(2).len(), 3);
+        assert_eq!(rows.sub(1, 2).row(1).as_ptr(), rows.row(2).as_ptr());
+        assert!(std::panic::catch_unwind(|| Rows::new(&data[..10], 4, 3, 3)).is_err());
+        assert!(std::panic::catch_unwind(|| Rows::new(&data, 2, 3, 1)).is_err());
+    }
+}
