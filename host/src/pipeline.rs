@@ -33,6 +33,12 @@ impl Pipeline {
     /// Loads the plugins and models a profile names. The drafter is opened only when the
     /// profile has a `[drafter]` section and `speculation.enabled` is true.
     pub fn open(profile: &Profile) -> anyhow::Result<Self> {
+        Self::open_with_corpus(profile, None)
+    }
+
+    /// Like [`open`](Self::open), but hands the drafter `corpus` as token ids instead of
+    /// tokenizing `drafter.corpus` (benchmarks use it to give prompt lookup the exact output).
+    pub fn open_with_corpus(profile: &Profile, corpus: Option<Vec<u32>>) -> anyhow::Result<Self> {
         let search = SearchPath::new(&profile.plugin_dir);
         let target = &profile.target;
         let tokenizer = load_tokenizer(&target.model)?;
@@ -56,7 +62,7 @@ impl Pipeline {
         }
         let drafter = match &profile.drafter {
             Some(section) if profile.speculation.enabled => Some(
-                open_drafter(profile, section, &search, &tokenizer, &info)
+                open_drafter(profile, section, &search, &tokenizer, &info, corpus)
                     .with_context(|| format!("cannot set up the '{}' drafter", section.plugin))?,
             ),
             _ => None,
@@ -76,6 +82,7 @@ fn open_drafter(
     search: &SearchPath,
     tokenizer: &Tokenizer,
     target_info: &ModelInfo,
+    corpus_tokens: Option<Vec<u32>>,
 ) -> anyhow::Result<DrafterSlot> {
     let draft_model = match &section.model {
         Some(model) => {
@@ -106,13 +113,14 @@ fn open_drafter(
         }
         None => None,
     };
-    let corpus = match &section.corpus {
-        Some(path) => {
+    let corpus = match (corpus_tokens, &section.corpus) {
+        (Some(tokens), _) => tokens,
+        (None, Some(path)) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read drafter.corpus {}", path.display()))?;
             tokenizer.encode(&text, false, false)
         }
-        None => Vec::new(),
+        (None, None) => Vec::new(),
     };
     let params = DrafterParams {
         target: target_info.clone(),

@@ -10,7 +10,6 @@
 
 mod bandwidth;
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use abi_stable::std_types::{RSlice, RVec};
@@ -233,20 +232,11 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     drop(pipeline);
 
     // Drafters.
-    let scratch = tempfile_dir()?;
     let mut drafters = Vec::new();
     let mut skipped = Vec::new();
     for name in &options.drafters {
         bar.set_message(format!("drafter {name}"));
-        let (settings, section) = match drafter_setup(
-            profile,
-            name,
-            &info,
-            &prompt_text,
-            &plain,
-            options,
-            &scratch,
-        ) {
+        let (settings, section) = match drafter_setup(profile, name, &info, options) {
             Ok(Some(setup)) => setup,
             Ok(None) => {
                 bar.inc(runs as u64);
@@ -263,7 +253,13 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         p.speculation.enabled = true;
         p.speculation.draft_max = settings.draft_max;
         p.speculation.adaptive = settings.adaptive;
-        let mut pipeline = match Pipeline::open(&p) {
+        // The oracle drafts from the plain run's exact tokens.
+        let corpus = (name == "oracle").then(|| {
+            let mut tokens = plain.prompt_tokens.clone();
+            tokens.extend_from_slice(&plain.tokens);
+            tokens
+        });
+        let mut pipeline = match Pipeline::open_with_corpus(&p, corpus) {
             Ok(pipeline) => pipeline,
             Err(e) => {
                 skipped.push((name.clone(), format!("{e:#}")));
@@ -303,7 +299,6 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         });
     }
     bar.finish_and_clear();
-    let _ = std::fs::remove_dir_all(&scratch);
 
     Ok(BenchReport {
         model: info.name.to_string(),
@@ -321,31 +316,19 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     })
 }
 
-fn tempfile_dir() -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("specula-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    Ok(dir)
-}
-
 /// The drafter section and settings for one named drafter, `None` to skip silently.
 fn drafter_setup(
     profile: &Profile,
     name: &str,
     info: &specula_plugin_api::ModelInfo,
-    prompt: &str,
-    plain: &Outcome,
     options: &BenchOptions,
-    scratch: &std::path::Path,
 ) -> anyhow::Result<Option<(SpecSettings, DrafterSection)>> {
     let settings = SpecSettings::from(&profile.speculation);
     Ok(match name {
         "profile" => profile.drafter.clone().map(|d| (settings, d)),
         "mtp" if !info.has_mtp_head => None,
         "oracle" => {
-            let corpus = scratch.join("oracle-corpus.txt");
-            std::fs::write(&corpus, format!("{prompt}{}", plain.text))?;
             let mut s = DrafterSection::named("lookup");
-            s.corpus = Some(corpus);
             s.options.insert("n_min".into(), toml::Value::Integer(1));
             let k = options.oracle_k.max(2);
             Some((
