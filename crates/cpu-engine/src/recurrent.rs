@@ -11,7 +11,7 @@
 //! single-token evaluation run exactly the same arithmetic on exactly the same input.
 //!
 //! Lengths further back than `depth` tokens have been overwritten; the backend takes its slow
-//! path for those (see [`crate::backend`]).
+//! path for those (see the backends' `truncate`).
 
 use specula_plugin_api::{ErrorKind, PluginError};
 
