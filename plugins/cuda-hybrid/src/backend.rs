@@ -927,9 +927,13 @@ impl CudaBackend {
                     gpu.sync()?;
                     hidden_out[start * e..(start + m) * e]
                         .copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-                    let to = start + logit_from - first_logit_row;
-                    logits[to * vocab..(to + n_rows) * vocab]
-                        .copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
+                    if n_rows > 0 {
+                        // Rows before `first_logit_row` get no logits; this chunk's first
+                        // logit row is logit row `to`.
+                        let to = start + logit_from - first_logit_row;
+                        logits[to * vocab..(to + n_rows) * vocab]
+                            .copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
+                    }
                     start += m;
                 }
             }

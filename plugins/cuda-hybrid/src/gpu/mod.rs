@@ -175,6 +175,10 @@ impl Gpu {
             .mem_get_info()
             .map_err(|e| driver_error("cannot read the free device memory", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".to_string());
+        let mut driver_version = 0i32;
+        // SAFETY: an out-parameter call into the loaded driver.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };
+        let nvrtc = kernels::nvrtc_version()?;
         let compiled = kernels::load_all(arch, kernel_cache)?;
         let mut functions = HashMap::new();
         for kernel in compiled.iter() {
@@ -182,7 +186,16 @@ impl Gpu {
                 .load_module(cudarc::nvrtc::Ptx::from_src(kernel.ptx.clone()))
                 .map_err(|e| {
                     driver_error(
-                        &format!("cannot load the PTX of kernels/{}", kernel.source.file),
+                        &format!(
+                            "cannot load the PTX of kernels/{} (driver for CUDA {}.{}, NVRTC {}.{}; \
+                             a driver older than NVRTC cannot load its PTX: use an NVRTC no newer \
+                             than the driver, option nvrtc_path)",
+                            kernel.source.file,
+                            driver_version / 1000,
+                            driver_version % 1000 / 10,
+                            nvrtc.0,
+                            nvrtc.1
+                        ),
                         e,
                     )
                 })?;
