@@ -28,14 +28,15 @@ use std::path::Path;
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
 use rayon::{ThreadPool, ThreadPoolBuilder};
-use specula_kernels::{matmul, ops, MatmulScratch};
+use specula_kernels::{matmul, ops};
 use specula_plugin_api::{
     guard, BackendParams, Capabilities, ErrorKind, ForwardPass, LogitRows, ModelInfo, PluginError,
     PluginResult,
 };
 
+use crate::arch::forward_dense_layer;
 use crate::arch::hybrid::{self, HybridScratch, TrunkState};
-use crate::arch::{forward_dense_layer, DenseConfig};
+pub use crate::arch::Scratch;
 use crate::blocks::mtp;
 use crate::kv_cache::KvCache;
 use crate::model::{Graph, Model};
@@ -102,51 +103,6 @@ impl Options {
             }
         }
         Ok(options)
-    }
-}
-
-/// Preallocated buffers of a forward pass, sized for `batch_rows` rows.
-#[derive(Debug)]
-pub struct Scratch {
-    /// Residual stream, `rows × n_embd`.
-    pub x: Vec<f32>,
-    /// Normalised rows, `rows × n_embd`.
-    pub xn: Vec<f32>,
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    /// Attention output, `rows × n_head × value_dim`.
-    pub attn: Vec<f32>,
-    /// Output of a projection back to `n_embd` (attention output, FFN down), `rows × n_embd`.
-    pub proj: Vec<f32>,
-    pub gate: Vec<f32>,
-    pub up: Vec<f32>,
-    /// Attention scores, `n_head × n_ctx`.
-    pub scores: Vec<f32>,
-    pub rope_cos: Vec<f32>,
-    pub rope_sin: Vec<f32>,
-    pub matmul: MatmulScratch,
-}
-
-impl Scratch {
-    fn new(config: &DenseConfig, rows: usize, n_ctx: usize) -> Self {
-        let shape = &config.attention;
-        let pairs = config.rope.n_rot / 2;
-        Self {
-            x: vec![0.0; rows * config.n_embd],
-            xn: vec![0.0; rows * config.n_embd],
-            q: vec![0.0; rows * shape.q_width()],
-            k: vec![0.0; rows * shape.k_width()],
-            v: vec![0.0; rows * shape.v_width()],
-            attn: vec![0.0; rows * shape.out_width()],
-            proj: vec![0.0; rows * config.n_embd],
-            gate: vec![0.0; rows * config.n_ff],
-            up: vec![0.0; rows * config.n_ff],
-            scores: vec![0.0; shape.n_head * n_ctx],
-            rope_cos: vec![0.0; pairs],
-            rope_sin: vec![0.0; pairs],
-            matmul: MatmulScratch::new(),
-        }
     }
 }
 

@@ -16,12 +16,11 @@
 //! [`specula_plugin_api::export_plugin!`]) and an rlib, so tests can use [`CpuBackend`]
 //! directly.
 
-pub mod arch;
 pub mod backend;
-pub mod blocks;
-pub mod kv_cache;
-pub mod model;
-pub mod recurrent;
+
+// The model loading and layer code live in the shared `specula-cpu-engine` crate (cuda-hybrid
+// runs its CPU layers through them too); re-exported under their old paths.
+pub use specula_cpu_engine::{arch, blocks, kv_cache, model, recurrent};
 
 pub use backend::CpuBackend;
 

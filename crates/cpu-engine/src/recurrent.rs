@@ -11,7 +11,7 @@
 //! single-token evaluation run exactly the same arithmetic on exactly the same input.
 //!
 //! Lengths further back than `depth` tokens have been overwritten; the backend takes its slow
-//! path for those (see [`crate::backend`]).
+//! path for those (see the backends' `truncate`).
 
 use specula_plugin_api::{ErrorKind, PluginError};
 
@@ -66,11 +66,12 @@ pub struct RingSize {
     pub depth: usize,
 }
 
-/// The planes of the recurrent state: the live one and the `depth` before it.
-#[derive(Debug)]
-pub struct SnapshotRing {
-    layout: StateLayout,
-    planes: Vec<f32>,
+/// The bookkeeping of a snapshot ring: which plane holds the state of which sequence length.
+///
+/// Shared by the host ring ([`SnapshotRing`]) and rings kept in other memory (a GPU backend's
+/// device ring), so every ring advances, restores and forgets states by the same rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingIndex {
     n_planes: usize,
     /// Plane holding the state at `len`.
     live: usize,
@@ -78,6 +79,87 @@ pub struct SnapshotRing {
     len: usize,
     /// The shortest length whose state is still in the ring.
     oldest: usize,
+}
+
+impl RingIndex {
+    /// The index of an empty sequence in a ring of `n_planes` planes (at least 2).
+    pub fn new(n_planes: usize) -> Self {
+        assert!(n_planes >= 2, "a snapshot ring needs at least 2 planes");
+        Self {
+            n_planes,
+            live: 0,
+            len: 0,
+            oldest: 0,
+        }
+    }
+
+    /// Planes in the ring (`depth + 1`).
+    pub fn n_planes(&self) -> usize {
+        self.n_planes
+    }
+
+    /// How many tokens back the ring can restore.
+    pub fn depth(&self) -> usize {
+        self.n_planes - 1
+    }
+
+    /// Sequence length of the live state.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The plane holding the live state.
+    pub fn live_plane(&self) -> usize {
+        self.live
+    }
+
+    /// The lengths whose states the ring holds: `oldest ..= len`.
+    pub fn window(&self) -> std::ops::RangeInclusive<usize> {
+        self.oldest..=self.len
+    }
+
+    /// For the `step`-th token after the live state: the plane holding the state at length
+    /// `len + step` (read) and the plane that receives length `len + step + 1` (written).
+    pub fn step_planes(&self, step: usize) -> (usize, usize) {
+        let read = (self.live + step) % self.n_planes;
+        (read, (read + 1) % self.n_planes)
+    }
+
+    /// Makes the state after `n` more tokens the live one.
+    pub fn advance(&mut self, n: usize) {
+        self.live = (self.live + n) % self.n_planes;
+        self.len += n;
+        self.oldest = self.oldest.max(self.len.saturating_sub(self.depth()));
+    }
+
+    /// Makes the state at length `len` live again, if the ring still holds it. O(1).
+    pub fn restore(&mut self, len: usize) -> bool {
+        if !self.window().contains(&len) {
+            return false;
+        }
+        let back = self.len - len;
+        self.live = (self.live + self.n_planes - back % self.n_planes) % self.n_planes;
+        self.len = len;
+        true
+    }
+
+    /// Back to the empty sequence (the owner zeroes the live plane).
+    pub fn reset(&mut self) {
+        self.len = 0;
+        self.oldest = 0;
+    }
+}
+
+/// The planes of the recurrent state: the live one and the `depth` before it.
+#[derive(Debug)]
+pub struct SnapshotRing {
+    layout: StateLayout,
+    planes: Vec<f32>,
+    index: RingIndex,
 }
 
 impl SnapshotRing {
@@ -128,10 +210,7 @@ impl SnapshotRing {
         let ring = Self {
             layout,
             planes,
-            n_planes,
-            live: 0,
-            len: 0,
-            oldest: 0,
+            index: RingIndex::new(n_planes),
         };
         let size = RingSize {
             requested: depth,
@@ -144,28 +223,33 @@ impl SnapshotRing {
         &self.layout
     }
 
+    /// The ring's bookkeeping (which plane holds which length).
+    pub fn index(&self) -> &RingIndex {
+        &self.index
+    }
+
     /// How many tokens back the ring can restore.
     pub fn depth(&self) -> usize {
-        self.n_planes - 1
+        self.index.depth()
     }
 
     /// Sequence length of the live state.
     pub fn len(&self) -> usize {
-        self.len
+        self.index.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.index.is_empty()
     }
 
     /// The lengths whose states the ring holds: `oldest ..= len`.
     pub fn window(&self) -> std::ops::RangeInclusive<usize> {
-        self.oldest..=self.len
+        self.index.window()
     }
 
     /// Bytes of all planes.
     pub fn n_bytes(&self) -> u64 {
-        self.layout.plane_bytes() * self.n_planes as u64
+        self.layout.plane_bytes() * self.index.n_planes() as u64
     }
 
     /// For the `step`-th token after the live state: layer `layer` of the state at length
@@ -174,8 +258,7 @@ impl SnapshotRing {
     /// Steps of one evaluation run in order per layer, so a plane that wraps around
     /// (evaluations longer than the ring) is only overwritten after it has been read.
     pub fn step_io(&mut self, layer: usize, step: usize) -> (LayerState<'_>, LayerStateMut<'_>) {
-        let read = (self.live + step) % self.n_planes;
-        let write = (read + 1) % self.n_planes;
+        let (read, write) = self.index.step_planes(step);
         let plane_len = self.layout.plane_len();
         let layer_len = self.layout.layer_len();
         let conv_len = self.layout.conv_len;
@@ -205,35 +288,27 @@ impl SnapshotRing {
     ///
     /// [`step_io`]: SnapshotRing::step_io
     pub fn advance(&mut self, n: usize) {
-        self.live = (self.live + n) % self.n_planes;
-        self.len += n;
-        self.oldest = self.oldest.max(self.len.saturating_sub(self.depth()));
+        self.index.advance(n);
     }
 
     /// Makes the state at length `len` live again, if the ring still holds it. O(1).
     pub fn restore(&mut self, len: usize) -> bool {
-        if !self.window().contains(&len) {
-            return false;
-        }
-        let back = self.len - len;
-        self.live = (self.live + self.n_planes - back % self.n_planes) % self.n_planes;
-        self.len = len;
-        true
+        self.index.restore(len)
     }
 
     /// Back to the empty sequence: the live plane is zeroed, every snapshot forgotten.
     pub fn reset(&mut self) {
         let plane_len = self.layout.plane_len();
-        self.planes[self.live * plane_len..(self.live + 1) * plane_len].fill(0.0);
-        self.len = 0;
-        self.oldest = 0;
+        let live = self.index.live_plane();
+        self.planes[live * plane_len..(live + 1) * plane_len].fill(0.0);
+        self.index.reset();
     }
 
     /// Layer `layer` of the live state.
     pub fn live_layer(&self, layer: usize) -> LayerState<'_> {
         let plane_len = self.layout.plane_len();
         let layer_len = self.layout.layer_len();
-        let start = self.live * plane_len + layer * layer_len;
+        let start = self.index.live_plane() * plane_len + layer * layer_len;
         let (conv, ssm) = self.planes[start..start + layer_len].split_at(self.layout.conv_len);
         LayerState { conv, ssm }
     }

@@ -13,10 +13,9 @@ pub mod qwen3next;
 use std::path::Path;
 
 use specula_gguf::{ArchKeys, GgufFile, HParams, RopeScaling};
-use specula_kernels::{matmul, ops, Rope, RopeMode};
+use specula_kernels::{matmul, ops, MatmulScratch, Rope, RopeMode};
 use specula_plugin_api::PluginError;
 
-use crate::backend::Scratch;
 use crate::blocks::attention::{self, AttentionShape};
 use crate::blocks::ffn;
 use crate::kv_cache::KvCache;
@@ -169,6 +168,51 @@ pub fn load_dense(
         qk_norm: variant.qk_norm,
     };
     Ok((config, weights))
+}
+
+/// Preallocated buffers of a forward pass, sized for `batch_rows` rows.
+#[derive(Debug)]
+pub struct Scratch {
+    /// Residual stream, `rows × n_embd`.
+    pub x: Vec<f32>,
+    /// Normalised rows, `rows × n_embd`.
+    pub xn: Vec<f32>,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// Attention output, `rows × n_head × value_dim`.
+    pub attn: Vec<f32>,
+    /// Output of a projection back to `n_embd` (attention output, FFN down), `rows × n_embd`.
+    pub proj: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    /// Attention scores, `n_head × n_ctx`.
+    pub scores: Vec<f32>,
+    pub rope_cos: Vec<f32>,
+    pub rope_sin: Vec<f32>,
+    pub matmul: MatmulScratch,
+}
+
+impl Scratch {
+    pub fn new(config: &DenseConfig, rows: usize, n_ctx: usize) -> Self {
+        let shape = &config.attention;
+        let pairs = config.rope.n_rot / 2;
+        Self {
+            x: vec![0.0; rows * config.n_embd],
+            xn: vec![0.0; rows * config.n_embd],
+            q: vec![0.0; rows * shape.q_width()],
+            k: vec![0.0; rows * shape.k_width()],
+            v: vec![0.0; rows * shape.v_width()],
+            attn: vec![0.0; rows * shape.out_width()],
+            proj: vec![0.0; rows * config.n_embd],
+            gate: vec![0.0; rows * config.n_ff],
+            up: vec![0.0; rows * config.n_ff],
+            scores: vec![0.0; shape.n_head * n_ctx],
+            rope_cos: vec![0.0; pairs],
+            rope_sin: vec![0.0; pairs],
+            matmul: MatmulScratch::new(),
+        }
+    }
 }
 
 /// Runs dense block `layer_index` of `model` (weights in `file`) over the `n` rows in `scratch.x` (tokens at positions

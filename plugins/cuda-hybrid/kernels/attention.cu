@@ -1,0 +1,78 @@
+// Grouped-query softmax attention of 1..k query rows over the KV cache, with the optional
+// sigmoid output gate of the gated (qwen35 / qwen3next / MTP) attention block.
+//
+// Row r (cache position pos0 + r) attends to cache positions 0 ..= pos0 + r of its layer:
+// keys at k_cache + j * n_head_kv * head_dim, values at v_cache + j * n_head_kv * value_dim.
+// Query head h reads key/value head h / (n_head / n_head_kv) (ggml's broadcast). As the CPU
+// backend: scores q.k * scale in position order, softmax as exp(s - max) with the sum in f64
+// scaled by the f32 reciprocal, then the value rows accumulated in position order. With
+// `gate`, the output is multiplied by sigmoid(gate[r * gate_row_stride + h * gate_head_stride
+// + d]). The output row is n_head * value_dim values at out + r * n_head * value_dim.
+//
+// Each (row, head) is computed by one block in a fixed order that depends only on the number
+// of keys, so a verify row equals a single-token evaluation at the same position.
+//
+// `scores` is scratch of at least rows * n_head * score_stride floats (score_stride >= the
+// largest key count).
+//
+// Launch: grid = (n_head, rows), blockDim = 128. Thread t scores keys t, t + 128, ... and
+// accumulates output dimensions t, t + 128, ...
+extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stride,
+                                     int q_head_stride, const float* __restrict__ k_cache,
+                                     const float* __restrict__ v_cache, int n_head,
+                                     int n_head_kv, int head_dim, int value_dim, int pos0,
+                                     float scale, float* __restrict__ scores, u64 score_stride,
+                                     const float* __restrict__ gate, u64 gate_row_stride,
+                                     int gate_head_stride, float* __restrict__ out) {
+    __shared__ double red[1024];
+    __shared__ float redf[1024];
+    __shared__ float qh[1024];
+    const int h = blockIdx.x;
+    const int r = blockIdx.y;
+    const int tid = threadIdx.x;
+    const int n_keys = pos0 + r + 1;
+    const int kv_head = h / (n_head / n_head_kv);
+    const u64 k_width = (u64)n_head_kv * head_dim;
+    const u64 v_width = (u64)n_head_kv * value_dim;
+    const float* qs = q + (u64)r * q_row_stride + (u64)h * q_head_stride;
+    for (int d = tid; d < head_dim; d += blockDim.x) {
+        qh[d] = qs[d];
+    }
+    __syncthreads();
+
+    float* sc = scores + ((u64)r * n_head + h) * score_stride;
+    float local_max = __int_as_float(0xff800000);  // -inf
+    for (int j = tid; j < n_keys; j += blockDim.x) {
+        const float* kj = k_cache + (u64)j * k_width + (u64)kv_head * head_dim;
+        float s = 0.0f;
+        for (int d = 0; d < head_dim; ++d) {
+            s = fmaf(qh[d], kj[d], s);
+        }
+        s *= scale;
+        sc[j] = s;
+        local_max = fmaxf(local_max, s);
+    }
+    const float max = block_max_f32(local_max, redf);
+    double local_sum = 0.0;
+    for (int j = tid; j < n_keys; j += blockDim.x) {
+        const float e = expf(sc[j] - max);
+        sc[j] = e;
+        local_sum += (double)e;
+    }
+    const double sum = block_sum_f64(local_sum, red);
+    const float inverse = (float)(1.0 / sum);
+    // block_sum_f64 ends with __syncthreads: every score written above is visible.
+
+    float* o = out + (u64)r * n_head * value_dim + (u64)h * value_dim;
+    for (int d = tid; d < value_dim; d += blockDim.x) {
+        const float* vd = v_cache + (u64)kv_head * value_dim + d;
+        float acc = 0.0f;
+        for (int j = 0; j < n_keys; ++j) {
+            acc = fmaf(sc[j] * inverse, vd[(u64)j * v_width], acc);
+        }
+        if (gate != 0) {
+            acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
+        }
+        o[d] = acc;
+    }
+}

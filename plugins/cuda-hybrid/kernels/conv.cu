@@ -1,0 +1,43 @@
+// The causal depthwise convolution of a Gated DeltaNet layer, with its conv state kept in the
+// device snapshot ring.
+//
+// The ring holds n_planes planes of plane_len floats; a layer's state inside a plane starts at
+// layer_offset and begins with its conv state: (kernel - 1) rows of `channels` inputs, oldest
+// first. Token t of the launch (t < rows) reads the state at plane (start_plane + t) % n_planes
+// and writes the next one to plane (start_plane + t + 1) % n_planes, exactly as the CPU ring
+// does. Since a token's state is only the last kernel - 1 inputs, every token is computed from
+// the start plane and the launch's own inputs, so all tokens run in parallel; the host keeps
+// rows <= n_planes - 1 so no token writes the start plane.
+//
+// out[t][c] = silu(sum_i window_i * taps[c][i]), window = the kernel - 1 state rows then the
+// current input mixed[t][c], summed oldest first (the CPU order). taps are `ssm_conv1d`,
+// channel c's `kernel` taps at c * kernel.
+//
+// Launch: grid = (ceil(channels / 128), rows), blockDim = 128; thread (c, t) handles channel c
+// of token t.
+extern "C" __global__ void gdn_conv(const float* __restrict__ mixed, const float* __restrict__ taps,
+                                    float* planes, u64 plane_len, u64 layer_offset, int n_planes,
+                                    int start_plane, int kernel, int channels,
+                                    float* __restrict__ out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = blockIdx.y;
+    if (c >= channels) {
+        return;
+    }
+    const int history = kernel - 1;
+    const float* state = planes + (u64)start_plane * plane_len + layer_offset;
+    float* next = planes + (u64)((start_plane + t + 1) % n_planes) * plane_len + layer_offset;
+    const float* w = taps + (u64)c * kernel;
+    float acc = 0.0f;
+    for (int i = 0; i < kernel; ++i) {
+        // Window row i of token t is input number t + i of [state rows..., mixed rows...].
+        const int k = t + i;
+        const float value = k < history ? state[(u64)k * channels + c]
+                                        : mixed[(u64)(k - history) * channels + c];
+        acc = fmaf(value, w[i], acc);
+        if (i > 0) {
+            next[(u64)(i - 1) * channels + c] = value;
+        }
+    }
+    out[(u64)t * channels + c] = silu_f(acc);
+}

@@ -1,0 +1,637 @@
+//! Typed launches of the kernels in `kernels/*.cu`: each function passes its arguments in the
+//! order of the kernel's C signature and picks the launch shape its comment documents.
+
+use specula_gguf::GgmlType;
+use specula_kernels::{Rope, RopeMode};
+use specula_plugin_api::{ErrorKind, PluginError};
+
+use super::weights::{kernel_suffix, DevExperts, DevMatrix, DevVec, GPU_TYPES};
+use super::{int, Arg, DevBuf, Gpu};
+
+/// Weight rows per matmul block and activation rows per block (MM_WARPS, MM_COLS in
+/// matvec.cu).
+const MM_WARPS: usize = 4;
+const MM_COLS: usize = 8;
+/// Query rows per attention launch: the score scratch holds this many rows.
+pub const ATTENTION_ROWS: usize = 8;
+/// Block size of the row-wise kernels (rms_norm, attention, moe_route, element-wise).
+const ROW_BLOCK: u32 = 256;
+const ATTENTION_BLOCK: u32 = 128;
+
+fn blocks(n: usize, per: usize) -> u32 {
+    u32::try_from(n.div_ceil(per)).expect("grid dimension fits in u32")
+}
+
+fn internal(message: String) -> PluginError {
+    PluginError::new(ErrorKind::Internal, message)
+}
+
+/// Power of two >= n (at least 32, at most 1024).
+fn block_for(n: usize) -> u32 {
+    n.next_power_of_two().clamp(32, 1024) as u32
+}
+
+/// Q8_0-quantised activations for Q8_0 weights (quantize_q8_0's outputs).
+#[derive(Debug)]
+pub struct Q8Scratch {
+    pub q: DevBuf<i8>,
+    pub d: DevBuf<f32>,
+}
+
+impl Q8Scratch {
+    /// Room for `values` activation values (a multiple of 32).
+    pub fn new(gpu: &Gpu, values: usize) -> Result<Self, PluginError> {
+        Ok(Self {
+            q: gpu.zeros(values)?,
+            d: gpu.zeros(values.div_ceil(32))?,
+        })
+    }
+
+    fn quantize(&self, gpu: &Gpu, x: u64, values: usize) -> Result<(), PluginError> {
+        if values > self.q.len() || !values.is_multiple_of(32) {
+            return Err(internal(format!(
+                "cuda-hybrid: {values} activations do not fit the Q8_0 scratch of {}",
+                self.q.len()
+            )));
+        }
+        let n_blocks = values / 32;
+        gpu.launch(
+            "quantize_q8_0",
+            (blocks(n_blocks, 4), 1, 1),
+            128,
+            &[
+                Arg::Ptr(x),
+                Arg::U64(n_blocks as u64),
+                Arg::Ptr(self.q.ptr()),
+                Arg::Ptr(self.d.ptr()),
+            ],
+        )
+    }
+}
+
+fn suffix(ty: GgmlType) -> Result<&'static str, PluginError> {
+    kernel_suffix(ty).ok_or_else(|| {
+        PluginError::unsupported(format!(
+            "cuda-hybrid: no GPU kernel for {} weights (supported: {GPU_TYPES})",
+            ty.name()
+        ))
+    })
+}
+
+/// `out[b * rows + r] = dot(w row r, x row b)` for the `n` activation rows at `x`
+/// (`n × w.cols` f32) into `out` (`n × w.rows`).
+pub fn matmul(
+    gpu: &Gpu,
+    w: &DevMatrix,
+    x: u64,
+    n: usize,
+    out: u64,
+    q8: &Q8Scratch,
+) -> Result<(), PluginError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let grid = (blocks(w.rows, MM_WARPS), blocks(n, MM_COLS), 1);
+    let block = (32 * MM_WARPS) as u32;
+    if w.ty == GgmlType::Q8_0 {
+        q8.quantize(gpu, x, n * w.cols)?;
+        return gpu.launch(
+            "matmul_q8_0",
+            grid,
+            block,
+            &[
+                Arg::Ptr(w.ptr),
+                Arg::U64(w.row_bytes as u64),
+                int(w.rows),
+                int(w.cols),
+                Arg::Ptr(q8.q.ptr()),
+                Arg::Ptr(q8.d.ptr()),
+                int(n),
+                Arg::Ptr(out),
+            ],
+        );
+    }
+    let name = format!("matmul_{}", suffix(w.ty)?);
+    gpu.launch(
+        &name,
+        grid,
+        block,
+        &[
+            Arg::Ptr(w.ptr),
+            Arg::U64(w.row_bytes as u64),
+            int(w.rows),
+            int(w.cols),
+            Arg::Ptr(x),
+            int(n),
+            Arg::Ptr(out),
+        ],
+    )
+}
+
+/// Expert mat-vecs: for pair p < `pairs`, `out[p] = experts[ids[p]] · x[p / x_div]`
+/// (`x` rows of `w.cols`, `out` rows of `w.rows`). `x_rows` is how many rows `x` has.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_ids(
+    gpu: &Gpu,
+    w: &DevExperts,
+    ids: u64,
+    pairs: usize,
+    x: u64,
+    x_rows: usize,
+    x_div: usize,
+    out: u64,
+    q8: &Q8Scratch,
+) -> Result<(), PluginError> {
+    if pairs == 0 {
+        return Ok(());
+    }
+    let grid = (blocks(w.rows, MM_WARPS), blocks(pairs, 1), 1);
+    let block = (32 * MM_WARPS) as u32;
+    if w.ty == GgmlType::Q8_0 {
+        q8.quantize(gpu, x, x_rows * w.cols)?;
+        return gpu.launch(
+            "matmul_ids_q8_0",
+            grid,
+            block,
+            &[
+                Arg::Ptr(w.ptr),
+                Arg::U64(w.row_bytes as u64),
+                Arg::U64(w.matrix_bytes as u64),
+                int(w.rows),
+                int(w.cols),
+                Arg::Ptr(ids),
+                Arg::Ptr(q8.q.ptr()),
+                Arg::Ptr(q8.d.ptr()),
+                int(x_div),
+                Arg::Ptr(out),
+            ],
+        );
+    }
+    let name = format!("matmul_ids_{}", suffix(w.ty)?);
+    gpu.launch(
+        &name,
+        grid,
+        block,
+        &[
+            Arg::Ptr(w.ptr),
+            Arg::U64(w.row_bytes as u64),
+            Arg::U64(w.matrix_bytes as u64),
+            int(w.rows),
+            int(w.cols),
+            Arg::Ptr(ids),
+            Arg::Ptr(x),
+            int(x_div),
+            Arg::Ptr(out),
+        ],
+    )
+}
+
+/// RMSNorm of `rows` rows of `n` values (`x + r * x_stride`) with weight `w` into
+/// `out + r * out_stride` (may equal `x`).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: u64,
+    x_stride: usize,
+    w: &DevVec,
+    eps: f32,
+    n: usize,
+    rows: usize,
+    out: u64,
+    out_stride: usize,
+) -> Result<(), PluginError> {
+    gpu.launch(
+        "rms_norm",
+        (blocks(rows, 1), 1, 1),
+        ROW_BLOCK,
+        &[
+            Arg::Ptr(x),
+            Arg::U64(x_stride as u64),
+            Arg::Ptr(w.ptr),
+            Arg::F32(eps),
+            int(n),
+            Arg::Ptr(out),
+            Arg::U64(out_stride as u64),
+        ],
+    )
+}
+
+/// The device form of a model's RoPE settings.
+#[derive(Debug, Clone, Copy)]
+pub struct DevRope {
+    pub mode: i32,
+    pub n_rot: usize,
+    pub theta_scale: f32,
+    pub freq_scale: f32,
+    /// `rope_freqs` on the device, or 0.
+    pub freq_factors: u64,
+    pub sections: [i32; 4],
+    pub interleaved: bool,
+}
+
+impl DevRope {
+    /// From the CPU settings (`freq_factors` already uploaded when the rope has them).
+    pub fn new(rope: &Rope, freq_factors: Option<&DevVec>) -> Self {
+        let (mode, sections, interleaved) = match rope.mode {
+            RopeMode::Normal => (0, [0; 4], false),
+            RopeMode::NeoX => (1, [0; 4], false),
+            RopeMode::MultiSection(s) => (2, s.sections.map(|v| v as i32), s.interleaved),
+        };
+        Self {
+            mode,
+            n_rot: rope.n_rot,
+            // Exactly the CPU's expression, so the angles match bit for bit.
+            theta_scale: rope.freq_base.powf(-2.0 / rope.n_rot as f32),
+            freq_scale: rope.freq_scale,
+            freq_factors: freq_factors.map_or(0, |v| v.ptr),
+            sections,
+            interleaved,
+        }
+    }
+}
+
+/// Where the heads of a q/k norm + RoPE pass are.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub ptr: u64,
+    pub row_stride: usize,
+    pub head_stride: usize,
+}
+
+/// Per-head RMSNorm (when `norm` is given) and RoPE of `n_heads` heads of `head_dim` in each
+/// of `rows` rows, rows at positions `pos0 + r + pos_offset`.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    gpu: &Gpu,
+    input: Heads,
+    output: Heads,
+    n_heads: usize,
+    rows: usize,
+    head_dim: usize,
+    norm: Option<&DevVec>,
+    eps: f32,
+    pos0: usize,
+    pos_offset: usize,
+    rope: &DevRope,
+) -> Result<(), PluginError> {
+    if head_dim > 1024 {
+        return Err(internal(format!(
+            "cuda-hybrid: head size {head_dim} exceeds the RoPE kernel's 1024"
+        )));
+    }
+    gpu.launch(
+        "qk_norm_rope",
+        (blocks(n_heads, 1), blocks(rows, 1), 1),
+        block_for(head_dim),
+        &[
+            Arg::Ptr(input.ptr),
+            Arg::U64(input.row_stride as u64),
+            int(input.head_stride),
+            Arg::Ptr(output.ptr),
+            Arg::U64(output.row_stride as u64),
+            int(output.head_stride),
+            int(head_dim),
+            Arg::Ptr(norm.map_or(0, |v| v.ptr)),
+            Arg::F32(eps),
+            int(pos0),
+            int(pos_offset),
+            int(rope.n_rot),
+            Arg::I32(rope.mode),
+            Arg::F32(rope.theta_scale),
+            Arg::F32(rope.freq_scale),
+            Arg::Ptr(rope.freq_factors),
+            Arg::I32(rope.sections[0]),
+            Arg::I32(rope.sections[1]),
+            Arg::I32(rope.sections[2]),
+            Arg::I32(rope.sections[3]),
+            Arg::I32(i32::from(rope.interleaved)),
+        ],
+    )
+}
+
+/// Shape of an attention layer.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionDims {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub scale: f32,
+}
+
+/// The output gate of gated attention: `sigmoid(gate)` values per row and head.
+#[derive(Debug, Clone, Copy)]
+pub struct Gate {
+    pub ptr: u64,
+    pub row_stride: usize,
+    pub head_stride: usize,
+}
+
+/// Attention of `rows` query rows (`q`, positions `pos0 ..`) over the cache `k_cache` /
+/// `v_cache`, into `out` (`rows × n_head × value_dim`), in launches of [`ATTENTION_ROWS`]
+/// rows; `scores` holds `ATTENTION_ROWS × n_head × score_stride` floats.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    gpu: &Gpu,
+    dims: &AttentionDims,
+    q: Heads,
+    k_cache: u64,
+    v_cache: u64,
+    pos0: usize,
+    rows: usize,
+    scores: &DevBuf<f32>,
+    score_stride: usize,
+    gate: Option<Gate>,
+    out: u64,
+) -> Result<(), PluginError> {
+    if dims.head_dim > 1024 {
+        return Err(internal(format!(
+            "cuda-hybrid: head size {} exceeds the attention kernel's 1024",
+            dims.head_dim
+        )));
+    }
+    if pos0 + rows > score_stride || scores.len() < ATTENTION_ROWS * dims.n_head * score_stride {
+        return Err(internal(format!(
+            "cuda-hybrid: attention over {} positions exceeds the score scratch",
+            pos0 + rows
+        )));
+    }
+    let out_row = dims.n_head * dims.value_dim;
+    let mut first = 0;
+    while first < rows {
+        let m = ATTENTION_ROWS.min(rows - first);
+        let gate_args = match gate {
+            Some(g) => [
+                Arg::Ptr(g.ptr + (4 * first * g.row_stride) as u64),
+                Arg::U64(g.row_stride as u64),
+                int(g.head_stride),
+            ],
+            None => [Arg::Ptr(0), Arg::U64(0), Arg::I32(0)],
+        };
+        gpu.launch(
+            "attention",
+            (blocks(dims.n_head, 1), blocks(m, 1), 1),
+            ATTENTION_BLOCK,
+            &[
+                Arg::Ptr(q.ptr + (4 * first * q.row_stride) as u64),
+                Arg::U64(q.row_stride as u64),
+                int(q.head_stride),
+                Arg::Ptr(k_cache),
+                Arg::Ptr(v_cache),
+                int(dims.n_head),
+                int(dims.n_head_kv),
+                int(dims.head_dim),
+                int(dims.value_dim),
+                int(pos0 + first),
+                Arg::F32(dims.scale),
+                Arg::Ptr(scores.ptr()),
+                Arg::U64(score_stride as u64),
+                gate_args[0],
+                gate_args[1],
+                gate_args[2],
+                Arg::Ptr(out + (4 * first * out_row) as u64),
+            ],
+        )?;
+        first += m;
+    }
+    Ok(())
+}
+
+/// Where a Gated DeltaNet layer's state is in the device ring.
+#[derive(Debug, Clone, Copy)]
+pub struct RingSlot {
+    pub planes: u64,
+    pub plane_len: usize,
+    pub n_planes: usize,
+    /// Offset of the layer's state inside a plane.
+    pub layer_offset: usize,
+    /// Length of the layer's conv state (its S matrices follow).
+    pub conv_len: usize,
+}
+
+/// The causal convolution of `rows` tokens (`rows < n_planes`) whose first token reads ring
+/// plane `start_plane`.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_conv(
+    gpu: &Gpu,
+    mixed: u64,
+    taps: &DevVec,
+    ring: &RingSlot,
+    start_plane: usize,
+    rows: usize,
+    kernel: usize,
+    channels: usize,
+    out: u64,
+) -> Result<(), PluginError> {
+    if rows >= ring.n_planes {
+        return Err(internal(format!(
+            "cuda-hybrid: {rows} convolution steps in one launch, but the ring has {} planes",
+            ring.n_planes
+        )));
+    }
+    gpu.launch(
+        "gdn_conv",
+        (blocks(channels, 128), blocks(rows, 1), 1),
+        128,
+        &[
+            Arg::Ptr(mixed),
+            Arg::Ptr(taps.ptr),
+            Arg::Ptr(ring.planes),
+            Arg::U64(ring.plane_len as u64),
+            Arg::U64(ring.layer_offset as u64),
+            int(ring.n_planes),
+            int(start_plane),
+            int(kernel),
+            int(channels),
+            Arg::Ptr(out),
+        ],
+    )
+}
+
+/// L2 norm of the q and k heads of `rows` convolved rows (q also scaled by `q_scale`).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_qk_l2norm(
+    gpu: &Gpu,
+    x: u64,
+    rows: usize,
+    channels: usize,
+    n_k_heads: usize,
+    head_dim: usize,
+    eps: f32,
+    q_scale: f32,
+) -> Result<(), PluginError> {
+    gpu.launch(
+        "gdn_qk_l2norm",
+        (blocks(2 * n_k_heads, 1), blocks(rows, 1), 1),
+        block_for(head_dim),
+        &[
+            Arg::Ptr(x),
+            int(channels),
+            int(n_k_heads),
+            int(head_dim),
+            Arg::F32(eps),
+            Arg::F32(q_scale),
+        ],
+    )
+}
+
+/// Inputs of [`gdn_recurrence`] besides the ring.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnInputs {
+    pub conv_out: u64,
+    pub z: u64,
+    pub beta: u64,
+    pub alpha: u64,
+    pub grouped: bool,
+    pub dt_bias: u64,
+    pub ssm_a: u64,
+    pub norm: u64,
+}
+
+/// Shape of a Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnDims {
+    pub channels: usize,
+    pub head_dim: usize,
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    /// 0: tiled (qwen35), 1: interleaved (qwen3next).
+    pub head_map: i32,
+    pub eps: f32,
+}
+
+/// The recurrence and gated output norm of `rows` tokens, the first reading plane
+/// `start_plane`; writes `rows × n_v_heads × head_dim` values to `out`.
+pub fn gdn_recurrence(
+    gpu: &Gpu,
+    inputs: &GdnInputs,
+    dims: &GdnDims,
+    ring: &RingSlot,
+    start_plane: usize,
+    rows: usize,
+    out: u64,
+) -> Result<(), PluginError> {
+    if dims.head_dim > 1024 {
+        return Err(internal(format!(
+            "cuda-hybrid: Gated DeltaNet state size {} exceeds the kernel's 1024",
+            dims.head_dim
+        )));
+    }
+    gpu.launch(
+        "gdn_recurrence",
+        (blocks(dims.n_v_heads, 1), 1, 1),
+        dims.head_dim as u32,
+        &[
+            Arg::Ptr(inputs.conv_out),
+            int(dims.channels),
+            Arg::Ptr(inputs.z),
+            Arg::Ptr(inputs.beta),
+            Arg::Ptr(inputs.alpha),
+            Arg::I32(i32::from(inputs.grouped)),
+            Arg::Ptr(inputs.dt_bias),
+            Arg::Ptr(inputs.ssm_a),
+            Arg::Ptr(inputs.norm),
+            Arg::F32(dims.eps),
+            Arg::Ptr(ring.planes),
+            Arg::U64(ring.plane_len as u64),
+            Arg::U64(ring.layer_offset as u64),
+            Arg::U64(ring.conv_len as u64),
+            int(ring.n_planes),
+            int(start_plane),
+            int(rows),
+            int(dims.head_dim),
+            int(dims.n_k_heads),
+            int(dims.n_v_heads),
+            Arg::I32(dims.head_map),
+            Arg::Ptr(out),
+        ],
+    )
+}
+
+/// Routing of `rows` rows of router logits (overwritten with probabilities).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route(
+    gpu: &Gpu,
+    logits: u64,
+    rows: usize,
+    n_expert: usize,
+    k: usize,
+    weights_scale: f32,
+    ids: u64,
+    weights: u64,
+) -> Result<(), PluginError> {
+    gpu.launch(
+        "moe_route",
+        (blocks(rows, 1), 1, 1),
+        ROW_BLOCK,
+        &[
+            Arg::Ptr(logits),
+            int(n_expert),
+            int(k),
+            Arg::F32(weights_scale),
+            Arg::Ptr(ids),
+            Arg::Ptr(weights),
+        ],
+    )
+}
+
+/// `out[r] = Σ_rank weights[r][rank] · expert_out[r·k + rank]` for `rows` rows of `n_embd`.
+pub fn moe_combine(
+    gpu: &Gpu,
+    expert_out: u64,
+    weights: u64,
+    rows: usize,
+    k: usize,
+    n_embd: usize,
+    out: u64,
+) -> Result<(), PluginError> {
+    gpu.launch(
+        "moe_combine",
+        (blocks(n_embd, ROW_BLOCK as usize), blocks(rows, 1), 1),
+        ROW_BLOCK,
+        &[
+            Arg::Ptr(expert_out),
+            Arg::Ptr(weights),
+            int(k),
+            int(n_embd),
+            Arg::Ptr(out),
+        ],
+    )
+}
+
+/// `out[r] += shared[r] · sigmoid(gate[r])` for `rows` rows of `n_embd`.
+pub fn add_gated(
+    gpu: &Gpu,
+    out: u64,
+    shared: u64,
+    gate: u64,
+    rows: usize,
+    n_embd: usize,
+) -> Result<(), PluginError> {
+    gpu.launch(
+        "add_gated",
+        (blocks(n_embd, ROW_BLOCK as usize), blocks(rows, 1), 1),
+        ROW_BLOCK,
+        &[Arg::Ptr(out), Arg::Ptr(shared), Arg::Ptr(gate), int(n_embd)],
+    )
+}
+
+/// `dst += src` over `n` values.
+pub fn add_in_place(gpu: &Gpu, dst: u64, src: u64, n: usize) -> Result<(), PluginError> {
+    gpu.launch(
+        "add_in_place",
+        (blocks(n, ROW_BLOCK as usize), 1, 1),
+        ROW_BLOCK,
+        &[Arg::Ptr(dst), Arg::Ptr(src), Arg::U64(n as u64)],
+    )
+}
+
+/// `gate = silu(gate) · up` over `n` values.
+pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize) -> Result<(), PluginError> {
+    gpu.launch(
+        "swiglu",
+        (blocks(n, ROW_BLOCK as usize), 1, 1),
+        ROW_BLOCK,
+        &[Arg::Ptr(gate), Arg::Ptr(up), Arg::U64(n as u64)],
+    )
+}

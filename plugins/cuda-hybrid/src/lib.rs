@@ -1,0 +1,64 @@
+//! `cuda-hybrid`: Specula's GPU backend plugin.
+//!
+//! Runs GGUF models (the architectures of cpu-simd: `llama`, `qwen3`, `qwen35`, `qwen3next`
+//! with MTP heads) on one NVIDIA GPU through [cudarc], with the CUDA driver and NVRTC loaded at
+//! run time: the plugin builds, and loads into the host, on machines without CUDA, and opening
+//! a model there fails with a clear "no CUDA driver found" error naming the library
+//! ([`driver`]). The kernels are CUDA C files in `kernels/` (one per concern), compiled with
+//! NVRTC when the backend opens and cached ([`kernels`]).
+//!
+//! As many layers as the VRAM budget allows run on the GPU; the others run on the host
+//! through the shared CPU layer code of `specula-cpu-engine` ([`placement`], [`backend`]).
+//! The guarantees are cpu-simd's: a verify row is bit-identical to the single-token forward,
+//! rollback inside the snapshot-ring window is O(1) (the ring of each layer lives where its
+//! state lives), and the MTP head steps with its own KV cache.
+//!
+//! Panics never cross the plugin boundary: every entry point runs under
+//! [`specula_plugin_api::guard`], and cudarc is only touched after the driver probe.
+
+pub mod backend;
+pub mod driver;
+pub mod gpu;
+pub mod kernels;
+pub mod options;
+pub mod placement;
+
+pub use backend::CudaBackend;
+
+use specula_plugin_api::backend::box_forward_pass;
+use specula_plugin_api::{
+    guard, BackendParams, BoxedForwardPass, PluginInfo, PluginKind, PluginModule, PluginModuleRef,
+    PluginResult,
+};
+
+/// The name profiles select this plugin by.
+pub const PLUGIN_NAME: &str = "cuda-hybrid";
+
+const DESCRIPTION: &str =
+    "GGUF models on an NVIDIA GPU via CUDA (driver + NVRTC loaded at run time), layers that do not fit on the CPU";
+
+fn describe() -> PluginInfo {
+    PluginInfo::new(
+        PLUGIN_NAME,
+        env!("CARGO_PKG_VERSION"),
+        PluginKind::Backend,
+        DESCRIPTION,
+    )
+}
+
+extern "C" fn plugin_info() -> PluginInfo {
+    guard(|| Ok(describe()))
+        .into_result()
+        .unwrap_or_else(|_| describe())
+}
+
+extern "C" fn open_backend(params: &BackendParams) -> PluginResult<BoxedForwardPass> {
+    guard(|| CudaBackend::open(params).map(box_forward_pass))
+}
+
+/// The plugin's root module (what the host loads).
+pub fn plugin_module() -> PluginModuleRef {
+    PluginModule::backend(plugin_info, open_backend)
+}
+
+specula_plugin_api::export_plugin!(plugin_module());

@@ -1,0 +1,199 @@
+//! Helpers shared by the cuda-hybrid integration tests: models, backend parameters, calls
+//! through the `ForwardPass` contract (so cpu-simd and cuda-hybrid are driven the same way),
+//! and the "is there a GPU?" check GPU tests start with.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use abi_stable::std_types::{RSlice, RString, RVec, Tuple2};
+use specula_plugin_api::{BackendParams, BoxedForwardPass, ForwardPass, LogitRows};
+
+pub const VOCAB: usize = 512;
+
+/// `../shared/models` beside the workspace.
+pub fn models_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models");
+    assert!(
+        dir.join("stories260K.gguf").exists(),
+        "shared models not found at {}",
+        dir.display()
+    );
+    dir
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    models_dir().join("fixtures").join(name)
+}
+
+pub fn stories() -> PathBuf {
+    models_dir().join("stories260K.gguf")
+}
+
+/// The trained qwen35 model with an MTP head (`f32` or `q8_0`).
+pub fn trained_qwen35(ty: &str) -> PathBuf {
+    models_dir().join(format!("trained/stories-qwen35-mtp-{ty}.gguf"))
+}
+
+/// Every architecture: dense llama, the hybrids with and without MTP heads, and MoE.
+pub const MODELS: [&str; 5] = [
+    "tiny-llama.gguf",
+    "tiny-qwen35-mtp.gguf",
+    "tiny-qwen35-4l-mtp.gguf",
+    "tiny-qwen3next.gguf",
+    "tiny-qwen3next-mtp.gguf",
+];
+
+pub fn params(path: &Path, context_size: u32, options: &[(&str, &str)]) -> BackendParams {
+    BackendParams {
+        model_path: RString::from(path.to_str().expect("UTF-8 path")),
+        threads: 2,
+        context_size,
+        max_verify_tokens: 0,
+        options: options
+            .iter()
+            .map(|(k, v)| Tuple2(RString::from(*k), RString::from(*v)))
+            .collect::<RVec<_>>(),
+    }
+}
+
+/// The cpu-simd backend for `params`, from its plugin library beside this test executable
+/// (built because cpu-simd is a dev-dependency; it cannot be linked in beside cuda-hybrid).
+pub fn cpu_simd(params: &BackendParams) -> BoxedForwardPass {
+    let exe = std::env::current_exe().expect("test executable");
+    let lib = exe.parent().expect("deps dir").join(format!(
+        "{}specula_cpu_simd{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let plugin = specula_host::plugins::load_library(&lib)
+        .unwrap_or_else(|e| panic!("loading {}: {e}", lib.display()));
+    plugin
+        .open_backend(params)
+        .unwrap_or_else(|e| panic!("cpu-simd on {}: {e}", params.model_path))
+}
+
+/// Evaluates `tokens` and returns the requested logits.
+pub fn eval<B: ForwardPass>(b: &mut B, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
+    let mut logits = RVec::new();
+    b.eval(RSlice::from(tokens), rows, &mut logits)
+        .into_result()
+        .unwrap_or_else(|e| panic!("eval of {tokens:?}: {e}"));
+    logits.to_vec()
+}
+
+pub fn hidden<B: ForwardPass>(b: &B) -> Vec<f32> {
+    let mut out = RVec::new();
+    b.hidden_states(&mut out).into_result().unwrap();
+    out.to_vec()
+}
+
+pub fn truncate<B: ForwardPass>(b: &mut B, len: usize) {
+    b.truncate(len)
+        .into_result()
+        .unwrap_or_else(|e| panic!("truncate to {len}: {e}"));
+}
+
+/// One MTP call: (logits of every row, hidden states of every row).
+pub fn mtp<B: ForwardPass>(
+    b: &mut B,
+    hidden: &[f32],
+    tokens: &[u32],
+    position: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let (mut logits, mut out) = (RVec::new(), RVec::new());
+    b.mtp_eval(
+        RSlice::from(hidden),
+        RSlice::from(tokens),
+        position,
+        LogitRows::All,
+        &mut logits,
+        &mut out,
+    )
+    .into_result()
+    .unwrap_or_else(|e| panic!("mtp_eval at {position}: {e}"));
+    (logits.to_vec(), out.to_vec())
+}
+
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
+pub fn greedy<B: ForwardPass>(b: &mut B, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut next = argmax(&eval(b, prompt, LogitRows::Last));
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        out.push(next);
+        if out.len() == n {
+            break;
+        }
+        let logits = eval(b, &[next], LogitRows::Last);
+        assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
+        next = argmax(&logits);
+    }
+    out
+}
+
+pub fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+pub fn row(values: &[f32], i: usize, width: usize) -> &[f32] {
+    &values[i * width..(i + 1) * width]
+}
+
+/// Largest absolute difference.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// A small reproducible generator (SplitMix64).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`.
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    pub fn tokens(&mut self, n: usize, vocab: u32) -> Vec<u32> {
+        (0..n)
+            .map(|_| (self.next_u64() % u64::from(vocab)) as u32)
+            .collect()
+    }
+}
+
+/// `true` when a CUDA device can be used (driver, NVRTC and at least one device); otherwise
+/// prints why the calling GPU test is skipped and returns `false`.
+pub fn gpu_or_skip(test: &str) -> bool {
+    match specula_cuda_hybrid::driver::usable_gpu() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no GPU here: {}", e.message);
+            false
+        }
+    }
+}

@@ -1,0 +1,714 @@
+//! GPU tests: each starts with a runtime "is there a usable GPU?" check and is skipped, with a
+//! message saying why, where there is none (no driver, no NVRTC, no device).
+//!
+//! Kernel level: every mat-vec type against a dequantising reference (Q4_K / Q6_K against
+//! straight transcriptions of ggml's dequantisers), row b of a k-row launch bit-identical to
+//! a one-row launch, expert mat-vecs, RMSNorm, the three RoPE variants and attention against
+//! the CPU code. Model level (every architecture, several placements): verify rows
+//! bit-identical to single-token evals, the rollback oracle (truncating inside the window
+//! equals a run that never saw the rejected tokens), logits close to cpu-simd and greedy output
+//! equal to it, MTP rows bit-identical to one-row calls, MTP drafting equal to plain decoding,
+//! deep rollback, and placement options.
+//!
+//! Tolerances against the CPU are first estimates (no GPU was available when they were
+//! written); bit-identity checks are exact by design.
+
+mod common;
+
+use common::*;
+use specula_cpu_engine::blocks::attention::{self, AttentionShape};
+use specula_cuda_hybrid::gpu::ops::{self, AttentionDims, DevRope, Heads, Q8Scratch};
+use specula_cuda_hybrid::gpu::weights::{DevExperts, DevMatrix, DevVec};
+use specula_cuda_hybrid::gpu::{DevBuf, Gpu};
+use specula_cuda_hybrid::CudaBackend;
+use specula_gguf::GgmlType;
+use specula_kernels::{f16, Rope, RopeMode, RopeSections};
+use specula_plugin_api::{ErrorKind, ForwardPass, LogitRows};
+
+const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
+
+fn open_gpu() -> Gpu {
+    Gpu::open(0, None).unwrap_or_else(|e| panic!("opening the GPU: {e}"))
+}
+
+fn download(gpu: &Gpu, buf: &DevBuf<f32>) -> Vec<f32> {
+    gpu.sync().unwrap();
+    gpu.stream.clone_dtoh(buf.slice()).unwrap()
+}
+
+// ---- reference dequantisers (ggml's loops, written out) ----------------------------------
+
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+fn dequantize_q4_k(block: &[u8], y: &mut [f32]) {
+    let d = f16::to_f32(u16::from_le_bytes([block[0], block[1]]));
+    let dmin = f16::to_f32(u16::from_le_bytes([block[2], block[3]]));
+    let scales = &block[4..16];
+    let mut q = &block[16..144];
+    let mut is = 0;
+    let mut out = 0;
+    for _ in 0..4 {
+        let (sc, m) = scale_min_k4(is, scales);
+        let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
+        let (sc, m) = scale_min_k4(is + 1, scales);
+        let (d2, m2) = (d * f32::from(sc), dmin * f32::from(m));
+        for l in 0..32 {
+            y[out + l] = d1 * f32::from(q[l] & 0xF) - m1;
+        }
+        for l in 0..32 {
+            y[out + 32 + l] = d2 * f32::from(q[l] >> 4) - m2;
+        }
+        out += 64;
+        q = &q[32..];
+        is += 2;
+    }
+}
+
+fn dequantize_q6_k(block: &[u8], y: &mut [f32]) {
+    let d = f16::to_f32(u16::from_le_bytes([block[208], block[209]]));
+    let (mut ql, mut qh) = (&block[0..128], &block[128..192]);
+    let mut sc: Vec<i8> = block[192..208].iter().map(|&b| b as i8).collect();
+    let mut out = 0;
+    for _ in 0..2 {
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[out + l] = d * f32::from(sc[is]) * q1 as f32;
+            y[out + l + 32] = d * f32::from(sc[is + 2]) * q2 as f32;
+            y[out + l + 64] = d * f32::from(sc[is + 4]) * q3 as f32;
+            y[out + l + 96] = d * f32::from(sc[is + 6]) * q4 as f32;
+        }
+        out += 128;
+        ql = &ql[64..];
+        qh = &qh[32..];
+        sc.drain(..8);
+    }
+}
+
+/// Random weights of `ty` (`rows × cols`) as stored, and their dequantised values.
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> (Vec<u8>, Vec<f32>) {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => {
+            let (block_bytes, blocks) = (ty.block_bytes(), rows * cols / 256);
+            let mut bytes: Vec<u8> = (0..block_bytes * blocks)
+                .map(|_| rng.next_u64() as u8)
+                .collect();
+            let mut values = vec![0.0; rows * cols];
+            for (b, block) in bytes.chunks_exact_mut(block_bytes).enumerate() {
+                let y = &mut values[b * 256..(b + 1) * 256];
+                if ty == GgmlType::Q4K {
+                    let d = f16::from_f32(0.002 * (1.0 + rng.unit().abs()));
+                    let dmin = f16::from_f32(0.001 * (1.0 + rng.unit().abs()));
+                    block[0..2].copy_from_slice(&d.to_le_bytes());
+                    block[2..4].copy_from_slice(&dmin.to_le_bytes());
+                    dequantize_q4_k(block, y);
+                } else {
+                    let d = f16::from_f32(0.0005 * (1.0 + rng.unit().abs()));
+                    block[208..210].copy_from_slice(&d.to_le_bytes());
+                    dequantize_q6_k(block, y);
+                }
+            }
+            (bytes, values)
+        }
+        _ => {
+            let values: Vec<f32> = (0..rows * cols).map(|_| 0.1 * rng.unit()).collect();
+            let bytes = specula_kernels::quantize(ty, &values);
+            let back = specula_kernels::dequantize(ty, &bytes, values.len());
+            (bytes, back)
+        }
+    }
+}
+
+fn dev_matrix(ty: GgmlType, rows: usize, cols: usize, bytes: &DevBuf<u8>) -> DevMatrix {
+    DevMatrix {
+        ty,
+        rows,
+        cols,
+        row_bytes: ty.row_bytes(cols).unwrap(),
+        ptr: bytes.ptr(),
+    }
+}
+
+#[test]
+fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
+    if !gpu_or_skip("matmul_matches_a_dequantising_reference_and_rows_are_independent") {
+        return;
+    }
+    let gpu = open_gpu();
+    let mut rng = Rng::new(5);
+    let cases = [
+        (GgmlType::F32, 172),
+        (GgmlType::F32, 512),
+        (GgmlType::F16, 300),
+        (GgmlType::BF16, 512),
+        (GgmlType::Q8_0, 512),
+        (GgmlType::Q4K, 512),
+        (GgmlType::Q6K, 768),
+    ];
+    let (rows, n) = (37, 11);
+    for (ty, cols) in cases {
+        let (bytes, w) = random_matrix(ty, rows, cols, &mut rng);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let dev_w = gpu.upload(&bytes).unwrap();
+        let m = dev_matrix(ty, rows, cols, &dev_w);
+        let dev_x = gpu.upload(&x).unwrap();
+        let out = gpu.zeros::<f32>(n * rows).unwrap();
+        let q8 = Q8Scratch::new(&gpu, (n * cols).next_multiple_of(32)).unwrap();
+        ops::matmul(&gpu, &m, dev_x.ptr(), n, out.ptr(), &q8).unwrap();
+        let got = download(&gpu, &out);
+        for b in 0..n {
+            for r in 0..rows {
+                let reference: f64 = (0..cols)
+                    .map(|i| f64::from(w[r * cols + i]) * f64::from(x[b * cols + i]))
+                    .sum();
+                let magnitude: f64 = (0..cols)
+                    .map(|i| (f64::from(w[r * cols + i]) * f64::from(x[b * cols + i])).abs())
+                    .sum();
+                // Q8_0 quantises the activations too (about 1/254 relative per value).
+                let tol = if ty == GgmlType::Q8_0 {
+                    0.01 * magnitude + 1e-4
+                } else {
+                    1e-5 * magnitude + 1e-6
+                };
+                let g = f64::from(got[b * rows + r]);
+                assert!(
+                    (g - reference).abs() <= tol,
+                    "{ty:?} cols {cols}: row {r} of activation {b}: {g} vs {reference} (tol {tol})"
+                );
+            }
+        }
+        // Row b of an 11-row launch equals a one-row launch bit for bit.
+        let single = gpu.zeros::<f32>(rows).unwrap();
+        for b in 0..n {
+            ops::matmul(&gpu, &m, dev_x.at(b * cols), 1, single.ptr(), &q8).unwrap();
+            assert_eq!(
+                bits(&download(&gpu, &single)),
+                bits(&got[b * rows..(b + 1) * rows]),
+                "{ty:?}: activation row {b}"
+            );
+        }
+        if ty == GgmlType::Q8_0 {
+            // The same activation quantisation as the CPU kernel: close to its result.
+            let view = specula_kernels::WeightMatrix::new(
+                specula_kernels::WeightType::Q8_0,
+                rows,
+                cols,
+                &bytes,
+            )
+            .unwrap();
+            let mut cpu = vec![0.0; n * rows];
+            specula_kernels::matmul(&view, &x, &mut cpu, &mut Default::default());
+            let d = max_diff(&cpu, &got);
+            assert!(d < 1e-4, "Q8_0: GPU and CPU differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn expert_matmul_equals_the_plain_matmul_of_each_pair() {
+    if !gpu_or_skip("expert_matmul_equals_the_plain_matmul_of_each_pair") {
+        return;
+    }
+    let gpu = open_gpu();
+    let mut rng = Rng::new(9);
+    let (rows, cols, n_expert, pairs, k) = (24, 256, 3, 6, 2);
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K] {
+        let (bytes, _) = random_matrix(ty, rows * n_expert, cols, &mut rng);
+        let dev_w = gpu.upload(&bytes).unwrap();
+        let row_bytes = ty.row_bytes(cols).unwrap();
+        let experts = DevExperts {
+            ty,
+            rows,
+            cols,
+            n_expert,
+            row_bytes,
+            matrix_bytes: row_bytes * rows,
+            ptr: dev_w.ptr(),
+        };
+        let x: Vec<f32> = (0..(pairs / k) * cols).map(|_| rng.unit()).collect();
+        let dev_x = gpu.upload(&x).unwrap();
+        let ids: Vec<i32> = vec![2, 0, 1, 2, 0, 0];
+        let dev_ids = gpu.upload(&ids).unwrap();
+        let out = gpu.zeros::<f32>(pairs * rows).unwrap();
+        let q8 = Q8Scratch::new(&gpu, pairs * cols).unwrap();
+        ops::matmul_ids(
+            &gpu,
+            &experts,
+            dev_ids.ptr(),
+            pairs,
+            dev_x.ptr(),
+            pairs / k,
+            k,
+            out.ptr(),
+            &q8,
+        )
+        .unwrap();
+        let got = download(&gpu, &out);
+        let single = gpu.zeros::<f32>(rows).unwrap();
+        for p in 0..pairs {
+            let m = DevMatrix {
+                ty,
+                rows,
+                cols,
+                row_bytes,
+                ptr: dev_w.ptr() + (ids[p] as usize * row_bytes * rows) as u64,
+            };
+            ops::matmul(&gpu, &m, dev_x.at((p / k) * cols), 1, single.ptr(), &q8).unwrap();
+            assert_eq!(
+                bits(&download(&gpu, &single)),
+                bits(&got[p * rows..(p + 1) * rows]),
+                "{ty:?}: pair {p}"
+            );
+        }
+    }
+}
+
+#[test]
+fn norms_rope_and_attention_follow_the_cpu_code() {
+    if !gpu_or_skip("norms_rope_and_attention_follow_the_cpu_code") {
+        return;
+    }
+    let gpu = open_gpu();
+    let mut rng = Rng::new(21);
+    // RMSNorm of 3 rows of 300.
+    let x: Vec<f32> = (0..900).map(|_| 3.0 * rng.unit()).collect();
+    let w: Vec<f32> = (0..300).map(|_| 1.0 + 0.1 * rng.unit()).collect();
+    let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+    let out = gpu.zeros::<f32>(900).unwrap();
+    let wv = DevVec {
+        len: 300,
+        ptr: dw.ptr(),
+    };
+    ops::rms_norm(&gpu, dx.ptr(), 300, &wv, 1e-6, 300, 3, out.ptr(), 300).unwrap();
+    let got = download(&gpu, &out);
+    for r in 0..3 {
+        let mut cpu = vec![0.0; 300];
+        specula_kernels::ops::rms_norm(&x[r * 300..(r + 1) * 300], &w, 1e-6, &mut cpu);
+        let d = max_diff(&cpu, &got[r * 300..(r + 1) * 300]);
+        assert!(d < 1e-5, "rms_norm row {r}: {d}");
+    }
+
+    // q/k norm + RoPE for the three modes, 2 rows of 4 heads of 16, at positions 37, 38.
+    let (hd, heads, rows, pos0) = (16, 4, 2, 37);
+    let modes = [
+        RopeMode::Normal,
+        RopeMode::NeoX,
+        RopeMode::MultiSection(RopeSections {
+            sections: [2, 1, 1, 0],
+            interleaved: true,
+        }),
+        RopeMode::MultiSection(RopeSections {
+            sections: [1, 1, 1, 1],
+            interleaved: false,
+        }),
+    ];
+    let norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.05 * rng.unit()).collect();
+    let dnorm = gpu.upload(&norm).unwrap();
+    let norm_v = DevVec {
+        len: hd,
+        ptr: dnorm.ptr(),
+    };
+    for mode in modes {
+        let rope = Rope {
+            mode,
+            n_rot: 8,
+            freq_base: 1e7,
+            freq_scale: 1.0,
+            freq_factors: None,
+        };
+        let data: Vec<f32> = (0..rows * heads * hd).map(|_| rng.unit()).collect();
+        let dev = gpu.upload(&data).unwrap();
+        let h = Heads {
+            ptr: dev.ptr(),
+            row_stride: heads * hd,
+            head_stride: hd,
+        };
+        ops::qk_norm_rope(
+            &gpu,
+            h,
+            h,
+            heads,
+            rows,
+            hd,
+            Some(&norm_v),
+            1e-6,
+            pos0,
+            0,
+            &DevRope::new(&rope, None),
+        )
+        .unwrap();
+        let got = download(&gpu, &dev);
+        let mut cpu = data.clone();
+        let (mut cos, mut sin) = (vec![0.0; 4], vec![0.0; 4]);
+        for r in 0..rows {
+            let mut k = vec![0.0; hd];
+            attention::prepare_query_key(
+                &rope,
+                hd,
+                1e-6,
+                Some(&norm),
+                Some(&norm),
+                pos0 + r,
+                &mut cpu[r * heads * hd..(r + 1) * heads * hd],
+                &mut k,
+                &mut cos,
+                &mut sin,
+            );
+        }
+        let d = max_diff(&cpu, &got);
+        assert!(d < 1e-5, "{mode:?}: {d}");
+    }
+
+    // Attention of 3 rows over 40 cached positions, 4 query heads on 2 kv heads.
+    let shape = AttentionShape {
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 16,
+        value_dim: 16,
+    };
+    let (n_ctx, rows, pos0) = (64, 3, 37);
+    let keys: Vec<f32> = (0..n_ctx * shape.k_width()).map(|_| rng.unit()).collect();
+    let values: Vec<f32> = (0..n_ctx * shape.v_width()).map(|_| rng.unit()).collect();
+    let q: Vec<f32> = (0..rows * shape.q_width()).map(|_| rng.unit()).collect();
+    let (dk, dv, dq) = (
+        gpu.upload(&keys).unwrap(),
+        gpu.upload(&values).unwrap(),
+        gpu.upload(&q).unwrap(),
+    );
+    let scores = gpu
+        .zeros::<f32>(ops::ATTENTION_ROWS * shape.n_head * n_ctx)
+        .unwrap();
+    let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+    let dims = AttentionDims {
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 16,
+        value_dim: 16,
+        scale: shape.scale(),
+    };
+    let qh = Heads {
+        ptr: dq.ptr(),
+        row_stride: shape.q_width(),
+        head_stride: 16,
+    };
+    ops::attention(
+        &gpu,
+        &dims,
+        qh,
+        dk.ptr(),
+        dv.ptr(),
+        pos0,
+        rows,
+        &scores,
+        n_ctx,
+        None,
+        out.ptr(),
+    )
+    .unwrap();
+    let got = download(&gpu, &out);
+    let mut cpu_scores = vec![0.0; shape.n_head * n_ctx];
+    for r in 0..rows {
+        let n_keys = pos0 + r + 1;
+        let mut cpu = vec![0.0; shape.out_width()];
+        attention::attend(
+            &shape,
+            &q[r * shape.q_width()..(r + 1) * shape.q_width()],
+            &keys[..n_keys * shape.k_width()],
+            &values[..n_keys * shape.v_width()],
+            &mut cpu_scores,
+            &mut cpu,
+        );
+        let d = max_diff(
+            &cpu,
+            &got[r * shape.out_width()..(r + 1) * shape.out_width()],
+        );
+        assert!(d < 1e-5, "attention row {r}: {d}");
+    }
+}
+
+// ---- model level ---------------------------------------------------------------------------
+
+fn cuda(path: &std::path::Path, options: &[(&str, &str)]) -> CudaBackend {
+    CudaBackend::open(&params(path, 256, options))
+        .unwrap_or_else(|e| panic!("cuda-hybrid on {}: {e}", path.display()))
+}
+
+/// The models the model-level tests run, and the placements.
+fn gpu_models() -> Vec<std::path::PathBuf> {
+    let mut models: Vec<_> = MODELS.iter().map(|m| fixture(m)).collect();
+    models.push(stories());
+    models.push(trained_qwen35("q8_0"));
+    models
+}
+
+const PLACEMENTS: [&[(&str, &str)]; 3] = [&[], &[("gpu_layers", "1")], &[("gpu_layers", "all")]];
+
+#[test]
+fn verify_rows_are_bit_identical_to_single_token_evals() {
+    if !gpu_or_skip("verify_rows_are_bit_identical_to_single_token_evals") {
+        return;
+    }
+    for path in gpu_models() {
+        for options in PLACEMENTS {
+            let name = format!("{} {options:?}", path.display());
+            let mut batched = cuda(&path, options);
+            let mut single = cuda(&path, options);
+            assert!(batched.placement().uses_gpu(), "{name}");
+            let vocab = batched.info().vocab_size as usize;
+            let e = batched.info().hidden_size as usize;
+            let prefill = eval(&mut batched, &PROMPT, LogitRows::All);
+            let prefill_hidden = hidden(&batched);
+            for (i, &t) in PROMPT.iter().enumerate() {
+                let r = eval(&mut single, &[t], LogitRows::Last);
+                assert_eq!(
+                    bits(row(&prefill, i, vocab)),
+                    bits(&r),
+                    "{name}: prompt row {i}"
+                );
+                assert_eq!(
+                    bits(row(&prefill_hidden, i, e)),
+                    bits(&hidden(&single)),
+                    "{name}"
+                );
+            }
+            let mut rng = Rng::new(99);
+            for k in 1..=batched.caps().max_verify_tokens as usize {
+                let tokens = rng.tokens(k, vocab as u32);
+                let all = eval(&mut batched, &tokens, LogitRows::All);
+                for (i, &t) in tokens.iter().enumerate() {
+                    let r = eval(&mut single, &[t], LogitRows::Last);
+                    assert!(r.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+                    assert_eq!(bits(row(&all, i, vocab)), bits(&r), "{name}: k={k} row {i}");
+                }
+            }
+        }
+    }
+}
+
+/// Prompt, then `tokens`, then `after`, on a fresh backend: the logits of `after`.
+fn clean_run(
+    path: &std::path::Path,
+    options: &[(&str, &str)],
+    tokens: &[u32],
+    after: &[u32],
+) -> Vec<f32> {
+    let mut b = cuda(path, options);
+    eval(&mut b, &PROMPT, LogitRows::Last);
+    if !tokens.is_empty() {
+        eval(&mut b, tokens, LogitRows::All);
+    }
+    eval(&mut b, after, LogitRows::All)
+}
+
+#[test]
+fn rollback_inside_the_window_equals_a_run_without_the_rejected_tokens() {
+    if !gpu_or_skip("rollback_inside_the_window_equals_a_run_without_the_rejected_tokens") {
+        return;
+    }
+    for path in gpu_models() {
+        for options in PLACEMENTS {
+            let name = format!("{} {options:?}", path.display());
+            let mut rng = Rng::new(4);
+            let vocab = 512;
+            for (k, keep) in [(4, 0), (4, 2), (8, 7), (8, 8), (1, 0)] {
+                let verify = rng.tokens(k, vocab);
+                let after = rng.tokens(3, vocab);
+                let mut b = cuda(&path, options);
+                eval(&mut b, &PROMPT, LogitRows::Last);
+                eval(&mut b, &verify, LogitRows::All);
+                truncate(&mut b, PROMPT.len() + keep);
+                let got = eval(&mut b, &after, LogitRows::All);
+                let want = clean_run(&path, options, &verify[..keep], &after);
+                assert_eq!(bits(&got), bits(&want), "{name}: k={k} keep={keep}");
+                assert_eq!(b.slow_rollbacks(), 0, "{name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
+    if !gpu_or_skip("logits_are_close_to_cpu_simd_and_greedy_output_is_equal") {
+        return;
+    }
+    for path in gpu_models() {
+        let p = params(&path, 256, &[]);
+        let mut cpu = cpu_simd(&p);
+        let mut gpu = cuda(&path, &[]);
+        let a = eval(&mut cpu, &PROMPT, LogitRows::All);
+        let b = eval(&mut gpu, &PROMPT, LogitRows::All);
+        let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let d = max_diff(&a, &b);
+        assert!(
+            d <= 2e-3 * scale,
+            "{}: logits differ by {d} (scale {scale})",
+            path.display()
+        );
+    }
+    // Trained models: the greedy continuations are the same.
+    for path in [stories(), trained_qwen35("f32"), trained_qwen35("q8_0")] {
+        let p = params(&path, 256, &[]);
+        let want = greedy(&mut cpu_simd(&p), &[1], 48);
+        for options in PLACEMENTS {
+            let got = greedy(&mut cuda(&path, options), &[1], 48);
+            assert_eq!(got, want, "{} {options:?}", path.display());
+        }
+    }
+}
+
+#[test]
+fn mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding() {
+    if !gpu_or_skip("mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding") {
+        return;
+    }
+    for path in [
+        fixture("tiny-qwen35-mtp.gguf"),
+        fixture("tiny-qwen3next-mtp.gguf"),
+        trained_qwen35("f32"),
+        trained_qwen35("q8_0"),
+    ] {
+        let name = path.display().to_string();
+        let mut b = cuda(&path, &[]);
+        let e = b.info().hidden_size as usize;
+        let vocab = b.info().vocab_size as usize;
+        assert!(b.caps().mtp_head, "{name}");
+        eval(&mut b, &PROMPT, LogitRows::All);
+        let h = hidden(&b);
+        let mut next = PROMPT[1..].to_vec();
+        next.push(300);
+        // Batched rows equal one-row calls.
+        let (batch_logits, batch_hidden) = mtp(&mut b, &h, &next, 0);
+        for i in 0..PROMPT.len() {
+            let (l, o) = mtp(&mut b, row(&h, i, e), &next[i..i + 1], i);
+            assert_eq!(
+                bits(&l),
+                bits(row(&batch_logits, i, vocab)),
+                "{name}: MTP row {i}"
+            );
+            assert_eq!(
+                bits(&o),
+                bits(row(&batch_hidden, i, e)),
+                "{name}: MTP hidden {i}"
+            );
+        }
+        // Close to cpu-simd's head.
+        let mut cpu = cpu_simd(&params(&path, 256, &[]));
+        eval(&mut cpu, &PROMPT, LogitRows::All);
+        let cpu_hidden = hidden(&cpu);
+        let (cpu_logits, _) = mtp(&mut cpu, &cpu_hidden, &next, 0);
+        let scale = cpu_logits.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let d = max_diff(&cpu_logits, &batch_logits);
+        assert!(
+            d <= 5e-3 * scale,
+            "{name}: MTP logits differ from cpu-simd by {d}"
+        );
+    }
+    // A greedy speculative loop drafting 3 tokens with the chained MTP head emits exactly
+    // plain greedy decoding.
+    for options in PLACEMENTS {
+        let path = trained_qwen35("f32");
+        let plain = greedy(&mut cuda(&path, options), &[1], 60);
+        let mut b = cuda(&path, options);
+        let e = b.info().hidden_size as usize;
+        let logits = eval(&mut b, &[1], LogitRows::All);
+        let mut out = vec![argmax(&logits)];
+        let mut h = hidden(&b);
+        let mut len = 1; // tokens evaluated; out.last() is the certain next token
+        let mut fed = 0; // MTP cache entries
+        while out.len() < 60 {
+            // Feed the head the accepted positions fed .. len - 1 (hidden rows of the last eval).
+            let t0 = *out.last().unwrap();
+            let rows = len - fed;
+            let tokens: Vec<u32> = out[out.len() - rows..].to_vec();
+            let (l, hs) = mtp(&mut b, &h[h.len() - rows * e..], &tokens, fed);
+            fed = len;
+            let mut drafts = vec![argmax(row(&l, rows - 1, 512))];
+            let mut dh = row(&hs, rows - 1, e).to_vec();
+            while drafts.len() < 3 {
+                let position = len + drafts.len() - 1;
+                let (l, o) = mtp(&mut b, &dh, &drafts[drafts.len() - 1..], position);
+                drafts.push(argmax(&l));
+                dh = o;
+            }
+            let mut batch = vec![t0];
+            batch.extend_from_slice(&drafts);
+            let verify = eval(&mut b, &batch, LogitRows::All);
+            let all_hidden = hidden(&b);
+            let mut accepted = 0;
+            while accepted < drafts.len() && argmax(row(&verify, accepted, 512)) == drafts[accepted]
+            {
+                accepted += 1;
+            }
+            out.extend_from_slice(&drafts[..accepted]);
+            out.push(argmax(row(&verify, accepted, 512)));
+            len += 1 + accepted;
+            truncate(&mut b, len);
+            fed = fed.min(len);
+            h = all_hidden[..(1 + accepted) * e].to_vec();
+        }
+        out.truncate(60);
+        assert_eq!(out, plain, "{options:?}");
+    }
+}
+
+#[test]
+fn deep_rollback_re_decodes_or_is_refused_on_the_gpu() {
+    if !gpu_or_skip("deep_rollback_re_decodes_or_is_refused_on_the_gpu") {
+        return;
+    }
+    let path = fixture("tiny-qwen35-4l-mtp.gguf");
+    let tokens = Rng::new(8).tokens(30, 512);
+    for options in PLACEMENTS {
+        let mut b = cuda(&path, options);
+        eval(&mut b, &tokens, LogitRows::Last);
+        truncate(&mut b, 10);
+        assert_eq!(b.slow_rollbacks(), 1);
+        let got = eval(&mut b, &[7, 8], LogitRows::All);
+        let mut clean = cuda(&path, options);
+        eval(&mut clean, &tokens[..10], LogitRows::Last);
+        assert_eq!(bits(&got), bits(&eval(&mut clean, &[7, 8], LogitRows::All)));
+    }
+    let mut refusing = cuda(&path, &[("deep_rollback", "refuse")]);
+    eval(&mut refusing, &tokens, LogitRows::Last);
+    let err = refusing.truncate(10).into_result().unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput);
+}
+
+#[test]
+fn placement_follows_the_options() {
+    if !gpu_or_skip("placement_follows_the_options") {
+        return;
+    }
+    let path = fixture("tiny-qwen35-4l-mtp.gguf");
+    let all = cuda(&path, &[]);
+    assert_eq!(all.placement().gpu_layers(), 4);
+    assert!(all.placement().head_on_gpu);
+    let two = cuda(&path, &[("gpu_layers", "2")]);
+    assert_eq!(two.placement().first_gpu_layer, 2);
+    let none = cuda(&path, &[("gpu_layers", "0")]);
+    assert!(!none.placement().uses_gpu());
+    let err = CudaBackend::open(&params(
+        &path,
+        256,
+        &[("gpu_layers", "all"), ("vram_budget", "1KiB")],
+    ))
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfMemory);
+    assert!(err.message.contains("gpu_layers"), "{}", err.message);
+    let tiny = cuda(&path, &[("vram_budget", "1KiB")]);
+    assert!(!tiny.placement().uses_gpu());
+    let err = CudaBackend::open(&params(&path, 256, &[("device", "99")])).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput);
+}
