@@ -8,7 +8,7 @@
 //! result is a fixed function of the two rows for a given [`SimdLevel`], and the process runs
 //! one level (see [`crate::simd`]), so a row's result never depends on what runs beside it.
 //!
-//! The float-family dispatch ([`float_dot_rows`]) lives here and is shared by F16 and BF16.
+//! The float-family dispatch (`float_dot_rows`) lives here and is shared by F16 and BF16.
 
 use crate::simd::{self, Accumulator, Rows, SimdLevel};
 

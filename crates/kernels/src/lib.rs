@@ -2,7 +2,8 @@
 //! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax, SwiGLU,
 //! sigmoid, softplus).
 //!
-//! One module per tensor type, as ggml-cpu is organised: weights [`f32`], [`f16`], [`bf16`],
+//! One module per tensor type, as ggml-cpu is organised: weights [`f32`](mod@f32),
+//! [`f16`](mod@f16), [`bf16`],
 //! [`q8_0`], [`q4_0`], [`q4_k`], [`q5_k`], [`q6_k`], and the K-quants' activation format
 //! [`q8_k`]. Each has its block layout, `quantize_row` (ggml's reference quantiser),
 //! `dequantize_row`, `dot_scalar` (the reference dot product), and `dot` / `dot_rows` (one or
@@ -15,7 +16,11 @@
 //! Determinism is a design rule: every output element is computed by one fixed sequential
 //! code path, so results never depend on the thread count or on how many rows are batched
 //! together. Speculative decoding relies on this (a verify row must be bit-identical to a
-//! single-token forward pass).
+//! single-token forward pass). The multi-input kernels keep one accumulator per (weight row,
+//! activation row) pair and decode each weight block once for all rows of a pass; [`matmul`]
+//! drives them over threads and column tiles without changing any bit ([`matvec`](mod@matvec) module).
+//! Different SIMD levels sum in different lane orders, so their results differ in the last
+//! bits (bounded against an exact reference by the tests); a process never mixes levels.
 //!
 //! [`quantize`] and [`dequantize`] encode and decode whole tensors for any supported type
 //! (used to write model files); [`try_quantize`] and [`try_dequantize`] are their fallible

@@ -126,7 +126,8 @@ pub(crate) fn accumulate(
     k_quants::k_quant_accumulate(KEncoding::Q4K, level, w, x, acc);
 }
 
-/// Scalar reference of [`dot`] (see [`k_quants::dot_with_mins_scalar`]).
+/// Scalar reference of [`dot`]: per super-block the exact integers `Σ_j sc_j · Σ q_w · q_x` and
+/// `Σ_j m_j · bsum_j`, then `sum += (d_x · d) · isum - (d_x · dmin) · imin` in f32, in order.
 pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {
     k_quants::dot_with_mins_scalar(KEncoding::Q4K, w, x, levels)
 }

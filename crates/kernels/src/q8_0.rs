@@ -10,10 +10,10 @@
 //! Quantisation follows ggml's reference `quantize_row_q8_0_ref`: `d = amax / 127`, the quants
 //! are `round(x * (1/d))` (ties away from zero) with the unrounded f32 `d`, and `d` is then
 //! stored as f16. A Q8_0 weight row is multiplied with an activation row quantised the same
-//! way (once per input row, see [`crate::matvec`]), block by block as
+//! way (once per input row, see [`crate::matvec`](mod@crate::matvec)), block by block as
 //! `ggml_vec_dot_q8_0_q8_0`: an exact integer sum per block, times `d_w * d_x` in f32. The
 //! scalar reference sums the blocks in order in one f32; the SIMD kernels (shared with Q4_0,
-//! see [`block32_dot_rows`]) fuse each block into 8 f32 lanes and sum the lanes at the end.
+//! see `block32_dot_rows`) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
 use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};

@@ -14,7 +14,7 @@
 //! `min(127, nearest_int(iscale · x))` (ties to even), and `d = 1 / iscale`. An all-zero block
 //! has `d = 0` and zero quants (and zero sums: ggml leaves its sums unwritten there).
 //!
-//! Q8_K is never a weight type here; [`crate::matvec`] quantises activation rows to it for
+//! Q8_K is never a weight type here; [`crate::matvec`](mod@crate::matvec) quantises activation rows to it for
 //! Q4_K, Q5_K and Q6_K weights, as ggml's `vec_dot_type` does.
 
 use crate::k_quants::{nearest_int, SUPER_BLOCK_VALUES};

@@ -1,7 +1,7 @@
 //! Instruction-set levels and the once-per-process choice of one.
 //!
 //! Every kernel exists as a scalar reference (in its type's module) and, on x86-64, as AVX2+FMA
-//! and AVX-512 versions ([`avx2`], [`avx512`]). The level a process runs is decided once, the
+//! and AVX-512 versions (modules `avx2`, `avx512`). The level a process runs is decided once, the
 //! first time [`level`] is called, and never changes afterwards: every row on a given machine
 //! then goes through the same code, which is what makes a verify row bit-identical to a
 //! single-token pass. Different levels sum in different orders, so their results differ in the
@@ -10,7 +10,7 @@
 //! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`) lowers the level, e.g.
 //! to compare levels in a benchmark; it can never raise it above what the CPU supports.
 //!
-//! This module holds all of the crate's `unsafe` code. The kernels in [`avx2`] and [`avx512`]
+//! This module holds all of the crate's `unsafe` code. The kernels in `avx2` and `avx512`
 //! are `#[target_feature]` functions; the only callers are the safe entry points at the end of
 //! this file (`float_accumulate`, `block32_accumulate`, `k_quant_accumulate`, `axpy`,
 //! `weighted_sum`), which check [`SimdLevel::is_supported`] and every slice size the kernels'
@@ -169,7 +169,7 @@ impl Accumulator {
     pub const ZERO: Accumulator = Accumulator([0.0; 32]);
 
     /// Sums the first `lanes` lanes (a power of two) by the pairwise tree of
-    /// [`crate::f32::reduce_lanes`]: lane `i` plus lane `i + width`, halving the width — the
+    /// `crate::f32::reduce_lanes`: lane `i` plus lane `i + width`, halving the width — the
     /// same additions, in the same order, as the kernels' horizontal sums.
     pub fn sum(&self, lanes: usize) -> f32 {
         debug_assert!(lanes.is_power_of_two() && lanes <= 32);
@@ -481,6 +481,23 @@ pub(crate) fn weighted_sum(level: SimdLevel, weights: &[f32], rows: Rows<'_, f32
             SimdLevel::Avx2 => avx2::weighted_sum(weights, rows, y),
             _ => avx512::weighted_sum(weights, rows, y),
         }
+    }
+}
+
+/// Asks the CPU to start loading `bytes` into the caches (a hint: no effect on results). The
+/// column-tiled mat-vec prefetches the next weight row's piece while the current one is
+/// multiplied, since the hardware prefetchers restart on every jump between rows.
+#[inline]
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch never faults and changes no state visible to the program; the
+        // address is inside `bytes`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
     }
 }
 
