@@ -329,7 +329,10 @@ fn drafter_setup(
         "mtp" if !info.has_mtp_head => None,
         "oracle" => {
             let mut s = DrafterSection::named("lookup");
+            // The corpus holds the whole run, so its match is the longest: a long n_max lets
+            // it beat shorter repeats inside the context.
             s.options.insert("n_min".into(), toml::Value::Integer(1));
+            s.options.insert("n_max".into(), toml::Value::Integer(64));
             let k = options.oracle_k.max(2);
             Some((
                 SpecSettings {

@@ -220,6 +220,7 @@ pub fn generate(
 
             // 2. Drafts.
             draft.clear();
+            let mut asked = false;
             if let Some((slot, length)) = speculation.as_mut() {
                 let room =
                     (request.max_tokens as usize - out.tokens.len()).min(context - history.len());
@@ -228,6 +229,7 @@ pub fn generate(
                     stats.paused_steps += 1;
                 }
                 if n > 0 {
+                    asked = true;
                     let t = Instant::now();
                     let models = lend(target, &mut slot.draft_model);
                     let request = DraftRequest {
@@ -329,6 +331,7 @@ pub fn generate(
             }
             if let Some((slot, length)) = speculation.as_mut() {
                 length.record(
+                    asked,
                     n_drafts as u32,
                     accepted as u32,
                     1 + emitted_drafts as u32,

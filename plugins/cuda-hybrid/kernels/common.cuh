@@ -7,6 +7,9 @@
 // operations that depends only on the kernel's inputs and the launch shape documented on the
 // kernel, never on how many other rows are in the launch, on timing, or on atomics. Block
 // reductions below use a fixed tree over shared memory.
+//
+// SPECULA_HOST_EMULATION is defined only when the tests compile these sources as C++ for the
+// host stand-in of the CUDA execution model (`emulator/cuda_host.h`); NVRTC never sees it.
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -16,16 +19,24 @@ typedef unsigned long long u64;
 
 // IEEE binary16 bits -> f32.
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifdef SPECULA_HOST_EMULATION
+    return emu_f16_to_f32(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 // f32 -> IEEE binary16 bits, round to nearest even (as the `half` crate on the CPU).
 __device__ __forceinline__ u16 f32_to_f16(float f) {
+#ifdef SPECULA_HOST_EMULATION
+    return emu_f32_to_f16(f);
+#else
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#endif
 }
 
 // bfloat16 bits -> f32.

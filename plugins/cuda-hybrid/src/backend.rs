@@ -26,7 +26,8 @@
 use std::path::Path;
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
-use cudarc::driver::PinnedHostSlice;
+use std::sync::Arc;
+
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use specula_cpu_engine::arch::hybrid::{self, HybridModel, HybridScratch, Mixer, TrunkState};
 use specula_cpu_engine::arch::{forward_dense_layer, Scratch};
@@ -43,8 +44,9 @@ use specula_plugin_api::{
 };
 
 use crate::driver;
+use crate::gpu::emulator::Emulator;
 use crate::gpu::layers::{DeviceKv, GpuModel, GpuPlan, Shapes};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, HostBuf};
 use crate::options::{DeepRollback, Options, OPTION_DEEP_ROLLBACK};
 use crate::placement::{self, Costs, LayerCost, Placement};
 
@@ -112,11 +114,11 @@ struct HostState {
 struct DeviceState {
     model: GpuModel,
     /// Host → device: residual rows (`rows × n_embd`) or MTP inputs (`rows × 2·n_embd`).
-    pinned_in: PinnedHostSlice<f32>,
+    pinned_in: HostBuf,
     /// Device → host: final hidden states, `rows × n_embd`.
-    pinned_hidden: PinnedHostSlice<f32>,
+    pinned_hidden: HostBuf,
     /// Device → host: logits, `rows × vocab`.
-    pinned_logits: PinnedHostSlice<f32>,
+    pinned_logits: HostBuf,
 }
 
 /// A model opened on the GPU (and the host) with its sequence state.
@@ -244,10 +246,12 @@ fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize) -> Costs {
 }
 
 /// Whether [`CudaBackend::open_with`] may use a GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 enum Mode {
     Gpu,
     HostOnly,
+    /// The host emulator of the kernels, pretending to have this much device memory.
+    Emulated(Arc<Emulator>, u64),
 }
 
 impl CudaBackend {
@@ -271,6 +275,19 @@ impl CudaBackend {
     pub fn open_host_only(params: &BackendParams) -> Result<Self, PluginError> {
         let options = Options::parse(params)?;
         Self::open_with(params, &options, Mode::HostOnly)
+    }
+
+    /// Opens the model with the host emulator of the kernels standing in for the GPU
+    /// ([`crate::gpu::emulator`]), which pretends to have `memory` bytes of device memory: the
+    /// whole device path on machines without CUDA, slowly. For tests.
+    #[doc(hidden)]
+    pub fn open_emulated(
+        params: &BackendParams,
+        emulator: Arc<Emulator>,
+        memory: u64,
+    ) -> Result<Self, PluginError> {
+        let options = Options::parse(params)?;
+        Self::open_with(params, &options, Mode::Emulated(emulator, memory))
     }
 
     fn open_with(
@@ -345,8 +362,11 @@ impl CudaBackend {
         // Open the device and decide the placement.
         let (gpu, placement) = match mode {
             Mode::HostOnly => (None, Placement::cpu_only(n_layers)),
-            Mode::Gpu => {
-                let gpu = Gpu::open(options.device, options.kernel_cache.as_deref())?;
+            Mode::Gpu | Mode::Emulated(..) => {
+                let gpu = match mode {
+                    Mode::Emulated(emulator, memory) => Gpu::emulated(emulator, memory),
+                    _ => Gpu::open(options.device, options.kernel_cache.as_deref())?,
+                };
                 let budget = options.vram_budget.unwrap_or_else(|| {
                     let reserve =
                         ((gpu.info.total_memory as f64 * RESERVE_SHARE) as u64).max(MIN_RESERVE);
@@ -689,9 +709,7 @@ impl CudaBackend {
             match device {
                 Some(d) if placement.uses_gpu() => {
                     let gpu = &d.model.gpu;
-                    d.pinned_in
-                        .as_mut_slice()
-                        .map_err(|err| crate::gpu::driver_error("pinned memory", err))?[..m * e]
+                    d.pinned_in.as_mut_slice()?[..m * e]
                         .copy_from_slice(&host.scratch.x()[..m * e]);
                     gpu.copy_to_device(&d.pinned_in, m * e, &mut d.model.scratch.x, 0)?;
                     d.model.forward_layers(m, pos0, first)?;
@@ -903,10 +921,7 @@ impl CudaBackend {
                     let m = chunk.min(n - start);
                     let logit_from = first_logit_row.max(start).min(start + m) - start;
                     {
-                        let input = d
-                            .pinned_in
-                            .as_mut_slice()
-                            .map_err(|err| crate::gpu::driver_error("pinned memory", err))?;
+                        let input = d.pinned_in.as_mut_slice()?;
                         for i in 0..m {
                             let row = &mut input[i * 2 * e..(i + 1) * 2 * e];
                             embed.dequantize_row(tokens[start + i] as usize, &mut row[..e]);
@@ -978,11 +993,9 @@ impl CudaBackend {
     }
 }
 
-/// The pinned buffer's contents (after a [`Gpu::sync`]).
-fn pinned(buffer: &PinnedHostSlice<f32>) -> Result<&[f32], PluginError> {
-    buffer
-        .as_slice()
-        .map_err(|e| crate::gpu::driver_error("pinned memory", e))
+/// The hand-off buffer's contents (after a [`Gpu::sync`]).
+fn pinned(buffer: &HostBuf) -> Result<&[f32], PluginError> {
+    buffer.as_slice()
 }
 
 /// Writes the embeddings of `tokens` into the first rows of `x`.

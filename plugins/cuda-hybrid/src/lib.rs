@@ -15,6 +15,10 @@
 //!
 //! Panics never cross the plugin boundary: every entry point runs under
 //! [`specula_plugin_api::guard`], and cudarc is only touched after the driver probe.
+//!
+//! For tests on machines without a GPU, [`gpu::emulator`] runs the same kernel sources,
+//! compiled as C++, on a host stand-in for the CUDA execution model, through the backend's
+//! whole device path ([`CudaBackend::open_emulated`]).
 
 pub mod backend;
 pub mod driver;

@@ -10,8 +10,14 @@
 //! equal to it, MTP rows bit-identical to one-row calls, MTP drafting equal to plain decoding,
 //! deep rollback, and placement options.
 //!
-//! Tolerances against the CPU are first estimates (no GPU was available when they were
-//! written); bit-identity checks are exact by design.
+//! Where there is no GPU, the tests run on the host emulator of the kernels
+//! ([`specula_cuda_hybrid::gpu::emulator`], built with the C++ compiler `$CXX` or `c++`) — the
+//! same kernel sources and the same device path, with host memory for device memory — over a
+//! smaller set of cases (`SPECULA_EMULATOR_FULL=1` runs all of them); where neither is
+//! available they are skipped with a message.
+//!
+//! Tolerances against the CPU were checked on the emulator only (glibc's math stands in for
+//! CUDA's, which may differ in the last bits); bit-identity checks are exact by design.
 
 mod common;
 
@@ -27,13 +33,9 @@ use specula_plugin_api::{ErrorKind, ForwardPass, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 
-fn open_gpu() -> Gpu {
-    Gpu::open(0, None).unwrap_or_else(|e| panic!("opening the GPU: {e}"))
-}
-
 fn download(gpu: &Gpu, buf: &DevBuf<f32>) -> Vec<f32> {
     gpu.sync().unwrap();
-    gpu.stream.clone_dtoh(buf.slice()).unwrap()
+    gpu.download(buf).unwrap()
 }
 
 // ---- reference dequantisers (ggml's loops, written out) ----------------------------------
@@ -143,10 +145,12 @@ fn dev_matrix(ty: GgmlType, rows: usize, cols: usize, bytes: &DevBuf<u8>) -> Dev
 
 #[test]
 fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
-    if !gpu_or_skip("matmul_matches_a_dequantising_reference_and_rows_are_independent") {
+    let Some(device) =
+        device_or_skip("matmul_matches_a_dequantising_reference_and_rows_are_independent")
+    else {
         return;
-    }
-    let gpu = open_gpu();
+    };
+    let gpu = open_device(&device);
     let mut rng = Rng::new(5);
     let cases = [
         (GgmlType::F32, 172),
@@ -218,10 +222,10 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
 
 #[test]
 fn expert_matmul_equals_the_plain_matmul_of_each_pair() {
-    if !gpu_or_skip("expert_matmul_equals_the_plain_matmul_of_each_pair") {
+    let Some(device) = device_or_skip("expert_matmul_equals_the_plain_matmul_of_each_pair") else {
         return;
-    }
-    let gpu = open_gpu();
+    };
+    let gpu = open_device(&device);
     let mut rng = Rng::new(9);
     let (rows, cols, n_expert, pairs, k) = (24, 256, 3, 6, 2);
     for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K] {
@@ -277,10 +281,10 @@ fn expert_matmul_equals_the_plain_matmul_of_each_pair() {
 
 #[test]
 fn norms_rope_and_attention_follow_the_cpu_code() {
-    if !gpu_or_skip("norms_rope_and_attention_follow_the_cpu_code") {
+    let Some(device) = device_or_skip("norms_rope_and_attention_follow_the_cpu_code") else {
         return;
-    }
-    let gpu = open_gpu();
+    };
+    let gpu = open_device(&device);
     let mut rng = Rng::new(21);
     // RMSNorm of 3 rows of 300.
     let x: Vec<f32> = (0..900).map(|_| 3.0 * rng.unit()).collect();
@@ -440,31 +444,61 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
 
 // ---- model level ---------------------------------------------------------------------------
 
-fn cuda(path: &std::path::Path, options: &[(&str, &str)]) -> CudaBackend {
-    CudaBackend::open(&params(path, 256, options))
+fn cuda(device: &Device, path: &std::path::Path, options: &[(&str, &str)]) -> CudaBackend {
+    open_backend(device, path, options)
         .unwrap_or_else(|e| panic!("cuda-hybrid on {}: {e}", path.display()))
 }
 
-/// The models the model-level tests run, and the placements.
-fn gpu_models() -> Vec<std::path::PathBuf> {
+/// Every case on a real GPU (or with `SPECULA_EMULATOR_FULL=1`); on the emulator by default a
+/// smaller set — one model of each family, two placements — so the suite stays quick.
+fn full(device: &Device) -> bool {
+    matches!(device, Device::Cuda) || std::env::var_os("SPECULA_EMULATOR_FULL").is_some()
+}
+
+/// The models the model-level tests run.
+/// (On the emulator by default: the two hybrid families, which between them use every
+/// kernel; `with_dense` adds the dense llama.)
+fn gpu_models_with(device: &Device, with_dense: bool) -> Vec<std::path::PathBuf> {
+    if !full(device) {
+        let mut models = vec![
+            fixture("tiny-qwen35-4l-mtp.gguf"),
+            fixture("tiny-qwen3next-mtp.gguf"),
+        ];
+        if with_dense {
+            models.push(fixture("tiny-llama.gguf"));
+        }
+        return models;
+    }
     let mut models: Vec<_> = MODELS.iter().map(|m| fixture(m)).collect();
     models.push(stories());
     models.push(trained_qwen35("q8_0"));
     models
 }
 
-const PLACEMENTS: [&[(&str, &str)]; 3] = [&[], &[("gpu_layers", "1")], &[("gpu_layers", "all")]];
+fn gpu_models(device: &Device) -> Vec<std::path::PathBuf> {
+    gpu_models_with(device, false)
+}
+
+/// Placements: automatic (everything on the GPU), split, and all layers named explicitly.
+fn placements(device: &Device) -> &'static [&'static [(&'static str, &'static str)]] {
+    const ALL: [&[(&str, &str)]; 3] = [&[], &[("gpu_layers", "1")], &[("gpu_layers", "all")]];
+    if full(device) {
+        &ALL
+    } else {
+        &ALL[..2]
+    }
+}
 
 #[test]
 fn verify_rows_are_bit_identical_to_single_token_evals() {
-    if !gpu_or_skip("verify_rows_are_bit_identical_to_single_token_evals") {
+    let Some(device) = device_or_skip("verify_rows_are_bit_identical_to_single_token_evals") else {
         return;
-    }
-    for path in gpu_models() {
-        for options in PLACEMENTS {
+    };
+    for path in gpu_models(&device) {
+        for options in placements(&device) {
             let name = format!("{} {options:?}", path.display());
-            let mut batched = cuda(&path, options);
-            let mut single = cuda(&path, options);
+            let mut batched = cuda(&device, &path, options);
+            let mut single = cuda(&device, &path, options);
             assert!(batched.placement().uses_gpu(), "{name}");
             let vocab = batched.info().vocab_size as usize;
             let e = batched.info().hidden_size as usize;
@@ -484,7 +518,13 @@ fn verify_rows_are_bit_identical_to_single_token_evals() {
                 );
             }
             let mut rng = Rng::new(99);
-            for k in 1..=batched.caps().max_verify_tokens as usize {
+            let cap = batched.caps().max_verify_tokens as usize;
+            let ks: Vec<usize> = if full(&device) {
+                (1..=cap).collect()
+            } else {
+                vec![1, cap]
+            };
+            for k in ks {
                 let tokens = rng.tokens(k, vocab as u32);
                 let all = eval(&mut batched, &tokens, LogitRows::All);
                 for (i, &t) in tokens.iter().enumerate() {
@@ -499,12 +539,13 @@ fn verify_rows_are_bit_identical_to_single_token_evals() {
 
 /// Prompt, then `tokens`, then `after`, on a fresh backend: the logits of `after`.
 fn clean_run(
+    device: &Device,
     path: &std::path::Path,
     options: &[(&str, &str)],
     tokens: &[u32],
     after: &[u32],
 ) -> Vec<f32> {
-    let mut b = cuda(path, options);
+    let mut b = cuda(device, path, options);
     eval(&mut b, &PROMPT, LogitRows::Last);
     if !tokens.is_empty() {
         eval(&mut b, tokens, LogitRows::All);
@@ -514,23 +555,30 @@ fn clean_run(
 
 #[test]
 fn rollback_inside_the_window_equals_a_run_without_the_rejected_tokens() {
-    if !gpu_or_skip("rollback_inside_the_window_equals_a_run_without_the_rejected_tokens") {
+    let Some(device) =
+        device_or_skip("rollback_inside_the_window_equals_a_run_without_the_rejected_tokens")
+    else {
         return;
-    }
-    for path in gpu_models() {
-        for options in PLACEMENTS {
+    };
+    for path in gpu_models(&device) {
+        for options in placements(&device) {
             let name = format!("{} {options:?}", path.display());
             let mut rng = Rng::new(4);
             let vocab = 512;
-            for (k, keep) in [(4, 0), (4, 2), (8, 7), (8, 8), (1, 0)] {
+            let cases: &[(usize, usize)] = if full(&device) {
+                &[(4, 0), (4, 2), (8, 7), (8, 8), (1, 0)]
+            } else {
+                &[(4, 2), (8, 8)]
+            };
+            for &(k, keep) in cases {
                 let verify = rng.tokens(k, vocab);
                 let after = rng.tokens(3, vocab);
-                let mut b = cuda(&path, options);
+                let mut b = cuda(&device, &path, options);
                 eval(&mut b, &PROMPT, LogitRows::Last);
                 eval(&mut b, &verify, LogitRows::All);
                 truncate(&mut b, PROMPT.len() + keep);
                 let got = eval(&mut b, &after, LogitRows::All);
-                let want = clean_run(&path, options, &verify[..keep], &after);
+                let want = clean_run(&device, &path, options, &verify[..keep], &after);
                 assert_eq!(bits(&got), bits(&want), "{name}: k={k} keep={keep}");
                 assert_eq!(b.slow_rollbacks(), 0, "{name}");
             }
@@ -540,13 +588,14 @@ fn rollback_inside_the_window_equals_a_run_without_the_rejected_tokens() {
 
 #[test]
 fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
-    if !gpu_or_skip("logits_are_close_to_cpu_simd_and_greedy_output_is_equal") {
+    let Some(device) = device_or_skip("logits_are_close_to_cpu_simd_and_greedy_output_is_equal")
+    else {
         return;
-    }
-    for path in gpu_models() {
+    };
+    for path in gpu_models_with(&device, true) {
         let p = params(&path, 256, &[]);
         let mut cpu = cpu_simd(&p);
-        let mut gpu = cuda(&path, &[]);
+        let mut gpu = cuda(&device, &path, &[]);
         let a = eval(&mut cpu, &PROMPT, LogitRows::All);
         let b = eval(&mut gpu, &PROMPT, LogitRows::All);
         let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
@@ -558,11 +607,19 @@ fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
         );
     }
     // Trained models: the greedy continuations are the same.
-    for path in [stories(), trained_qwen35("f32"), trained_qwen35("q8_0")] {
+    let (trained, n) = if full(&device) {
+        (
+            vec![stories(), trained_qwen35("f32"), trained_qwen35("q8_0")],
+            48,
+        )
+    } else {
+        (vec![trained_qwen35("q8_0")], 24)
+    };
+    for path in trained {
         let p = params(&path, 256, &[]);
-        let want = greedy(&mut cpu_simd(&p), &[1], 48);
-        for options in PLACEMENTS {
-            let got = greedy(&mut cuda(&path, options), &[1], 48);
+        let want = greedy(&mut cpu_simd(&p), &[1], n);
+        for options in placements(&device) {
+            let got = greedy(&mut cuda(&device, &path, options), &[1], n);
             assert_eq!(got, want, "{} {options:?}", path.display());
         }
     }
@@ -570,17 +627,23 @@ fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
 
 #[test]
 fn mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding() {
-    if !gpu_or_skip("mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding") {
+    let Some(device) = device_or_skip("mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding")
+    else {
         return;
-    }
-    for path in [
-        fixture("tiny-qwen35-mtp.gguf"),
-        fixture("tiny-qwen3next-mtp.gguf"),
-        trained_qwen35("f32"),
-        trained_qwen35("q8_0"),
-    ] {
+    };
+    let models = if full(&device) {
+        vec![
+            fixture("tiny-qwen35-mtp.gguf"),
+            fixture("tiny-qwen3next-mtp.gguf"),
+            trained_qwen35("f32"),
+            trained_qwen35("q8_0"),
+        ]
+    } else {
+        vec![fixture("tiny-qwen3next-mtp.gguf"), trained_qwen35("q8_0")]
+    };
+    for path in models {
         let name = path.display().to_string();
-        let mut b = cuda(&path, &[]);
+        let mut b = cuda(&device, &path, &[]);
         let e = b.info().hidden_size as usize;
         let vocab = b.info().vocab_size as usize;
         assert!(b.caps().mtp_head, "{name}");
@@ -617,17 +680,23 @@ fn mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding() {
     }
     // A greedy speculative loop drafting 3 tokens with the chained MTP head emits exactly
     // plain greedy decoding.
-    for options in PLACEMENTS {
+    let loop_placements = if full(&device) {
+        placements(&device)
+    } else {
+        &placements(&device)[1..]
+    };
+    for options in loop_placements {
         let path = trained_qwen35("f32");
-        let plain = greedy(&mut cuda(&path, options), &[1], 60);
-        let mut b = cuda(&path, options);
+        let n_tokens = if full(&device) { 60 } else { 16 };
+        let plain = greedy(&mut cuda(&device, &path, options), &[1], n_tokens);
+        let mut b = cuda(&device, &path, options);
         let e = b.info().hidden_size as usize;
         let logits = eval(&mut b, &[1], LogitRows::All);
         let mut out = vec![argmax(&logits)];
         let mut h = hidden(&b);
         let mut len = 1; // tokens evaluated; out.last() is the certain next token
         let mut fed = 0; // MTP cache entries
-        while out.len() < 60 {
+        while out.len() < n_tokens {
             // Feed the head the accepted positions fed .. len - 1 (hidden rows of the last eval).
             let t0 = *out.last().unwrap();
             let rows = len - fed;
@@ -658,29 +727,29 @@ fn mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding() {
             fed = fed.min(len);
             h = all_hidden[..(1 + accepted) * e].to_vec();
         }
-        out.truncate(60);
+        out.truncate(n_tokens);
         assert_eq!(out, plain, "{options:?}");
     }
 }
 
 #[test]
 fn deep_rollback_re_decodes_or_is_refused_on_the_gpu() {
-    if !gpu_or_skip("deep_rollback_re_decodes_or_is_refused_on_the_gpu") {
+    let Some(device) = device_or_skip("deep_rollback_re_decodes_or_is_refused_on_the_gpu") else {
         return;
-    }
+    };
     let path = fixture("tiny-qwen35-4l-mtp.gguf");
     let tokens = Rng::new(8).tokens(30, 512);
-    for options in PLACEMENTS {
-        let mut b = cuda(&path, options);
+    for options in placements(&device) {
+        let mut b = cuda(&device, &path, options);
         eval(&mut b, &tokens, LogitRows::Last);
         truncate(&mut b, 10);
         assert_eq!(b.slow_rollbacks(), 1);
         let got = eval(&mut b, &[7, 8], LogitRows::All);
-        let mut clean = cuda(&path, options);
+        let mut clean = cuda(&device, &path, options);
         eval(&mut clean, &tokens[..10], LogitRows::Last);
         assert_eq!(bits(&got), bits(&eval(&mut clean, &[7, 8], LogitRows::All)));
     }
-    let mut refusing = cuda(&path, &[("deep_rollback", "refuse")]);
+    let mut refusing = cuda(&device, &path, &[("deep_rollback", "refuse")]);
     eval(&mut refusing, &tokens, LogitRows::Last);
     let err = refusing.truncate(10).into_result().unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
@@ -688,27 +757,29 @@ fn deep_rollback_re_decodes_or_is_refused_on_the_gpu() {
 
 #[test]
 fn placement_follows_the_options() {
-    if !gpu_or_skip("placement_follows_the_options") {
+    let Some(device) = device_or_skip("placement_follows_the_options") else {
         return;
-    }
+    };
     let path = fixture("tiny-qwen35-4l-mtp.gguf");
-    let all = cuda(&path, &[]);
+    let all = cuda(&device, &path, &[]);
     assert_eq!(all.placement().gpu_layers(), 4);
     assert!(all.placement().head_on_gpu);
-    let two = cuda(&path, &[("gpu_layers", "2")]);
+    let two = cuda(&device, &path, &[("gpu_layers", "2")]);
     assert_eq!(two.placement().first_gpu_layer, 2);
-    let none = cuda(&path, &[("gpu_layers", "0")]);
+    let none = cuda(&device, &path, &[("gpu_layers", "0")]);
     assert!(!none.placement().uses_gpu());
-    let err = CudaBackend::open(&params(
+    let err = open_backend(
+        &device,
         &path,
-        256,
         &[("gpu_layers", "all"), ("vram_budget", "1KiB")],
-    ))
+    )
     .unwrap_err();
     assert_eq!(err.kind, ErrorKind::OutOfMemory);
     assert!(err.message.contains("gpu_layers"), "{}", err.message);
-    let tiny = cuda(&path, &[("vram_budget", "1KiB")]);
+    let tiny = cuda(&device, &path, &[("vram_budget", "1KiB")]);
     assert!(!tiny.placement().uses_gpu());
-    let err = CudaBackend::open(&params(&path, 256, &[("device", "99")])).unwrap_err();
-    assert_eq!(err.kind, ErrorKind::InvalidInput);
+    if matches!(device, Device::Cuda) {
+        let err = CudaBackend::open(&params(&path, 256, &[("device", "99")])).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidInput);
+    }
 }

@@ -6,6 +6,7 @@
 //! pointers, so buffers can be offset freely. Host-visible results are read only after
 //! [`Gpu::sync`].
 
+pub mod emulator;
 pub mod layers;
 pub mod ops;
 pub mod weights;
@@ -48,10 +49,20 @@ pub fn int(v: usize) -> Arg {
     Arg::I32(i32::try_from(v).expect("kernel dimension fits in i32"))
 }
 
+/// Where a [`DevBuf`]'s memory is.
+#[derive(Debug)]
+enum Storage<T> {
+    /// Device memory.
+    Cuda(CudaSlice<T>),
+    /// Host memory standing in for device memory on the [`emulator`] (8-byte aligned).
+    Host(#[allow(dead_code)] Vec<u64>), // owns the memory behind `DevBuf::ptr`
+}
+
 /// A device allocation with its raw address.
 #[derive(Debug)]
 pub struct DevBuf<T> {
-    slice: CudaSlice<T>,
+    storage: Storage<T>,
+    len: usize,
     ptr: u64,
 }
 
@@ -67,19 +78,41 @@ impl<T> DevBuf<T> {
     }
 
     pub fn len(&self) -> usize {
-        self.slice.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
-
-    pub fn slice(&self) -> &CudaSlice<T> {
-        &self.slice
+        self.len == 0
     }
 
     pub fn bytes(&self) -> u64 {
-        (self.slice.len() * std::mem::size_of::<T>()) as u64
+        (self.len * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// Host memory the device reads from or writes to: page-locked on a real device (so copies
+/// run at full speed and asynchronously), plain memory on the emulator.
+#[derive(Debug)]
+pub enum HostBuf {
+    Pinned(PinnedHostSlice<f32>),
+    Plain(Vec<f32>),
+}
+
+impl HostBuf {
+    pub fn as_slice(&self) -> Result<&[f32], PluginError> {
+        match self {
+            HostBuf::Pinned(p) => p.as_slice().map_err(|e| driver_error("pinned memory", e)),
+            HostBuf::Plain(v) => Ok(v),
+        }
+    }
+
+    pub fn as_mut_slice(&mut self) -> Result<&mut [f32], PluginError> {
+        match self {
+            HostBuf::Pinned(p) => p
+                .as_mut_slice()
+                .map_err(|e| driver_error("pinned memory", e)),
+            HostBuf::Plain(v) => Ok(v),
+        }
     }
 }
 
@@ -95,11 +128,22 @@ pub struct DeviceInfo {
     pub free_memory: u64,
 }
 
-/// One device context with its stream and kernels.
-pub struct Gpu {
-    pub ctx: Arc<CudaContext>,
-    pub stream: Arc<CudaStream>,
+/// A CUDA context with its stream and kernels.
+struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
+}
+
+/// What executes the kernels.
+enum Backing {
+    Cuda(Cuda),
+    Emulated(Arc<emulator::Emulator>),
+}
+
+/// One device with its stream and kernels — a CUDA device, or the host [`emulator`] in tests.
+pub struct Gpu {
+    backing: Backing,
     pub info: DeviceInfo,
 }
 
@@ -210,9 +254,11 @@ impl Gpu {
             }
         }
         Ok(Self {
-            ctx,
-            stream,
-            functions,
+            backing: Backing::Cuda(Cuda {
+                ctx,
+                stream,
+                functions,
+            }),
             info: DeviceInfo {
                 ordinal,
                 name,
@@ -224,13 +270,26 @@ impl Gpu {
         })
     }
 
-    fn function(&self, name: &str) -> Result<&CudaFunction, PluginError> {
-        self.functions.get(name).ok_or_else(|| {
-            PluginError::new(
-                ErrorKind::Internal,
-                format!("cuda-hybrid: kernel '{name}' was not loaded"),
-            )
-        })
+    /// The host emulator as the device (tests on machines without a GPU): device memory is
+    /// host memory and kernels are the C++ build of `kernels/*.cu` that `emulator` loads.
+    /// `memory` is the device memory it pretends to have.
+    pub fn emulated(emulator: Arc<emulator::Emulator>, memory: u64) -> Self {
+        Self {
+            backing: Backing::Emulated(emulator),
+            info: DeviceInfo {
+                ordinal: 0,
+                name: "host emulator of the CUDA kernels".to_string(),
+                compute_capability: (0, 0),
+                kernel_arch: (0, 0),
+                total_memory: memory,
+                free_memory: memory,
+            },
+        }
+    }
+
+    /// Whether this is the host emulator.
+    pub fn is_emulated(&self) -> bool {
+        matches!(self.backing, Backing::Emulated(_))
     }
 
     /// Launches kernel `name` with `args` (in the order of its C signature).
@@ -244,8 +303,17 @@ impl Gpu {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let f = self.function(name)?;
-        let mut builder = self.stream.launch_builder(f);
+        let cuda = match &self.backing {
+            Backing::Cuda(cuda) => cuda,
+            Backing::Emulated(emulator) => return emulator.launch(name, grid, block, args),
+        };
+        let f = cuda.functions.get(name).ok_or_else(|| {
+            PluginError::new(
+                ErrorKind::Internal,
+                format!("cuda-hybrid: kernel '{name}' was not loaded"),
+            )
+        })?;
+        let mut builder = cuda.stream.launch_builder(f);
         for arg in args {
             match arg {
                 Arg::Ptr(p) | Arg::U64(p) => builder.arg(p),
@@ -266,12 +334,27 @@ impl Gpu {
         Ok(())
     }
 
+    fn host_buf<T>(len: usize) -> DevBuf<T> {
+        let words = (len.max(1) * std::mem::size_of::<T>()).div_ceil(8);
+        let storage = vec![0u64; words];
+        let ptr = storage.as_ptr() as u64;
+        DevBuf {
+            storage: Storage::Host(storage),
+            len,
+            ptr,
+        }
+    }
+
     /// A zeroed device buffer of `len` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,
         len: usize,
     ) -> Result<DevBuf<T>, PluginError> {
-        let slice = self.stream.alloc_zeros::<T>(len.max(1)).map_err(|e| {
+        let cuda = match &self.backing {
+            Backing::Cuda(cuda) => cuda,
+            Backing::Emulated(_) => return Ok(Self::host_buf(len)),
+        };
+        let slice = cuda.stream.alloc_zeros::<T>(len.max(1)).map_err(|e| {
             driver_error(
                 &format!(
                     "cannot allocate {} bytes of device memory",
@@ -280,13 +363,28 @@ impl Gpu {
                 e,
             )
         })?;
-        let ptr = slice.device_ptr(&self.stream).0;
-        Ok(DevBuf { slice, ptr })
+        let ptr = slice.device_ptr(&cuda.stream).0;
+        Ok(DevBuf {
+            storage: Storage::Cuda(slice),
+            len,
+            ptr,
+        })
     }
 
     /// A device copy of `data`.
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<DevBuf<T>, PluginError> {
-        let slice = self.stream.clone_htod(data).map_err(|e| {
+        let cuda = match &self.backing {
+            Backing::Cuda(cuda) => cuda,
+            Backing::Emulated(_) => {
+                let buf = Self::host_buf::<T>(data.len());
+                // SAFETY: the buffer holds at least `data.len()` elements of T, 8-byte aligned.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr as *mut T, data.len())
+                };
+                return Ok(buf);
+            }
+        };
+        let slice = cuda.stream.clone_htod(data).map_err(|e| {
             driver_error(
                 &format!(
                     "cannot copy {} bytes to the device",
@@ -295,15 +393,23 @@ impl Gpu {
                 e,
             )
         })?;
-        let ptr = slice.device_ptr(&self.stream).0;
-        Ok(DevBuf { slice, ptr })
+        let ptr = slice.device_ptr(&cuda.stream).0;
+        Ok(DevBuf {
+            storage: Storage::Cuda(slice),
+            len: data.len(),
+            ptr,
+        })
     }
 
-    /// Page-locked host memory of `len` values (the hand-off buffers).
-    pub fn pinned(&self, len: usize) -> Result<PinnedHostSlice<f32>, PluginError> {
-        // SAFETY: plain page-locked memory (flags 0: cached, readable by the CPU at full speed);
-        // zeroed below before anything reads it.
-        let mut buffer = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len.max(1), 0) }
+    /// The hand-off buffer of `len` values (page-locked on a real device).
+    pub fn pinned(&self, len: usize) -> Result<HostBuf, PluginError> {
+        let cuda = match &self.backing {
+            Backing::Cuda(cuda) => cuda,
+            Backing::Emulated(_) => return Ok(HostBuf::Plain(vec![0.0; len.max(1)])),
+        };
+        // SAFETY: plain page-locked memory (flags 0: cached, readable by the CPU at full
+        // speed); zeroed below before anything reads it.
+        let mut buffer = unsafe { cuda.ctx.alloc_pinned_with_flags::<f32>(len.max(1), 0) }
             .map_err(|e| {
                 driver_error(
                     &format!("cannot allocate {len} floats of pinned host memory"),
@@ -314,13 +420,14 @@ impl Gpu {
             .as_mut_slice()
             .map_err(|e| driver_error("cannot map pinned memory", e))?
             .fill(0.0);
-        Ok(buffer)
+        Ok(HostBuf::Pinned(buffer))
     }
 
-    /// Copies `src` (host) into device memory at `dst` (f32 elements).
+    /// Copies the first `len` values of `src` into `dst[at..]` (queued on the stream: `src`
+    /// must not change before the next [`Gpu::sync`]).
     pub fn copy_to_device(
         &self,
-        src: &PinnedHostSlice<f32>,
+        src: &HostBuf,
         len: usize,
         dst: &mut DevBuf<f32>,
         at: usize,
@@ -328,33 +435,64 @@ impl Gpu {
         if len == 0 {
             return Ok(());
         }
-        let mut view = dst.slice.slice_mut(at..at + len);
-        let host = src
-            .as_slice()
-            .map_err(|e| driver_error("cannot map pinned memory", e))?;
-        self.stream
-            .memcpy_htod(&host[..len], &mut view)
-            .map_err(|e| driver_error("copy to the device", e))
+        let host = &src.as_slice()?[..len];
+        match (&self.backing, &mut dst.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
+                let mut view = slice.slice_mut(at..at + len);
+                cuda.stream
+                    .memcpy_htod(host, &mut view)
+                    .map_err(|e| driver_error("copy to the device", e))
+            }
+            (Backing::Emulated(_), Storage::Host(_)) if at + len <= dst.len => {
+                // SAFETY: in bounds of the host stand-in buffer, checked above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(host.as_ptr(), (dst.ptr as *mut f32).add(at), len)
+                };
+                Ok(())
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: copy between a device and a buffer it does not own",
+            )),
+        }
     }
 
-    /// Copies `len` f32 values of device memory at `src[at..]` into pinned host memory.
+    /// Copies `len` values of `src[at..]` into the start of `dst` (queued on the stream: read
+    /// `dst` after [`Gpu::sync`]).
     pub fn copy_to_host(
         &self,
         src: &DevBuf<f32>,
         at: usize,
         len: usize,
-        dst: &mut PinnedHostSlice<f32>,
+        dst: &mut HostBuf,
     ) -> Result<(), PluginError> {
         if len == 0 {
             return Ok(());
         }
-        let view = src.slice.slice(at..at + len);
-        let host = dst
-            .as_mut_slice()
-            .map_err(|e| driver_error("cannot map pinned memory", e))?;
-        self.stream
-            .memcpy_dtoh(&view, &mut host[..len])
-            .map_err(|e| driver_error("copy to the host", e))
+        let host = &mut dst.as_mut_slice()?[..len];
+        match (&self.backing, &src.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
+                let view = slice.slice(at..at + len);
+                cuda.stream
+                    .memcpy_dtoh(&view, host)
+                    .map_err(|e| driver_error("copy to the host", e))
+            }
+            (Backing::Emulated(_), Storage::Host(_)) if at + len <= src.len => {
+                // SAFETY: in bounds of the host stand-in buffer, checked above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (src.ptr as *const f32).add(at),
+                        host.as_mut_ptr(),
+                        len,
+                    )
+                };
+                Ok(())
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: copy between a device and a buffer it does not own",
+            )),
+        }
     }
 
     /// Zeroes `len` f32 values of `buf` from `at`.
@@ -367,16 +505,62 @@ impl Gpu {
         if len == 0 {
             return Ok(());
         }
-        let mut view = buf.slice.slice_mut(at..at + len);
-        self.stream
-            .memset_zeros(&mut view)
-            .map_err(|e| driver_error("clearing device memory", e))
+        match (&self.backing, &mut buf.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
+                let mut view = slice.slice_mut(at..at + len);
+                cuda.stream
+                    .memset_zeros(&mut view)
+                    .map_err(|e| driver_error("clearing device memory", e))
+            }
+            (Backing::Emulated(_), Storage::Host(_)) if at + len <= buf.len => {
+                // SAFETY: in bounds of the host stand-in buffer, checked above.
+                unsafe { std::ptr::write_bytes((buf.ptr as *mut f32).add(at), 0, len) };
+                Ok(())
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: clearing a buffer of another device",
+            )),
+        }
+    }
+
+    /// A host copy of a whole buffer (waits for the stream). For tests and diagnostics.
+    pub fn download<T: DeviceRepr + Copy + Default>(
+        &self,
+        buf: &DevBuf<T>,
+    ) -> Result<Vec<T>, PluginError> {
+        match (&self.backing, &buf.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
+                let mut all = cuda
+                    .stream
+                    .clone_dtoh(slice)
+                    .map_err(|e| driver_error("copy to the host", e))?;
+                all.truncate(buf.len);
+                Ok(all)
+            }
+            (Backing::Emulated(_), Storage::Host(_)) => {
+                let mut out = vec![T::default(); buf.len];
+                // SAFETY: the host stand-in buffer holds `len` elements of T.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(buf.ptr as *const T, out.as_mut_ptr(), buf.len)
+                };
+                Ok(out)
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: reading a buffer of another device",
+            )),
+        }
     }
 
     /// Waits for everything queued on the stream.
     pub fn sync(&self) -> Result<(), PluginError> {
-        self.stream
-            .synchronize()
-            .map_err(|e| driver_error("the device reported an error", e))
+        match &self.backing {
+            Backing::Cuda(cuda) => cuda
+                .stream
+                .synchronize()
+                .map_err(|e| driver_error("the device reported an error", e)),
+            Backing::Emulated(_) => Ok(()),
+        }
     }
 }

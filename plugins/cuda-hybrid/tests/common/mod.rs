@@ -197,3 +197,87 @@ pub fn gpu_or_skip(test: &str) -> bool {
         }
     }
 }
+
+/// What the device tests run on.
+#[derive(Clone)]
+pub enum Device {
+    /// A CUDA device.
+    Cuda,
+    /// The host emulator of the kernels (no GPU here).
+    Emulated(std::sync::Arc<specula_cuda_hybrid::gpu::emulator::Emulator>),
+}
+
+/// The host emulator, built once per test process with `$CXX` (default `c++`) under the
+/// target directory; `Err` says why it cannot be had.
+pub fn emulator() -> Result<std::sync::Arc<specula_cuda_hybrid::gpu::emulator::Emulator>, String> {
+    use specula_cuda_hybrid::gpu::emulator::{build, Emulator};
+    use std::sync::{Arc, OnceLock};
+    static EMULATOR: OnceLock<Result<Arc<Emulator>, String>> = OnceLock::new();
+    EMULATOR
+        .get_or_init(|| {
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+            // Kept between runs, keyed by the sources; built in a private directory and
+            // renamed into place, so concurrent test processes never see half a library.
+            let key = fnv1a(specula_cuda_hybrid::gpu::emulator::translation_unit().as_bytes());
+            let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-host-emulator");
+            let library = root.join(format!("libcuda_host_kernels-{key:016x}.so"));
+            if !library.exists() {
+                let dir = root.join(format!("build-{}", std::process::id()));
+                let built = build(&cxx, &dir)?;
+                std::fs::rename(&built, &library).map_err(|e| e.to_string())?;
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            Emulator::load(&library)
+                .map(Arc::new)
+                .map_err(|e| e.message.to_string())
+        })
+        .clone()
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A CUDA device when there is one, else the host emulator when a C++ compiler can build it;
+/// `None` (after printing why) when neither is available.
+pub fn device_or_skip(test: &str) -> Option<Device> {
+    if specula_cuda_hybrid::driver::usable_gpu().is_ok() {
+        return Some(Device::Cuda);
+    }
+    match emulator() {
+        Ok(e) => {
+            eprintln!("{test}: no GPU here, running on the host emulator of the kernels");
+            Some(Device::Emulated(e))
+        }
+        Err(why) => {
+            eprintln!("SKIPPED {test}: no GPU here and no emulator: {why}");
+            None
+        }
+    }
+}
+
+/// The device as a [`specula_cuda_hybrid::gpu::Gpu`].
+pub fn open_device(device: &Device) -> specula_cuda_hybrid::gpu::Gpu {
+    match device {
+        Device::Cuda => specula_cuda_hybrid::gpu::Gpu::open(0, None)
+            .unwrap_or_else(|e| panic!("opening the GPU: {e}")),
+        Device::Emulated(e) => specula_cuda_hybrid::gpu::Gpu::emulated(e.clone(), 1 << 34),
+    }
+}
+
+/// cuda-hybrid on `device` for `path` (context 256, `options`).
+pub fn open_backend(
+    device: &Device,
+    path: &Path,
+    options: &[(&str, &str)],
+) -> Result<specula_cuda_hybrid::CudaBackend, specula_plugin_api::PluginError> {
+    let p = params(path, 256, options);
+    match device {
+        Device::Cuda => specula_cuda_hybrid::CudaBackend::open(&p),
+        Device::Emulated(e) => {
+            specula_cuda_hybrid::CudaBackend::open_emulated(&p, e.clone(), 1 << 34)
+        }
+    }
+}
