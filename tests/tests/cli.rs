@@ -383,7 +383,9 @@ fn drafter_flags_and_example_profiles_speculate_with_plain_output() {
             "--temp",
             "0",
             "--json",
-            "Once upon a time",
+            // Repeats, so that prompt lookup matches on its very first steps (the adaptive
+            // controller may pause a drafter that finds nothing early).
+            "Lily and Ben went to the park. Lily and Ben went to the park. Lily and Ben",
         ];
         let spec = json(&run(&base));
         let plain = json(&run(&[&base[..], &["--no-spec"]].concat()));

@@ -16,3 +16,4 @@ pub mod blocks;
 pub mod kv_cache;
 pub mod model;
 pub mod recurrent;
+pub mod validate;

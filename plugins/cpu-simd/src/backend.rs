@@ -488,37 +488,16 @@ impl CpuBackend {
         let e = model.config.n_embd;
         let vocab = model.config.n_vocab;
         let n = tokens.len();
-        if n == 0 {
-            return Err(PluginError::invalid_input(
-                "cpu-simd: mtp_eval called with no tokens",
-            ));
-        }
-        if hidden.len() != n * e {
-            return Err(PluginError::invalid_input(format!(
-                "cpu-simd: mtp_eval got {} hidden values for {n} rows, expected {n} × the hidden size {e}",
-                hidden.len()
-            )));
-        }
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(PluginError::invalid_input(format!(
-                "cpu-simd: token id {bad} is out of range (vocabulary size {vocab})"
-            )));
-        }
-        if position > kv.len() {
-            return Err(PluginError::invalid_input(format!(
-                "cpu-simd: mtp_eval at position {position}, but the MTP head's cache holds only {} entries (steps must not skip positions)",
-                kv.len()
-            )));
-        }
-        if position + n > kv.capacity() {
-            return Err(PluginError::new(
-                ErrorKind::ContextFull,
-                format!(
-                    "cpu-simd: context full: mtp_eval of {n} rows at position {position} exceeds the context size {}",
-                    kv.capacity()
-                ),
-            ));
-        }
+        specula_cpu_engine::validate::mtp_input(
+            "cpu-simd",
+            hidden,
+            tokens,
+            position,
+            e,
+            vocab,
+            kv.len(),
+            kv.capacity(),
+        )?;
         let n_logits = rows.count(n);
         logits.clear();
         logits.resize(n_logits * vocab, 0.0);

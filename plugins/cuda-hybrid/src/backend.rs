@@ -875,36 +875,16 @@ impl CudaBackend {
         let e = model.config.n_embd;
         let vocab = model.config.n_vocab;
         let n = tokens.len();
-        if n == 0 {
-            return Err(PluginError::invalid_input(
-                "cuda-hybrid: mtp_eval called with no tokens",
-            ));
-        }
-        if hidden.len() != n * e {
-            return Err(PluginError::invalid_input(format!(
-                "cuda-hybrid: mtp_eval got {} hidden values for {n} rows, expected {n} × the hidden size {e}",
-                hidden.len()
-            )));
-        }
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(PluginError::invalid_input(format!(
-                "cuda-hybrid: token id {bad} is out of range (vocabulary size {vocab})"
-            )));
-        }
-        if position > mtp_len {
-            return Err(PluginError::invalid_input(format!(
-                "cuda-hybrid: mtp_eval at position {position}, but the MTP head's cache holds only {mtp_len} entries (steps must not skip positions)"
-            )));
-        }
-        if position + n > self.n_ctx {
-            return Err(PluginError::new(
-                ErrorKind::ContextFull,
-                format!(
-                    "cuda-hybrid: context full: mtp_eval of {n} rows at position {position} exceeds the context size {}",
-                    self.n_ctx
-                ),
-            ));
-        }
+        specula_cpu_engine::validate::mtp_input(
+            "cuda-hybrid",
+            hidden,
+            tokens,
+            position,
+            e,
+            vocab,
+            mtp_len,
+            self.n_ctx,
+        )?;
         let n_logits = rows.count(n);
         logits.clear();
         logits.resize(n_logits * vocab, 0.0);
