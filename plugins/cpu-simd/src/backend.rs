@@ -507,32 +507,19 @@ impl CpuBackend {
         let scratch = &mut h.scratch;
         let chunk = engine.batch_rows;
         self.pool.install(|| {
-            // Chunks of at most the scratch rows; logits come from the last chunks' rows.
-            let mut start = 0;
-            while start < n {
-                let m = chunk.min(n - start);
-                let first_logit_row = n - n_logits;
-                let (lo, hi) = (first_logit_row.max(start), start + m);
-                let chunk_logits = if lo < hi {
-                    &mut logits[(lo - first_logit_row) * vocab..(hi - first_logit_row) * vocab]
-                } else {
-                    &mut logits[..0]
-                };
-                mtp::forward(
-                    &model.config,
-                    weights,
-                    file,
-                    &hidden[start * e..(start + m) * e],
-                    &tokens[start..start + m],
-                    position + start,
-                    kv,
-                    scratch,
-                    chunk_logits,
-                    &mut hidden_out[start * e..(start + m) * e],
-                )?;
-                start += m;
-            }
-            Ok(())
+            mtp::forward_chunked(
+                &model.config,
+                weights,
+                file,
+                hidden,
+                tokens,
+                position,
+                kv,
+                scratch,
+                chunk,
+                logits,
+                hidden_out,
+            )
         })
     }
 }

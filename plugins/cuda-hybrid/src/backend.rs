@@ -939,32 +939,11 @@ impl CudaBackend {
                     return Err(internal("MTP head on the host without its cache"));
                 };
                 let config = &model.config;
-                self.pool.install(|| -> Result<(), PluginError> {
-                    let mut start = 0;
-                    while start < n {
-                        let m = chunk.min(n - start);
-                        let (lo, hi) = (first_logit_row.max(start), start + m);
-                        let chunk_logits = if lo < hi {
-                            &mut logits
-                                [(lo - first_logit_row) * vocab..(hi - first_logit_row) * vocab]
-                        } else {
-                            &mut logits[..0]
-                        };
-                        mtp::forward(
-                            config,
-                            weights,
-                            file,
-                            &hidden[start * e..(start + m) * e],
-                            &tokens[start..start + m],
-                            position + start,
-                            kv,
-                            scratch,
-                            chunk_logits,
-                            &mut hidden_out[start * e..(start + m) * e],
-                        )?;
-                        start += m;
-                    }
-                    Ok(())
+                self.pool.install(|| {
+                    mtp::forward_chunked(
+                        config, weights, file, hidden, tokens, position, kv, scratch, chunk,
+                        logits, hidden_out,
+                    )
                 })?;
             }
         }

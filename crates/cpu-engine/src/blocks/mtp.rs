@@ -175,3 +175,48 @@ pub fn forward(
     kv.set_len(position + m);
     Ok(())
 }
+
+/// [`forward`] over any number of rows, in chunks of at most `chunk_rows` (the scratch's
+/// rows): `logits` holds the last `logits.len() / n_vocab` rows' logits, each taken from the
+/// chunk that computed it. Chunking changes no bits: every row is computed as a one-row call.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_chunked(
+    config: &HybridConfig,
+    w: &MtpWeights,
+    file: &GgufFile,
+    hidden: &[f32],
+    tokens: &[u32],
+    position: usize,
+    kv: &mut KvCache,
+    s: &mut HybridScratch,
+    chunk_rows: usize,
+    logits: &mut [f32],
+    hidden_out: &mut [f32],
+) -> Result<(), PluginError> {
+    let (e, vocab, n) = (config.n_embd, config.n_vocab, tokens.len());
+    let first_logit_row = n - logits.len() / vocab;
+    let mut start = 0;
+    while start < n {
+        let m = chunk_rows.max(1).min(n - start);
+        let (lo, hi) = (first_logit_row.max(start), start + m);
+        let chunk_logits = if lo < hi {
+            &mut logits[(lo - first_logit_row) * vocab..(hi - first_logit_row) * vocab]
+        } else {
+            &mut logits[..0]
+        };
+        forward(
+            config,
+            w,
+            file,
+            &hidden[start * e..(start + m) * e],
+            &tokens[start..start + m],
+            position + start,
+            kv,
+            s,
+            chunk_logits,
+            &mut hidden_out[start * e..(start + m) * e],
+        )?;
+        start += m;
+    }
+    Ok(())
+}
