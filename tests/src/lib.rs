@@ -114,3 +114,20 @@ pub fn write_spec_profile(dir: &Path, name: &str, model: &Path, extra: &str) -> 
     std::fs::write(&path, text).expect("write profile");
     path
 }
+
+/// [`specula`], asserting that it succeeded (showing its stderr when not).
+pub fn specula_ok(args: &[&str], home: &Path) -> Output {
+    let out = specula(args, home);
+    assert!(
+        out.status.success(),
+        "specula {args:?} failed: {}",
+        stderr(&out)
+    );
+    out
+}
+
+/// Standard output parsed as the one JSON object `--json` prints.
+pub fn json_of(out: &Output) -> serde_json::Value {
+    serde_json::from_str(stdout(out).trim())
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(out)))
+}

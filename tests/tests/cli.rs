@@ -13,7 +13,7 @@ fn stories260k_tells_the_lily_story_from_bos() {
         &shared("models/stories260K.gguf"),
         "",
     );
-    let out = specula(
+    let out = specula_ok(
         &[
             "run",
             "--profile",
@@ -25,7 +25,6 @@ fn stories260k_tells_the_lily_story_from_bos() {
         ],
         dir.path(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.starts_with(LILY), "{text:?}");
     let summary = stderr(&out);
@@ -44,7 +43,7 @@ fn json_output_carries_token_ids_and_stop_strings_cut_text() {
         &shared("models/stories260K.gguf"),
         "",
     );
-    let out = specula(
+    let out = specula_ok(
         &[
             "run",
             "--profile",
@@ -59,8 +58,7 @@ fn json_output_carries_token_ids_and_stop_strings_cut_text() {
         ],
         dir.path(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let v: serde_json::Value = json_of(&out);
     assert_eq!(
         v["text"],
         "Once upon a time, there was a little girl named "
@@ -79,7 +77,7 @@ fn prompt_from_argument_continues_it() {
         &shared("models/stories260K.gguf"),
         "",
     );
-    let out = specula(
+    let out = specula_ok(
         &[
             "run",
             "--profile",
@@ -93,8 +91,7 @@ fn prompt_from_argument_continues_it() {
         ],
         dir.path(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let v: serde_json::Value = json_of(&out);
     assert!(v["prompt_tokens"].as_array().unwrap().len() > 2);
     assert!(
         v["text"]
@@ -116,7 +113,7 @@ fn same_seed_gives_the_same_sampled_text() {
     );
     let p = profile.to_str().unwrap();
     let run = |seed: &str| {
-        let out = specula(
+        let out = specula_ok(
             &[
                 "run",
                 "--profile",
@@ -131,8 +128,7 @@ fn same_seed_gives_the_same_sampled_text() {
             ],
             dir.path(),
         );
-        assert!(out.status.success(), "{}", stderr(&out));
-        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        let v: serde_json::Value = json_of(&out);
         v["tokens"].clone()
     };
     assert_eq!(run("11"), run("11"));
@@ -148,7 +144,7 @@ fn tiny_llama_fixture_generates() {
         &shared("models/fixtures/tiny-llama.gguf"),
         "",
     );
-    let out = specula(
+    let out = specula_ok(
         &[
             "run",
             "--profile",
@@ -161,8 +157,7 @@ fn tiny_llama_fixture_generates() {
         ],
         dir.path(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let v: serde_json::Value = json_of(&out);
     let n = v["tokens"].as_array().unwrap().len();
     assert!(n == 24 || v["stop_reason"] == "end_of_generation", "{v}");
 }
@@ -196,7 +191,7 @@ fn hybrid_models_generate() {
         let err = stderr(&out);
         assert!(out.status.success(), "{file}: {err}");
         assert!(!err.contains("panicked"), "{err}");
-        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        let v: serde_json::Value = json_of(&out);
         let n = v["tokens"].as_array().unwrap().len();
         assert!(
             n == 16 || v["stop_reason"] == "end_of_generation",
@@ -209,7 +204,7 @@ fn hybrid_models_generate() {
         &shared("models/trained/stories-qwen35-mtp-q8_0.gguf"),
         "",
     );
-    let out = specula(
+    let out = specula_ok(
         &[
             "run",
             "--profile",
@@ -221,7 +216,6 @@ fn hybrid_models_generate() {
         ],
         dir.path(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.starts_with(LILY), "{text:?}");
 }
@@ -229,11 +223,10 @@ fn hybrid_models_generate() {
 #[test]
 fn default_run_works_without_a_profile() {
     let dir = tempfile::tempdir().unwrap();
-    let out = specula(
+    let out = specula_ok(
         &["run", "-n", "24", "--seed", "3", "The prince said"],
         dir.path(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
     assert!(dir.path().join("default-model.gguf").is_file());
     let text = stdout(&out);
     let words = text.split_whitespace().count();
@@ -249,8 +242,7 @@ fn default_run_works_without_a_profile() {
 #[test]
 fn plugins_lists_cpu_simd() {
     let dir = tempfile::tempdir().unwrap();
-    let out = specula(&["plugins"], dir.path());
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = specula_ok(&["plugins"], dir.path());
     let text = stdout(&out);
     let line = text
         .lines()
@@ -285,8 +277,7 @@ fn profile_check_reports_misspelt_keys_with_their_path() {
         &shared("models/stories260K.gguf"),
         "",
     );
-    let out = specula(&["profile", "check", good.to_str().unwrap()], dir.path());
-    assert!(out.status.success(), "{}", stderr(&out));
+    specula_ok(&["profile", "check", good.to_str().unwrap()], dir.path());
 }
 
 #[test]
@@ -506,7 +497,7 @@ fn prompt_from_stdin_drops_the_final_line_end() {
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let v: serde_json::Value = json_of(&out);
     assert!(
         v["text"]
             .as_str()

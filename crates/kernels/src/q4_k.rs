@@ -145,9 +145,10 @@ mod tests {
         let mut block = vec![0u8; BLOCK_BYTES];
         block[0..2].copy_from_slice(&0x3800u16.to_le_bytes()); // d = 0.5
         block[2..4].copy_from_slice(&0x3400u16.to_le_bytes()); // dmin = 0.25
-                                                               // scales[0..4]: sc0..3, top bits of sc4..7 (17 -> 01, 40 -> 10, 5 -> 00, 63 -> 11).
-                                                               // scales[4..8]: m0..3, top bits of m4..7 (33 -> 10, 9 -> 00, 63 -> 11, 16 -> 01).
-                                                               // scales[8..12]: low nibbles of sc4..7 | low nibbles of m4..7 << 4.
+
+        // scales[0..4]: sc0..3, top bits of sc4..7 (17 -> 01, 40 -> 10, 5 -> 00, 63 -> 11).
+        // scales[4..8]: m0..3, top bits of m4..7 (33 -> 10, 9 -> 00, 63 -> 11, 16 -> 01).
+        // scales[8..12]: low nibbles of sc4..7 | low nibbles of m4..7 << 4.
         let packed = [65u8, 130, 3, 255, 128, 1, 254, 68, 0x11, 0x98, 0xf5, 0x0f];
         block[4..16].copy_from_slice(&packed);
         for c in 0..4 {
