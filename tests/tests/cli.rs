@@ -374,8 +374,9 @@ fn drafter_flags_and_example_profiles_speculate_with_plain_output() {
             "--temp",
             "0",
             "--json",
-            // Repeats, so that prompt lookup matches on its very first steps (the adaptive
-            // controller may pause a drafter that finds nothing early).
+            // The adaptive controller judges partly by measured time, and may pause a drafter
+            // that finds nothing early on a loaded machine: draft every step.
+            "--fixed-draft",
             "Lily and Ben went to the park. Lily and Ben went to the park. Lily and Ben",
         ];
         let spec = json(&run(&base));

@@ -186,6 +186,9 @@ fn matmul_tiled(
         row_buffer,
         staging,
     } = scratch;
+    // One thread chunk of weight rows writes its results activation-row-major into its own
+    // piece of `dest`; with several activation rows those pieces are then copied into place
+    // row by row (contiguous copies, not a strided transpose).
     let dest: &mut [f32] = if n == 1 {
         out
     } else {
@@ -220,11 +223,12 @@ fn matmul_tiled(
             let q_row = format
                 .row_bytes(cols)
                 .expect("weight rows are whole blocks");
-            // SIMD levels multiply Q8_0 activations in widened blocks (f32 scales).
+            // SIMD levels multiply Q8_0 activations in their own widened format.
             let widen = format == ActivationFormat::Q8_0 && level != SimdLevel::Scalar;
             let (act_block, act_row) = if widen {
                 let blocks = cols / q8_0::BLOCK_VALUES;
-                (q8_0::WIDE_BLOCK_BYTES, blocks * q8_0::WIDE_BLOCK_BYTES)
+                let block = q8_0::wide_block_bytes(level);
+                (block, blocks * block)
             } else if format == ActivationFormat::Q8_0 {
                 (q8_0::BLOCK_BYTES, q_row)
             } else {
@@ -239,7 +243,7 @@ fn matmul_tiled(
                 match format {
                     ActivationFormat::Q8_0 if widen => {
                         q8_0::quantize_row(values, row_buffer);
-                        q8_0::widen_row(row_buffer, q);
+                        q8_0::widen_row(level, row_buffer, q);
                     }
                     ActivationFormat::Q8_0 => q8_0::quantize_row(values, q),
                     _ => q8_k::quantize_row(values, q),
@@ -281,9 +285,12 @@ fn matmul_tiled(
         }
     }
     if n > 1 {
-        for (r, results) in staging.chunks_exact(n).enumerate() {
-            for (b, v) in results.iter().enumerate() {
-                out[b * rows + r] = *v;
+        let chunk_rows = chunk_rows(rows);
+        for (chunk, results) in staging.chunks(chunk_rows * n).enumerate() {
+            let first = chunk * chunk_rows;
+            let chunk_len = results.len() / n;
+            for (b, row) in results.chunks_exact(chunk_len).enumerate() {
+                out[b * rows + first..][..chunk_len].copy_from_slice(row);
             }
         }
     }
@@ -319,8 +326,16 @@ struct Kernel<T> {
     tile_bytes: usize,
 }
 
-/// Fills `dest[r * n + b]` for every weight row `r` and activation row `b`, splitting
-/// contiguous ranges of weight rows across the current rayon pool.
+/// Weight rows per thread chunk: a few chunks per thread, so that uneven progress balances.
+fn chunk_rows(rows: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    rows.div_ceil(threads * 4).max(4)
+}
+
+/// Splits the weight rows into contiguous chunks of [`chunk_rows`] across the current rayon
+/// pool. Chunk `c` (weight rows `first .. first + len`) fills `dest[c * chunk_rows * n ..]`
+/// activation-row-major: the product of weight row `first + i` and activation row `b` at
+/// `b * len + i`.
 fn run<T: Sync>(
     kernel: &Kernel<T>,
     level: SimdLevel,
@@ -331,12 +346,21 @@ fn run<T: Sync>(
     let n = acts.count();
     let rows = w.rows();
     let threads = rayon::current_num_threads().max(1);
-    let chunk_rows = rows.div_ceil(threads * 4).max(4);
+    let chunk_rows = chunk_rows(rows);
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
         if level == SimdLevel::Scalar {
-            for (i, outputs) in dst.chunks_exact_mut(n).enumerate() {
-                (kernel.dot_rows)(level, w.row(first + i), acts, outputs);
+            let len = dst.len() / n;
+            let mut outputs = [0.0; MAX_ROWS_PER_PASS];
+            for i in 0..len {
+                for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
+                    let pass = acts.sub(pass_first, MAX_ROWS_PER_PASS.min(n - pass_first));
+                    let outputs = &mut outputs[..pass.count()];
+                    (kernel.dot_rows)(level, w.row(first + i), pass, outputs);
+                    for (b, v) in outputs.iter().enumerate() {
+                        dst[(pass_first + b) * len + i] = *v;
+                    }
+                }
             }
         } else {
             tiled_rows(kernel, level, w, first, acts, dst);
@@ -362,7 +386,7 @@ fn tiled_rows<T>(
     dst: &mut [f32],
 ) {
     let n = acts.count();
-    let chunk_rows = dst.len() / n;
+    let chunk_len = dst.len() / n;
     let blocks = w.cols() / kernel.block_values;
     let pass_rows = n.min(MAX_ROWS_PER_PASS);
     let align = kernel.tile_align_blocks;
@@ -371,12 +395,14 @@ fn tiled_rows<T>(
     // ragged end, if any, joins the last tile.
     let tile_blocks = (kernel.tile_bytes / (pass_rows * aligned_act_bytes)).max(1) * align;
     let mut acc = [Accumulator::ZERO; WEIGHT_ROWS_PER_GROUP * MAX_ROWS_PER_PASS];
-    for (g, group_dst) in dst.chunks_mut(WEIGHT_ROWS_PER_GROUP * n).enumerate() {
-        let group_first = first + g * WEIGHT_ROWS_PER_GROUP;
-        let group_rows = group_dst.len() / n;
+    for group_start in (0..chunk_len).step_by(WEIGHT_ROWS_PER_GROUP) {
+        let group_first = first + group_start;
+        let group_rows = WEIGHT_ROWS_PER_GROUP.min(chunk_len - group_start);
         for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
             let pass = acts.sub(pass_first, pass_rows.min(n - pass_first));
             let p = pass.count();
+            // Pair (r, b) at `r * p + b`: only the pairs in use are zeroed.
+            let acc = &mut acc[..group_rows * p];
             acc.fill(Accumulator::ZERO);
             let mut start = 0;
             while start < blocks {
@@ -398,18 +424,18 @@ fn tiled_rows<T>(
                     // multi-row passes and for f32 rows; single-row quantised passes are
                     // compute-bound and lose ~10 % to the extra instructions, so they skip it).
                     let worth_it = p > 1 || kernel.act_elem_bytes == 4;
-                    if worth_it && group_first + r + 1 < first + chunk_rows {
+                    if worth_it && group_first + r + 1 < first + chunk_len {
                         simd::prefetch(&w.row(group_first + r + 1)[w_start..w_start + w_len]);
                     }
                     let w_tile = &w.row(group_first + r)[w_start..w_start + w_len];
-                    let pair_acc = &mut acc[r * MAX_ROWS_PER_PASS..][..p];
+                    let pair_acc = &mut acc[r * p..][..p];
                     (kernel.accumulate)(level, w_tile, x_tile, pair_acc);
                 }
             }
             for r in 0..group_rows {
                 for b in 0..p {
-                    group_dst[r * n + pass_first + b] =
-                        acc[r * MAX_ROWS_PER_PASS + b].sum(kernel.lanes);
+                    dst[(pass_first + b) * chunk_len + group_start + r] =
+                        acc[r * p + b].sum(kernel.lanes);
                 }
             }
         }

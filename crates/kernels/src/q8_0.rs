@@ -134,8 +134,8 @@ impl Block32Encoding {
 
 /// The multi-input dot product of a Q8_0 / Q4_0 weight row with Q8_0 activation rows: checks
 /// sizes and `level`, then runs the level's kernel over the whole row (the scalar level runs
-/// the reference per row). SIMD levels widen the activation rows' scales first
-/// ([`widen_row`]), a run of blocks at a time on the stack.
+/// the reference per row). SIMD levels widen the activation rows first ([`widen_row`]), a run
+/// of blocks at a time on the stack.
 pub(crate) fn block32_dot_rows(
     encoding: Block32Encoding,
     level: SimdLevel,
@@ -148,8 +148,8 @@ pub(crate) fn block32_dot_rows(
         x.count(),
         "dot_rows: one output per activation row"
     );
-    check_block32_sizes(encoding, w, x.len() / BLOCK_BYTES * WIDE_BLOCK_BYTES);
     if level == SimdLevel::Scalar {
+        check_block32_sizes(encoding, level, w, x.len());
         let scalar = encoding.scalar_dot();
         for (b, o) in out.iter_mut().enumerate() {
             *o = scalar(w, x.row(b));
@@ -158,8 +158,10 @@ pub(crate) fn block32_dot_rows(
     }
     /// Blocks widened per step (even, so pairs of blocks stay together).
     const STEP: usize = 32;
+    let wide_block = wide_block_bytes(level);
+    check_block32_sizes(encoding, level, w, x.len() / BLOCK_BYTES * wide_block);
     let blocks = x.len() / BLOCK_BYTES;
-    let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * WIDE_BLOCK_BYTES];
+    let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * MAX_WIDE_BLOCK_BYTES];
     let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
     for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
         let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
@@ -167,14 +169,14 @@ pub(crate) fn block32_dot_rows(
         acc.fill(Accumulator::ZERO);
         for first in (0..blocks).step_by(STEP) {
             let count = STEP.min(blocks - first);
-            let wide_row = count * WIDE_BLOCK_BYTES;
+            let wide_row = count * wide_block;
             for (b, dst) in wide
                 .chunks_exact_mut(wide_row)
                 .take(group.count())
                 .enumerate()
             {
                 let src = &group.row(b)[first * BLOCK_BYTES..(first + count) * BLOCK_BYTES];
-                widen_row(src, dst);
+                widen_row(level, src, dst);
             }
             let wide_rows = Rows::new(
                 &wide[..group.count() * wide_row],
@@ -201,32 +203,87 @@ pub(crate) fn block32_lanes(level: SimdLevel) -> usize {
     }
 }
 
-/// Bytes of a widened Q8_0 block, the activation format of the SIMD kernels: the scale as f32
-/// (the f16 value, converted exactly), then the 32 quants.
-pub(crate) const WIDE_BLOCK_BYTES: usize = 4 + BLOCK_VALUES;
-
-/// Converts a Q8_0 row into widened blocks (`bytes.len() / 34 * 36` bytes): the same values,
-/// with the scale stored as f32 so the kernels do not convert it once per weight row.
-pub(crate) fn widen_row(bytes: &[u8], wide: &mut [u8]) {
-    debug_assert_eq!(wide.len(), bytes.len() / BLOCK_BYTES * WIDE_BLOCK_BYTES);
-    for (src, dst) in bytes
-        .chunks_exact(BLOCK_BYTES)
-        .zip(wide.chunks_exact_mut(WIDE_BLOCK_BYTES))
-    {
-        dst[..4].copy_from_slice(&scale(src).to_le_bytes());
-        dst[4..].copy_from_slice(&src[2..]);
+/// Bytes per block of the Q8_0 activation format the SIMD kernels multiply ([`widen_row`]).
+pub(crate) fn wide_block_bytes(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Scalar => BLOCK_BYTES,
+        SimdLevel::Avx2 => AVX2_WIDE_BLOCK_BYTES,
+        SimdLevel::Avx512 => AVX512_WIDE_BLOCK_BYTES,
     }
 }
 
-pub(crate) fn check_block32_sizes(encoding: Block32Encoding, w: &[u8], wide_len: usize) {
+/// AVX2 activation block: the scale as f32 (the f16 value, converted exactly), then the 32
+/// quants.
+pub(crate) const AVX2_WIDE_BLOCK_BYTES: usize = 4 + BLOCK_VALUES;
+
+/// AVX-512 activation blocks, laid out by pairs of blocks (`2p`, `2p + 1`) in 128 bytes: the
+/// 64 quants offset to unsigned (`q + 128`, the unsigned operand of `vpdpbusd`; the weights
+/// stay signed and the kernel subtracts `128 · Σ w`), then each block's scale as f32 repeated
+/// over the 8 accumulator lanes of its block. A row's odd last block is 32 quants and 8 scales.
+/// One load each for quants and scales per pair and row: nothing is shuffled per row.
+pub(crate) const AVX512_WIDE_BLOCK_BYTES: usize = 64;
+
+/// The largest [`wide_block_bytes`].
+const MAX_WIDE_BLOCK_BYTES: usize = AVX512_WIDE_BLOCK_BYTES;
+
+/// Converts a Q8_0 row into the activation format of `level` (`bytes.len() / 34 ·`
+/// [`wide_block_bytes`] bytes): the same values, with the scales stored as f32 so the kernels
+/// do not convert them once per weight row.
+pub(crate) fn widen_row(level: SimdLevel, bytes: &[u8], wide: &mut [u8]) {
+    let block_bytes = wide_block_bytes(level);
+    debug_assert_eq!(wide.len(), bytes.len() / BLOCK_BYTES * block_bytes);
+    match level {
+        SimdLevel::Scalar => wide.copy_from_slice(bytes),
+        SimdLevel::Avx2 => {
+            for (src, dst) in bytes
+                .chunks_exact(BLOCK_BYTES)
+                .zip(wide.chunks_exact_mut(block_bytes))
+            {
+                dst[..4].copy_from_slice(&scale(src).to_le_bytes());
+                dst[4..].copy_from_slice(&src[2..]);
+            }
+        }
+        SimdLevel::Avx512 => {
+            for (pair, dst) in bytes
+                .chunks(2 * BLOCK_BYTES)
+                .zip(wide.chunks_mut(2 * block_bytes))
+            {
+                let blocks = pair.len() / BLOCK_BYTES;
+                let (quants, scales) = dst.split_at_mut(blocks * BLOCK_VALUES);
+                for (i, src) in pair.chunks_exact(BLOCK_BYTES).enumerate() {
+                    for (q, v) in quants[i * BLOCK_VALUES..][..BLOCK_VALUES]
+                        .iter_mut()
+                        .zip(&src[2..])
+                    {
+                        *q = v ^ 0x80;
+                    }
+                    let d = scale(src).to_le_bytes();
+                    for lane in scales[i * 32..][..32].chunks_exact_mut(4) {
+                        lane.copy_from_slice(&d);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Checks that `w` and activation rows of `wide_len` bytes in `level`'s format
+/// ([`wide_block_bytes`]) hold the same whole number of blocks.
+pub(crate) fn check_block32_sizes(
+    encoding: Block32Encoding,
+    level: SimdLevel,
+    w: &[u8],
+    wide_len: usize,
+) {
+    let block = wide_block_bytes(level);
     assert_eq!(
-        wide_len % WIDE_BLOCK_BYTES,
+        wide_len % block,
         0,
         "dot: activation row is not whole Q8_0 blocks"
     );
     assert_eq!(
         w.len(),
-        wide_len / WIDE_BLOCK_BYTES * encoding.block_bytes(),
+        wide_len / block * encoding.block_bytes(),
         "dot: weight row and activation sizes differ"
     );
 }

@@ -63,6 +63,10 @@ pub struct RunArgs {
     /// Fewest draft tokens per step while speculating.
     #[arg(long)]
     draft_min: Option<u32>,
+    /// Draft the maximum every step: turn off the adaptive draft length (which shortens drafts
+    /// and pauses speculation when it does not pay, judged partly by measured time).
+    #[arg(long)]
+    fixed_draft: bool,
     /// Plain decoding: ignore the profile's drafter.
     #[arg(long)]
     no_spec: bool,
@@ -219,6 +223,9 @@ fn apply_overrides(profile: &mut Profile, args: &RunArgs) -> anyhow::Result<()> 
         spec.draft_min,
         spec.draft_max
     );
+    if args.fixed_draft {
+        spec.adaptive = false;
+    }
     if args.no_spec {
         spec.enabled = false;
     }

@@ -328,7 +328,7 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
     rows: Rows<'_, u8>,
     state: &mut [Accumulator],
 ) {
-    let blocks = rows.len() / q8_0::WIDE_BLOCK_BYTES;
+    let blocks = rows.len() / q8_0::AVX2_WIDE_BLOCK_BYTES;
     let xp = row_ptrs::<u8, N>(&rows);
     let ones = _mm256_set1_epi16(1);
     // Block `b` of row `r`: (scale d_w · d_x, exact integer dot as f32), 8 lanes each.
@@ -355,9 +355,9 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
             let (wq1, dw1) = decode_block32::<KIND>(w.as_ptr(), b + 1);
             let (abs0, abs1) = (_mm256_sign_epi8(wq0, wq0), _mm256_sign_epi8(wq1, wq1));
             for r in 0..N {
-                let xb = xp[r].add(b * q8_0::WIDE_BLOCK_BYTES);
+                let xb = xp[r].add(b * q8_0::AVX2_WIDE_BLOCK_BYTES);
                 let (s0, f0) = term(wq0, abs0, dw0, xb);
-                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::WIDE_BLOCK_BYTES));
+                let (s1, f1) = term(wq1, abs1, dw1, xb.add(q8_0::AVX2_WIDE_BLOCK_BYTES));
                 let pair = _mm256_fmadd_ps(s1, f1, _mm256_mul_ps(s0, f0));
                 acc[r] = _mm256_add_ps(acc[r], pair);
             }
@@ -370,7 +370,7 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
             let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
             let w_abs = _mm256_sign_epi8(wq, wq);
             for r in 0..N {
-                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::WIDE_BLOCK_BYTES));
+                let (s, f) = term(wq, w_abs, dw, xp[r].add(b * q8_0::AVX2_WIDE_BLOCK_BYTES));
                 acc[r] = _mm256_fmadd_ps(s, f, acc[r]);
             }
         }

@@ -267,11 +267,13 @@ pub(crate) unsafe fn weighted_sum(weights: &[f32], rows: Rows<'_, f32>, y: &mut 
 // Q8_0 / Q4_0 weights × Q8_0 activations (blocks of 32)
 // ---------------------------------------------------------------------------------------------
 
-/// Q8_0 / Q4_0 weight row × widened Q8_0 activation rows ([`q8_0::widen_row`]), two blocks per
-/// zmm register: block `2p` in lanes 0..8, block `2p + 1` in lanes 8..16. Per row and pair: the
-/// exact integer dots by one `vpdpbusd` (`|w|` unsigned × `x` carrying `w`'s sign), converted
-/// to f32 and fused into the row's 16 accumulator lanes with the scales `d_w · d_x` of each
-/// half. An odd last block goes into lanes 0..8 alone.
+/// Q8_0 / Q4_0 weight row × widened Q8_0 activation rows ([`q8_0::widen_row`]: quants offset
+/// to unsigned, scales spread over lanes), two blocks per zmm register: block `2p` in lanes
+/// 0..8, block `2p + 1` in lanes 8..16. Per weight pair, shared by all rows: the signed quants
+/// and `-128 · Σ w` per lane. Per row and pair: one `vpdpbusd` starting from that offset gives
+/// the exact integer dots `Σ (x + 128) · w - 128 · Σ w = Σ x · w`, converted to f32 and fused
+/// into the row's 16 accumulator lanes with the scales `d_w · d_x` of each half. An odd last
+/// block goes into lanes 0..8 alone.
 ///
 /// # Safety
 ///
@@ -295,47 +297,44 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
     rows: Rows<'_, u8>,
     state: &mut [Accumulator],
 ) {
-    const WIDE: usize = q8_0::WIDE_BLOCK_BYTES;
+    const WIDE: usize = q8_0::AVX512_WIDE_BLOCK_BYTES;
     let blocks = rows.len() / WIDE;
     let xp = row_ptrs::<u8, N>(&rows);
     let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
+    let offset_unit = _mm512_set1_epi8(-128);
     let mut b = 0;
     while b + 1 < blocks {
-        // SAFETY: blocks `b`, `b + 1` lie inside the weight row and every activation row.
+        // SAFETY: blocks `b`, `b + 1` lie inside the weight row and every activation row (a
+        // pair of activation blocks is 64 quants then 16 scales).
         unsafe {
             let (wq, dw) = decode_block32_pair::<KIND>(w.as_ptr(), b);
-            let w_abs = _mm512_abs_epi8(wq);
-            let negative = _mm512_movepi8_mask(wq);
+            // `vpdpbusd` with `-128` as the unsigned operand: 128 · Σ w, negated.
+            let offset = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset_unit, wq),
+            );
             for r in 0..N {
                 let xb = xp[r].add(b * WIDE);
-                let xq = join(
-                    _mm256_loadu_si256(xb.add(4).cast()),
-                    _mm256_loadu_si256(xb.add(WIDE + 4).cast()),
-                );
-                // x with w's sign: |w| · that = w · x (w = 0 gives 0 either way).
-                let signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
-                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, signed_x);
-                let dx = _mm512_mask_broadcastss_ps(
-                    _mm512_set1_ps(load_f32(xb)),
-                    0xff00,
-                    _mm_set_ss(load_f32(xb.add(WIDE))),
-                );
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(sums), acc[r]);
+                let sums = _mm512_dpbusd_epi32(offset, _mm512_loadu_si512(xb.cast()), wq);
+                let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xb.add(64).cast()));
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[r]);
             }
         }
         b += 2;
     }
     if b < blocks {
-        // SAFETY: block `b` lies inside the weight row and every activation row.
+        // SAFETY: block `b` lies inside the weight row and every activation row (an odd last
+        // activation block is 32 quants then 8 scales).
         unsafe {
             let (wq, dw) = decode_block32::<KIND>(w.as_ptr(), b);
-            let w_abs = _mm256_sign_epi8(wq, wq);
+            let offset = _mm256_sub_epi32(
+                _mm256_setzero_si256(),
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), wq),
+            );
             for r in 0..N {
                 let xb = xp[r].add(b * WIDE);
-                let xq = _mm256_loadu_si256(xb.add(4).cast());
-                let sums =
-                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xq, wq));
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(xb)));
+                let sums = _mm256_dpbusd_epi32(offset, _mm256_loadu_si256(xb.cast()), wq);
+                let scale = _mm256_mul_ps(dw, _mm256_loadu_ps(xb.add(32).cast()));
                 let low = _mm512_castps512_ps256(acc[r]);
                 let low = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), low);
                 acc[r] = _mm512_castpd_ps(_mm512_insertf64x4::<0>(
@@ -402,11 +401,18 @@ fn join(low: __m256i, high: __m256i) -> __m512i {
 }
 
 /// One K-quant weight super-block decoded for the integer dot products, 64 values per
-/// register: unsigned quants in value order, the i16 multipliers of the 32 `vpmaddubsw` pair
-/// sums of each register, the bsum multipliers, and the block scales.
+/// register: unsigned quants in value order, the i16 scale multipliers, the bsum multipliers,
+/// and the block scales.
+///
+/// Per activation row, `vpdpbusd` forms the exact sums of 4 products per i32 lane for each
+/// quant register; `vpackssdw` narrows registers `2m` and `2m + 1` into one register of i16
+/// (every such sum fits: at most 4 · 63 · 128 < 2^15) and `vpdpwssd` multiplies each i16 by its
+/// sub-block's scale (`multipliers[m]`, laid out in the pack's lane order) while accumulating.
+/// Six multiply instructions per row and super-block (`vpmaddubsw` + `vpdpwssd` on every
+/// register took eight).
 struct WideSuperBlock {
     quants: [__m512i; 4],
-    multipliers: [__m512i; 4],
+    multipliers: [__m512i; 2],
     /// Q4_K / Q5_K: `m_j` in i16 lanes `2j, 2j + 1` (for the 16 bsums); Q6_K: the 16 signed
     /// group scales (for the `-32` offset).
     bsum_multipliers: __m256i,
@@ -446,10 +452,14 @@ unsafe fn decode_k_with_mins_wide<const KIND: u8>(block: *const u8) -> WideSuper
             mins_0_4 as i32,
             mins_4_8 as i32,
         )));
-        // Register k holds sub-blocks 2k (pair sums 0..16) and 2k + 1 (16..32).
-        let multipliers = std::array::from_fn(|k| {
-            let k = k as i16;
-            _mm512_permutexvar_epi16(lane_pattern(|i| 2 * k + i / 16), scale_min)
+        // Quant register k holds sub-blocks 2k (i32 sums 0..8) and 2k + 1 (8..16). Packed
+        // register m, i16 lane i: 128-bit lane i / 8 of register 2m (i % 8 < 4) or 2m + 1.
+        let multipliers = std::array::from_fn(|m| {
+            let m = m as i16;
+            _mm512_permutexvar_epi16(
+                lane_pattern(|i| 4 * m + 2 * ((i % 8) / 4) + i / 16),
+                scale_min,
+            )
         });
         let bsum_multipliers = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
             lane_pattern(|i| 8 + (i % 16) / 2),
@@ -517,10 +527,12 @@ unsafe fn decode_q6_k_wide(block: *const u8) -> WideSuperBlock {
         }
         let group_scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(192).cast()));
         let scales = _mm512_castsi256_si512(group_scales);
-        // Register k holds groups 4k .. 4k + 4 of 16 values: 8 pair sums each.
-        let multipliers = std::array::from_fn(|k| {
-            let k = k as i16;
-            _mm512_permutexvar_epi16(lane_pattern(|i| 4 * k + i / 8), scales)
+        // Quant register k holds groups 4k .. 4k + 4 of 16 values (4 i32 sums each). Packed
+        // register m, i16 lane i: 128-bit lane i / 8 (= the group within the register) of
+        // register 2m (i % 8 < 4) or 2m + 1.
+        let multipliers = std::array::from_fn(|m| {
+            let m = m as i16;
+            _mm512_permutexvar_epi16(lane_pattern(|i| 4 * (2 * m + (i % 8) / 4) + i / 8), scales)
         });
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(
             block.add(208).cast::<u16>().read_unaligned() as i16,
@@ -576,10 +588,13 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
                 let dx = load_f32(xb);
                 let xq = xb.add(4);
                 let mut sums = _mm512_setzero_si512();
-                for k in 0..4 {
-                    let x = _mm512_loadu_si512(xq.add(64 * k).cast());
-                    let pairs = _mm512_maddubs_epi16(decoded.quants[k], x);
-                    sums = _mm512_dpwssd_epi32(sums, pairs, decoded.multipliers[k]);
+                for m in 0..2 {
+                    let quad_sums = |k: usize| {
+                        let x = _mm512_loadu_si512(xq.add(64 * k).cast());
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), decoded.quants[k], x)
+                    };
+                    let packed = _mm512_packs_epi32(quad_sums(2 * m), quad_sums(2 * m + 1));
+                    sums = _mm512_dpwssd_epi32(sums, packed, decoded.multipliers[m]);
                 }
                 let bsums = _mm256_loadu_si256(xb.add(260).cast());
                 let bsum_term =

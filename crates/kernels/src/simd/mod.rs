@@ -171,15 +171,33 @@ impl Accumulator {
     /// Sums the first `lanes` lanes (a power of two) by the pairwise tree of
     /// `crate::f32::reduce_lanes`: lane `i` plus lane `i + width`, halving the width — the
     /// same additions, in the same order, as the kernels' horizontal sums.
+    #[inline]
     pub fn sum(&self, lanes: usize) -> f32 {
         debug_assert!(lanes.is_power_of_two() && lanes <= 32);
-        let mut v = self.0;
-        let mut width = lanes / 2;
-        while width > 0 {
-            for i in 0..width {
-                v[i] += v[i + width];
+        // Each halving step has a constant width, so it compiles to one vector add (a loop
+        // over a run-time width compiled to a chain of scalar adds through memory, which cost
+        // more than the multiplications of a short row).
+        fn halve<const WIDTH: usize>(v: &mut [f32; 32]) {
+            let (low, high) = v.split_at_mut(WIDTH);
+            for (l, h) in low.iter_mut().zip(&high[..WIDTH]) {
+                *l += *h;
             }
-            width /= 2;
+        }
+        let mut v = self.0;
+        if lanes >= 32 {
+            halve::<16>(&mut v);
+        }
+        if lanes >= 16 {
+            halve::<8>(&mut v);
+        }
+        if lanes >= 8 {
+            halve::<4>(&mut v);
+        }
+        if lanes >= 4 {
+            halve::<2>(&mut v);
+        }
+        if lanes >= 2 {
+            halve::<1>(&mut v);
         }
         v[0]
     }
@@ -395,7 +413,7 @@ pub(crate) fn block32_accumulate(
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
 ) {
-    crate::q8_0::check_block32_sizes(encoding, w, x.len());
+    crate::q8_0::check_block32_sizes(encoding, level, w, x.len());
     check_simd_call(level, &x, acc);
     #[cfg(target_arch = "x86_64")]
     {
