@@ -72,15 +72,16 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, f32>, out: &mut [f32]) {
     float_dot_rows(FloatEncoding::F16, level, w, x, out);
 }
 
-/// Adds this weight row (or a column tile of it) times each activation row into the rows'
+/// Adds weight rows (or column tiles of them) times each activation row into the pairs'
 /// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
 pub(crate) fn accumulate(
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, f32>,
     acc: &mut [crate::simd::Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    crate::f32::float_accumulate(FloatEncoding::F16, level, w, x, acc);
+    crate::f32::float_accumulate(FloatEncoding::F16, level, w, x, acc, prefetch_next);
 }
 
 /// Scalar reference of [`dot`].

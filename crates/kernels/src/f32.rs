@@ -56,15 +56,16 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, f32>, out: &mut [f32]) {
     float_dot_rows(FloatEncoding::F32, level, w, x, out);
 }
 
-/// Adds this weight row (or a column tile of it) times each activation row into the rows'
+/// Adds weight rows (or column tiles of them) times each activation row into the pairs'
 /// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
 pub(crate) fn accumulate(
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, f32>,
     acc: &mut [crate::simd::Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    float_accumulate(FloatEncoding::F32, level, w, x, acc);
+    float_accumulate(FloatEncoding::F32, level, w, x, acc, prefetch_next);
 }
 
 /// Scalar reference of [`dot`].
@@ -226,21 +227,21 @@ pub(crate) fn float_dot_rows(
         "dot_rows: one output per activation row"
     );
     if level == SimdLevel::Scalar {
-        check_float_sizes(encoding, w, x.len());
+        check_float_sizes(encoding, w.len(), x.len());
         let scalar = encoding.scalar_dot();
         for (b, o) in out.iter_mut().enumerate() {
             *o = scalar(w, x.row(b));
         }
     } else {
         simd::accumulate_and_sum(x, out, float_lanes(level), |x, acc| {
-            float_accumulate(encoding, level, w, x, acc)
+            float_accumulate(encoding, level, Rows::single(w), x, acc, None)
         });
     }
 }
 
-pub(crate) fn check_float_sizes(encoding: FloatEncoding, w: &[u8], x_len: usize) {
+pub(crate) fn check_float_sizes(encoding: FloatEncoding, w_len: usize, x_len: usize) {
     assert_eq!(
-        w.len(),
+        w_len,
         x_len * encoding.bytes(),
         "dot: weight row and activation sizes differ"
     );
@@ -254,16 +255,17 @@ pub(crate) fn float_lanes(level: SimdLevel) -> usize {
     }
 }
 
-/// Adds a float-family weight row (or column tile) times each activation row (the same
-/// columns) into the rows' accumulators, at a SIMD `level` (checked to be supported).
+/// Adds float-family weight rows (or column tiles) times each activation row (the same
+/// columns) into the pairs' accumulators, at a SIMD `level` (checked to be supported).
 pub(crate) fn float_accumulate(
     encoding: FloatEncoding,
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, f32>,
     acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    simd::float_accumulate(encoding, level, w, x, acc);
+    simd::float_accumulate(encoding, level, w, x, acc, prefetch_next);
 }
 
 /// The shared lane-accumulated dot product of a weight row stored as `SIZE`-byte elements

@@ -307,14 +307,14 @@ impl KEncoding {
 }
 
 /// Checks that `w` (type `encoding`) and a Q8_K row `x` have the same number of super-blocks.
-pub(crate) fn check_sizes(encoding: KEncoding, w: &[u8], x_len: usize) {
+pub(crate) fn check_sizes(encoding: KEncoding, w_len: usize, x_len: usize) {
     assert_eq!(
         x_len % q8_k::BLOCK_BYTES,
         0,
         "dot: activation row is not whole Q8_K blocks"
     );
     assert_eq!(
-        w.len(),
+        w_len,
         x_len / q8_k::BLOCK_BYTES * encoding.block_bytes(),
         "dot: weight row and activation sizes differ"
     );
@@ -336,14 +336,14 @@ pub(crate) fn k_quant_dot_rows(
         "dot_rows: one output per activation row"
     );
     if level == SimdLevel::Scalar {
-        check_sizes(encoding, w, x.len());
+        check_sizes(encoding, w.len(), x.len());
         let scalar = encoding.scalar_dot();
         for (b, o) in out.iter_mut().enumerate() {
             *o = scalar(w, x.row(b));
         }
     } else {
         simd::accumulate_and_sum(x, out, k_quant_lanes(level), |x, acc| {
-            k_quant_accumulate(encoding, level, w, x, acc)
+            k_quant_accumulate(encoding, level, Rows::single(w), x, acc, None)
         });
     }
 }
@@ -356,16 +356,17 @@ pub(crate) fn k_quant_lanes(level: SimdLevel) -> usize {
     }
 }
 
-/// Adds a K-quant weight row (or run of super-blocks) times each Q8_K activation row (the same
-/// super-blocks) into the rows' accumulators, at a SIMD `level` (checked to be supported).
+/// Adds K-quant weight rows (or runs of super-blocks) times each Q8_K activation row (the same
+/// super-blocks) into the pairs' accumulators, at a SIMD `level` (checked to be supported).
 pub(crate) fn k_quant_accumulate(
     encoding: KEncoding,
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    simd::k_quant_accumulate(encoding, level, w, x, acc);
+    simd::k_quant_accumulate(encoding, level, w, x, acc, prefetch_next);
 }
 
 /// The scalar dot product of Q4_K / Q5_K weights with Q8_K activations, given the decoder of
@@ -378,7 +379,7 @@ pub(crate) fn dot_with_mins_scalar(
     x: &[u8],
     levels_of: impl Fn(&[u8], &mut [u8; SUPER_BLOCK_VALUES]),
 ) -> f32 {
-    check_sizes(encoding, w, x.len());
+    check_sizes(encoding, w.len(), x.len());
     let mut sum = 0.0f32;
     let mut levels = [0u8; SUPER_BLOCK_VALUES];
     for (wb, xb) in w

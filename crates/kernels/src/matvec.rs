@@ -305,7 +305,7 @@ pub fn matvec(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
 /// A type's whole-row multi-input dot product (`dot_rows`).
 type DotRowsFn<T> = fn(SimdLevel, &[u8], Rows<'_, T>, &mut [f32]);
 /// A type's accumulating SIMD kernel over a column tile (`accumulate`).
-type AccumulateFn<T> = fn(SimdLevel, &[u8], Rows<'_, T>, &mut [Accumulator]);
+type AccumulateFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [Accumulator], Option<&[u8]>);
 
 /// How a weight type's kernels are driven: whole rows at the scalar level, column tiles at SIMD
 /// levels. Tiles start at multiples of `tile_align_blocks` blocks, the step the kernels keep
@@ -418,19 +418,26 @@ fn tiled_rows<T>(
                 let w_start = start * kernel.weight_block_bytes;
                 let w_len = (end - start) * kernel.weight_block_bytes;
                 start = end;
-                for r in 0..group_rows {
-                    // The hardware prefetchers restart at every jump to another row: ask for
-                    // the next row's piece while this one is multiplied (measured: +30–60 % for
-                    // multi-row passes and for f32 rows; single-row quantised passes are
-                    // compute-bound and lose ~10 % to the extra instructions, so they skip it).
-                    let worth_it = p > 1 || kernel.act_elem_bytes == 4;
-                    if worth_it && group_first + r + 1 < first + chunk_len {
-                        simd::prefetch(&w.row(group_first + r + 1)[w_start..w_start + w_len]);
+                // The hardware prefetchers restart at every jump to another row: the kernel
+                // asks for each next row's piece while one is multiplied, the next group's first
+                // while the last is (measured: +30–60 % for multi-row passes and for f32 rows;
+                // single-row quantised passes are compute-bound and lose ~10 % to the extra
+                // instructions, so they skip it).
+                let next_group = group_first + group_rows;
+                let prefetch = (p > 1 || kernel.act_elem_bytes == 4).then(|| {
+                    if next_group < first + chunk_len {
+                        &w.row(next_group)[w_start..w_start + w_len]
+                    } else {
+                        &[][..]
                     }
-                    let w_tile = &w.row(group_first + r)[w_start..w_start + w_len];
-                    let pair_acc = &mut acc[r * p..][..p];
-                    (kernel.accumulate)(level, w_tile, x_tile, pair_acc);
-                }
+                });
+                let w_tile = Rows::new(
+                    &w.bytes()[group_first * w.row_bytes() + w_start..],
+                    w.row_bytes(),
+                    w_len,
+                    group_rows,
+                );
+                (kernel.accumulate)(level, w_tile, x_tile, acc, prefetch);
             }
             for r in 0..group_rows {
                 for b in 0..p {

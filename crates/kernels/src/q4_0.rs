@@ -97,16 +97,17 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
     block32_dot_rows(Block32Encoding::Q4_0, level, w, x, out);
 }
 
-/// Adds this weight row (or a run of its blocks) times each widened Q8_0 activation row
-/// ([`crate::q8_0::widen_row`]) into the rows' accumulators at a SIMD `level`: the tiled form
+/// Adds weight rows (or runs of their blocks) times each widened Q8_0 activation row
+/// ([`crate::q8_0::widen_row`]) into the pairs' accumulators at a SIMD `level`: the tiled form
 /// of [`dot_rows`] used by the mat-vec.
 pub(crate) fn accumulate(
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [crate::simd::Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    crate::q8_0::block32_accumulate(Block32Encoding::Q4_0, level, w, x, acc);
+    crate::q8_0::block32_accumulate(Block32Encoding::Q4_0, level, w, x, acc, prefetch_next);
 }
 
 /// Scalar reference of [`dot`]: per block the exact integer sum, times `d_w · d_x`, summed

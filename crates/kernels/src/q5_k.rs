@@ -102,15 +102,16 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
     k_quants::k_quant_dot_rows(KEncoding::Q5K, level, w, x, out);
 }
 
-/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
+/// Adds weight rows (or runs of their blocks) times each activation row into the pairs'
 /// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
 pub(crate) fn accumulate(
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [crate::simd::Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    k_quants::k_quant_accumulate(KEncoding::Q5K, level, w, x, acc);
+    k_quants::k_quant_accumulate(KEncoding::Q5K, level, w, x, acc, prefetch_next);
 }
 
 /// Scalar reference of [`dot`]: per super-block the exact integers `Σ_j sc_j · Σ q_w · q_x` and

@@ -174,21 +174,22 @@ pub fn dot_rows(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, out: &mut [f32]) {
     k_quants::k_quant_dot_rows(KEncoding::Q6K, level, w, x, out);
 }
 
-/// Adds this weight row (or a run of its blocks) times each activation row into the rows'
+/// Adds weight rows (or runs of their blocks) times each activation row into the pairs'
 /// accumulators at a SIMD `level`: the tiled form of [`dot_rows`] used by the mat-vec.
 pub(crate) fn accumulate(
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [crate::simd::Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    k_quants::k_quant_accumulate(KEncoding::Q6K, level, w, x, acc);
+    k_quants::k_quant_accumulate(KEncoding::Q6K, level, w, x, acc, prefetch_next);
 }
 
 /// Scalar reference of [`dot`]: per super-block the exact integer
 /// `Σ_g scale_g · Σ (q - 32) · q_x`, then `sum += (d_x · d) · isum` in f32, blocks in order.
 pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {
-    k_quants::check_sizes(KEncoding::Q6K, w, x.len());
+    k_quants::check_sizes(KEncoding::Q6K, w.len(), x.len());
     let mut sum = 0.0f32;
     let mut q = [0u8; BLOCK_VALUES];
     for (wb, xb) in w

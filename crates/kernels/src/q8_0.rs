@@ -149,7 +149,7 @@ pub(crate) fn block32_dot_rows(
         "dot_rows: one output per activation row"
     );
     if level == SimdLevel::Scalar {
-        check_block32_sizes(encoding, level, w, x.len());
+        check_block32_sizes(encoding, level, w.len(), x.len());
         let scalar = encoding.scalar_dot();
         for (b, o) in out.iter_mut().enumerate() {
             *o = scalar(w, x.row(b));
@@ -159,7 +159,7 @@ pub(crate) fn block32_dot_rows(
     /// Blocks widened per step (even, so pairs of blocks stay together).
     const STEP: usize = 32;
     let wide_block = wide_block_bytes(level);
-    check_block32_sizes(encoding, level, w, x.len() / BLOCK_BYTES * wide_block);
+    check_block32_sizes(encoding, level, w.len(), x.len() / BLOCK_BYTES * wide_block);
     let blocks = x.len() / BLOCK_BYTES;
     let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * MAX_WIDE_BLOCK_BYTES];
     let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
@@ -186,7 +186,14 @@ pub(crate) fn block32_dot_rows(
             );
             let w_blocks =
                 &w[first * encoding.block_bytes()..(first + count) * encoding.block_bytes()];
-            block32_accumulate(encoding, level, w_blocks, wide_rows, acc);
+            block32_accumulate(
+                encoding,
+                level,
+                Rows::single(w_blocks),
+                wide_rows,
+                acc,
+                None,
+            );
         }
         for (o, a) in group_out.iter_mut().zip(acc.iter()) {
             *o = a.sum(block32_lanes(level));
@@ -272,7 +279,7 @@ pub(crate) fn widen_row(level: SimdLevel, bytes: &[u8], wide: &mut [u8]) {
 pub(crate) fn check_block32_sizes(
     encoding: Block32Encoding,
     level: SimdLevel,
-    w: &[u8],
+    w_len: usize,
     wide_len: usize,
 ) {
     let block = wide_block_bytes(level);
@@ -282,30 +289,37 @@ pub(crate) fn check_block32_sizes(
         "dot: activation row is not whole Q8_0 blocks"
     );
     assert_eq!(
-        w.len(),
+        w_len,
         wide_len / block * encoding.block_bytes(),
         "dot: weight row and activation sizes differ"
     );
 }
 
-/// Adds a Q8_0 / Q4_0 weight row (or run of blocks, starting at an even block of the row)
-/// times each widened Q8_0 activation row ([`widen_row`], the same blocks) into the rows'
+/// Adds Q8_0 / Q4_0 weight rows (or runs of blocks, starting at an even block of the row)
+/// times each widened Q8_0 activation row ([`widen_row`], the same blocks) into the pairs'
 /// accumulators, at a SIMD `level` (checked to be supported).
 pub(crate) fn block32_accumulate(
     encoding: Block32Encoding,
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    simd::block32_accumulate(encoding, level, w, x, acc);
+    simd::block32_accumulate(encoding, level, w, x, acc, prefetch_next);
 }
 
-/// Adds this weight row (or a run of its blocks) times each widened activation row
-/// ([`widen_row`]) into the rows' accumulators at a SIMD `level`: the tiled form of
+/// Adds weight rows (or runs of their blocks) times each widened activation row
+/// ([`widen_row`]) into the pairs' accumulators at a SIMD `level`: the tiled form of
 /// [`dot_rows`] used by the mat-vec.
-pub(crate) fn accumulate(level: SimdLevel, w: &[u8], x: Rows<'_, u8>, acc: &mut [Accumulator]) {
-    block32_accumulate(Block32Encoding::Q8_0, level, w, x, acc);
+pub(crate) fn accumulate(
+    level: SimdLevel,
+    w: Rows<'_, u8>,
+    x: Rows<'_, u8>,
+    acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
+) {
+    block32_accumulate(Block32Encoding::Q8_0, level, w, x, acc, prefetch_next);
 }
 
 /// Scalar reference of [`dot`].

@@ -365,99 +365,137 @@ pub(crate) fn accumulate_and_sum<T>(
 // ---------------------------------------------------------------------------------------------
 
 /// Panics unless `level` is a SIMD level this CPU supports and there is one accumulator per
-/// activation row.
-fn check_simd_call<T>(level: SimdLevel, x: &Rows<'_, T>, acc: &[Accumulator]) {
+/// (weight row, activation row) pair.
+fn check_simd_call<T>(level: SimdLevel, w: &Rows<'_, u8>, x: &Rows<'_, T>, acc: &[Accumulator]) {
     assert!(
         level != SimdLevel::Scalar,
         "SIMD kernels run SIMD levels only"
     );
     level.assert_supported();
-    assert_eq!(acc.len(), x.count(), "accumulate: one accumulator per row");
+    assert_eq!(
+        acc.len(),
+        w.count() * x.count(),
+        "accumulate: one accumulator per pair of rows"
+    );
 }
 
-/// Float-family weights (`w`, encoding `encoding`) times f32 activation rows, accumulated.
+/// A level's kernel for one weight row times a pass of activation rows.
+#[cfg(target_arch = "x86_64")]
+type RowKernel<T> = unsafe fn(&[u8], Rows<'_, T>, &mut [Accumulator]);
+
+/// Runs `kernel` for every weight row of `w` (pair `(i, b)` accumulating into
+/// `acc[i * x.count() + b]`). With `prefetch_next`, the next weight row is prefetched while one
+/// is multiplied, and the given bytes (the caller's next row, or nothing) while the last is.
+///
+/// # Safety
+///
+/// `kernel` must be safe to call with every row of `w` and `x` (its level supported, sizes as
+/// it requires).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn for_each_weight_row<T>(
+    kernel: RowKernel<T>,
+    w: Rows<'_, u8>,
+    x: Rows<'_, T>,
+    acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
+) {
+    let p = x.count();
+    for (i, row_acc) in acc.chunks_exact_mut(p.max(1)).enumerate().take(w.count()) {
+        match prefetch_next {
+            Some(_) if i + 1 < w.count() => prefetch(w.row(i + 1)),
+            Some(after) => prefetch(after),
+            None => {}
+        }
+        // SAFETY: forwarded contract.
+        unsafe { kernel(w.row(i), x, row_acc) };
+    }
+}
+
+/// Float-family weight rows (`w`, encoding `encoding`) times f32 activation rows, accumulated
+/// per pair; `prefetch_next` as in `for_each_weight_row`.
 pub(crate) fn float_accumulate(
     encoding: crate::f32::FloatEncoding,
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, f32>,
     acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    crate::f32::check_float_sizes(encoding, w, x.len());
-    check_simd_call(level, &x, acc);
+    crate::f32::check_float_sizes(encoding, w.len(), x.len());
+    check_simd_call(level, &w, &x, acc);
     #[cfg(target_arch = "x86_64")]
     {
         use crate::f32::FloatEncoding as E;
         use avx2::{BF16, F16, F32};
-        // SAFETY: the level is supported and `w` holds exactly `x.len()` elements (checked
-        // above); every row of `x` is a checked view.
-        unsafe {
-            match (level, encoding) {
-                (SimdLevel::Avx2, E::F32) => avx2::float_rows::<F32>(w, x, acc),
-                (SimdLevel::Avx2, E::F16) => avx2::float_rows::<F16>(w, x, acc),
-                (SimdLevel::Avx2, E::BF16) => avx2::float_rows::<BF16>(w, x, acc),
-                (_, E::F32) => avx512::float_rows::<F32>(w, x, acc),
-                (_, E::F16) => avx512::float_rows::<F16>(w, x, acc),
-                (_, E::BF16) => avx512::float_rows::<BF16>(w, x, acc),
-            }
-        }
+        let kernel: RowKernel<f32> = match (level, encoding) {
+            (SimdLevel::Avx2, E::F32) => avx2::float_rows::<F32>,
+            (SimdLevel::Avx2, E::F16) => avx2::float_rows::<F16>,
+            (SimdLevel::Avx2, E::BF16) => avx2::float_rows::<BF16>,
+            (_, E::F32) => avx512::float_rows::<F32>,
+            (_, E::F16) => avx512::float_rows::<F16>,
+            (_, E::BF16) => avx512::float_rows::<BF16>,
+        };
+        // SAFETY: the level is supported and every weight row holds exactly `x.len()`
+        // elements (checked above); every row of `x` is a checked view.
+        unsafe { for_each_weight_row(kernel, w, x, acc, prefetch_next) }
     }
 }
 
-/// Q8_0 / Q4_0 weights (a run of blocks starting at an even block of the row) times widened
-/// Q8_0 activation rows, accumulated.
+/// Q8_0 / Q4_0 weight rows (runs of blocks starting at an even block of the row) times widened
+/// Q8_0 activation rows, accumulated per pair.
 pub(crate) fn block32_accumulate(
     encoding: crate::q8_0::Block32Encoding,
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    crate::q8_0::check_block32_sizes(encoding, level, w, x.len());
-    check_simd_call(level, &x, acc);
+    crate::q8_0::check_block32_sizes(encoding, level, w.len(), x.len());
+    check_simd_call(level, &w, &x, acc);
     #[cfg(target_arch = "x86_64")]
     {
         use crate::q8_0::Block32Encoding as E;
         use avx2::{Q4_0, Q8_0};
-        // SAFETY: the level is supported and `w` and every row hold the same whole number of
-        // blocks (checked above).
-        unsafe {
-            match (level, encoding) {
-                (SimdLevel::Avx2, E::Q8_0) => avx2::block32_rows::<Q8_0>(w, x, acc),
-                (SimdLevel::Avx2, E::Q4_0) => avx2::block32_rows::<Q4_0>(w, x, acc),
-                (_, E::Q8_0) => avx512::block32_rows::<Q8_0>(w, x, acc),
-                (_, E::Q4_0) => avx512::block32_rows::<Q4_0>(w, x, acc),
-            }
-        }
+        let kernel: RowKernel<u8> = match (level, encoding) {
+            (SimdLevel::Avx2, E::Q8_0) => avx2::block32_rows::<Q8_0>,
+            (SimdLevel::Avx2, E::Q4_0) => avx2::block32_rows::<Q4_0>,
+            (_, E::Q8_0) => avx512::block32_rows::<Q8_0>,
+            (_, E::Q4_0) => avx512::block32_rows::<Q4_0>,
+        };
+        // SAFETY: the level is supported and every weight and activation row hold the same
+        // whole number of blocks (checked above).
+        unsafe { for_each_weight_row(kernel, w, x, acc, prefetch_next) }
     }
 }
 
-/// K-quant weights times Q8_K activation rows, accumulated.
+/// K-quant weight rows times Q8_K activation rows, accumulated per pair.
 pub(crate) fn k_quant_accumulate(
     encoding: crate::k_quants::KEncoding,
     level: SimdLevel,
-    w: &[u8],
+    w: Rows<'_, u8>,
     x: Rows<'_, u8>,
     acc: &mut [Accumulator],
+    prefetch_next: Option<&[u8]>,
 ) {
-    crate::k_quants::check_sizes(encoding, w, x.len());
-    check_simd_call(level, &x, acc);
+    crate::k_quants::check_sizes(encoding, w.len(), x.len());
+    check_simd_call(level, &w, &x, acc);
     #[cfg(target_arch = "x86_64")]
     {
         use crate::k_quants::KEncoding as E;
         use avx2::{Q4_K, Q5_K, Q6_K};
-        // SAFETY: the level is supported and `w` and every row hold the same whole number of
-        // super-blocks (checked above).
-        unsafe {
-            match (level, encoding) {
-                (SimdLevel::Avx2, E::Q4K) => avx2::k_quant_rows::<Q4_K>(w, x, acc),
-                (SimdLevel::Avx2, E::Q5K) => avx2::k_quant_rows::<Q5_K>(w, x, acc),
-                (SimdLevel::Avx2, E::Q6K) => avx2::k_quant_rows::<Q6_K>(w, x, acc),
-                (_, E::Q4K) => avx512::k_quant_rows::<Q4_K>(w, x, acc),
-                (_, E::Q5K) => avx512::k_quant_rows::<Q5_K>(w, x, acc),
-                (_, E::Q6K) => avx512::k_quant_rows::<Q6_K>(w, x, acc),
-            }
-        }
+        let kernel: RowKernel<u8> = match (level, encoding) {
+            (SimdLevel::Avx2, E::Q4K) => avx2::k_quant_rows::<Q4_K>,
+            (SimdLevel::Avx2, E::Q5K) => avx2::k_quant_rows::<Q5_K>,
+            (SimdLevel::Avx2, E::Q6K) => avx2::k_quant_rows::<Q6_K>,
+            (_, E::Q4K) => avx512::k_quant_rows::<Q4_K>,
+            (_, E::Q5K) => avx512::k_quant_rows::<Q5_K>,
+            (_, E::Q6K) => avx512::k_quant_rows::<Q6_K>,
+        };
+        // SAFETY: the level is supported and every weight and activation row hold the same
+        // whole number of super-blocks (checked above).
+        unsafe { for_each_weight_row(kernel, w, x, acc, prefetch_next) }
     }
 }
 
