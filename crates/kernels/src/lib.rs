@@ -1,6 +1,6 @@
 //! CPU kernels of Specula: tensor block formats, dot products, the multi-row mat-vec, and the
 //! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax, SwiGLU,
-//! sigmoid, softplus).
+//! sigmoid, softplus), and the fused gated delta-rule step of Gated DeltaNet ([`delta_rule`]).
 //!
 //! One module per tensor type, as ggml-cpu is organised: weights [`f32`](mod@f32),
 //! [`f16`](mod@f16), [`bf16`],
@@ -27,6 +27,7 @@
 //! forms.
 
 pub mod bf16;
+pub mod delta_rule;
 mod error;
 pub mod f16;
 pub mod f32;

@@ -21,7 +21,8 @@
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
-use specula_kernels::{f32 as kf32, matmul, ops, MatmulScratch};
+use specula_kernels::delta_rule::{self, DeltaInputs};
+use specula_kernels::{matmul, ops, MatmulScratch};
 use specula_plugin_api::PluginError;
 
 use crate::model::weights::{load_f32, load_vector, MatrixRef};
@@ -116,8 +117,9 @@ pub struct GdnWeights {
     /// `{n_embd, Vd}`: the output gate `z`.
     pub attn_gate: MatrixRef,
     pub beta_alpha: BetaAlpha,
-    /// `ssm_conv1d {kernel, channels}`: channel `c`'s taps at `c·kernel ..`, oldest input first.
-    pub conv: Vec<f32>,
+    /// `ssm_conv1d` transposed to tap-major: tap `t` (oldest input first) of channel `c` at
+    /// `t · channels + c`, so the convolution runs over contiguous channels.
+    pub conv_by_tap: Vec<f32>,
     /// `ssm_dt.bias`, per value head.
     pub dt_bias: Vec<f32>,
     /// `ssm_a` (`-exp(A_log)`), per value head.
@@ -126,6 +128,18 @@ pub struct GdnWeights {
     pub norm: Vec<f32>,
     /// `{Vd, n_embd}`.
     pub ssm_out: MatrixRef,
+}
+
+/// Transposes `ssm_conv1d` (each channel's `kernel` taps together) to tap-major order.
+fn tap_major(by_channel: &[f32], kernel: usize) -> Vec<f32> {
+    let channels = by_channel.len() / kernel;
+    let mut by_tap = vec![0.0; by_channel.len()];
+    for (ch, taps) in by_channel.chunks_exact(kernel).enumerate() {
+        for (t, tap) in taps.iter().enumerate() {
+            by_tap[t * channels + ch] = *tap;
+        }
+    }
+    by_tap
 }
 
 impl GdnWeights {
@@ -151,12 +165,29 @@ impl GdnWeights {
             attn_qkv: MatrixRef::load(file, &name("attn_qkv"), c, e)?,
             attn_gate: MatrixRef::load(file, &name("attn_gate"), shape.value_dim(), e)?,
             beta_alpha,
-            conv: load_f32(file, &name("ssm_conv1d"), &[k as u64, c as u64])?,
+            conv_by_tap: tap_major(
+                &load_f32(file, &name("ssm_conv1d"), &[k as u64, c as u64])?,
+                k,
+            ),
             dt_bias: load_vector(file, &format!("blk.{layer}.ssm_dt.bias"), hv)?,
             a: load_vector(file, &format!("blk.{layer}.ssm_a"), hv)?,
             norm: load_vector(file, &name("ssm_norm"), shape.head_dim)?,
             ssm_out: MatrixRef::load(file, &name("ssm_out"), e, shape.value_dim())?,
         })
+    }
+
+    /// `ssm_conv1d` in the file's order (each channel's `kernel` taps together), for backends
+    /// that keep it that way.
+    pub fn conv_by_channel(&self) -> Vec<f32> {
+        let channels = self.attn_qkv.rows;
+        let kernel = self.conv_by_tap.len() / channels;
+        let mut by_channel = vec![0.0; self.conv_by_tap.len()];
+        for (t, tap) in self.conv_by_tap.chunks_exact(channels).enumerate() {
+            for (ch, value) in tap.iter().enumerate() {
+                by_channel[ch * kernel + t] = *value;
+            }
+        }
+        by_channel
     }
 
     /// Bytes of weights read per token.
@@ -165,7 +196,7 @@ impl GdnWeights {
             BetaAlpha::Separate { beta, alpha } => beta.n_bytes() + alpha.n_bytes(),
             BetaAlpha::Grouped(ba) => ba.n_bytes(),
         };
-        let vectors = self.conv.len() + self.dt_bias.len() + self.a.len() + self.norm.len();
+        let vectors = self.conv_by_tap.len() + self.dt_bias.len() + self.a.len() + self.norm.len();
         self.attn_qkv.n_bytes()
             + self.attn_gate.n_bytes()
             + self.ssm_out.n_bytes()
@@ -294,14 +325,18 @@ pub fn step(
     let (c, kernel, sd) = (shape.channels(), shape.conv_kernel, shape.head_dim);
     let history = kernel - 1;
 
-    // Causal depthwise convolution over [history..., current], then SiLU.
-    for (ch, (o, taps)) in conv.iter_mut().zip(w.conv.chunks_exact(kernel)).enumerate() {
-        let mut acc = 0.0f32;
-        for (t, tap) in taps[..history].iter().enumerate() {
-            acc += src.conv[t * c + ch] * tap;
+    // Causal depthwise convolution over [history..., current], then SiLU: per channel the
+    // taps are summed oldest first, a tap at a time over all channels (vectorisable).
+    conv.fill(0.0);
+    let taps = w.conv_by_tap.chunks_exact(c);
+    let inputs = src.conv.chunks_exact(c).chain([x.mixed]);
+    for (tap, input) in taps.zip(inputs).take(kernel) {
+        for ((o, t), v) in conv.iter_mut().zip(tap).zip(input) {
+            *o += v * t;
         }
-        acc += x.mixed[ch] * taps[history];
-        *o = ops::silu(acc);
+    }
+    for o in conv.iter_mut() {
+        *o = ops::silu(*o);
     }
     if history > 0 {
         dst.conv[..(history - 1) * c].copy_from_slice(&src.conv[c..]);
@@ -326,22 +361,15 @@ pub fn step(
         let kh = shape.head_map.key_head(h, shape.n_k_heads, shape.n_v_heads);
         let (qh, kh) = (&q[kh * sd..(kh + 1) * sd], &k[kh * sd..(kh + 1) * sd]);
         let vh = &v[h * sd..(h + 1) * sd];
-        let beta = ops::sigmoid(x.beta[h]);
         let g = ops::softplus(x.alpha[h] + w.dt_bias[h]) * w.a[h];
-        let decay = g.exp();
-        for (j, (row_out, row_in)) in m_out
-            .chunks_exact_mut(sd)
-            .zip(m_in.chunks_exact(sd))
-            .enumerate()
-        {
-            for (a, b) in row_out.iter_mut().zip(row_in) {
-                *a = b * decay;
-            }
-            let predicted = kf32::dot_f32(row_out, kh);
-            let delta = (vh[j] - predicted) * beta;
-            kf32::axpy(delta, kh, row_out);
-            o[j] = kf32::dot_f32(row_out, qh);
-        }
+        let inputs = DeltaInputs {
+            k: kh,
+            q: qh,
+            v: vh,
+            decay: g.exp(),
+            beta: ops::sigmoid(x.beta[h]),
+        };
+        delta_rule::step(inputs, m_in, m_out, o);
         ops::rms_norm_in_place(o, &w.norm, shape.eps);
         for (value, gate) in o.iter_mut().zip(&x.z[h * sd..(h + 1) * sd]) {
             *value *= ops::silu(*gate);
@@ -366,6 +394,31 @@ pub fn step(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn conv_taps_transpose_and_back() {
+        // 3 channels of 2 taps, channel-major as in the file.
+        let by_channel = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let by_tap = tap_major(&by_channel, 2);
+        assert_eq!(by_tap, [1.0, 3.0, 5.0, 2.0, 4.0, 6.0]);
+        let matrix = |rows| MatrixRef {
+            name: String::new(),
+            ty: specula_kernels::WeightType::F32,
+            rows,
+            cols: 0,
+        };
+        let w = GdnWeights {
+            attn_qkv: matrix(3),
+            attn_gate: matrix(0),
+            beta_alpha: BetaAlpha::Grouped(matrix(0)),
+            conv_by_tap: by_tap,
+            dt_bias: Vec::new(),
+            a: Vec::new(),
+            norm: Vec::new(),
+            ssm_out: matrix(0),
+        };
+        assert_eq!(w.conv_by_channel(), by_channel);
+    }
 
     #[test]
     fn head_maps() {
@@ -400,8 +453,8 @@ mod tests {
             attn_qkv: dummy.clone(),
             attn_gate: dummy.clone(),
             beta_alpha: BetaAlpha::Grouped(dummy.clone()),
-            // Channel c: taps [0.5, 1.0] (previous input, current input).
-            conv: [0.5f32, 1.0].repeat(6),
+            // Every channel: taps [0.5, 1.0] (previous input, current input).
+            conv_by_tap: [[0.5f32; 6], [1.0; 6]].concat(),
             dt_bias: vec![0.1],
             a: vec![-0.5],
             norm: vec![1.0, 1.0],

@@ -218,6 +218,84 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// One gated delta-rule step ([`crate::delta_rule::step`]), as the AVX-512 version with
+/// 8-lane chunks (a scalar-padded copy of a ragged tail).
+///
+/// # Safety
+///
+/// AVX2 and FMA must be available; `q.len() == k.len()`, `out.len() == v.len()` and both
+/// states hold `v.len() · k.len()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn delta_rule_step(
+    x: crate::delta_rule::DeltaInputs<'_>,
+    state_in: &[f32],
+    state_out: &mut [f32],
+    out: &mut [f32],
+) {
+    let dim = x.k.len();
+    let full = dim / 8;
+    let rest = dim - 8 * full;
+    // The tail through 8-value buffers padded with zeros (zero lanes add nothing).
+    let padded = |src: &[f32]| -> [f32; 8] {
+        let mut buf = [0.0f32; 8];
+        buf[..rest].copy_from_slice(&src[8 * full..]);
+        buf
+    };
+    let (k_tail, q_tail) = (padded(x.k), padded(x.q));
+    let decay = _mm256_set1_ps(x.decay);
+    for (j, o) in out.iter_mut().enumerate() {
+        let row_in = &state_in[j * dim..(j + 1) * dim];
+        let row_out = &mut state_out[j * dim..(j + 1) * dim];
+        // SAFETY: chunk `c < full` covers values `8c .. 8c + 8` of the rows, `k` and `q`; the
+        // tail goes through the 8-value buffers.
+        unsafe {
+            let src = row_in.as_ptr();
+            let dst = row_out.as_mut_ptr();
+            let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); 2];
+            for c in 0..full {
+                let row = _mm256_mul_ps(_mm256_loadu_ps(src.add(8 * c)), decay);
+                _mm256_storeu_ps(dst.add(8 * c), row);
+                acc[c % 2] = _mm256_fmadd_ps(row, _mm256_loadu_ps(kp.add(8 * c)), acc[c % 2]);
+            }
+            let mut tail = [0.0f32; 8];
+            if rest > 0 {
+                let row = _mm256_mul_ps(_mm256_loadu_ps(padded(row_in).as_ptr()), decay);
+                _mm256_storeu_ps(tail.as_mut_ptr(), row);
+                acc[full % 2] =
+                    _mm256_fmadd_ps(row, _mm256_loadu_ps(k_tail.as_ptr()), acc[full % 2]);
+            }
+            let predicted = reduce8(_mm256_add_ps(acc[0], acc[1]));
+            let delta = _mm256_set1_ps((x.v[j] - predicted) * x.beta);
+            let mut acc = [_mm256_setzero_ps(); 2];
+            for c in 0..full {
+                let k = _mm256_loadu_ps(kp.add(8 * c));
+                let row = _mm256_fmadd_ps(delta, k, _mm256_loadu_ps(dst.add(8 * c)));
+                _mm256_storeu_ps(dst.add(8 * c), row);
+                acc[c % 2] = _mm256_fmadd_ps(row, _mm256_loadu_ps(qp.add(8 * c)), acc[c % 2]);
+            }
+            if rest > 0 {
+                let k = _mm256_loadu_ps(k_tail.as_ptr());
+                let row = _mm256_fmadd_ps(delta, k, _mm256_loadu_ps(tail.as_ptr()));
+                _mm256_storeu_ps(tail.as_mut_ptr(), row);
+                acc[full % 2] =
+                    _mm256_fmadd_ps(row, _mm256_loadu_ps(q_tail.as_ptr()), acc[full % 2]);
+            }
+            row_out[8 * full..].copy_from_slice(&tail[..rest]);
+            *o = reduce8(_mm256_add_ps(acc[0], acc[1]));
+        }
+    }
+}
+
+/// The sum of 8 lanes by the pairwise tree (lanes `i` and `i + 4`, then `i + 2`, then `i + 1`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn reduce8(v: __m256) -> f32 {
+    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
+}
+
 /// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
 /// but each chunk of `y` stays in registers across all rows.
 ///

@@ -201,6 +201,65 @@ pub(crate) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// One gated delta-rule step ([`crate::delta_rule::step`]): per state row, one pass that
+/// scales the row by the decay, stores it and dots it with `k`; then one that adds `d_j · k`,
+/// stores and dots with `q`. Two accumulators per dot (even / odd 16-lane chunks), a masked
+/// tail, and the same reduction for every row.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `q.len() == k.len()`, `out.len() == v.len()` and both
+/// states hold `v.len() · k.len()` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn delta_rule_step(
+    x: crate::delta_rule::DeltaInputs<'_>,
+    state_in: &[f32],
+    state_out: &mut [f32],
+    out: &mut [f32],
+) {
+    let dim = x.k.len();
+    let chunks = dim.div_ceil(16);
+    let mask_of = |c: usize| -> u16 {
+        let lanes = (dim - 16 * c).min(16);
+        if lanes == 16 {
+            0xffff
+        } else {
+            (1u16 << lanes) - 1
+        }
+    };
+    let decay = _mm512_set1_ps(x.decay);
+    for (j, o) in out.iter_mut().enumerate() {
+        // SAFETY: row `j` of both states holds `dim` values; chunk `c` covers values
+        // `16c ..` of the row and of `k` / `q`, masked to the ones that exist.
+        unsafe {
+            let src = state_in.as_ptr().add(j * dim);
+            let dst = state_out.as_mut_ptr().add(j * dim);
+            let kp = x.k.as_ptr();
+            let qp = x.q.as_ptr();
+            let mut acc = [_mm512_setzero_ps(); 2];
+            for c in 0..chunks {
+                let mask = mask_of(c);
+                let row = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src.add(16 * c)), decay);
+                _mm512_mask_storeu_ps(dst.add(16 * c), mask, row);
+                let k = _mm512_maskz_loadu_ps(mask, kp.add(16 * c));
+                acc[c % 2] = _mm512_fmadd_ps(row, k, acc[c % 2]);
+            }
+            let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            let delta = _mm512_set1_ps((x.v[j] - predicted) * x.beta);
+            let mut acc = [_mm512_setzero_ps(); 2];
+            for c in 0..chunks {
+                let mask = mask_of(c);
+                let k = _mm512_maskz_loadu_ps(mask, kp.add(16 * c));
+                let row = _mm512_fmadd_ps(delta, k, _mm512_maskz_loadu_ps(mask, dst.add(16 * c)));
+                _mm512_mask_storeu_ps(dst.add(16 * c), mask, row);
+                let q = _mm512_maskz_loadu_ps(mask, qp.add(16 * c));
+                acc[c % 2] = _mm512_fmadd_ps(row, q, acc[c % 2]);
+            }
+            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+        }
+    }
+}
+
 /// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
 /// but each chunk of `y` stays in registers across all rows.
 ///

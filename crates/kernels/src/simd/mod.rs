@@ -540,6 +540,37 @@ pub(crate) fn weighted_sum(level: SimdLevel, weights: &[f32], rows: Rows<'_, f32
     }
 }
 
+/// One gated delta-rule step ([`crate::delta_rule::step`]) at a SIMD `level`.
+pub(crate) fn delta_rule_step(
+    level: SimdLevel,
+    x: crate::delta_rule::DeltaInputs<'_>,
+    state_in: &[f32],
+    state_out: &mut [f32],
+    out: &mut [f32],
+) {
+    let dim = x.k.len();
+    assert!(
+        x.q.len() == dim
+            && out.len() == x.v.len()
+            && state_in.len() == x.v.len() * dim
+            && state_out.len() == state_in.len(),
+        "delta rule: sizes"
+    );
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the sizes match (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::delta_rule_step(x, state_in, state_out, out),
+            _ => avx512::delta_rule_step(x, state_in, state_out, out),
+        }
+    }
+}
+
 /// Asks the CPU to start loading `bytes` into the caches (a hint: no effect on results). The
 /// column-tiled mat-vec prefetches the next weight row's piece while the current one is
 /// multiplied, since the hardware prefetchers restart on every jump between rows.

@@ -414,7 +414,7 @@ fn upload_gdn(
             },
             BetaAlpha::Grouped(ba) => GpuBetaAlpha::Grouped(store.matrix(gpu, file, ba)?),
         },
-        conv: store.vector(gpu, &w.conv)?,
+        conv: store.vector(gpu, &w.conv_by_channel())?,
         dt_bias: store.vector(gpu, &w.dt_bias)?,
         a: store.vector(gpu, &w.a)?,
         norm: store.vector(gpu, &w.norm)?,
