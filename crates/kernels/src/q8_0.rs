@@ -24,13 +24,21 @@ pub const BLOCK_VALUES: usize = 32;
 pub const BLOCK_BYTES: usize = 2 + BLOCK_VALUES;
 
 /// Quantises `x` (a whole number of blocks) into `out` (`x.len() / 32 * 34` bytes).
+///
+/// Runs an AVX-512 version where the CPU has it (activation rows are quantised once per
+/// mat-vec, on the critical path); it writes exactly the bytes of [`quantize_row_scalar`].
 pub fn quantize_row(x: &[f32], out: &mut [u8]) {
-    assert_eq!(x.len() % BLOCK_VALUES, 0, "q8_0 row: not whole blocks");
-    assert_eq!(
-        out.len(),
-        x.len() / BLOCK_VALUES * BLOCK_BYTES,
-        "q8_0 row: output size"
-    );
+    check_quantize_sizes(x, out);
+    if SimdLevel::best_supported() == SimdLevel::Avx512 {
+        simd::quantize_q8_0_row(x, out);
+    } else {
+        quantize_row_scalar(x, out);
+    }
+}
+
+/// Scalar reference of [`quantize_row`] (ggml's `quantize_row_q8_0_ref`).
+pub fn quantize_row_scalar(x: &[f32], out: &mut [u8]) {
+    check_quantize_sizes(x, out);
     for (values, block) in x
         .chunks_exact(BLOCK_VALUES)
         .zip(out.chunks_exact_mut(BLOCK_BYTES))
@@ -39,8 +47,19 @@ pub fn quantize_row(x: &[f32], out: &mut [u8]) {
     }
 }
 
+fn check_quantize_sizes(x: &[f32], out: &[u8]) {
+    assert_eq!(x.len() % BLOCK_VALUES, 0, "q8_0 row: not whole blocks");
+    assert_eq!(
+        out.len(),
+        x.len() / BLOCK_VALUES * BLOCK_BYTES,
+        "q8_0 row: output size"
+    );
+}
+
+/// Quantises one block of 32 values (the reference, also the SIMD version's fallback for
+/// blocks holding a NaN).
 #[inline]
-fn quantize_block(values: &[f32], block: &mut [u8]) {
+pub(crate) fn quantize_block(values: &[f32], block: &mut [u8]) {
     // ggml's MAX(amax, |v|) keeps the comparison order: a NaN input poisons amax as in ggml.
     let amax = values.iter().fold(
         0.0f32,
@@ -342,6 +361,41 @@ pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {
 mod tests {
     use super::*;
     use crate::test_util::random_vec;
+
+    /// Blocks that stress the quantiser: random, ties at every half step (amax 127 makes
+    /// the scale exactly 1), all zero, subnormal, huge, infinite and NaN values.
+    fn awkward_blocks() -> Vec<f32> {
+        let mut x = random_vec(32 * 8, 3.0, 5);
+        let ties: Vec<f32> = (0..31)
+            .map(|i| i as f32 * 4.0 - 61.5)
+            .chain([127.0])
+            .collect();
+        x.extend(&ties);
+        x.extend(ties.iter().map(|v| -v));
+        x.extend([0.0; 32]);
+        x.extend((0..32).map(|i| f32::from_bits(i + 1) * if i % 2 == 0 { 1.0 } else { -1.0 }));
+        x.extend((0..32).map(|i| (i as f32 - 16.0) * 1e36));
+        let mut special = random_vec(32, 1.0, 6);
+        special[3] = f32::INFINITY;
+        x.extend(&special);
+        special[3] = f32::NAN;
+        x.extend(&special);
+        special[3] = 0.5;
+        special[31] = f32::NAN;
+        x.extend(&special);
+        x
+    }
+
+    #[test]
+    fn simd_quantisation_writes_the_reference_bytes() {
+        let x = awkward_blocks();
+        let mut scalar = vec![0u8; x.len() / BLOCK_VALUES * BLOCK_BYTES];
+        quantize_row_scalar(&x, &mut scalar);
+        assert_eq!(quantized(&x), scalar);
+        // The ties really are ties: 2.5 rounds away from zero.
+        let tie_block = &scalar[8 * BLOCK_BYTES..9 * BLOCK_BYTES];
+        assert_eq!(tie_block[2] as i8, -62);
+    }
 
     fn quantized(x: &[f32]) -> Vec<u8> {
         let mut out = vec![0u8; x.len() / BLOCK_VALUES * BLOCK_BYTES];

@@ -30,13 +30,21 @@ const QS: usize = 4;
 const BSUMS: usize = QS + BLOCK_VALUES;
 
 /// Quantises `x` (a whole number of blocks) into `out` (`x.len() / 256 * 292` bytes).
+///
+/// Runs an AVX-512 version where the CPU has it (activation rows are quantised once per
+/// mat-vec, on the critical path); it writes exactly the bytes of [`quantize_row_scalar`].
 pub fn quantize_row(x: &[f32], out: &mut [u8]) {
-    assert_eq!(x.len() % BLOCK_VALUES, 0, "q8_K row: not whole blocks");
-    assert_eq!(
-        out.len(),
-        x.len() / BLOCK_VALUES * BLOCK_BYTES,
-        "q8_K row: output size"
-    );
+    check_quantize_sizes(x, out);
+    if crate::SimdLevel::best_supported() == crate::SimdLevel::Avx512 {
+        crate::simd::quantize_q8_k_row(x, out);
+    } else {
+        quantize_row_scalar(x, out);
+    }
+}
+
+/// Scalar reference of [`quantize_row`] (ggml's `quantize_row_q8_K_ref`).
+pub fn quantize_row_scalar(x: &[f32], out: &mut [u8]) {
+    check_quantize_sizes(x, out);
     for (values, block) in x
         .chunks_exact(BLOCK_VALUES)
         .zip(out.chunks_exact_mut(BLOCK_BYTES))
@@ -45,7 +53,18 @@ pub fn quantize_row(x: &[f32], out: &mut [u8]) {
     }
 }
 
-fn quantize_block(values: &[f32], block: &mut [u8]) {
+fn check_quantize_sizes(x: &[f32], out: &[u8]) {
+    assert_eq!(x.len() % BLOCK_VALUES, 0, "q8_K row: not whole blocks");
+    assert_eq!(
+        out.len(),
+        x.len() / BLOCK_VALUES * BLOCK_BYTES,
+        "q8_K row: output size"
+    );
+}
+
+/// Quantises one block of 256 values (the reference, also the SIMD version's fallback for
+/// blocks holding a NaN).
+pub(crate) fn quantize_block(values: &[f32], block: &mut [u8]) {
     let (mut amax, mut max) = (0.0f32, 0.0f32);
     for &v in values {
         if v.abs() > amax {
@@ -104,6 +123,42 @@ pub(crate) fn parts(block: &[u8]) -> (f32, &[u8], [i16; 16]) {
 mod tests {
     use super::*;
     use crate::test_util::random_vec;
+
+    /// The AVX-512 quantiser (where this CPU has it) writes the reference bytes on blocks with
+    /// ties at every half step (max -127 makes the scale exactly 1), a repeated largest
+    /// magnitude of both signs, zeros, subnormals, huge, infinite and NaN values.
+    #[test]
+    fn simd_quantisation_writes_the_reference_bytes() {
+        let mut x = random_vec(256 * 3, 2.0, 9);
+        x.extend((0..255).map(|i| i as f32 - 127.5).chain([-127.0]));
+        let mut repeated = random_vec(256, 1.0, 10);
+        repeated[40] = 3.0;
+        repeated[41] = -3.0;
+        repeated[200] = -3.0;
+        x.extend(&repeated);
+        repeated[40] = -3.0;
+        repeated[41] = 3.0;
+        x.extend(&repeated);
+        x.extend([0.0; 256]);
+        x.extend((0..256).map(|i| f32::from_bits(i + 1)));
+        x.extend((0..256).map(|i| (i as f32 - 128.0) * 1e36));
+        let mut special = random_vec(256, 1.0, 11);
+        special[7] = f32::NEG_INFINITY;
+        x.extend(&special);
+        special[7] = f32::NAN;
+        x.extend(&special);
+        let mut fast = vec![0u8; x.len() / BLOCK_VALUES * BLOCK_BYTES];
+        let mut scalar = fast.clone();
+        quantize_row(&x, &mut fast);
+        quantize_row_scalar(&x, &mut scalar);
+        for (b, (f, s)) in fast
+            .chunks_exact(BLOCK_BYTES)
+            .zip(scalar.chunks_exact(BLOCK_BYTES))
+            .enumerate()
+        {
+            assert_eq!(f, s, "block {b}");
+        }
+    }
 
     #[test]
     fn layout_rounding_and_sums_match_ggml_reference() {

@@ -571,6 +571,37 @@ pub(crate) fn delta_rule_step(
     }
 }
 
+/// [`crate::q8_0::quantize_row`] with AVX-512 (which the caller checked is available; sizes
+/// checked by the caller too).
+pub(crate) fn quantize_q8_0_row(x: &[f32], out: &mut [u8]) {
+    SimdLevel::Avx512.assert_supported();
+    assert_eq!(
+        x.len() / crate::q8_0::BLOCK_VALUES * crate::q8_0::BLOCK_BYTES,
+        out.len()
+    );
+    assert_eq!(x.len() % crate::q8_0::BLOCK_VALUES, 0);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512 is available and `out` holds one block per 32 values (checked above).
+    unsafe {
+        avx512::quantize_q8_0_row(x, out)
+    }
+}
+
+/// [`crate::q8_k::quantize_row`] with AVX-512 (which the caller checked is available).
+pub(crate) fn quantize_q8_k_row(x: &[f32], out: &mut [u8]) {
+    SimdLevel::Avx512.assert_supported();
+    assert_eq!(
+        x.len() / crate::q8_k::BLOCK_VALUES * crate::q8_k::BLOCK_BYTES,
+        out.len()
+    );
+    assert_eq!(x.len() % crate::q8_k::BLOCK_VALUES, 0);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512 is available and `out` holds one block per 256 values (checked above).
+    unsafe {
+        avx512::quantize_q8_k_row(x, out)
+    }
+}
+
 /// Asks the CPU to start loading `bytes` into the caches (a hint: no effect on results). The
 /// column-tiled mat-vec prefetches the next weight row's piece while the current one is
 /// multiplied, since the hardware prefetchers restart on every jump between rows.
