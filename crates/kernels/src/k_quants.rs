@@ -10,7 +10,7 @@
 //! and the SIMD kernels (8 or 16 f32 lanes summed at the end).
 
 use crate::q8_k;
-use crate::simd::{self, Accumulator, Rows, SimdLevel};
+use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
 
 /// Values per super-block (ggml's `QK_K`).
 pub const SUPER_BLOCK_VALUES: usize = 256;
@@ -306,16 +306,18 @@ impl KEncoding {
     }
 }
 
-/// Checks that `w` (type `encoding`) and a Q8_K row `x` have the same number of super-blocks.
-pub(crate) fn check_sizes(encoding: KEncoding, w_len: usize, x_len: usize) {
+/// Checks that `w` (type `encoding`) and a Q8_K row of `x_len` bytes in `level`'s format
+/// ([`q8_k::wide_block_bytes`]) have the same number of super-blocks.
+pub(crate) fn check_sizes(encoding: KEncoding, level: SimdLevel, w_len: usize, x_len: usize) {
+    let block = q8_k::wide_block_bytes(level);
     assert_eq!(
-        x_len % q8_k::BLOCK_BYTES,
+        x_len % block,
         0,
         "dot: activation row is not whole Q8_K blocks"
     );
     assert_eq!(
         w_len,
-        x_len / q8_k::BLOCK_BYTES * encoding.block_bytes(),
+        x_len / block * encoding.block_bytes(),
         "dot: weight row and activation sizes differ"
     );
 }
@@ -335,16 +337,60 @@ pub(crate) fn k_quant_dot_rows(
         x.count(),
         "dot_rows: one output per activation row"
     );
+    check_sizes(encoding, SimdLevel::Scalar, w.len(), x.len());
     if level == SimdLevel::Scalar {
-        check_sizes(encoding, w.len(), x.len());
         let scalar = encoding.scalar_dot();
         for (b, o) in out.iter_mut().enumerate() {
             *o = scalar(w, x.row(b));
         }
-    } else {
+    } else if q8_k::wide_block_bytes(level) == q8_k::BLOCK_BYTES {
         simd::accumulate_and_sum(x, out, k_quant_lanes(level), |x, acc| {
             k_quant_accumulate(encoding, level, Rows::single(w), x, acc, None)
         });
+    } else {
+        // Widened a few super-blocks at a time on the stack.
+        const STEP: usize = 4;
+        const WIDE: usize = q8_k::AVX512_WIDE_BLOCK_BYTES;
+        let blocks = x.len() / q8_k::BLOCK_BYTES;
+        let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * WIDE];
+        let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
+        for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+            let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
+            let acc = &mut acc[..group_out.len()];
+            acc.fill(Accumulator::ZERO);
+            for first in (0..blocks).step_by(STEP) {
+                let count = STEP.min(blocks - first);
+                let wide_row = count * WIDE;
+                for (b, dst) in wide
+                    .chunks_exact_mut(wide_row)
+                    .take(group.count())
+                    .enumerate()
+                {
+                    let src =
+                        &group.row(b)[first * q8_k::BLOCK_BYTES..][..count * q8_k::BLOCK_BYTES];
+                    q8_k::widen_row(level, src, dst);
+                }
+                let wide_rows = Rows::new(
+                    &wide[..group.count() * wide_row],
+                    wide_row,
+                    wide_row,
+                    group.count(),
+                );
+                let w_blocks =
+                    &w[first * encoding.block_bytes()..][..count * encoding.block_bytes()];
+                k_quant_accumulate(
+                    encoding,
+                    level,
+                    Rows::single(w_blocks),
+                    wide_rows,
+                    acc,
+                    None,
+                );
+            }
+            for (o, a) in group_out.iter_mut().zip(acc.iter()) {
+                *o = a.sum(k_quant_lanes(level));
+            }
+        }
     }
 }
 
@@ -379,7 +425,7 @@ pub(crate) fn dot_with_mins_scalar(
     x: &[u8],
     levels_of: impl Fn(&[u8], &mut [u8; SUPER_BLOCK_VALUES]),
 ) -> f32 {
-    check_sizes(encoding, w.len(), x.len());
+    check_sizes(encoding, SimdLevel::Scalar, w.len(), x.len());
     let mut sum = 0.0f32;
     let mut levels = [0u8; SUPER_BLOCK_VALUES];
     for (wb, xb) in w

@@ -223,30 +223,31 @@ fn matmul_tiled(
             let q_row = format
                 .row_bytes(cols)
                 .expect("weight rows are whole blocks");
-            // SIMD levels multiply Q8_0 activations in their own widened format.
-            let widen = format == ActivationFormat::Q8_0 && level != SimdLevel::Scalar;
-            let (act_block, act_row) = if widen {
-                let blocks = cols / q8_0::BLOCK_VALUES;
-                let block = q8_0::wide_block_bytes(level);
-                (block, blocks * block)
-            } else if format == ActivationFormat::Q8_0 {
-                (q8_0::BLOCK_BYTES, q_row)
-            } else {
-                (q8_k::BLOCK_BYTES, q_row)
+            // SIMD levels multiply activations in their own widened formats.
+            let (block_values, act_block) = match format {
+                ActivationFormat::Q8_0 => (q8_0::BLOCK_VALUES, q8_0::wide_block_bytes(level)),
+                _ => (q8_k::BLOCK_VALUES, q8_k::wide_block_bytes(level)),
             };
+            let act_row = cols / block_values * act_block;
+            let widen = act_row != q_row;
             quantized.resize(n * act_row, 0);
             if widen {
                 row_buffer.resize(q_row, 0);
             }
             for (b, q) in quantized.chunks_exact_mut(act_row).enumerate() {
                 let values = &x[b * cols..(b + 1) * cols];
-                match format {
-                    ActivationFormat::Q8_0 if widen => {
-                        q8_0::quantize_row(values, row_buffer);
-                        q8_0::widen_row(level, row_buffer, q);
+                let quantize_row = match format {
+                    ActivationFormat::Q8_0 => q8_0::quantize_row,
+                    _ => q8_k::quantize_row,
+                };
+                if widen {
+                    quantize_row(values, row_buffer);
+                    match format {
+                        ActivationFormat::Q8_0 => q8_0::widen_row(level, row_buffer, q),
+                        _ => q8_k::widen_row(level, row_buffer, q),
                     }
-                    ActivationFormat::Q8_0 => q8_0::quantize_row(values, q),
-                    _ => q8_k::quantize_row(values, q),
+                } else {
+                    quantize_row(values, q);
                 }
             }
             let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
@@ -256,10 +257,6 @@ fn matmul_tiled(
                 WeightType::Q4K => (q4_k::dot_rows, q4_k::accumulate, 0),
                 WeightType::Q5K => (q5_k::dot_rows, q5_k::accumulate, 0),
                 _ => (q6_k::dot_rows, q6_k::accumulate, 0),
-            };
-            let block_values = match format {
-                ActivationFormat::Q8_0 => q8_0::BLOCK_VALUES,
-                _ => q8_k::BLOCK_VALUES,
             };
             let kernel = Kernel {
                 dot_rows,

@@ -189,7 +189,7 @@ pub(crate) fn accumulate(
 /// Scalar reference of [`dot`]: per super-block the exact integer
 /// `Σ_g scale_g · Σ (q - 32) · q_x`, then `sum += (d_x · d) · isum` in f32, blocks in order.
 pub fn dot_scalar(w: &[u8], x: &[u8]) -> f32 {
-    k_quants::check_sizes(KEncoding::Q6K, w.len(), x.len());
+    k_quants::check_sizes(KEncoding::Q6K, crate::SimdLevel::Scalar, w.len(), x.len());
     let mut sum = 0.0f32;
     let mut q = [0u8; BLOCK_VALUES];
     for (wb, xb) in w

@@ -18,6 +18,7 @@
 //! Q4_K, Q5_K and Q6_K weights, as ggml's `vec_dot_type` does.
 
 use crate::k_quants::{nearest_int, SUPER_BLOCK_VALUES};
+use crate::SimdLevel;
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = SUPER_BLOCK_VALUES;
@@ -88,6 +89,51 @@ pub(crate) fn quantize_block(values: &[f32], block: &mut [u8]) {
         block[BSUMS + 2 * g..BSUMS + 2 * g + 2].copy_from_slice(&(sum as i16).to_le_bytes());
     }
     block[..QS].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+}
+
+/// Bytes per block of the Q8_K activation format the kernels of `level` multiply
+/// ([`widen_row`]): the plain block, except at AVX-512.
+pub(crate) fn wide_block_bytes(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512 => AVX512_WIDE_BLOCK_BYTES,
+        _ => BLOCK_BYTES,
+    }
+}
+
+/// AVX-512 activation block: the 256 quants, then the scale `d` as f32 in each of 16 lanes,
+/// then `d · bsums[g]` (f32) for the 16 groups of 16. The kernel applies a super-block's
+/// minimums (or Q6_K's offset) as one fused multiply-add of these against per-group weight
+/// coefficients, and its scale without broadcasting: one load each per row and super-block.
+pub(crate) const AVX512_WIDE_BLOCK_BYTES: usize = BLOCK_VALUES + 2 * 64;
+
+/// Byte offset of the 16 repeated scales in an AVX-512 block.
+pub(crate) const AVX512_SCALES: usize = BLOCK_VALUES;
+/// Byte offset of the 16 scaled group sums in an AVX-512 block.
+pub(crate) const AVX512_SCALED_SUMS: usize = BLOCK_VALUES + 64;
+
+/// Converts a Q8_K row into the activation format of `level` (`bytes.len() / 292 ·`
+/// [`wide_block_bytes`] bytes).
+pub(crate) fn widen_row(level: SimdLevel, bytes: &[u8], wide: &mut [u8]) {
+    let block_bytes = wide_block_bytes(level);
+    debug_assert_eq!(wide.len(), bytes.len() / BLOCK_BYTES * block_bytes);
+    if level != SimdLevel::Avx512 {
+        wide.copy_from_slice(bytes);
+        return;
+    }
+    for (src, dst) in bytes
+        .chunks_exact(BLOCK_BYTES)
+        .zip(wide.chunks_exact_mut(block_bytes))
+    {
+        let (d, quants, sums) = parts(src);
+        dst[..BLOCK_VALUES].copy_from_slice(quants);
+        let (scales, scaled_sums) = dst[AVX512_SCALES..].split_at_mut(64);
+        for lane in scales.chunks_exact_mut(4) {
+            lane.copy_from_slice(&d.to_le_bytes());
+        }
+        for (lane, sum) in scaled_sums.chunks_exact_mut(4).zip(sums) {
+            lane.copy_from_slice(&(d * f32::from(sum)).to_le_bytes());
+        }
+    }
 }
 
 /// Decodes Q8_K `bytes` into `out` (a whole number of blocks).

@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{
-    decode_block32, float_size, k_block_bytes, load_f32, row_ptrs, F16, F32, Q4_K, Q6_K, Q8_0,
+    decode_block32, float_size, k_block_bytes, row_ptrs, F16, F32, Q4_K, Q6_K, Q8_0,
 };
 use super::{in_passes, with_row_count, Accumulator, Rows};
 use crate::{q8_0, q8_k};
@@ -602,14 +602,18 @@ fn join(low: __m256i, high: __m256i) -> __m512i {
 /// sub-block's scale (`multipliers[m]`, laid out in the pack's lane order) while accumulating.
 /// Six multiply instructions per row and super-block (`vpmaddubsw` + `vpdpwssd` on every
 /// register took eight).
+///
+/// The widened activation block ([`q8_k::widen_row`]) carries `d_x` in 16 lanes and
+/// `d_x · bsum_g` per group of 16, so the row's update is `acc += (d · d_x) · sums` and
+/// `acc -= group_coefficients · (d_x · bsum)`: no broadcast and no integer bsum product per row.
 struct WideSuperBlock {
     quants: [__m512i; 4],
     multipliers: [__m512i; 2],
-    /// Q4_K / Q5_K: `m_j` in i16 lanes `2j, 2j + 1` (for the 16 bsums); Q6_K: the 16 signed
-    /// group scales (for the `-32` offset).
-    bsum_multipliers: __m256i,
-    d: f32,
-    dmin: f32,
+    /// The super-block scale `d` in every lane.
+    d: __m512,
+    /// Per group `g` of 16 values: Q4_K / Q5_K `dmin · m_{g/2}` (the minimums); Q6_K
+    /// `32 · d · scale_g` (the quants' `+32` offset).
+    group_coefficients: __m512,
 }
 
 /// Index vector for `vpermw` selecting i16 element `f(lane)` into each of the 32 lanes.
@@ -653,10 +657,10 @@ unsafe fn decode_k_with_mins_wide<const KIND: u8>(block: *const u8) -> WideSuper
                 scale_min,
             )
         });
-        let bsum_multipliers = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
-            lane_pattern(|i| 8 + (i % 16) / 2),
-            scale_min,
-        ));
+        // m_{g/2} for the 16 groups, as f32.
+        let group_mins = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(
+            _mm512_permutexvar_epi16(lane_pattern(|i| 8 + (i % 16) / 2), scale_min),
+        )));
         let qs = match KIND {
             Q4_K => block.add(16),
             _ => block.add(48),
@@ -684,9 +688,11 @@ unsafe fn decode_k_with_mins_wide<const KIND: u8>(block: *const u8) -> WideSuper
         WideSuperBlock {
             quants,
             multipliers,
-            bsum_multipliers,
-            d: _mm_cvtss_f32(scales),
-            dmin: _mm_cvtss_f32(_mm_movehdup_ps(scales)),
+            d: _mm512_broadcastss_ps(scales),
+            group_coefficients: _mm512_mul_ps(
+                _mm512_broadcastss_ps(_mm_movehdup_ps(scales)),
+                group_mins,
+            ),
         }
     }
 }
@@ -726,15 +732,16 @@ unsafe fn decode_q6_k_wide(block: *const u8) -> WideSuperBlock {
             let m = m as i16;
             _mm512_permutexvar_epi16(lane_pattern(|i| 4 * (2 * m + (i % 8) / 4) + i / 8), scales)
         });
-        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(
+        let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_set1_epi16(
             block.add(208).cast::<u16>().read_unaligned() as i16,
         )));
+        let offsets =
+            _mm512_cvtepi32_ps(_mm512_slli_epi32::<5>(_mm512_cvtepi16_epi32(group_scales)));
         WideSuperBlock {
             quants,
             multipliers,
-            bsum_multipliers: group_scales,
             d,
-            dmin: 0.0,
+            group_coefficients: _mm512_mul_ps(d, offsets),
         }
     }
 }
@@ -764,7 +771,8 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
     rows: Rows<'_, u8>,
     state: &mut [Accumulator],
 ) {
-    let blocks = rows.len() / q8_k::BLOCK_BYTES;
+    const WIDE: usize = q8_k::AVX512_WIDE_BLOCK_BYTES;
+    let blocks = rows.len() / WIDE;
     let xp = row_ptrs::<u8, N>(&rows);
     let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
     for b in 0..blocks {
@@ -776,9 +784,7 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
                 _ => decode_k_with_mins_wide::<KIND>(block),
             };
             for r in 0..N {
-                let xb = xp[r].add(b * q8_k::BLOCK_BYTES);
-                let dx = load_f32(xb);
-                let xq = xb.add(4);
+                let xq = xp[r].add(b * WIDE);
                 let mut sums = _mm512_setzero_si512();
                 for m in 0..2 {
                     let quad_sums = |k: usize| {
@@ -788,21 +794,11 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
                     let packed = _mm512_packs_epi32(quad_sums(2 * m), quad_sums(2 * m + 1));
                     sums = _mm512_dpwssd_epi32(sums, packed, decoded.multipliers[m]);
                 }
-                let bsums = _mm256_loadu_si256(xb.add(260).cast());
-                let bsum_term =
-                    _mm512_zextsi256_si512(_mm256_madd_epi16(bsums, decoded.bsum_multipliers));
-                let scale = _mm512_set1_ps(dx * decoded.d);
-                match KIND {
-                    Q6_K => {
-                        let exact = _mm512_sub_epi32(sums, _mm512_slli_epi32::<5>(bsum_term));
-                        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(exact), acc[r]);
-                    }
-                    _ => {
-                        let min_scale = _mm512_set1_ps(dx * decoded.dmin);
-                        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[r]);
-                        acc[r] = _mm512_fnmadd_ps(min_scale, _mm512_cvtepi32_ps(bsum_term), acc[r]);
-                    }
-                }
+                let dx = _mm512_loadu_ps(xq.add(q8_k::AVX512_SCALES).cast());
+                let scaled_sums = _mm512_loadu_ps(xq.add(q8_k::AVX512_SCALED_SUMS).cast());
+                let scale = _mm512_mul_ps(decoded.d, dx);
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(decoded.group_coefficients, scaled_sums, acc[r]);
             }
         }
     }

@@ -479,7 +479,7 @@ pub(crate) fn k_quant_accumulate(
     acc: &mut [Accumulator],
     prefetch_next: Option<&[u8]>,
 ) {
-    crate::k_quants::check_sizes(encoding, w.len(), x.len());
+    crate::k_quants::check_sizes(encoding, level, w.len(), x.len());
     check_simd_call(level, &w, &x, acc);
     #[cfg(target_arch = "x86_64")]
     {
