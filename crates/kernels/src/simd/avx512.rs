@@ -218,6 +218,24 @@ pub(crate) unsafe fn delta_rule_step(
     out: &mut [f32],
 ) {
     let dim = x.k.len();
+    // Common head sizes keep k, q and the row in registers (one load and one store per
+    // chunk of the row).
+    if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
+        // SAFETY: forwarded contract; `dim` is `16 · CHUNKS`.
+        unsafe {
+            match dim / 16 {
+                1 => delta_rule_rows::<1>(x, state_in, state_out, out),
+                2 => delta_rule_rows::<2>(x, state_in, state_out, out),
+                3 => delta_rule_rows::<3>(x, state_in, state_out, out),
+                4 => delta_rule_rows::<4>(x, state_in, state_out, out),
+                5 => delta_rule_rows::<5>(x, state_in, state_out, out),
+                6 => delta_rule_rows::<6>(x, state_in, state_out, out),
+                7 => delta_rule_rows::<7>(x, state_in, state_out, out),
+                _ => delta_rule_rows::<8>(x, state_in, state_out, out),
+            }
+        }
+        return;
+    }
     let chunks = dim.div_ceil(16);
     let mask_of = |c: usize| -> u16 {
         let lanes = (dim - 16 * c).min(16);
@@ -389,6 +407,49 @@ pub(crate) unsafe fn quantize_q8_k_row(x: &[f32], out: &mut [u8]) {
                     .write_unaligned(sum.to_le_bytes());
             }
             block[..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+        }
+    }
+}
+
+/// [`delta_rule_step`] for rows of exactly `16 · CHUNKS` values, with `k`, `q` and the row
+/// in registers.
+///
+/// # Safety
+///
+/// As [`delta_rule_step`], and `k.len() == 16 · CHUNKS`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn delta_rule_rows<const CHUNKS: usize>(
+    x: crate::delta_rule::DeltaInputs<'_>,
+    state_in: &[f32],
+    state_out: &mut [f32],
+    out: &mut [f32],
+) {
+    let dim = 16 * CHUNKS;
+    // SAFETY: `k` and `q` hold `dim` values; row `j` of both states holds `dim` values.
+    unsafe {
+        let k: [__m512; CHUNKS] =
+            std::array::from_fn(|c| _mm512_loadu_ps(x.k.as_ptr().add(16 * c)));
+        let q: [__m512; CHUNKS] =
+            std::array::from_fn(|c| _mm512_loadu_ps(x.q.as_ptr().add(16 * c)));
+        let decay = _mm512_set1_ps(x.decay);
+        for (j, o) in out.iter_mut().enumerate() {
+            let src = state_in.as_ptr().add(j * dim);
+            let dst = state_out.as_mut_ptr().add(j * dim);
+            let mut row = [_mm512_setzero_ps(); CHUNKS];
+            let mut acc = [_mm512_setzero_ps(); 2];
+            for c in 0..CHUNKS {
+                row[c] = _mm512_mul_ps(_mm512_loadu_ps(src.add(16 * c)), decay);
+                acc[c % 2] = _mm512_fmadd_ps(row[c], k[c], acc[c % 2]);
+            }
+            let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            let delta = _mm512_set1_ps((x.v[j] - predicted) * x.beta);
+            let mut acc = [_mm512_setzero_ps(); 2];
+            for c in 0..CHUNKS {
+                row[c] = _mm512_fmadd_ps(delta, k[c], row[c]);
+                _mm512_storeu_ps(dst.add(16 * c), row[c]);
+                acc[c % 2] = _mm512_fmadd_ps(row[c], q[c], acc[c % 2]);
+            }
+            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
         }
     }
 }
