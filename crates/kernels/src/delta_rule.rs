@@ -116,7 +116,15 @@ mod tests {
     /// reference, at awkward sizes (tails of every length, a single column, the real 128).
     #[test]
     fn every_level_matches_the_f64_reference_at_awkward_sizes() {
-        for (dim, values) in [(1, 3), (7, 5), (16, 16), (37, 9), (64, 6), (128, 12), (200, 4)] {
+        for (dim, values) in [
+            (1, 3),
+            (7, 5),
+            (16, 16),
+            (37, 9),
+            (64, 6),
+            (128, 12),
+            (200, 4),
+        ] {
             let k = random_vec(dim, 0.3, dim as u64);
             let q = random_vec(dim, 0.3, dim as u64 + 1);
             let v = random_vec(values, 1.0, dim as u64 + 2);

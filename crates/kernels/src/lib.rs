@@ -26,6 +26,7 @@
 //! (used to write model files); [`try_quantize`] and [`try_dequantize`] are their fallible
 //! forms.
 
+pub mod attention;
 pub mod bf16;
 pub mod delta_rule;
 mod error;

@@ -422,7 +422,6 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
     )
     .unwrap();
     let got = download(&gpu, &out);
-    let mut cpu_scores = vec![0.0; shape.n_head * n_ctx];
     for r in 0..rows {
         let n_keys = pos0 + r + 1;
         let mut cpu = vec![0.0; shape.out_width()];
@@ -431,7 +430,6 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             &q[r * shape.q_width()..(r + 1) * shape.q_width()],
             &keys[..n_keys * shape.k_width()],
             &values[..n_keys * shape.v_width()],
-            &mut cpu_scores,
             &mut cpu,
         );
         let d = max_diff(

@@ -186,8 +186,8 @@ pub struct Scratch {
     pub proj: Vec<f32>,
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
-    /// Attention scores, `n_head × n_ctx`.
-    pub scores: Vec<f32>,
+    /// Attention buffers.
+    pub attention: attention::AttentionScratch,
     pub rope_cos: Vec<f32>,
     pub rope_sin: Vec<f32>,
     pub matmul: MatmulScratch,
@@ -207,7 +207,7 @@ impl Scratch {
             proj: vec![0.0; rows * config.n_embd],
             gate: vec![0.0; rows * config.n_ff],
             up: vec![0.0; rows * config.n_ff],
-            scores: vec![0.0; shape.n_head * n_ctx],
+            attention: attention::AttentionScratch::new(shape, n_ctx),
             rope_cos: vec![0.0; pairs],
             rope_sin: vec![0.0; pairs],
             matmul: MatmulScratch::new(),
@@ -239,7 +239,7 @@ pub fn forward_dense_layer(
     let ow = shape.out_width();
     let s = scratch;
 
-    // Attention: norm, projections, per-row q/k norm + RoPE + cache write + attention.
+    // Attention: norm, projections, per-row q/k norm + RoPE + cache write, then attention.
     for (x, xn) in s.x[..n * e].chunks_exact(e).zip(s.xn.chunks_exact_mut(e)) {
         ops::rms_norm(x, &layer.attn_norm, config.rms_eps, xn);
     }
@@ -279,15 +279,16 @@ pub fn forward_dense_layer(
             &mut s.rope_sin,
         );
         kv.store(layer_index, pos, k, &s.v[i * vw..(i + 1) * vw]);
-        attention::attend(
-            shape,
-            q,
-            kv.keys(layer_index, pos + 1),
-            kv.values(layer_index, pos + 1),
-            &mut s.scores,
-            &mut s.attn[i * ow..(i + 1) * ow],
-        );
     }
+    attention::attend_rows(
+        shape,
+        &s.q[..n * qw],
+        pos0 + 1,
+        kv.keys(layer_index, pos0 + n),
+        kv.values(layer_index, pos0 + n),
+        &mut s.attention,
+        &mut s.attn[..n * ow],
+    );
     matmul(
         &layer.attn_output.view(file)?,
         &s.attn[..n * ow],

@@ -1,11 +1,12 @@
 //! Grouped-query softmax attention of one row over the KV cache, and the gated full-attention
 //! block of the hybrid models.
 //!
-//! Query head `h` reads key/value head `h / (n_head / n_head_kv)` (ggml's broadcast). For each
-//! head the scores of positions `0 ..= pos` are computed with the kernels' f32 dot product (one
-//! multi-row call; each score bit-identical to a single dot), scaled by `1 / sqrt(head_dim)`,
-//! soft-maxed, and the value rows are accumulated in position order (`weighted_sum`). Heads may
-//! run on different threads; each head's arithmetic is fixed, so the result does not depend on
+//! Query head `h` reads key/value head `h / (n_head / n_head_kv)` (ggml's broadcast). The query
+//! heads that share a key/value head, for every row of a batch, go through the kernels'
+//! multi-query attention together ([`attend_rows`]): each cached row is read once for all of
+//! them. A query's scores over positions `0 ..= pos` are scaled by `1 / sqrt(head_dim)`,
+//! soft-maxed, and the value rows accumulated in position order. Key/value heads may run on
+//! different threads; each query's arithmetic is fixed, so the result does not depend on
 //! threads or on which batch the row came in.
 //!
 //! The gated block ([`forward_gated`], qwen35 / qwen3next and their MTP heads) projects query
@@ -16,7 +17,8 @@
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
-use specula_kernels::{f32 as kf32, matmul, ops, MatmulScratch, Rope, Rows};
+use specula_kernels::attention as kattention;
+use specula_kernels::{matmul, ops, MatmulScratch, Rope, Rows};
 use specula_plugin_api::PluginError;
 
 use crate::kv_cache::KvCache;
@@ -88,57 +90,161 @@ pub fn prepare_query_key(
     }
 }
 
-/// Attention of one query row over `keys`/`values` (`n_keys` cached rows of `k_width` /
-/// `v_width`, positions `0 .. n_keys`), written to `out` (`out_width`).
+/// Rows attended together per call of the attention kernels: a verify batch at once; longer
+/// batches (prefill) in pieces of this many rows.
+pub const ATTENTION_ROWS: usize = 8;
+
+/// One key/value head's queries, scores, outputs and limits in [`AttentionScratch`].
+type HeadBuffers<'a> = (
+    ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]),
+    &'a mut [usize],
+);
+
+/// Buffers of [`attend_rows`] over a context of up to `n_ctx` positions.
+#[derive(Debug, Default, Clone)]
+pub struct AttentionScratch {
+    /// Per key/value head: the queries of its query heads for every row.
+    queries: Vec<f32>,
+    /// Per key/value head: one score row of `n_ctx` per query.
+    scores: Vec<f32>,
+    /// Per key/value head: one output row per query.
+    outputs: Vec<f32>,
+    /// Per key/value head: how many keys each query sees.
+    limits: Vec<usize>,
+    n_ctx: usize,
+}
+
+impl AttentionScratch {
+    pub fn new(shape: &AttentionShape, n_ctx: usize) -> Self {
+        let queries = ATTENTION_ROWS * shape.n_head;
+        Self {
+            queries: vec![0.0; queries * shape.head_dim],
+            scores: vec![0.0; queries * n_ctx],
+            outputs: vec![0.0; queries * shape.value_dim],
+            limits: vec![0; queries],
+            n_ctx,
+        }
+    }
+}
+
+/// Attention of `m` query rows (`queries`, `m × q_width`) over `keys`/`values` (cached rows of
+/// `k_width` / `v_width`): row `i` sees positions `0 .. first_len + i`. Writes `m × out_width`
+/// values to `out`.
 ///
-/// `scores` is scratch of at least `n_head` chunks of `scores.len() / n_head >= n_keys`.
-pub fn attend(
+/// Per key/value head, the rows' query heads that share it are multiplied together
+/// ([`specula_kernels::attention`]), so each cached row is read once per call rather than once
+/// per query head and row; key/value heads may run on different threads. A query's arithmetic
+/// does not depend on the others, so row `i` gets the bits of a single-row call.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_rows(
     shape: &AttentionShape,
-    q: &[f32],
+    queries: &[f32],
+    first_len: usize,
     keys: &[f32],
     values: &[f32],
-    scores: &mut [f32],
+    s: &mut AttentionScratch,
     out: &mut [f32],
 ) {
-    let (hd, vd) = (shape.head_dim, shape.value_dim);
+    let (hd, vd, qw, ow) = (
+        shape.head_dim,
+        shape.value_dim,
+        shape.q_width(),
+        shape.out_width(),
+    );
     let (kw, vw) = (shape.k_width(), shape.v_width());
-    let n_keys = keys.len() / kw;
+    let m = queries.len() / qw;
+    assert_eq!(out.len(), m * ow, "attention: output size");
+    let n_cached = keys.len() / kw;
     assert_eq!(
         values.len(),
-        n_keys * vw,
+        n_cached * vw,
         "attention: keys and values differ in length"
     );
-    let stride = scores.len() / shape.n_head;
-    assert!(stride >= n_keys, "attention: score scratch too small");
+    assert!(
+        m == 0 || first_len + m - 1 <= n_cached.min(s.n_ctx),
+        "attention: rows see more positions than are cached"
+    );
     let group = shape.n_head / shape.n_head_kv;
     let scale = shape.scale();
-
-    let head = |(h, (out_h, scores_h)): (usize, (&mut [f32], &mut [f32]))| {
-        let kv_head = h / group;
-        let q_h = &q[h * hd..(h + 1) * hd];
-        let scores_h = &mut scores_h[..n_keys];
-        // Key / value head `kv_head` of every cached position (rows `kw` / `vw` apart).
-        let k_rows = Rows::new(&keys[kv_head * hd..], kw, hd, n_keys);
-        let v_rows = Rows::new(&values[kv_head * vd..], vw, vd, n_keys);
-        kf32::dot_f32_rows(q_h, k_rows, scores_h);
-        for score in scores_h.iter_mut() {
-            *score *= scale;
+    let per_head = ATTENTION_ROWS * group;
+    let n_ctx = s.n_ctx;
+    for first in (0..m).step_by(ATTENTION_ROWS) {
+        let rows = ATTENTION_ROWS.min(m - first);
+        let n_queries = rows * group;
+        let n_keys = first_len + first + rows - 1;
+        let head = |(g, (((q_buf, s_buf), o_buf), l_buf)): (usize, HeadBuffers<'_>)| {
+            for i in 0..rows {
+                let row = &queries[(first + i) * qw..(first + i + 1) * qw];
+                for h in 0..group {
+                    let query = i * group + h;
+                    let head = g * group + h;
+                    q_buf[query * hd..(query + 1) * hd]
+                        .copy_from_slice(&row[head * hd..(head + 1) * hd]);
+                    l_buf[query] = first_len + first + i;
+                }
+            }
+            let limits = &l_buf[..n_queries];
+            let query_rows = Rows::new(&q_buf[..n_queries * hd], hd, hd, n_queries);
+            let key_rows = Rows::new(&keys[g * hd..], kw, hd, n_keys);
+            let value_rows = Rows::new(&values[g * vd..], vw, vd, n_keys);
+            let s_buf = &mut s_buf[..n_queries * n_keys];
+            kattention::scores(query_rows, key_rows, limits, s_buf, n_keys);
+            for (row, &limit) in s_buf.chunks_exact_mut(n_keys).zip(limits) {
+                let row = &mut row[..limit];
+                for score in row.iter_mut() {
+                    *score *= scale;
+                }
+                ops::softmax_in_place(row);
+            }
+            let probs = Rows::new(s_buf, n_keys, n_keys, n_queries);
+            kattention::weighted_sums(probs, value_rows, limits, &mut o_buf[..n_queries * vd]);
+        };
+        let buffers = (
+            s.queries.chunks_mut(per_head * hd),
+            s.scores.chunks_mut(per_head * n_ctx),
+            s.outputs.chunks_mut(per_head * vd),
+            s.limits.chunks_mut(per_head),
+        );
+        if rows * shape.n_head * n_keys * (hd + vd) < PARALLEL_MIN_WORK {
+            buffers
+                .0
+                .zip(buffers.1)
+                .zip(buffers.2)
+                .zip(buffers.3)
+                .take(shape.n_head_kv)
+                .enumerate()
+                .for_each(head);
+        } else {
+            s.queries
+                .par_chunks_mut(per_head * hd)
+                .zip(s.scores.par_chunks_mut(per_head * n_ctx))
+                .zip(s.outputs.par_chunks_mut(per_head * vd))
+                .zip(s.limits.par_chunks_mut(per_head))
+                .take(shape.n_head_kv)
+                .enumerate()
+                .for_each(head);
         }
-        ops::softmax_in_place(scores_h);
-        out_h.fill(0.0);
-        kf32::weighted_sum(scores_h, v_rows, out_h);
-    };
-    if shape.n_head * n_keys * (hd + vd) < PARALLEL_MIN_WORK {
-        out.chunks_exact_mut(vd)
-            .zip(scores.chunks_exact_mut(stride))
-            .enumerate()
-            .for_each(head);
-    } else {
-        out.par_chunks_exact_mut(vd)
-            .zip(scores.par_chunks_exact_mut(stride))
-            .enumerate()
-            .for_each(head);
+        for g in 0..shape.n_head_kv {
+            let o_buf = &s.outputs[g * per_head * vd..];
+            for i in 0..rows {
+                for h in 0..group {
+                    let query = i * group + h;
+                    let head = g * group + h;
+                    out[(first + i) * ow + head * vd..][..vd]
+                        .copy_from_slice(&o_buf[query * vd..(query + 1) * vd]);
+                }
+            }
+        }
     }
+}
+
+/// Attention of one query row over `keys`/`values` (`n_keys` cached rows of `k_width` /
+/// `v_width`, positions `0 .. n_keys`), written to `out` (`out_width`): [`attend_rows`] for a
+/// single row, with its own buffers.
+pub fn attend(shape: &AttentionShape, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
+    let n_keys = keys.len() / shape.k_width();
+    let mut scratch = AttentionScratch::new(shape, n_keys);
+    attend_rows(shape, q, n_keys, keys, values, &mut scratch, out);
 }
 
 /// The weights of a gated full-attention block (`blk.N.attn_*`).
@@ -197,7 +303,7 @@ pub struct GatedScratch {
     k: Vec<f32>,
     v: Vec<f32>,
     attn: Vec<f32>,
-    scores: Vec<f32>,
+    attention: AttentionScratch,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
@@ -211,7 +317,7 @@ impl GatedScratch {
             k: vec![0.0; rows * shape.k_width()],
             v: vec![0.0; rows * shape.v_width()],
             attn: vec![0.0; rows * shape.out_width()],
-            scores: vec![0.0; shape.n_head * n_ctx],
+            attention: AttentionScratch::new(shape, n_ctx),
             cos: vec![0.0; rope.n_rot / 2],
             sin: vec![0.0; rope.n_rot / 2],
         }
@@ -233,8 +339,8 @@ pub struct KvSlot {
 /// Runs gated attention over the `m` normalised rows `xn` (`m × n_embd`), storing the rows'
 /// keys and values in `kv` at `slot`, and writes the projected output to `out` (`m × n_embd`).
 ///
-/// Projections are batched across rows; the per-row part (split, norms, RoPE, cache write,
-/// attention, gate) runs row by row, so row `i` gets exactly the bits of a single-row call.
+/// Projections and attention are batched across rows; the per-row part (split, norms, RoPE,
+/// cache write, gate) runs row by row, so row `i` gets exactly the bits of a single-row call.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_gated(
     shape: &AttentionShape,
@@ -287,18 +393,19 @@ pub fn forward_gated(
             &mut s.sin,
         );
         kv.store(slot.layer, pos, k, &s.v[i * vw..(i + 1) * vw]);
-        let attn = &mut s.attn[i * ow..(i + 1) * ow];
-        attend(
-            shape,
-            q,
-            kv.keys(slot.layer, pos + 1),
-            kv.values(slot.layer, pos + 1),
-            &mut s.scores,
-            attn,
-        );
-        for (a, g) in attn.iter_mut().zip(gate.iter()) {
-            *a *= ops::sigmoid(*g);
-        }
+    }
+    let last = slot.pos0 + m;
+    attend_rows(
+        shape,
+        &s.q[..m * qw],
+        slot.pos0 + 1,
+        kv.keys(slot.layer, last),
+        kv.values(slot.layer, last),
+        &mut s.attention,
+        &mut s.attn[..m * ow],
+    );
+    for (a, g) in s.attn[..m * ow].iter_mut().zip(&s.gate[..m * qw]) {
+        *a *= ops::sigmoid(*g);
     }
     matmul(&w.attn_output.view(file)?, &s.attn[..m * ow], out, mm);
     Ok(())
@@ -319,9 +426,8 @@ mod tests {
         let q = vec![1.0; shape.q_width()];
         let keys = vec![0.5; shape.k_width()];
         let values = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
-        let mut scores = vec![0.0; 4 * 8];
         let mut out = vec![0.0; shape.out_width()];
-        attend(&shape, &q, &keys, &values, &mut scores, &mut out);
+        attend(&shape, &q, &keys, &values, &mut out);
         assert_eq!(
             out,
             vec![1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 4.0, 5.0, 6.0]
@@ -336,14 +442,12 @@ mod tests {
             head_dim: 2,
             value_dim: 1,
         };
-        let mut scores = vec![0.0; 3];
         let mut out = vec![0.0; 1];
         attend(
             &shape,
             &[0.0, 0.0],
             &[1.0, 2.0, 3.0, 4.0],
             &[2.0, 4.0],
-            &mut scores,
             &mut out,
         );
         assert!((out[0] - 3.0).abs() < 1e-6);

@@ -287,6 +287,77 @@ pub(crate) unsafe fn delta_rule_step(
     }
 }
 
+/// Attention scores ([`crate::attention::scores`]): per (query, key) an 8-lane dot product
+/// (two accumulators, a zero-padded copy of a ragged tail), reduced by [`reduce8`].
+///
+/// # Safety
+///
+/// AVX2 and FMA must be available; queries and keys have the same length; every limit is at
+/// most the key count and `q * stride + limit <= out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn attention_scores(
+    queries: Rows<'_, f32>,
+    keys: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let dim = keys.len();
+    let full = dim / 8;
+    let rest = dim - 8 * full;
+    for (q, &limit) in limits.iter().enumerate() {
+        let query = queries.row(q);
+        let mut query_tail = [0.0f32; 8];
+        query_tail[..rest].copy_from_slice(&query[8 * full..]);
+        for j in 0..limit {
+            let key = keys.row(j);
+            // SAFETY: chunks `c < full` lie inside both rows; the tail goes through buffers.
+            unsafe {
+                let mut acc = [_mm256_setzero_ps(); 2];
+                for c in 0..full {
+                    acc[c % 2] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(query.as_ptr().add(8 * c)),
+                        _mm256_loadu_ps(key.as_ptr().add(8 * c)),
+                        acc[c % 2],
+                    );
+                }
+                if rest > 0 {
+                    let mut key_tail = [0.0f32; 8];
+                    key_tail[..rest].copy_from_slice(&key[8 * full..]);
+                    acc[full % 2] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(query_tail.as_ptr()),
+                        _mm256_loadu_ps(key_tail.as_ptr()),
+                        acc[full % 2],
+                    );
+                }
+                out[q * stride + j] = reduce8(_mm256_add_ps(acc[0], acc[1]));
+            }
+        }
+    }
+}
+
+/// Attention weighted sums ([`crate::attention::weighted_sums`]): per query, [`weighted_sum`]
+/// of its first `limit` value rows into its zeroed output row.
+///
+/// # Safety
+///
+/// AVX2 and FMA must be available; `out` holds one `values.len()` row per query and every
+/// limit is at most the value count and the probability row length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn attention_weighted_sums(
+    probs: Rows<'_, f32>,
+    values: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    let dim = values.len();
+    for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
+        o.fill(0.0);
+        // SAFETY: forwarded contract: `limit` weights for `limit` rows of `dim`.
+        unsafe { weighted_sum(&probs.row(q)[..limit], values.sub(0, limit), o) };
+    }
+}
+
 /// The sum of 8 lanes by the pairwise tree (lanes `i` and `i + 4`, then `i + 2`, then `i + 1`).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]

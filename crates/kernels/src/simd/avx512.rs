@@ -454,6 +454,204 @@ unsafe fn delta_rule_rows<const CHUNKS: usize>(
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Attention over one key/value head
+// ---------------------------------------------------------------------------------------------
+
+/// Queries whose registers stay live while the keys stream past ([`attention_scores`]).
+const SCORE_TILE: usize = 2;
+/// Queries whose outputs stay in registers while the values stream past.
+const SUM_TILE: usize = 3;
+
+/// Attention scores ([`crate::attention::scores`]). Head sizes of 16 · C (C ≤ 8) keep a tile of
+/// queries in registers and load each key once for the tile; other sizes run one query at a
+/// time with masked chunks. Per (query, key): two accumulators over the chunks (even / odd),
+/// then one horizontal sum — whatever the other queries.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; queries and keys have the same length; every limit is
+/// at most the key count and `q * stride + limit <= out.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn attention_scores(
+    queries: Rows<'_, f32>,
+    keys: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let dim = keys.len();
+    // SAFETY: forwarded contract.
+    unsafe {
+        if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
+            match dim / 16 {
+                1 => scores_tiled::<1>(queries, keys, limits, out, stride),
+                2 => scores_tiled::<2>(queries, keys, limits, out, stride),
+                3 => scores_tiled::<3>(queries, keys, limits, out, stride),
+                4 => scores_tiled::<4>(queries, keys, limits, out, stride),
+                5 => scores_tiled::<5>(queries, keys, limits, out, stride),
+                6 => scores_tiled::<6>(queries, keys, limits, out, stride),
+                7 => scores_tiled::<7>(queries, keys, limits, out, stride),
+                _ => scores_tiled::<8>(queries, keys, limits, out, stride),
+            }
+            return;
+        }
+        let chunks = dim.div_ceil(16);
+        for (q, &limit) in limits.iter().enumerate() {
+            let qp = queries.ptr(q);
+            for j in 0..limit {
+                let kp = keys.ptr(j);
+                let mut acc = [_mm512_setzero_ps(); 2];
+                for c in 0..chunks {
+                    let lanes = (dim - 16 * c).min(16);
+                    let mask = if lanes == 16 {
+                        0xffff
+                    } else {
+                        (1u16 << lanes) - 1
+                    };
+                    acc[c % 2] = _mm512_fmadd_ps(
+                        _mm512_maskz_loadu_ps(mask, qp.add(16 * c)),
+                        _mm512_maskz_loadu_ps(mask, kp.add(16 * c)),
+                        acc[c % 2],
+                    );
+                }
+                out[q * stride + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            }
+        }
+    }
+}
+
+/// [`attention_scores`] for head size `16 · C`.
+///
+/// # Safety
+///
+/// As [`attention_scores`], with `keys.len() == 16 · C`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn scores_tiled<const C: usize>(
+    queries: Rows<'_, f32>,
+    keys: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+    stride: usize,
+) {
+    for first in (0..limits.len()).step_by(SCORE_TILE) {
+        let count = SCORE_TILE.min(limits.len() - first);
+        let tile_limits = &limits[first..first + count];
+        let longest = tile_limits.iter().copied().max().unwrap_or(0);
+        // SAFETY: rows `first .. first + count` exist; key `j < longest` exists; the
+        // written scores lie inside `out` (the caller's contract).
+        unsafe {
+            let mut q = [[_mm512_setzero_ps(); C]; SCORE_TILE];
+            for (t, regs) in q.iter_mut().enumerate().take(count) {
+                let qp = queries.ptr(first + t);
+                for (c, reg) in regs.iter_mut().enumerate() {
+                    *reg = _mm512_loadu_ps(qp.add(16 * c));
+                }
+            }
+            for j in 0..longest {
+                let kp = keys.ptr(j);
+                let k: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(kp.add(16 * c)));
+                for t in 0..count {
+                    if j >= tile_limits[t] {
+                        continue;
+                    }
+                    let mut acc = [_mm512_setzero_ps(); 2];
+                    for c in 0..C {
+                        acc[c % 2] = _mm512_fmadd_ps(q[t][c], k[c], acc[c % 2]);
+                    }
+                    out[(first + t) * stride + j] =
+                        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+    }
+}
+
+/// Attention weighted sums ([`crate::attention::weighted_sums`]): per output element
+/// `y = fma(p_j, v_j, y)` for keys `j` in order from zero. Head sizes of 16 · C (C ≤ 8) keep a
+/// tile of outputs in registers and load each value row once for the tile; other sizes run
+/// one query at a time through [`weighted_sum`] (the same per-element sequence).
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `out` holds one `values.len()` row per query and every
+/// limit is at most the value count and the probability row length.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn attention_weighted_sums(
+    probs: Rows<'_, f32>,
+    values: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    let dim = values.len();
+    // SAFETY: forwarded contract.
+    unsafe {
+        if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
+            match dim / 16 {
+                1 => sums_tiled::<1>(probs, values, limits, out),
+                2 => sums_tiled::<2>(probs, values, limits, out),
+                3 => sums_tiled::<3>(probs, values, limits, out),
+                4 => sums_tiled::<4>(probs, values, limits, out),
+                5 => sums_tiled::<5>(probs, values, limits, out),
+                6 => sums_tiled::<6>(probs, values, limits, out),
+                7 => sums_tiled::<7>(probs, values, limits, out),
+                _ => sums_tiled::<8>(probs, values, limits, out),
+            }
+            return;
+        }
+        for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
+            o.fill(0.0);
+            weighted_sum(&probs.row(q)[..limit], values.sub(0, limit), o);
+        }
+    }
+}
+
+/// [`attention_weighted_sums`] for head size `16 · C`.
+///
+/// # Safety
+///
+/// As [`attention_weighted_sums`], with `values.len() == 16 · C`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn sums_tiled<const C: usize>(
+    probs: Rows<'_, f32>,
+    values: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    let dim = 16 * C;
+    for first in (0..limits.len()).step_by(SUM_TILE) {
+        let count = SUM_TILE.min(limits.len() - first);
+        let tile_limits = &limits[first..first + count];
+        let longest = tile_limits.iter().copied().max().unwrap_or(0);
+        // SAFETY: value rows `j < longest` exist; probability rows `first .. first + count`
+        // hold at least their limits; output rows `first + t` lie inside `out`.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); C]; SUM_TILE];
+            for j in 0..longest {
+                let vp = values.ptr(j);
+                let mut p = [_mm512_setzero_ps(); SUM_TILE];
+                for (t, weight) in p.iter_mut().enumerate().take(count) {
+                    *weight = _mm512_set1_ps(*probs.ptr(first + t).add(j));
+                }
+                for c in 0..C {
+                    let v = _mm512_loadu_ps(vp.add(16 * c));
+                    for ((regs, weight), &limit) in acc.iter_mut().zip(&p).zip(tile_limits) {
+                        if j < limit {
+                            regs[c] = _mm512_fmadd_ps(*weight, v, regs[c]);
+                        }
+                    }
+                }
+            }
+            for (t, regs) in acc.iter().enumerate().take(count) {
+                let op = out.as_mut_ptr().add((first + t) * dim);
+                for (c, reg) in regs.iter().enumerate() {
+                    _mm512_storeu_ps(op.add(16 * c), *reg);
+                }
+            }
+        }
+    }
+}
+
 /// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
 /// but each chunk of `y` stays in registers across all rows.
 ///

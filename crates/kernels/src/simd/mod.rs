@@ -602,6 +602,71 @@ pub(crate) fn quantize_q8_k_row(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// [`crate::attention::scores`] at a SIMD `level` (sizes checked by the caller).
+pub(crate) fn attention_scores(
+    level: SimdLevel,
+    queries: Rows<'_, f32>,
+    keys: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(
+        queries.len() == keys.len()
+            && limits.len() == queries.count()
+            && limits
+                .iter()
+                .enumerate()
+                .all(|(q, &l)| l <= keys.count() && l <= stride && q * stride + l <= out.len()),
+        "attention scores: sizes"
+    );
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and every (query, key) pair written lies inside `out`
+    // (checked above); `Rows` views are checked.
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::attention_scores(queries, keys, limits, out, stride),
+            _ => avx512::attention_scores(queries, keys, limits, out, stride),
+        }
+    }
+}
+
+/// [`crate::attention::weighted_sums`] at a SIMD `level` (sizes checked by the caller).
+pub(crate) fn attention_weighted_sums(
+    level: SimdLevel,
+    probs: Rows<'_, f32>,
+    values: Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    assert!(
+        out.len() == probs.count() * values.len()
+            && limits.len() == probs.count()
+            && limits
+                .iter()
+                .all(|&l| l <= values.count() && l <= probs.len()),
+        "attention weighted sums: sizes"
+    );
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the sizes match (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::attention_weighted_sums(probs, values, limits, out),
+            _ => avx512::attention_weighted_sums(probs, values, limits, out),
+        }
+    }
+}
+
 /// Asks the CPU to start loading `bytes` into the caches (a hint: no effect on results). The
 /// column-tiled mat-vec prefetches the next weight row's piece while the current one is
 /// multiplied, since the hardware prefetchers restart on every jump between rows.
