@@ -1,6 +1,7 @@
 //! CPU kernels of Specula: tensor block formats, dot products, the multi-row mat-vec, and the
 //! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax, SwiGLU,
-//! sigmoid, softplus), and the fused gated delta-rule step of Gated DeltaNet ([`delta_rule`]).
+//! sigmoid, softplus), multi-query attention over one key/value head ([`attention`]), and the
+//! fused gated delta-rule step of Gated DeltaNet ([`delta_rule`]).
 //!
 //! One module per tensor type, as ggml-cpu is organised: weights [`f32`](mod@f32),
 //! [`f16`](mod@f16), [`bf16`],
