@@ -9,11 +9,101 @@
 
 use crate::simd::{self, Rows, SimdLevel};
 
+/// A run of cached key or value rows as a KV cache stores them: f32, or f16 (half the memory
+/// and the memory traffic; values rounded to nearest-even when stored, as llama.cpp's default
+/// cache does).
+#[derive(Debug, Clone, Copy)]
+pub enum Cached<'a> {
+    F32(&'a [f32]),
+    /// IEEE binary16 bit patterns.
+    F16(&'a [u16]),
+}
+
+impl<'a> Cached<'a> {
+    /// Number of stored values.
+    pub fn len(self) -> usize {
+        match self {
+            Cached::F32(v) => v.len(),
+            Cached::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    /// `count` rows of `len` values, `stride` values apart, the first starting at value
+    /// `first` (e.g. one head of every cached position).
+    ///
+    /// # Panics
+    ///
+    /// If the rows do not fit.
+    pub fn rows(self, first: usize, stride: usize, len: usize, count: usize) -> CachedRows<'a> {
+        let (kind, bytes, size) = match self {
+            Cached::F32(v) => (CacheKind::F32, simd::f32_bytes(v), 4),
+            Cached::F16(v) => (CacheKind::F16, simd::u16_bytes(v), 2),
+        };
+        CachedRows {
+            kind,
+            rows: Rows::new(&bytes[first * size..], stride * size, len * size, count),
+        }
+    }
+}
+
+/// How cached rows are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CacheKind {
+    F32,
+    F16,
+}
+
+impl CacheKind {
+    pub(crate) fn size(self) -> usize {
+        match self {
+            CacheKind::F32 => 4,
+            CacheKind::F16 => 2,
+        }
+    }
+}
+
+/// Cached rows ([`Cached::rows`]): their storage and a byte view of them.
+#[derive(Debug, Clone, Copy)]
+pub struct CachedRows<'a> {
+    pub(crate) kind: CacheKind,
+    /// Rows of `len · size` bytes.
+    pub(crate) rows: Rows<'a, u8>,
+}
+
+impl CachedRows<'_> {
+    /// Number of rows.
+    pub fn count(&self) -> usize {
+        self.rows.count()
+    }
+
+    /// Values per row.
+    pub fn len(&self) -> usize {
+        self.rows.len() / self.kind.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Value `i` of row `j`, as f32 (the scalar references read through this).
+    fn value(&self, j: usize, i: usize) -> f32 {
+        let row = self.rows.row(j);
+        match self.kind {
+            CacheKind::F32 => f32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()),
+            CacheKind::F16 => crate::f16::to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])),
+        }
+    }
+}
+
 /// `scores[q * stride + j] = queries[q] · keys[j]` for every query `q` and key `j <
 /// limits[q]`, at the process's [`simd::level`].
 pub fn scores(
     queries: Rows<'_, f32>,
-    keys: Rows<'_, f32>,
+    keys: CachedRows<'_>,
     limits: &[usize],
     scores: &mut [f32],
     stride: usize,
@@ -25,7 +115,7 @@ pub fn scores(
 pub fn scores_with(
     level: SimdLevel,
     queries: Rows<'_, f32>,
-    keys: Rows<'_, f32>,
+    keys: CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
     stride: usize,
@@ -43,8 +133,8 @@ pub fn scores_with(
                     out[q * stride + j] = queries
                         .row(q)
                         .iter()
-                        .zip(keys.row(j))
-                        .fold(0.0f32, |acc, (a, b)| acc + a * b);
+                        .enumerate()
+                        .fold(0.0f32, |acc, (i, a)| acc + a * keys.value(j, i));
                 }
             }
         }
@@ -56,7 +146,7 @@ pub fn scores_with(
 /// `values.len()`), summed in key order, at the process's [`simd::level`].
 pub fn weighted_sums(
     probs: Rows<'_, f32>,
-    values: Rows<'_, f32>,
+    values: CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
 ) {
@@ -67,7 +157,7 @@ pub fn weighted_sums(
 pub fn weighted_sums_with(
     level: SimdLevel,
     probs: Rows<'_, f32>,
-    values: Rows<'_, f32>,
+    values: CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
 ) {
@@ -90,8 +180,8 @@ pub fn weighted_sums_with(
                 o.fill(0.0);
                 for j in 0..limit {
                     let p = probs.row(q)[j];
-                    for (y, v) in o.iter_mut().zip(values.row(j)) {
-                        *y += p * v;
+                    for (i, y) in o.iter_mut().enumerate() {
+                        *y += p * values.value(j, i);
                     }
                 }
             }
@@ -122,8 +212,15 @@ mod tests {
     use super::*;
     use crate::test_util::random_vec;
 
-    /// Every level against an f64 reference, at awkward head sizes (ragged chunks, the
-    /// register-resident sizes 64 and 128, and larger), with uneven limits.
+    /// `values` stored both ways: as f32, and as f16 bits (with the f32 values they stand for).
+    fn stored(values: &[f32]) -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = values.iter().map(|&v| crate::f16::from_f32(v)).collect();
+        let rounded = bits.iter().map(|&b| crate::f16::to_f32(b)).collect();
+        (bits, rounded)
+    }
+
+    /// Every level, for f32 and f16 caches, against an f64 reference, at awkward head sizes
+    /// (ragged chunks, the register-resident sizes 64 and 128, and larger), with uneven limits.
     #[test]
     fn every_level_matches_the_f64_reference() {
         for dim in [1, 5, 16, 40, 64, 128, 160] {
@@ -132,50 +229,66 @@ mod tests {
             let queries = random_vec(n_queries * dim, 1.0, dim as u64);
             let keys = random_vec(n_keys * dim, 1.0, dim as u64 + 1);
             let values = random_vec(n_keys * dim, 1.0, dim as u64 + 2);
+            let (key_bits, keys_f16) = stored(&keys);
+            let (value_bits, values_f16) = stored(&values);
             let limits: Vec<usize> = (0..n_queries).map(|q| 1 + (q * 5) % n_keys).collect();
             let q_rows = Rows::new(&queries, dim, dim, n_queries);
-            let k_rows = Rows::new(&keys, dim, dim, n_keys);
-            let v_rows = Rows::new(&values, dim, dim, n_keys);
-            for level in SimdLevel::supported() {
-                let mut s = vec![f32::NAN; n_queries * n_keys];
-                scores_with(level, q_rows, k_rows, &limits, &mut s, n_keys);
-                let probs: Vec<f32> = s
-                    .iter()
-                    .map(|v| if v.is_nan() { 0.0 } else { v * 0.01 })
-                    .collect();
-                let mut out = vec![f32::NAN; n_queries * dim];
-                let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
-                weighted_sums_with(level, p_rows, v_rows, &limits, &mut out);
-                for (q, &limit) in limits.iter().enumerate() {
-                    for j in 0..limit {
-                        let want: f64 = q_rows
-                            .row(q)
-                            .iter()
-                            .zip(k_rows.row(j))
-                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                            .sum();
-                        let got = s[q * n_keys + j];
-                        let bound = 1e-5 * (dim as f64 + 1.0);
+            let caches = [
+                (Cached::F32(&keys), Cached::F32(&values), &keys, &values),
+                (
+                    Cached::F16(&key_bits),
+                    Cached::F16(&value_bits),
+                    &keys_f16,
+                    &values_f16,
+                ),
+            ];
+            for (k_cache, v_cache, k_exact, v_exact) in caches {
+                let k_rows = k_cache.rows(0, dim, dim, n_keys);
+                let v_rows = v_cache.rows(0, dim, dim, n_keys);
+                for level in SimdLevel::supported() {
+                    let mut s = vec![f32::NAN; n_queries * n_keys];
+                    scores_with(level, q_rows, k_rows, &limits, &mut s, n_keys);
+                    let probs: Vec<f32> = s
+                        .iter()
+                        .map(|v| if v.is_nan() { 0.0 } else { v * 0.01 })
+                        .collect();
+                    let mut out = vec![f32::NAN; n_queries * dim];
+                    let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
+                    weighted_sums_with(level, p_rows, v_rows, &limits, &mut out);
+                    let bound = 1e-5 * (dim as f64 + 1.0);
+                    for (q, &limit) in limits.iter().enumerate() {
+                        for j in 0..limit {
+                            let want: f64 = q_rows
+                                .row(q)
+                                .iter()
+                                .zip(&k_exact[j * dim..(j + 1) * dim])
+                                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                                .sum();
+                            let got = s[q * n_keys + j];
+                            assert!(
+                                (f64::from(got) - want).abs() <= bound,
+                                "{level} dim {dim} {k_cache:?}: {got} vs {want}"
+                            );
+                        }
                         assert!(
-                            (f64::from(got) - want).abs() <= bound,
-                            "{level} dim {dim}: {got} vs {want}"
+                            s[q * n_keys + limit..(q + 1) * n_keys]
+                                .iter()
+                                .all(|v| v.is_nan()),
+                            "{level}: wrote past the limit"
                         );
-                    }
-                    assert!(
-                        s[q * n_keys + limit..(q + 1) * n_keys]
-                            .iter()
-                            .all(|v| v.is_nan()),
-                        "{level}: wrote past the limit"
-                    );
-                    for i in 0..dim {
-                        let want: f64 = (0..limit)
-                            .map(|j| f64::from(probs[q * n_keys + j]) * f64::from(v_rows.row(j)[i]))
-                            .sum();
-                        let got = out[q * dim + i];
-                        assert!(
-                            (f64::from(got) - want).abs() <= 1e-5 * (dim as f64 + 1.0),
-                            "{level} dim {dim}: {got} vs {want}"
-                        );
+                        for i in 0..dim {
+                            let want: f64 = (0..limit)
+                                .map(|j| {
+                                    f64::from(probs[q * n_keys + j])
+                                        * f64::from(v_exact[j * dim + i])
+                                })
+                                .sum();
+                            let got = out[q * dim + i];
+                            assert!(
+                                (f64::from(got) - want).abs() <= bound,
+                                "{level} dim {dim}: {got} vs {want}"
+                            );
+                        }
                     }
                 }
             }
@@ -191,46 +304,34 @@ mod tests {
             let queries = random_vec(n_queries * dim, 1.0, 3);
             let keys = random_vec(n_keys * dim, 1.0, 4);
             let values = random_vec(n_keys * dim, 1.0, 5);
+            let (key_bits, _) = stored(&keys);
+            let (value_bits, _) = stored(&values);
             let probs = random_vec(n_queries * n_keys, 0.1, 6);
             let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - q).collect();
-            let k_rows = Rows::new(&keys, dim, dim, n_keys);
-            let v_rows = Rows::new(&values, dim, dim, n_keys);
-            let mut batch_scores = vec![0.0; n_queries * n_keys];
-            scores(
-                Rows::new(&queries, dim, dim, n_queries),
-                k_rows,
-                &limits,
-                &mut batch_scores,
-                n_keys,
-            );
-            let mut batch_out = vec![0.0; n_queries * dim];
-            weighted_sums(
-                Rows::new(&probs, n_keys, n_keys, n_queries),
-                v_rows,
-                &limits,
-                &mut batch_out,
-            );
-            for q in 0..n_queries {
-                let mut one = vec![0.0; n_keys];
-                scores(
-                    Rows::single(&queries[q * dim..(q + 1) * dim]),
-                    k_rows,
-                    &limits[q..q + 1],
-                    &mut one,
-                    n_keys,
-                );
-                assert_eq!(
-                    one[..limits[q]],
-                    batch_scores[q * n_keys..q * n_keys + limits[q]]
-                );
-                let mut out = vec![0.0; dim];
-                weighted_sums(
-                    Rows::single(&probs[q * n_keys..(q + 1) * n_keys]),
-                    v_rows,
-                    &limits[q..q + 1],
-                    &mut out,
-                );
-                assert_eq!(out, batch_out[q * dim..(q + 1) * dim]);
+            for (k_cache, v_cache) in [
+                (Cached::F32(&keys), Cached::F32(&values)),
+                (Cached::F16(&key_bits), Cached::F16(&value_bits)),
+            ] {
+                let k_rows = k_cache.rows(0, dim, dim, n_keys);
+                let v_rows = v_cache.rows(0, dim, dim, n_keys);
+                let mut batch_scores = vec![0.0; n_queries * n_keys];
+                let q_rows = Rows::new(&queries, dim, dim, n_queries);
+                scores(q_rows, k_rows, &limits, &mut batch_scores, n_keys);
+                let mut batch_out = vec![0.0; n_queries * dim];
+                let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
+                weighted_sums(p_rows, v_rows, &limits, &mut batch_out);
+                for q in 0..n_queries {
+                    let limit = &limits[q..q + 1];
+                    let mut one = vec![0.0; n_keys];
+                    let query = Rows::single(&queries[q * dim..(q + 1) * dim]);
+                    scores(query, k_rows, limit, &mut one, n_keys);
+                    let row = &batch_scores[q * n_keys..q * n_keys + limits[q]];
+                    assert_eq!(one[..limits[q]], *row);
+                    let mut out = vec![0.0; dim];
+                    let prob = Rows::single(&probs[q * n_keys..(q + 1) * n_keys]);
+                    weighted_sums(prob, v_rows, limit, &mut out);
+                    assert_eq!(out, batch_out[q * dim..(q + 1) * dim]);
+                }
             }
         }
     }

@@ -21,8 +21,10 @@
 //! appends, and `truncate` cuts it together with the trunk.
 //!
 //! Options (`[target.options]` of the profile): `ring_budget_bytes` (an upper bound on the
-//! ring's memory) and `deep_rollback` (`redecode`, the default, or `refuse`). Unknown options
-//! are ignored with a warning.
+//! ring's memory), `deep_rollback` (`redecode`, the default, or `refuse`) and `kv_type` (how
+//! the attention KV cache stores keys and values: `f32`, the default, or `f16`, which halves
+//! its memory and the attention's memory traffic). Unknown options are ignored with a
+//! warning.
 
 use std::path::Path;
 
@@ -38,7 +40,7 @@ use crate::arch::forward_dense_layer;
 use crate::arch::hybrid::{self, HybridScratch, TrunkState};
 pub use crate::arch::Scratch;
 use crate::blocks::mtp;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvType};
 use crate::model::{Graph, Model};
 use crate::recurrent::SnapshotRing;
 
@@ -55,6 +57,9 @@ pub const OPTION_RING_BUDGET_BYTES: &str = "ring_budget_bytes";
 /// Backend option: what truncation beyond the rollback window does (`redecode` or `refuse`).
 pub const OPTION_DEEP_ROLLBACK: &str = "deep_rollback";
 
+/// Backend option: the KV cache's storage type (`f32` or `f16`).
+pub const OPTION_KV_TYPE: &str = "kv_type";
+
 /// What [`ForwardPass::truncate`] does for a length the snapshot ring no longer holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeepRollback {
@@ -69,6 +74,7 @@ pub enum DeepRollback {
 struct Options {
     ring_budget_bytes: Option<u64>,
     deep_rollback: DeepRollback,
+    kv_type: KvType,
 }
 
 impl Options {
@@ -76,6 +82,7 @@ impl Options {
         let mut options = Options {
             ring_budget_bytes: None,
             deep_rollback: DeepRollback::Redecode,
+            kv_type: KvType::default(),
         };
         for option in params.options.iter() {
             let (key, value) = (option.0.as_str(), option.1.as_str().trim());
@@ -98,6 +105,13 @@ impl Options {
                         )))
                         }
                     };
+                }
+                OPTION_KV_TYPE => {
+                    options.kv_type = KvType::from_name(value).ok_or_else(|| {
+                        PluginError::invalid_input(format!(
+                            "cpu-simd: option '{key}' = '{value}': expected 'f32' or 'f16'"
+                        ))
+                    })?;
                 }
                 _ => tracing::warn!("cpu-simd: ignoring unknown option '{key}' = '{value}'"),
             }
@@ -204,8 +218,8 @@ impl CpuBackend {
                 let kv = KvCache::new(
                     dense.weights.layers.len(),
                     n_ctx_us,
-                    config.attention.k_width(),
-                    config.attention.v_width(),
+                    &config.attention,
+                    options.kv_type,
                 );
                 let scratch = Scratch::new(config, batch_rows, n_ctx_us);
                 let capabilities = Capabilities {
@@ -243,17 +257,14 @@ impl CpuBackend {
                 let kv = KvCache::new(
                     config.n_attention_layers,
                     n_ctx_us,
-                    config.attention.k_width(),
-                    config.attention.v_width(),
+                    &config.attention,
+                    options.kv_type,
                 );
-                let mtp_kv = h.weights.mtp.as_ref().map(|_| {
-                    KvCache::new(
-                        1,
-                        n_ctx_us,
-                        config.attention.k_width(),
-                        config.attention.v_width(),
-                    )
-                });
+                let mtp_kv = h
+                    .weights
+                    .mtp
+                    .as_ref()
+                    .map(|_| KvCache::new(1, n_ctx_us, &config.attention, options.kv_type));
                 let has_mtp = mtp_kv.is_some();
                 let batch_rows = MIN_BATCH_ROWS.max(size.depth);
                 let capabilities = Capabilities {

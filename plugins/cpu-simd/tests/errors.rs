@@ -101,6 +101,7 @@ fn bad_backend_options_are_invalid_input() {
     for (key, value) in [
         ("ring_budget_bytes", "lots"),
         ("deep_rollback", "sometimes"),
+        ("kv_type", "q8_0"),
     ] {
         let mut p = params(&fixture("tiny-qwen35.gguf"), 1, 64);
         p.options

@@ -73,10 +73,10 @@ fn hidden(backend: &CpuBackend) -> Vec<f32> {
 }
 
 /// For k = 1..=8: one k-token eval (all rows) against k single-token evals from the same
-/// state, logits and hidden states compared bit for bit.
-fn check_batch_parity(name: &str, path: &Path) {
-    let mut batched = open(path, 2, 128);
-    let mut single = open(path, 2, 128);
+/// state, logits and hidden states compared bit for bit (backend `options` on both).
+fn check_batch_parity(name: &str, path: &Path, options: &[(&str, &str)]) {
+    let mut batched = open_with(path, 2, 128, 0, options);
+    let mut single = open_with(path, 2, 128, 0, options);
     let vocab = vocab_of(&batched);
     let e = batched.info().hidden_size as usize;
 
@@ -134,8 +134,31 @@ fn check_batch_parity(name: &str, path: &Path) {
 fn batched_rows_are_bit_identical_to_single_token_evals() {
     let models = models();
     for (name, path) in &models.paths {
-        check_batch_parity(name, path);
+        check_batch_parity(name, path, &[]);
     }
+}
+
+/// The same with the KV cache in f16 (`kv_type = "f16"`), on dense and hybrid models with an
+/// MTP head: rounding on store happens identically for batched and single rows.
+#[test]
+fn an_f16_kv_cache_keeps_batched_rows_bit_identical() {
+    let f16 = [("kv_type", "f16")];
+    check_batch_parity("stories260K f32, f16 cache", &stories(), &f16);
+    check_batch_parity("tiny-llama f32, f16 cache", &tiny_llama(), &f16);
+    for name in ["tiny-qwen35-mtp.gguf", "tiny-qwen3next-mtp.gguf"] {
+        check_batch_parity(&format!("{name}, f16 cache"), &fixture(name), &f16);
+    }
+    // And it is a different cache: the logits move (a little).
+    let mut f32_cache = open(&stories(), 2, 128);
+    let mut f16_cache = open_with(&stories(), 2, 128, 0, &f16);
+    let a = eval(&mut f32_cache, &PROMPT, LogitRows::Last);
+    let b = eval(&mut f16_cache, &PROMPT, LogitRows::Last);
+    assert_ne!(bits(&a), bits(&b));
+    let d = a
+        .iter()
+        .zip(&b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(d < 0.05, "f16 cache moved the logits by {d}");
 }
 
 /// Eval prompt + k drafts, truncate to prompt + j, eval another token: the same bits as a

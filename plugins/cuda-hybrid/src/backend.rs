@@ -33,7 +33,7 @@ use specula_cpu_engine::arch::hybrid::{self, HybridModel, HybridScratch, Mixer, 
 use specula_cpu_engine::arch::{forward_dense_layer, Scratch};
 use specula_cpu_engine::blocks::ffn::FfnBlock;
 use specula_cpu_engine::blocks::mtp::{self, MtpWeights};
-use specula_cpu_engine::kv_cache::KvCache;
+use specula_cpu_engine::kv_cache::{KvCache, KvType};
 use specula_cpu_engine::model::weights::MatrixRef;
 use specula_cpu_engine::model::{Graph, Model};
 use specula_cpu_engine::recurrent::SnapshotRing;
@@ -400,12 +400,7 @@ impl CudaBackend {
         // The host half.
         let host = match &model.graph {
             Graph::Dense(d) => HostState {
-                kv: KvCache::new(
-                    first_gpu,
-                    n_ctx,
-                    d.config.attention.k_width(),
-                    d.config.attention.v_width(),
-                ),
+                kv: KvCache::new(first_gpu, n_ctx, &d.config.attention, KvType::F32),
                 ring: None,
                 mtp_kv: None,
                 scratch: HostScratch::Dense(Box::new(Scratch::new(&d.config, batch_rows, n_ctx))),
@@ -431,9 +426,9 @@ impl CudaBackend {
                 }
                 let a = &config.attention;
                 let mtp_kv = (h.weights.mtp.is_some() && !placement.head_on_gpu)
-                    .then(|| KvCache::new(1, n_ctx, a.k_width(), a.v_width()));
+                    .then(|| KvCache::new(1, n_ctx, a, KvType::F32));
                 HostState {
-                    kv: KvCache::new(host_attention, n_ctx, a.k_width(), a.v_width()),
+                    kv: KvCache::new(host_attention, n_ctx, a, KvType::F32),
                     ring: Some(ring),
                     mtp_kv,
                     scratch: HostScratch::Hybrid(Box::new(HybridScratch::new(

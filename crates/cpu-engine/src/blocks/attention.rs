@@ -17,11 +17,11 @@
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
-use specula_kernels::attention as kattention;
+use specula_kernels::attention::{self as kattention, Cached};
 use specula_kernels::{matmul, ops, MatmulScratch, Rope, Rows};
 use specula_plugin_api::PluginError;
 
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{CachedHeads, KvCache};
 use crate::model::weights::{load_vector, MatrixRef};
 use crate::model::LoadError;
 
@@ -128,8 +128,8 @@ impl AttentionScratch {
 }
 
 /// Attention of `m` query rows (`queries`, `m × q_width`) over `keys`/`values` (cached rows of
-/// `k_width` / `v_width`): row `i` sees positions `0 .. first_len + i`. Writes `m × out_width`
-/// values to `out`.
+/// `k_width` / `v_width`, f32 or f16): row `i` sees positions `0 .. first_len + i`. Writes
+/// `m × out_width` values to `out`.
 ///
 /// Per key/value head, the rows' query heads that share it are multiplied together
 /// ([`specula_kernels::attention`]), so each cached row is read once per call rather than once
@@ -140,8 +140,8 @@ pub fn attend_rows(
     shape: &AttentionShape,
     queries: &[f32],
     first_len: usize,
-    keys: &[f32],
-    values: &[f32],
+    keys: CachedHeads<'_>,
+    values: CachedHeads<'_>,
     s: &mut AttentionScratch,
     out: &mut [f32],
 ) {
@@ -151,13 +151,12 @@ pub fn attend_rows(
         shape.q_width(),
         shape.out_width(),
     );
-    let (kw, vw) = (shape.k_width(), shape.v_width());
     let m = queries.len() / qw;
     assert_eq!(out.len(), m * ow, "attention: output size");
-    let n_cached = keys.len() / kw;
+    let n_cached = keys.count();
     assert_eq!(
-        values.len(),
-        n_cached * vw,
+        values.count(),
+        n_cached,
         "attention: keys and values differ in length"
     );
     assert!(
@@ -185,8 +184,8 @@ pub fn attend_rows(
             }
             let limits = &l_buf[..n_queries];
             let query_rows = Rows::new(&q_buf[..n_queries * hd], hd, hd, n_queries);
-            let key_rows = Rows::new(&keys[g * hd..], kw, hd, n_keys);
-            let value_rows = Rows::new(&values[g * vd..], vw, vd, n_keys);
+            let key_rows = keys.head(g, n_keys);
+            let value_rows = values.head(g, n_keys);
             let s_buf = &mut s_buf[..n_queries * n_keys];
             kattention::scores(query_rows, key_rows, limits, s_buf, n_keys);
             for (row, &limit) in s_buf.chunks_exact_mut(n_keys).zip(limits) {
@@ -244,6 +243,8 @@ pub fn attend_rows(
 pub fn attend(shape: &AttentionShape, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
     let n_keys = keys.len() / shape.k_width();
     let mut scratch = AttentionScratch::new(shape, n_keys);
+    let keys = CachedHeads::position_major(Cached::F32(keys), shape.head_dim, shape.n_head_kv);
+    let values = CachedHeads::position_major(Cached::F32(values), shape.value_dim, shape.n_head_kv);
     attend_rows(shape, q, n_keys, keys, values, &mut scratch, out);
 }
 

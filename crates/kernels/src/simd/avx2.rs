@@ -287,22 +287,24 @@ pub(crate) unsafe fn delta_rule_step(
     }
 }
 
-/// Attention scores ([`crate::attention::scores`]): per (query, key) an 8-lane dot product
-/// (two accumulators, a zero-padded copy of a ragged tail), reduced by [`reduce8`].
+/// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (rows of
+/// bytes): per (query, key) an 8-lane dot product (two accumulators, a zero-padded f32 copy
+/// of a ragged tail), reduced by [`reduce8`].
 ///
 /// # Safety
 ///
-/// AVX2 and FMA must be available; queries and keys have the same length; every limit is at
-/// most the key count and `q * stride + limit <= out.len()`.
+/// AVX2 and FMA must be available; every key row holds `queries.len()` values of `KIND`; every
+/// limit is at most the key count and `q * stride + limit <= out.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn attention_scores(
+pub(crate) unsafe fn attention_scores<const KIND: u8>(
     queries: Rows<'_, f32>,
-    keys: Rows<'_, f32>,
+    keys: Rows<'_, u8>,
     limits: &[usize],
     out: &mut [f32],
     stride: usize,
 ) {
-    let dim = keys.len();
+    let dim = queries.len();
+    let size = float_size(KIND);
     let full = dim / 8;
     let rest = dim - 8 * full;
     for (q, &limit) in limits.iter().enumerate() {
@@ -317,13 +319,12 @@ pub(crate) unsafe fn attention_scores(
                 for c in 0..full {
                     acc[c % 2] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(query.as_ptr().add(8 * c)),
-                        _mm256_loadu_ps(key.as_ptr().add(8 * c)),
+                        load8::<KIND>(key.as_ptr().add(8 * c * size)),
                         acc[c % 2],
                     );
                 }
                 if rest > 0 {
-                    let mut key_tail = [0.0f32; 8];
-                    key_tail[..rest].copy_from_slice(&key[8 * full..]);
+                    let key_tail = widen_tail::<KIND>(&key[8 * full * size..]);
                     acc[full % 2] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(query_tail.as_ptr()),
                         _mm256_loadu_ps(key_tail.as_ptr()),
@@ -336,25 +337,63 @@ pub(crate) unsafe fn attention_scores(
     }
 }
 
-/// Attention weighted sums ([`crate::attention::weighted_sums`]): per query, [`weighted_sum`]
-/// of its first `limit` value rows into its zeroed output row.
+/// The last `bytes.len() / size` (< 8) values of a `KIND` row as f32, zero-padded to 8.
+fn widen_tail<const KIND: u8>(bytes: &[u8]) -> [f32; 8] {
+    let mut tail = [0.0f32; 8];
+    for (t, v) in tail.iter_mut().zip(bytes.chunks_exact(float_size(KIND))) {
+        *t = match KIND {
+            F32 => f32::from_le_bytes([v[0], v[1], v[2], v[3]]),
+            _ => crate::f16::to_f32(u16::from_le_bytes([v[0], v[1]])),
+        };
+    }
+    tail
+}
+
+/// Attention weighted sums ([`crate::attention::weighted_sums`]) over cached values stored as
+/// `KIND`: per query and output element `y = fma(p_j, v_j, y)` for keys `j` in order from
+/// zero, the output row kept in memory (a ragged tail through a zero-padded buffer).
 ///
 /// # Safety
 ///
-/// AVX2 and FMA must be available; `out` holds one `values.len()` row per query and every
+/// AVX2 and FMA must be available; `out` holds one row of the values' length per query; every
 /// limit is at most the value count and the probability row length.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn attention_weighted_sums(
+pub(crate) unsafe fn attention_weighted_sums<const KIND: u8>(
     probs: Rows<'_, f32>,
-    values: Rows<'_, f32>,
+    values: Rows<'_, u8>,
     limits: &[usize],
     out: &mut [f32],
 ) {
-    let dim = values.len();
+    let size = float_size(KIND);
+    let dim = values.len() / size;
+    let full = dim / 8;
     for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
         o.fill(0.0);
-        // SAFETY: forwarded contract: `limit` weights for `limit` rows of `dim`.
-        unsafe { weighted_sum(&probs.row(q)[..limit], values.sub(0, limit), o) };
+        let mut tail = [0.0f32; 8];
+        for j in 0..limit {
+            let value = values.row(j);
+            // SAFETY: chunks `c < full` lie inside the value row and `o`; the tail goes
+            // through buffers.
+            unsafe {
+                let p = _mm256_set1_ps(probs.row(q)[j]);
+                for c in 0..full {
+                    let y = o.as_mut_ptr().add(8 * c);
+                    let v = load8::<KIND>(value.as_ptr().add(8 * c * size));
+                    _mm256_storeu_ps(y, _mm256_fmadd_ps(p, v, _mm256_loadu_ps(y)));
+                }
+                if dim > 8 * full {
+                    let v = widen_tail::<KIND>(&value[8 * full * size..]);
+                    let y = _mm256_fmadd_ps(
+                        p,
+                        _mm256_loadu_ps(v.as_ptr()),
+                        _mm256_loadu_ps(tail.as_ptr()),
+                    );
+                    _mm256_storeu_ps(tail.as_mut_ptr(), y);
+                }
+            }
+        }
+        let rest = dim - 8 * full;
+        o[8 * full..].copy_from_slice(&tail[..rest]);
     }
 }
 

@@ -463,36 +463,38 @@ const SCORE_TILE: usize = 2;
 /// Queries whose outputs stay in registers while the values stream past.
 const SUM_TILE: usize = 3;
 
-/// Attention scores ([`crate::attention::scores`]). Head sizes of 16 · C (C ≤ 8) keep a tile of
-/// queries in registers and load each key once for the tile; other sizes run one query at a
-/// time with masked chunks. Per (query, key): two accumulators over the chunks (even / odd),
-/// then one horizontal sum — whatever the other queries.
+/// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32 or
+/// F16; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
+/// registers and load each key once for the tile; other sizes run one query at a time with
+/// masked chunks. Per (query, key): two accumulators over the chunks (even / odd), then one
+/// horizontal sum — whatever the other queries.
 ///
 /// # Safety
 ///
-/// The AVX-512 level must be available; queries and keys have the same length; every limit is
-/// at most the key count and `q * stride + limit <= out.len()`.
+/// The AVX-512 level must be available; every key row holds `queries.len()` values of `KIND`;
+/// every limit is at most the key count and `q * stride + limit <= out.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn attention_scores(
+pub(crate) unsafe fn attention_scores<const KIND: u8>(
     queries: Rows<'_, f32>,
-    keys: Rows<'_, f32>,
+    keys: Rows<'_, u8>,
     limits: &[usize],
     out: &mut [f32],
     stride: usize,
 ) {
-    let dim = keys.len();
+    let dim = queries.len();
+    let size = float_size(KIND);
     // SAFETY: forwarded contract.
     unsafe {
         if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
             match dim / 16 {
-                1 => scores_tiled::<1>(queries, keys, limits, out, stride),
-                2 => scores_tiled::<2>(queries, keys, limits, out, stride),
-                3 => scores_tiled::<3>(queries, keys, limits, out, stride),
-                4 => scores_tiled::<4>(queries, keys, limits, out, stride),
-                5 => scores_tiled::<5>(queries, keys, limits, out, stride),
-                6 => scores_tiled::<6>(queries, keys, limits, out, stride),
-                7 => scores_tiled::<7>(queries, keys, limits, out, stride),
-                _ => scores_tiled::<8>(queries, keys, limits, out, stride),
+                1 => scores_tiled::<KIND, 1>(queries, keys, limits, out, stride),
+                2 => scores_tiled::<KIND, 2>(queries, keys, limits, out, stride),
+                3 => scores_tiled::<KIND, 3>(queries, keys, limits, out, stride),
+                4 => scores_tiled::<KIND, 4>(queries, keys, limits, out, stride),
+                5 => scores_tiled::<KIND, 5>(queries, keys, limits, out, stride),
+                6 => scores_tiled::<KIND, 6>(queries, keys, limits, out, stride),
+                7 => scores_tiled::<KIND, 7>(queries, keys, limits, out, stride),
+                _ => scores_tiled::<KIND, 8>(queries, keys, limits, out, stride),
             }
             return;
         }
@@ -504,14 +506,9 @@ pub(crate) unsafe fn attention_scores(
                 let mut acc = [_mm512_setzero_ps(); 2];
                 for c in 0..chunks {
                     let lanes = (dim - 16 * c).min(16);
-                    let mask = if lanes == 16 {
-                        0xffff
-                    } else {
-                        (1u16 << lanes) - 1
-                    };
                     acc[c % 2] = _mm512_fmadd_ps(
-                        _mm512_maskz_loadu_ps(mask, qp.add(16 * c)),
-                        _mm512_maskz_loadu_ps(mask, kp.add(16 * c)),
+                        load16_f32(qp.add(16 * c), lanes),
+                        load16::<KIND>(kp.add(16 * c * size), lanes),
                         acc[c % 2],
                     );
                 }
@@ -525,15 +522,16 @@ pub(crate) unsafe fn attention_scores(
 ///
 /// # Safety
 ///
-/// As [`attention_scores`], with `keys.len() == 16 · C`.
+/// As [`attention_scores`], with `queries.len() == 16 · C`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn scores_tiled<const C: usize>(
+unsafe fn scores_tiled<const KIND: u8, const C: usize>(
     queries: Rows<'_, f32>,
-    keys: Rows<'_, f32>,
+    keys: Rows<'_, u8>,
     limits: &[usize],
     out: &mut [f32],
     stride: usize,
 ) {
+    let size = float_size(KIND);
     for first in (0..limits.len()).step_by(SCORE_TILE) {
         let count = SCORE_TILE.min(limits.len() - first);
         let tile_limits = &limits[first..first + count];
@@ -550,7 +548,8 @@ unsafe fn scores_tiled<const C: usize>(
             }
             for j in 0..longest {
                 let kp = keys.ptr(j);
-                let k: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(kp.add(16 * c)));
+                let k: [__m512; C] =
+                    std::array::from_fn(|c| load16::<KIND>(kp.add(16 * c * size), 16));
                 for t in 0..count {
                     if j >= tile_limits[t] {
                         continue;
@@ -567,41 +566,62 @@ unsafe fn scores_tiled<const C: usize>(
     }
 }
 
-/// Attention weighted sums ([`crate::attention::weighted_sums`]): per output element
-/// `y = fma(p_j, v_j, y)` for keys `j` in order from zero. Head sizes of 16 · C (C ≤ 8) keep a
-/// tile of outputs in registers and load each value row once for the tile; other sizes run
-/// one query at a time through [`weighted_sum`] (the same per-element sequence).
+/// Attention weighted sums ([`crate::attention::weighted_sums`]) over cached values stored as
+/// `KIND`: per output element `y = fma(p_j, v_j, y)` for keys `j` in order from zero. Head
+/// sizes of 16 · C (C ≤ 8) keep a tile of outputs in registers and load each value row once
+/// for the tile; other sizes run one query at a time with masked chunks through memory (the
+/// same per-element sequence).
 ///
 /// # Safety
 ///
-/// The AVX-512 level must be available; `out` holds one `values.len()` row per query and every
-/// limit is at most the value count and the probability row length.
+/// The AVX-512 level must be available; `out` holds one row of the values' length per query;
+/// every limit is at most the value count and the probability row length.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn attention_weighted_sums(
+pub(crate) unsafe fn attention_weighted_sums<const KIND: u8>(
     probs: Rows<'_, f32>,
-    values: Rows<'_, f32>,
+    values: Rows<'_, u8>,
     limits: &[usize],
     out: &mut [f32],
 ) {
-    let dim = values.len();
+    let size = float_size(KIND);
+    let dim = values.len() / size;
     // SAFETY: forwarded contract.
     unsafe {
         if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
             match dim / 16 {
-                1 => sums_tiled::<1>(probs, values, limits, out),
-                2 => sums_tiled::<2>(probs, values, limits, out),
-                3 => sums_tiled::<3>(probs, values, limits, out),
-                4 => sums_tiled::<4>(probs, values, limits, out),
-                5 => sums_tiled::<5>(probs, values, limits, out),
-                6 => sums_tiled::<6>(probs, values, limits, out),
-                7 => sums_tiled::<7>(probs, values, limits, out),
-                _ => sums_tiled::<8>(probs, values, limits, out),
+                1 => sums_tiled::<KIND, 1>(probs, values, limits, out),
+                2 => sums_tiled::<KIND, 2>(probs, values, limits, out),
+                3 => sums_tiled::<KIND, 3>(probs, values, limits, out),
+                4 => sums_tiled::<KIND, 4>(probs, values, limits, out),
+                5 => sums_tiled::<KIND, 5>(probs, values, limits, out),
+                6 => sums_tiled::<KIND, 6>(probs, values, limits, out),
+                7 => sums_tiled::<KIND, 7>(probs, values, limits, out),
+                _ => sums_tiled::<KIND, 8>(probs, values, limits, out),
             }
             return;
         }
+        let chunks = dim.div_ceil(16);
         for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
             o.fill(0.0);
-            weighted_sum(&probs.row(q)[..limit], values.sub(0, limit), o);
+            let op = o.as_mut_ptr();
+            for j in 0..limit {
+                let p = _mm512_set1_ps(*probs.ptr(q).add(j));
+                let vp = values.ptr(j);
+                for c in 0..chunks {
+                    let lanes = (dim - 16 * c).min(16);
+                    let mask = if lanes == 16 {
+                        0xffff
+                    } else {
+                        (1u16 << lanes) - 1
+                    };
+                    let y = _mm512_fmadd_ps(
+                        p,
+                        load16::<KIND>(vp.add(16 * c * size), lanes),
+                        _mm512_maskz_loadu_ps(mask, op.add(16 * c)),
+                    );
+                    _mm512_mask_storeu_ps(op.add(16 * c), mask, y);
+                }
+            }
         }
     }
 }
@@ -610,15 +630,15 @@ pub(crate) unsafe fn attention_weighted_sums(
 ///
 /// # Safety
 ///
-/// As [`attention_weighted_sums`], with `values.len() == 16 · C`.
+/// As [`attention_weighted_sums`], with values of `16 · C` elements.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn sums_tiled<const C: usize>(
+unsafe fn sums_tiled<const KIND: u8, const C: usize>(
     probs: Rows<'_, f32>,
-    values: Rows<'_, f32>,
+    values: Rows<'_, u8>,
     limits: &[usize],
     out: &mut [f32],
 ) {
-    let dim = 16 * C;
+    let (dim, size) = (16 * C, float_size(KIND));
     for first in (0..limits.len()).step_by(SUM_TILE) {
         let count = SUM_TILE.min(limits.len() - first);
         let tile_limits = &limits[first..first + count];
@@ -634,7 +654,7 @@ unsafe fn sums_tiled<const C: usize>(
                     *weight = _mm512_set1_ps(*probs.ptr(first + t).add(j));
                 }
                 for c in 0..C {
-                    let v = _mm512_loadu_ps(vp.add(16 * c));
+                    let v = load16::<KIND>(vp.add(16 * c * size), 16);
                     for ((regs, weight), &limit) in acc.iter_mut().zip(&p).zip(tile_limits) {
                         if j < limit {
                             regs[c] = _mm512_fmadd_ps(*weight, v, regs[c]);

@@ -606,7 +606,7 @@ pub(crate) fn quantize_q8_k_row(x: &[f32], out: &mut [u8]) {
 pub(crate) fn attention_scores(
     level: SimdLevel,
     queries: Rows<'_, f32>,
-    keys: Rows<'_, f32>,
+    keys: crate::attention::CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
     stride: usize,
@@ -629,9 +629,21 @@ pub(crate) fn attention_scores(
     // SAFETY: the level is supported and every (query, key) pair written lies inside `out`
     // (checked above); `Rows` views are checked.
     unsafe {
-        match level {
-            SimdLevel::Avx2 => avx2::attention_scores(queries, keys, limits, out, stride),
-            _ => avx512::attention_scores(queries, keys, limits, out, stride),
+        use crate::attention::CacheKind;
+        let rows = keys.rows;
+        match (level, keys.kind) {
+            (SimdLevel::Avx2, CacheKind::F32) => {
+                avx2::attention_scores::<{ avx2::F32 }>(queries, rows, limits, out, stride)
+            }
+            (SimdLevel::Avx2, CacheKind::F16) => {
+                avx2::attention_scores::<{ avx2::F16 }>(queries, rows, limits, out, stride)
+            }
+            (_, CacheKind::F32) => {
+                avx512::attention_scores::<{ avx2::F32 }>(queries, rows, limits, out, stride)
+            }
+            (_, CacheKind::F16) => {
+                avx512::attention_scores::<{ avx2::F16 }>(queries, rows, limits, out, stride)
+            }
         }
     }
 }
@@ -640,7 +652,7 @@ pub(crate) fn attention_scores(
 pub(crate) fn attention_weighted_sums(
     level: SimdLevel,
     probs: Rows<'_, f32>,
-    values: Rows<'_, f32>,
+    values: crate::attention::CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
 ) {
@@ -660,9 +672,21 @@ pub(crate) fn attention_weighted_sums(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the level is supported and the sizes match (checked above).
     unsafe {
-        match level {
-            SimdLevel::Avx2 => avx2::attention_weighted_sums(probs, values, limits, out),
-            _ => avx512::attention_weighted_sums(probs, values, limits, out),
+        use crate::attention::CacheKind;
+        let rows = values.rows;
+        match (level, values.kind) {
+            (SimdLevel::Avx2, CacheKind::F32) => {
+                avx2::attention_weighted_sums::<{ avx2::F32 }>(probs, rows, limits, out)
+            }
+            (SimdLevel::Avx2, CacheKind::F16) => {
+                avx2::attention_weighted_sums::<{ avx2::F16 }>(probs, rows, limits, out)
+            }
+            (_, CacheKind::F32) => {
+                avx512::attention_weighted_sums::<{ avx2::F32 }>(probs, rows, limits, out)
+            }
+            (_, CacheKind::F16) => {
+                avx512::attention_weighted_sums::<{ avx2::F16 }>(probs, rows, limits, out)
+            }
         }
     }
 }
@@ -688,6 +712,15 @@ pub(crate) fn prefetch(bytes: &[u8]) {
 /// every target with SIMD kernels), so f32 vectors can go through the F32-weight kernels.
 #[cfg(target_arch = "x86_64")]
 #[inline]
+pub(crate) fn u16_bytes(values: &[u16]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and no invalid bit patterns; the byte view covers exactly the
+    // same memory as `values` and borrows it for the same lifetime.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+/// The bytes of an f32 slice (see [`u16_bytes`] for u16).
 pub(crate) fn f32_bytes(values: &[f32]) -> &[u8] {
     // SAFETY: u8 has alignment 1 and no invalid bit patterns; the byte view covers exactly the
     // same memory as `values` and borrows it for the same lifetime.
