@@ -10,7 +10,7 @@
 //! and the SIMD kernels (8 or 16 f32 lanes summed at the end).
 
 use crate::q8_k;
-use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
+use crate::simd::{self, Accumulator, Rows, SimdLevel};
 
 /// Values per super-block (ggml's `QK_K`).
 pub const SUPER_BLOCK_VALUES: usize = 256;
@@ -348,49 +348,20 @@ pub(crate) fn k_quant_dot_rows(
             k_quant_accumulate(encoding, level, Rows::single(w), x, acc, None)
         });
     } else {
-        // Widened a few super-blocks at a time on the stack.
-        const STEP: usize = 4;
-        const WIDE: usize = q8_k::AVX512_WIDE_BLOCK_BYTES;
-        let blocks = x.len() / q8_k::BLOCK_BYTES;
-        let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * WIDE];
-        let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
-        for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
-            let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
-            let acc = &mut acc[..group_out.len()];
-            acc.fill(Accumulator::ZERO);
-            for first in (0..blocks).step_by(STEP) {
-                let count = STEP.min(blocks - first);
-                let wide_row = count * WIDE;
-                for (b, dst) in wide
-                    .chunks_exact_mut(wide_row)
-                    .take(group.count())
-                    .enumerate()
-                {
-                    let src =
-                        &group.row(b)[first * q8_k::BLOCK_BYTES..][..count * q8_k::BLOCK_BYTES];
-                    q8_k::widen_row(level, src, dst);
-                }
-                let wide_rows = Rows::new(
-                    &wide[..group.count() * wide_row],
-                    wide_row,
-                    wide_row,
-                    group.count(),
-                );
-                let w_blocks =
-                    &w[first * encoding.block_bytes()..][..count * encoding.block_bytes()];
-                k_quant_accumulate(
-                    encoding,
-                    level,
-                    Rows::single(w_blocks),
-                    wide_rows,
-                    acc,
-                    None,
-                );
-            }
-            for (o, a) in group_out.iter_mut().zip(acc.iter()) {
-                *o = a.sum(k_quant_lanes(level));
-            }
-        }
+        let format = simd::WidenedFormat {
+            plain_block: q8_k::BLOCK_BYTES,
+            wide_block: q8_k::wide_block_bytes(level),
+            weight_block: encoding.block_bytes(),
+        };
+        simd::widened_accumulate_and_sum(
+            w,
+            x,
+            out,
+            k_quant_lanes(level),
+            format,
+            |plain, wide| q8_k::widen_row(level, plain, wide),
+            |w, x, acc| k_quant_accumulate(encoding, level, Rows::single(w), x, acc, None),
+        );
     }
 }
 

@@ -16,7 +16,7 @@
 //! see `block32_dot_rows`) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
-use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
+use crate::simd::{self, Accumulator, Rows, SimdLevel};
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
@@ -175,49 +175,22 @@ pub(crate) fn block32_dot_rows(
         }
         return;
     }
-    /// Blocks widened per step (even, so pairs of blocks stay together).
-    const STEP: usize = 32;
     let wide_block = wide_block_bytes(level);
     check_block32_sizes(encoding, level, w.len(), x.len() / BLOCK_BYTES * wide_block);
-    let blocks = x.len() / BLOCK_BYTES;
-    let mut wide = [0u8; MAX_ROWS_PER_PASS * STEP * MAX_WIDE_BLOCK_BYTES];
-    let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
-    for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
-        let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
-        let acc = &mut acc[..group_out.len()];
-        acc.fill(Accumulator::ZERO);
-        for first in (0..blocks).step_by(STEP) {
-            let count = STEP.min(blocks - first);
-            let wide_row = count * wide_block;
-            for (b, dst) in wide
-                .chunks_exact_mut(wide_row)
-                .take(group.count())
-                .enumerate()
-            {
-                let src = &group.row(b)[first * BLOCK_BYTES..(first + count) * BLOCK_BYTES];
-                widen_row(level, src, dst);
-            }
-            let wide_rows = Rows::new(
-                &wide[..group.count() * wide_row],
-                wide_row,
-                wide_row,
-                group.count(),
-            );
-            let w_blocks =
-                &w[first * encoding.block_bytes()..(first + count) * encoding.block_bytes()];
-            block32_accumulate(
-                encoding,
-                level,
-                Rows::single(w_blocks),
-                wide_rows,
-                acc,
-                None,
-            );
-        }
-        for (o, a) in group_out.iter_mut().zip(acc.iter()) {
-            *o = a.sum(block32_lanes(level));
-        }
-    }
+    let format = simd::WidenedFormat {
+        plain_block: BLOCK_BYTES,
+        wide_block,
+        weight_block: encoding.block_bytes(),
+    };
+    simd::widened_accumulate_and_sum(
+        w,
+        x,
+        out,
+        block32_lanes(level),
+        format,
+        |plain, wide| widen_row(level, plain, wide),
+        |w, x, acc| block32_accumulate(encoding, level, Rows::single(w), x, acc, None),
+    );
 }
 
 /// Accumulator lanes of the 32-value block kernels at a SIMD `level`: 8 at AVX2, 16 at AVX-512
@@ -248,9 +221,6 @@ pub(crate) const AVX2_WIDE_BLOCK_BYTES: usize = 4 + BLOCK_VALUES;
 /// over the 8 accumulator lanes of its block. A row's odd last block is 32 quants and 8 scales.
 /// One load each for quants and scales per pair and row: nothing is shuffled per row.
 pub(crate) const AVX512_WIDE_BLOCK_BYTES: usize = 64;
-
-/// The largest [`wide_block_bytes`].
-const MAX_WIDE_BLOCK_BYTES: usize = AVX512_WIDE_BLOCK_BYTES;
 
 /// Converts a Q8_0 row into the activation format of `level` (`bytes.len() / 34 ·`
 /// [`wide_block_bytes`] bytes): the same values, with the scales stored as f32 so the kernels

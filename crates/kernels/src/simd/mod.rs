@@ -360,6 +360,80 @@ pub(crate) fn accumulate_and_sum<T>(
     }
 }
 
+/// Block formats of a widened multi-input dot product ([`widened_accumulate_and_sum`]).
+pub(crate) struct WidenedFormat {
+    /// Bytes of one plain activation block.
+    pub plain_block: usize,
+    /// Bytes of one widened activation block.
+    pub wide_block: usize,
+    /// Bytes of the weight row per block.
+    pub weight_block: usize,
+}
+
+/// Bytes of widened activations per row kept on the stack at a time.
+const WIDEN_STEP_BYTES: usize = 2048;
+
+/// [`accumulate_and_sum`] for kernels that multiply activation rows in a widened copy of
+/// their plain blocks: each activation row is widened (`widen`) an even number of blocks at a
+/// time into a stack buffer, and `accumulate` runs on the weight row's matching blocks.
+pub(crate) fn widened_accumulate_and_sum(
+    w: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+    lanes: usize,
+    format: WidenedFormat,
+    widen: impl Fn(&[u8], &mut [u8]),
+    mut accumulate: impl FnMut(&[u8], Rows<'_, u8>, &mut [Accumulator]),
+) {
+    let WidenedFormat {
+        plain_block,
+        wide_block,
+        weight_block,
+    } = format;
+    // An even number of blocks, so pairs of blocks stay together.
+    let step = (WIDEN_STEP_BYTES / wide_block).max(2) & !1;
+    assert!(
+        step * wide_block <= WIDEN_STEP_BYTES,
+        "widening: block too large"
+    );
+    let blocks = x.len() / plain_block;
+    let mut wide = [0u8; MAX_ROWS_PER_PASS * WIDEN_STEP_BYTES];
+    let mut acc = [Accumulator::ZERO; MAX_ROWS_PER_PASS];
+    for (g, group_out) in out.chunks_mut(MAX_ROWS_PER_PASS).enumerate() {
+        let group = x.sub(g * MAX_ROWS_PER_PASS, group_out.len());
+        let acc = &mut acc[..group_out.len()];
+        acc.fill(Accumulator::ZERO);
+        for first in (0..blocks).step_by(step) {
+            let count = step.min(blocks - first);
+            let wide_row = count * wide_block;
+            for (b, dst) in wide
+                .chunks_exact_mut(wide_row)
+                .take(group.count())
+                .enumerate()
+            {
+                widen(
+                    &group.row(b)[first * plain_block..][..count * plain_block],
+                    dst,
+                );
+            }
+            let wide_rows = Rows::new(
+                &wide[..group.count() * wide_row],
+                wide_row,
+                wide_row,
+                group.count(),
+            );
+            accumulate(
+                &w[first * weight_block..][..count * weight_block],
+                wide_rows,
+                acc,
+            );
+        }
+        for (o, a) in group_out.iter_mut().zip(acc.iter()) {
+            *o = a.sum(lanes);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Safe entry points: check everything the unsafe kernels rely on, then call the level's kernel.
 // ---------------------------------------------------------------------------------------------
