@@ -113,12 +113,13 @@ impl<'a> WeightMatrix<'a> {
 /// Reusable buffers of [`matmul`], so that steady-state calls do not allocate.
 #[derive(Debug, Default, Clone)]
 pub struct MatmulScratch {
-    /// Activation rows encoded for quantised weight types (Q8_0 — widened at SIMD levels — or
-    /// Q8_K rows).
+    /// Activation rows encoded for quantised weight types (Q8_0 or Q8_K rows, in the widened
+    /// format of the SIMD level where it has one).
     quantized: Vec<u8>,
-    /// One Q8_0 row on its way to being widened.
+    /// One quantised row on its way to being widened.
     row_buffer: Vec<u8>,
-    /// Multi-row results in weight-row-major order before they are transposed into place.
+    /// Multi-row results, each thread chunk's activation-row-major, before they are copied
+    /// into place.
     staging: Vec<f32>,
 }
 
