@@ -8,7 +8,7 @@
 //! * [`request`]: generation requests, outcomes, stop strings;
 //! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`, the default model);
-//! * [`bench`]: `specula bench`, speed figures measured side by side;
+//! * [`bench`](mod@bench): `specula bench`, speed figures measured side by side;
 //! * [`serve`]: `specula serve`, the OpenAI-compatible daemon with hot-reloaded profiles;
 //! * [`cli`]: the `specula` command line.
 
