@@ -20,6 +20,8 @@
 
 use rayon::prelude::*;
 
+use crate::k_quants::KEncoding;
+use crate::q8_0::Block32Encoding;
 use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
 use crate::{
     bf16, f16, f32, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError, WeightType,
@@ -209,6 +211,7 @@ fn matmul_tiled(
             let kernel = Kernel {
                 dot_rows,
                 accumulate,
+                row_sums: None,
                 lanes: f32::float_lanes(level),
                 block_values: 1,
                 weight_block_bytes: size,
@@ -259,9 +262,28 @@ fn matmul_tiled(
                 WeightType::Q5K => (q5_k::dot_rows, q5_k::accumulate, 0),
                 _ => (q6_k::dot_rows, q6_k::accumulate, 0),
             };
+            let row_sums: Option<RowSumsFn<u8>> = match (level, ty) {
+                (SimdLevel::Avx512, WeightType::Q8_0) => Some(|l, w, x, o, s, p| {
+                    simd::block32_row_sums(Block32Encoding::Q8_0, l, w, x, o, s, p)
+                }),
+                (SimdLevel::Avx512, WeightType::Q4_0) => Some(|l, w, x, o, s, p| {
+                    simd::block32_row_sums(Block32Encoding::Q4_0, l, w, x, o, s, p)
+                }),
+                (SimdLevel::Avx512, WeightType::Q4K) => Some(|l, w, x, o, s, p| {
+                    simd::k_quant_row_sums(KEncoding::Q4K, l, w, x, o, s, p)
+                }),
+                (SimdLevel::Avx512, WeightType::Q5K) => Some(|l, w, x, o, s, p| {
+                    simd::k_quant_row_sums(KEncoding::Q5K, l, w, x, o, s, p)
+                }),
+                (SimdLevel::Avx512, WeightType::Q6K) => Some(|l, w, x, o, s, p| {
+                    simd::k_quant_row_sums(KEncoding::Q6K, l, w, x, o, s, p)
+                }),
+                _ => None,
+            };
             let kernel = Kernel {
                 dot_rows,
                 accumulate,
+                row_sums,
                 lanes: if lanes == 0 {
                     crate::k_quants::k_quant_lanes(level)
                 } else {
@@ -302,6 +324,9 @@ pub fn matvec(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
 
 /// A type's whole-row multi-input dot product (`dot_rows`).
 type DotRowsFn<T> = fn(SimdLevel, &[u8], Rows<'_, T>, &mut [f32]);
+/// A type's whole-row SIMD kernel writing finished dot products (`row_sums`): weight rows ×
+/// one pass of activation rows into `out[b * stride + i]`.
+type RowSumsFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [f32], usize, Option<&[u8]>);
 /// A type's accumulating SIMD kernel over a column tile (`accumulate`).
 type AccumulateFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [Accumulator], Option<&[u8]>);
 
@@ -311,6 +336,9 @@ type AccumulateFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [Accumulato
 struct Kernel<T> {
     dot_rows: DotRowsFn<T>,
     accumulate: AccumulateFn<T>,
+    /// Where the level has one: whole rows reduced in registers (no accumulator round trip),
+    /// with the bits of `accumulate` and [`Accumulator::sum`].
+    row_sums: Option<RowSumsFn<T>>,
     /// Accumulator lanes at the level in use.
     lanes: usize,
     /// Values per block (1 for float weights).
@@ -399,6 +427,26 @@ fn tiled_rows<T>(
         for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
             let pass = acts.sub(pass_first, pass_rows.min(n - pass_first));
             let p = pass.count();
+            if let (Some(row_sums), true) = (kernel.row_sums, blocks < 2 * tile_blocks) {
+                // One tile: whole rows, reduced in the kernel.
+                let next_group = group_first + group_rows;
+                let prefetch = (p > 1).then(|| {
+                    if next_group < first + chunk_len {
+                        w.row(next_group)
+                    } else {
+                        &[][..]
+                    }
+                });
+                let w_rows = Rows::new(
+                    &w.bytes()[group_first * w.row_bytes()..],
+                    w.row_bytes(),
+                    w.row_bytes(),
+                    group_rows,
+                );
+                let out = &mut dst[pass_first * chunk_len + group_start..];
+                row_sums(level, w_rows, pass, out, chunk_len, prefetch);
+                continue;
+            }
             // Pair (r, b) at `r * p + b`: only the pairs in use are zeroed.
             let acc = &mut acc[..group_rows * p];
             acc.fill(Accumulator::ZERO);

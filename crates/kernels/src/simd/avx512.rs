@@ -734,6 +734,51 @@ pub(crate) unsafe fn weighted_sum(weights: &[f32], rows: Rows<'_, f32>, y: &mut 
     }
 }
 
+/// Where a 16-lane integer-kernel pass leaves its results.
+pub(crate) enum PassOutput<'a> {
+    /// Carried accumulators: the pass is a column tile of its rows.
+    State(&'a mut [Accumulator]),
+    /// Whole rows: activation row `b`'s sum at `out[b * stride]`.
+    Sums { out: &'a mut [f32], stride: usize },
+}
+
+/// The accumulators a pass starts from: the carried state, or zeros for a whole row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn pass_start<const N: usize>(output: &PassOutput<'_>) -> [__m512; N] {
+    match output {
+        PassOutput::State(state) => std::array::from_fn(|r| load_lanes16(&state[r], 0)),
+        PassOutput::Sums { .. } => [_mm512_setzero_ps(); N],
+    }
+}
+
+/// Stores a pass's accumulators, or their sums by the pairwise tree of
+/// [`Accumulator::sum`] (lane `i` plus lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`): the same bits
+/// either way, so whole rows and tiled rows agree.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn pass_finish<const N: usize>(acc: [__m512; N], output: PassOutput<'_>) {
+    match output {
+        PassOutput::State(state) => {
+            for (s, a) in state.iter_mut().zip(acc) {
+                store_lanes16(s, 0, a);
+            }
+        }
+        PassOutput::Sums { out, stride } => {
+            for (r, a) in acc.into_iter().enumerate() {
+                let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+                let eight = _mm256_add_ps(_mm512_castps512_ps256(a), high);
+                let four = _mm_add_ps(
+                    _mm256_castps256_ps128(eight),
+                    _mm256_extractf128_ps::<1>(eight),
+                );
+                let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+                out[r * stride] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Q8_0 / Q4_0 weights × Q8_0 activations (blocks of 32)
 // ---------------------------------------------------------------------------------------------
@@ -758,20 +803,44 @@ pub(crate) unsafe fn block32_rows<const KIND: u8>(
 ) {
     in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_acc.len(), block32_pass::<KIND>(w, group, group_acc)) }
+        unsafe {
+            with_row_count!(
+                group_acc.len(),
+                block32_pass::<KIND>(w, group, PassOutput::State(group_acc))
+            )
+        }
     });
+}
+
+/// [`block32_rows`] over whole rows (at most [`super::MAX_ROWS_PER_PASS`] activation rows):
+/// activation row `b`'s dot product with `w` at `out[b * stride]`, reduced in registers.
+///
+/// # Safety
+///
+/// As [`block32_rows`] (the run is the whole row); `out` holds index
+/// `(rows.count() - 1) * stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn block32_row_sums<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let output = PassOutput::Sums { out, stride };
+    // SAFETY: forwarded contract.
+    unsafe { with_row_count!(rows.count(), block32_pass::<KIND>(w, rows, output)) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn block32_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, u8>,
-    state: &mut [Accumulator],
+    output: PassOutput<'_>,
 ) {
     const WIDE: usize = q8_0::AVX512_WIDE_BLOCK_BYTES;
     let blocks = rows.len() / WIDE;
     let xp = row_ptrs::<u8, N>(&rows);
-    let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
+    let mut acc: [__m512; N] = pass_start(&output);
     let offset_unit = _mm512_set1_epi8(-128);
     let mut b = 0;
     while b + 1 < blocks {
@@ -815,9 +884,7 @@ unsafe fn block32_pass<const KIND: u8, const N: usize>(
             }
         }
     }
-    for (s, a) in state.iter_mut().zip(acc) {
-        store_lanes16(s, 0, a);
-    }
+    pass_finish(acc, output);
 }
 
 /// Decodes weight blocks `b` and `b + 1` of encoding `KIND` into one zmm of 64 signed quants
@@ -1040,20 +1107,43 @@ pub(crate) unsafe fn k_quant_rows<const KIND: u8>(
 ) {
     in_passes(rows, acc, |group, group_acc| {
         // SAFETY: forwarded contract.
-        unsafe { with_row_count!(group_acc.len(), k_quant_pass::<KIND>(w, group, group_acc)) }
+        unsafe {
+            with_row_count!(
+                group_acc.len(),
+                k_quant_pass::<KIND>(w, group, PassOutput::State(group_acc))
+            )
+        }
     });
+}
+
+/// [`k_quant_rows`] over whole rows (at most [`super::MAX_ROWS_PER_PASS`] activation rows):
+/// activation row `b`'s dot product with `w` at `out[b * stride]`, reduced in registers.
+///
+/// # Safety
+///
+/// As [`k_quant_rows`]; `out` holds index `(rows.count() - 1) * stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn k_quant_row_sums<const KIND: u8>(
+    w: &[u8],
+    rows: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let output = PassOutput::Sums { out, stride };
+    // SAFETY: forwarded contract.
+    unsafe { with_row_count!(rows.count(), k_quant_pass::<KIND>(w, rows, output)) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
     w: &[u8],
     rows: Rows<'_, u8>,
-    state: &mut [Accumulator],
+    output: PassOutput<'_>,
 ) {
     const WIDE: usize = q8_k::AVX512_WIDE_BLOCK_BYTES;
     let blocks = rows.len() / WIDE;
     let xp = row_ptrs::<u8, N>(&rows);
-    let mut acc: [__m512; N] = std::array::from_fn(|r| load_lanes16(&state[r], 0));
+    let mut acc: [__m512; N] = pass_start(&output);
     for b in 0..blocks {
         // SAFETY: super-block `b` lies inside the weight row and every activation row.
         unsafe {
@@ -1081,7 +1171,5 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
             }
         }
     }
-    for (s, a) in state.iter_mut().zip(acc) {
-        store_lanes16(s, 0, a);
-    }
+    pass_finish(acc, output);
 }

@@ -544,6 +544,110 @@ pub(crate) fn block32_accumulate(
     }
 }
 
+/// Panics unless `level` is AVX-512, there is at most one pass of activation rows, and `out`
+/// holds every `b * stride + i` for weight row `i` and activation row `b`.
+fn check_row_sums(
+    level: SimdLevel,
+    w: &Rows<'_, u8>,
+    x: &Rows<'_, u8>,
+    out: &[f32],
+    stride: usize,
+) {
+    assert_eq!(level, SimdLevel::Avx512, "row sums: an AVX-512 kernel");
+    level.assert_supported();
+    assert!(x.count() <= MAX_ROWS_PER_PASS, "row sums: one pass of rows");
+    assert!(w.count() <= stride, "row sums: outputs overlap");
+    if x.count() > 0 && w.count() > 0 {
+        assert!(
+            (x.count() - 1) * stride + w.count() <= out.len(),
+            "row sums: outputs do not fit"
+        );
+    }
+}
+
+/// Runs `row_sums` for every weight row `i` of `w` into `out[i..]`, prefetching as
+/// `for_each_weight_row` does.
+///
+/// # Safety
+///
+/// `row_sums` must be safe to call with every row of `w`, `x`, and `out[i..]` at `stride`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn for_each_weight_row_sums(
+    row_sums: unsafe fn(&[u8], Rows<'_, u8>, &mut [f32], usize),
+    w: Rows<'_, u8>,
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+    prefetch_next: Option<&[u8]>,
+) {
+    for i in 0..w.count() {
+        match prefetch_next {
+            Some(_) if i + 1 < w.count() => prefetch(w.row(i + 1)),
+            Some(after) => prefetch(after),
+            None => {}
+        }
+        // SAFETY: forwarded contract.
+        unsafe { row_sums(w.row(i), x, &mut out[i..], stride) };
+    }
+}
+
+/// Q8_0 / Q4_0 weight rows (whole rows) times one pass of widened Q8_0 activation rows at
+/// AVX-512: the product of weight row `i` and activation row `b` at `out[b * stride + i]`,
+/// bit-identical to accumulating and summing ([`block32_accumulate`], [`Accumulator::sum`]).
+pub(crate) fn block32_row_sums(
+    encoding: crate::q8_0::Block32Encoding,
+    level: SimdLevel,
+    w: Rows<'_, u8>,
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+    prefetch_next: Option<&[u8]>,
+) {
+    crate::q8_0::check_block32_sizes(encoding, level, w.len(), x.len());
+    check_row_sums(level, &w, &x, out, stride);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::q8_0::Block32Encoding as E;
+        use avx2::{Q4_0, Q8_0};
+        let row_sums = match encoding {
+            E::Q8_0 => avx512::block32_row_sums::<Q8_0>,
+            E::Q4_0 => avx512::block32_row_sums::<Q4_0>,
+        };
+        // SAFETY: AVX-512 is supported; weight and activation rows hold the same whole number
+        // of blocks and `out` holds every output (checked above).
+        unsafe { for_each_weight_row_sums(row_sums, w, x, out, stride, prefetch_next) }
+    }
+}
+
+/// K-quant weight rows (whole rows) times one pass of widened Q8_K activation rows at AVX-512,
+/// as [`block32_row_sums`].
+pub(crate) fn k_quant_row_sums(
+    encoding: crate::k_quants::KEncoding,
+    level: SimdLevel,
+    w: Rows<'_, u8>,
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+    prefetch_next: Option<&[u8]>,
+) {
+    crate::k_quants::check_sizes(encoding, level, w.len(), x.len());
+    check_row_sums(level, &w, &x, out, stride);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::k_quants::KEncoding as E;
+        use avx2::{Q4_K, Q5_K, Q6_K};
+        let row_sums = match encoding {
+            E::Q4K => avx512::k_quant_row_sums::<Q4_K>,
+            E::Q5K => avx512::k_quant_row_sums::<Q5_K>,
+            E::Q6K => avx512::k_quant_row_sums::<Q6_K>,
+        };
+        // SAFETY: AVX-512 is supported; weight and activation rows hold the same whole number
+        // of super-blocks and `out` holds every output (checked above).
+        unsafe { for_each_weight_row_sums(row_sums, w, x, out, stride, prefetch_next) }
+    }
+}
+
 /// K-quant weight rows times Q8_K activation rows, accumulated per pair.
 pub(crate) fn k_quant_accumulate(
     encoding: crate::k_quants::KEncoding,
