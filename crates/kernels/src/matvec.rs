@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use crate::k_quants::KEncoding;
 use crate::q8_0::Block32Encoding;
-use crate::simd::{self, Accumulator, Rows, SimdLevel, MAX_ROWS_PER_PASS};
+use crate::simd::{self, Accumulator, RowSumsEncoding, Rows, SimdLevel, MAX_ROWS_PER_PASS};
 use crate::{
     bf16, f16, f32, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError, WeightType,
 };
@@ -262,22 +262,15 @@ fn matmul_tiled(
                 WeightType::Q5K => (q5_k::dot_rows, q5_k::accumulate, 0),
                 _ => (q6_k::dot_rows, q6_k::accumulate, 0),
             };
-            let row_sums: Option<RowSumsFn<u8>> = match (level, ty) {
-                (SimdLevel::Avx512, WeightType::Q8_0) => Some(|l, w, x, o, s, p| {
-                    simd::block32_row_sums(Block32Encoding::Q8_0, l, w, x, o, s, p)
-                }),
-                (SimdLevel::Avx512, WeightType::Q4_0) => Some(|l, w, x, o, s, p| {
-                    simd::block32_row_sums(Block32Encoding::Q4_0, l, w, x, o, s, p)
-                }),
-                (SimdLevel::Avx512, WeightType::Q4K) => Some(|l, w, x, o, s, p| {
-                    simd::k_quant_row_sums(KEncoding::Q4K, l, w, x, o, s, p)
-                }),
-                (SimdLevel::Avx512, WeightType::Q5K) => Some(|l, w, x, o, s, p| {
-                    simd::k_quant_row_sums(KEncoding::Q5K, l, w, x, o, s, p)
-                }),
-                (SimdLevel::Avx512, WeightType::Q6K) => Some(|l, w, x, o, s, p| {
-                    simd::k_quant_row_sums(KEncoding::Q6K, l, w, x, o, s, p)
-                }),
+            let row_sums: Option<(RowSumsFn<u8>, RowSumsEncoding)> = match level {
+                SimdLevel::Avx512 => Some(match ty {
+                    WeightType::Q8_0 => RowSumsEncoding::Block32(Block32Encoding::Q8_0),
+                    WeightType::Q4_0 => RowSumsEncoding::Block32(Block32Encoding::Q4_0),
+                    WeightType::Q4K => RowSumsEncoding::KQuant(KEncoding::Q4K),
+                    WeightType::Q5K => RowSumsEncoding::KQuant(KEncoding::Q5K),
+                    _ => RowSumsEncoding::KQuant(KEncoding::Q6K),
+                })
+                .map(|encoding| (simd::row_sums as RowSumsFn<u8>, encoding)),
                 _ => None,
             };
             let kernel = Kernel {
@@ -326,7 +319,8 @@ pub fn matvec(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
 type DotRowsFn<T> = fn(SimdLevel, &[u8], Rows<'_, T>, &mut [f32]);
 /// A type's whole-row SIMD kernel writing finished dot products (`row_sums`): weight rows ×
 /// one pass of activation rows into `out[b * stride + i]`.
-type RowSumsFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [f32], usize, Option<&[u8]>);
+type RowSumsFn<T> =
+    fn(RowSumsEncoding, SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [f32], usize, Option<&[u8]>);
 /// A type's accumulating SIMD kernel over a column tile (`accumulate`).
 type AccumulateFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [Accumulator], Option<&[u8]>);
 
@@ -338,7 +332,7 @@ struct Kernel<T> {
     accumulate: AccumulateFn<T>,
     /// Where the level has one: whole rows reduced in registers (no accumulator round trip),
     /// with the bits of `accumulate` and [`Accumulator::sum`].
-    row_sums: Option<RowSumsFn<T>>,
+    row_sums: Option<(RowSumsFn<T>, RowSumsEncoding)>,
     /// Accumulator lanes at the level in use.
     lanes: usize,
     /// Values per block (1 for float weights).
@@ -427,7 +421,8 @@ fn tiled_rows<T>(
         for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
             let pass = acts.sub(pass_first, pass_rows.min(n - pass_first));
             let p = pass.count();
-            if let (Some(row_sums), true) = (kernel.row_sums, blocks < 2 * tile_blocks) {
+            if let (Some((row_sums, encoding)), true) = (kernel.row_sums, blocks < 2 * tile_blocks)
+            {
                 // One tile: whole rows, reduced in the kernel.
                 let next_group = group_first + group_rows;
                 let prefetch = (p > 1).then(|| {
@@ -444,7 +439,7 @@ fn tiled_rows<T>(
                     group_rows,
                 );
                 let out = &mut dst[pass_first * chunk_len + group_start..];
-                row_sums(level, w_rows, pass, out, chunk_len, prefetch);
+                row_sums(encoding, level, w_rows, pass, out, chunk_len, prefetch);
                 continue;
             }
             // Pair (r, b) at `r * p + b`: only the pairs in use are zeroed.

@@ -457,9 +457,21 @@ fn check_simd_call<T>(level: SimdLevel, w: &Rows<'_, u8>, x: &Rows<'_, T>, acc: 
 #[cfg(target_arch = "x86_64")]
 type RowKernel<T> = unsafe fn(&[u8], Rows<'_, T>, &mut [Accumulator]);
 
+/// The prefetch policy of the weight-row loops: with `prefetch_next`, the row after `i` is
+/// asked for while row `i` is multiplied, and the given bytes (the caller's next row, or
+/// nothing) while the last one is.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_after_row(w: &Rows<'_, u8>, i: usize, prefetch_next: Option<&[u8]>) {
+    match prefetch_next {
+        Some(_) if i + 1 < w.count() => prefetch(w.row(i + 1)),
+        Some(after) => prefetch(after),
+        None => {}
+    }
+}
+
 /// Runs `kernel` for every weight row of `w` (pair `(i, b)` accumulating into
-/// `acc[i * x.count() + b]`). With `prefetch_next`, the next weight row is prefetched while one
-/// is multiplied, and the given bytes (the caller's next row, or nothing) while the last is.
+/// `acc[i * x.count() + b]`), prefetching as [`prefetch_after_row`] says.
 ///
 /// # Safety
 ///
@@ -476,11 +488,7 @@ unsafe fn for_each_weight_row<T>(
 ) {
     let p = x.count();
     for (i, row_acc) in acc.chunks_exact_mut(p.max(1)).enumerate().take(w.count()) {
-        match prefetch_next {
-            Some(_) if i + 1 < w.count() => prefetch(w.row(i + 1)),
-            Some(after) => prefetch(after),
-            None => {}
-        }
+        prefetch_after_row(&w, i, prefetch_next);
         // SAFETY: forwarded contract.
         unsafe { kernel(w.row(i), x, row_acc) };
     }
@@ -565,38 +573,18 @@ fn check_row_sums(
     }
 }
 
-/// Runs `row_sums` for every weight row `i` of `w` into `out[i..]`, prefetching as
-/// `for_each_weight_row` does.
-///
-/// # Safety
-///
-/// `row_sums` must be safe to call with every row of `w`, `x`, and `out[i..]` at `stride`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn for_each_weight_row_sums(
-    row_sums: unsafe fn(&[u8], Rows<'_, u8>, &mut [f32], usize),
-    w: Rows<'_, u8>,
-    x: Rows<'_, u8>,
-    out: &mut [f32],
-    stride: usize,
-    prefetch_next: Option<&[u8]>,
-) {
-    for i in 0..w.count() {
-        match prefetch_next {
-            Some(_) if i + 1 < w.count() => prefetch(w.row(i + 1)),
-            Some(after) => prefetch(after),
-            None => {}
-        }
-        // SAFETY: forwarded contract.
-        unsafe { row_sums(w.row(i), x, &mut out[i..], stride) };
-    }
+/// The integer kernel families whose AVX-512 kernels finish whole rows in registers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RowSumsEncoding {
+    Block32(crate::q8_0::Block32Encoding),
+    KQuant(crate::k_quants::KEncoding),
 }
 
-/// Q8_0 / Q4_0 weight rows (whole rows) times one pass of widened Q8_0 activation rows at
+/// Integer-kernel weight rows (whole rows) times one pass of widened activation rows at
 /// AVX-512: the product of weight row `i` and activation row `b` at `out[b * stride + i]`,
-/// bit-identical to accumulating and summing ([`block32_accumulate`], [`Accumulator::sum`]).
-pub(crate) fn block32_row_sums(
-    encoding: crate::q8_0::Block32Encoding,
+/// bit-identical to accumulating and summing (`*_accumulate`, [`Accumulator::sum`]).
+pub(crate) fn row_sums(
+    encoding: RowSumsEncoding,
     level: SimdLevel,
     w: Rows<'_, u8>,
     x: Rows<'_, u8>,
@@ -604,47 +592,30 @@ pub(crate) fn block32_row_sums(
     stride: usize,
     prefetch_next: Option<&[u8]>,
 ) {
-    crate::q8_0::check_block32_sizes(encoding, level, w.len(), x.len());
-    check_row_sums(level, &w, &x, out, stride);
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::q8_0::Block32Encoding as E;
-        use avx2::{Q4_0, Q8_0};
-        let row_sums = match encoding {
-            E::Q8_0 => avx512::block32_row_sums::<Q8_0>,
-            E::Q4_0 => avx512::block32_row_sums::<Q4_0>,
-        };
-        // SAFETY: AVX-512 is supported; weight and activation rows hold the same whole number
-        // of blocks and `out` holds every output (checked above).
-        unsafe { for_each_weight_row_sums(row_sums, w, x, out, stride, prefetch_next) }
+    match encoding {
+        RowSumsEncoding::Block32(e) => crate::q8_0::check_block32_sizes(e, level, w.len(), x.len()),
+        RowSumsEncoding::KQuant(e) => crate::k_quants::check_sizes(e, level, w.len(), x.len()),
     }
-}
-
-/// K-quant weight rows (whole rows) times one pass of widened Q8_K activation rows at AVX-512,
-/// as [`block32_row_sums`].
-pub(crate) fn k_quant_row_sums(
-    encoding: crate::k_quants::KEncoding,
-    level: SimdLevel,
-    w: Rows<'_, u8>,
-    x: Rows<'_, u8>,
-    out: &mut [f32],
-    stride: usize,
-    prefetch_next: Option<&[u8]>,
-) {
-    crate::k_quants::check_sizes(encoding, level, w.len(), x.len());
     check_row_sums(level, &w, &x, out, stride);
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::k_quants::KEncoding as E;
-        use avx2::{Q4_K, Q5_K, Q6_K};
-        let row_sums = match encoding {
-            E::Q4K => avx512::k_quant_row_sums::<Q4_K>,
-            E::Q5K => avx512::k_quant_row_sums::<Q5_K>,
-            E::Q6K => avx512::k_quant_row_sums::<Q6_K>,
+        use crate::k_quants::KEncoding as K;
+        use crate::q8_0::Block32Encoding as B;
+        use avx2::{Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+        use RowSumsEncoding::{Block32, KQuant};
+        let kernel: unsafe fn(&[u8], Rows<'_, u8>, &mut [f32], usize) = match encoding {
+            Block32(B::Q8_0) => avx512::block32_row_sums::<Q8_0>,
+            Block32(B::Q4_0) => avx512::block32_row_sums::<Q4_0>,
+            KQuant(K::Q4K) => avx512::k_quant_row_sums::<Q4_K>,
+            KQuant(K::Q5K) => avx512::k_quant_row_sums::<Q5_K>,
+            KQuant(K::Q6K) => avx512::k_quant_row_sums::<Q6_K>,
         };
-        // SAFETY: AVX-512 is supported; weight and activation rows hold the same whole number
-        // of super-blocks and `out` holds every output (checked above).
-        unsafe { for_each_weight_row_sums(row_sums, w, x, out, stride, prefetch_next) }
+        for i in 0..w.count() {
+            prefetch_after_row(&w, i, prefetch_next);
+            // SAFETY: AVX-512 is supported; weight and activation rows hold the same whole
+            // number of blocks and `out` holds every output (checked above).
+            unsafe { kernel(w.row(i), x, &mut out[i..], stride) };
+        }
     }
 }
 
