@@ -8,7 +8,8 @@
 //!   4096 matrix (9–18 MB) fits this machine's 32 MiB L3, so repeated runs read it from cache.
 //! - `matvec-cold/{type}/{n}x4096x4096xK/t{threads}`: the same product over K distinct copies
 //!   of the matrix in turn, K chosen so they exceed 96 MiB: weights come from DRAM, as they do
-//!   in a real model whose weights are gigabytes.
+//!   in a real model whose weights are gigabytes. `{type}-interleaved`: the same matrices
+//!   repacked into interleaved 16-row groups (Q8_0, Q4_0), as the engine multiplies them.
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an
@@ -24,13 +25,16 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
-use specula_kernels::{matmul, simd, MatmulScratch, WeightMatrix, WeightType};
+use specula_kernels::{
+    interleaved, matmul, simd, InterleavedMatrix, MatmulScratch, WeightMatrix, WeightType,
+};
 
 /// Size of the stream buffer: far larger than any cache.
 const STREAM_BYTES: usize = 256 << 20;
 
-/// Shapes benchmarked (`rows × cols`): a small projection and a square 4096 one.
-const SHAPES: [(usize, usize); 2] = [(1024, 4096), (4096, 4096)];
+/// Shapes benchmarked (`rows × cols`): one that fits a 1 MiB L2 (quantised), a small
+/// projection and a square 4096 one.
+const SHAPES: [(usize, usize); 3] = [(128, 4096), (1024, 4096), (4096, 4096)];
 
 fn pool(threads: usize) -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new()
@@ -80,27 +84,37 @@ fn matvec(c: &mut Criterion) {
     println!("SIMD level: {}", simd::level());
     let mut rng = StdRng::seed_from_u64(8);
     for ty in WeightType::ALL {
-        let mut group = c.benchmark_group(format!("matvec/{ty}"));
-        for (rows, cols) in SHAPES {
-            let data = weight_bytes(ty, rows, cols);
-            let w = WeightMatrix::new(ty, rows, cols, &data).expect("weight matrix");
-            group.throughput(Throughput::Bytes(data.len() as u64));
-            for n in [1, 8] {
-                let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-                let mut out = vec![0.0; n * rows];
-                let mut scratch = MatmulScratch::new();
-                for threads in [1, 2] {
-                    let pool = pool(threads);
-                    let id = BenchmarkId::new(format!("{n}x{rows}x{cols}"), format!("t{threads}"));
-                    group.bench_function(id, |b| {
-                        b.iter(|| {
-                            pool.install(|| matmul(&w, black_box(&x), &mut out, &mut scratch))
-                        })
-                    });
+        for interleave in [false, true] {
+            if interleave && !interleaved::supports(ty, simd::level()) {
+                continue;
+            }
+            let suffix = if interleave { "-interleaved" } else { "" };
+            let mut group = c.benchmark_group(format!("matvec/{ty}{suffix}"));
+            for (rows, cols) in SHAPES {
+                let data = weight_bytes(ty, rows, cols);
+                let plain = WeightMatrix::new(ty, rows, cols, &data).expect("weight matrix");
+                let repacked =
+                    interleave.then(|| InterleavedMatrix::repack(&plain).expect("repack"));
+                let w = repacked.as_ref().map_or(plain, InterleavedMatrix::view);
+                group.throughput(Throughput::Bytes(data.len() as u64));
+                for n in [1, 8] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                    let mut out = vec![0.0; n * rows];
+                    let mut scratch = MatmulScratch::new();
+                    for threads in [1, 2] {
+                        let pool = pool(threads);
+                        let id =
+                            BenchmarkId::new(format!("{n}x{rows}x{cols}"), format!("t{threads}"));
+                        group.bench_function(id, |b| {
+                            b.iter(|| {
+                                pool.install(|| matmul(&w, black_box(&x), &mut out, &mut scratch))
+                            })
+                        });
+                    }
                 }
             }
+            group.finish();
         }
-        group.finish();
     }
 }
 
@@ -118,28 +132,45 @@ fn matvec_cold(c: &mut Criterion) {
             .iter()
             .map(|m| WeightMatrix::new(ty, rows, cols, m).expect("weight matrix"))
             .collect();
-        let mut group = c.benchmark_group(format!("matvec-cold/{ty}"));
-        group.throughput(Throughput::Bytes((copies * data.len()) as u64));
-        for n in [1, 8] {
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-            let mut out = vec![0.0; n * rows];
-            let mut scratch = MatmulScratch::new();
-            for threads in [1, 2] {
-                let pool = pool(threads);
-                let id =
-                    BenchmarkId::new(format!("{n}x{rows}x{cols}x{copies}"), format!("t{threads}"));
-                group.bench_function(id, |b| {
-                    b.iter(|| {
-                        pool.install(|| {
-                            for w in &views {
-                                matmul(w, black_box(&x), &mut out, &mut scratch);
-                            }
+        // Where the type can be interleaved at this level, the repacked copies too.
+        let repacked: Vec<InterleavedMatrix> = if interleaved::supports(ty, simd::level()) {
+            views.iter().filter_map(InterleavedMatrix::repack).collect()
+        } else {
+            Vec::new()
+        };
+        let layouts: Vec<(&str, Vec<WeightMatrix<'_>>)> = [
+            ("", views.clone()),
+            ("-interleaved", repacked.iter().map(|m| m.view()).collect()),
+        ]
+        .into_iter()
+        .filter(|(_, v)| !v.is_empty())
+        .collect();
+        for (suffix, views) in &layouts {
+            let mut group = c.benchmark_group(format!("matvec-cold/{ty}{suffix}"));
+            group.throughput(Throughput::Bytes((copies * data.len()) as u64));
+            for n in [1, 4, 8] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                let mut out = vec![0.0; n * rows];
+                let mut scratch = MatmulScratch::new();
+                for threads in [1, 2] {
+                    let pool = pool(threads);
+                    let id = BenchmarkId::new(
+                        format!("{n}x{rows}x{cols}x{copies}"),
+                        format!("t{threads}"),
+                    );
+                    group.bench_function(id, |b| {
+                        b.iter(|| {
+                            pool.install(|| {
+                                for w in views {
+                                    matmul(w, black_box(&x), &mut out, &mut scratch);
+                                }
+                            })
                         })
-                    })
-                });
+                    });
+                }
             }
+            group.finish();
         }
-        group.finish();
     }
 }
 

@@ -10,6 +10,10 @@
 //! row is prefetched. Passes whose activations would not fit the L2 are split into column
 //! tiles, each tile kept in cache while the group's weight rows stream through.
 //!
+//! An interleaved matrix ([`Layout::Interleaved`], see [`crate::interleaved`]) is split across
+//! threads in whole 16-row groups instead, each group multiplied with every pass of activation
+//! rows by the interleaved kernel; the same rules hold for it.
+//!
 //! Every output element is computed by one fixed sequence of operations on the full weight row
 //! and the full encoded activation row: each (weight row, activation row) pair has its own
 //! accumulator ([`simd::Accumulator`]) carried from tile to tile, tiles split rows only at whole
@@ -24,7 +28,8 @@ use crate::k_quants::KEncoding;
 use crate::q8_0::Block32Encoding;
 use crate::simd::{self, Accumulator, RowSumsEncoding, Rows, SimdLevel, MAX_ROWS_PER_PASS};
 use crate::{
-    bf16, f16, f32, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError, WeightType,
+    bf16, f16, f32, interleaved, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError,
+    WeightType,
 };
 
 /// Below this many multiply-adds a call runs on the calling thread only (the fork-join costs
@@ -41,7 +46,17 @@ pub struct WeightMatrix<'a> {
     rows: usize,
     cols: usize,
     row_bytes: usize,
+    layout: Layout,
     data: &'a [u8],
+}
+
+/// How a [`WeightMatrix`]'s bytes are arranged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Row after row, as in the GGUF file.
+    RowMajor,
+    /// Groups of 16 rows interleaved block by block ([`crate::interleaved`]).
+    Interleaved,
 }
 
 impl<'a> WeightMatrix<'a> {
@@ -72,8 +87,29 @@ impl<'a> WeightMatrix<'a> {
             rows,
             cols,
             row_bytes,
+            layout: Layout::RowMajor,
             data,
         })
+    }
+
+    /// Views repacked bytes (built by [`crate::interleaved::InterleavedMatrix`], which checked
+    /// their size).
+    pub(crate) fn interleaved(ty: WeightType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        Self {
+            ty,
+            rows,
+            cols,
+            row_bytes: ty
+                .row_bytes(cols)
+                .expect("interleaved rows are whole blocks"),
+            layout: Layout::Interleaved,
+            data,
+        }
+    }
+
+    /// How the bytes are arranged.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     pub fn ty(&self) -> WeightType {
@@ -90,25 +126,41 @@ impl<'a> WeightMatrix<'a> {
         self.cols
     }
 
-    /// Bytes of one encoded row.
+    /// Bytes of one encoded row (in the file's row-major layout).
     pub fn row_bytes(&self) -> usize {
         self.row_bytes
     }
 
-    /// All the encoded bytes.
+    /// All the encoded bytes, in this matrix's [`Layout`].
     pub fn bytes(&self) -> &'a [u8] {
         self.data
     }
 
-    /// The encoded bytes of row `r`.
+    /// The encoded bytes of row `r` of a row-major matrix.
+    ///
+    /// # Panics
+    ///
+    /// If the matrix is interleaved (its rows are not contiguous).
     #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
+        assert_eq!(
+            self.layout,
+            Layout::RowMajor,
+            "row {r} of an interleaved matrix"
+        );
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
     /// Decodes row `r` into `out` (`cols` values), e.g. an embedding lookup.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        crate::dequantize_row_into(self.ty, self.row(r), out);
+        match self.layout {
+            Layout::RowMajor => crate::dequantize_row_into(self.ty, self.row(r), out),
+            Layout::Interleaved => {
+                assert_eq!(out.len(), self.cols, "dequantize_row: output size");
+                let encoding = interleaved::encoding(self.ty).expect("interleavable type");
+                interleaved::dequantize_row(encoding, self.data, r, out);
+            }
+        }
     }
 }
 
@@ -184,6 +236,11 @@ fn matmul_tiled(
     if n == 0 || rows == 0 {
         return;
     }
+    let ty = w.ty();
+    let chunk_rows = match w.layout() {
+        Layout::RowMajor => chunk_rows(rows),
+        Layout::Interleaved => chunk_rows(rows).next_multiple_of(interleaved::GROUP_ROWS),
+    };
     let MatmulScratch {
         quantized,
         row_buffer,
@@ -193,12 +250,27 @@ fn matmul_tiled(
     // piece of `dest`; with several activation rows those pieces are then copied into place
     // row by row (contiguous copies, not a strided transpose).
     let dest: &mut [f32] = if n == 1 {
-        out
+        &mut *out
     } else {
         staging.resize(n * rows, 0.0);
-        staging
+        &mut *staging
     };
-    let ty = w.ty();
+    if w.layout() == Layout::Interleaved {
+        let encoding = interleaved::encoding(ty).expect("interleavable type");
+        let act_row = cols / interleaved::BLOCK_VALUES * interleaved::ACTIVATION_BLOCK_BYTES;
+        quantized.resize(n * act_row, 0);
+        row_buffer.resize(ty.activation().row_bytes(cols).expect("whole blocks"), 0);
+        for (b, encoded) in quantized.chunks_exact_mut(act_row).enumerate() {
+            q8_0::quantize_row(&x[b * cols..(b + 1) * cols], row_buffer);
+            interleaved::encode_activation_row(encoding, row_buffer, encoded);
+        }
+        let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
+        run_interleaved(encoding, level, w, acts, dest, chunk_rows);
+        if n > 1 {
+            scatter_chunks(staging, out, n, rows, chunk_rows);
+        }
+        return;
+    }
     match ty.activation() {
         ActivationFormat::F32 => {
             let acts = Rows::new(x, cols, cols, n);
@@ -298,14 +370,56 @@ fn matmul_tiled(
         }
     }
     if n > 1 {
-        let chunk_rows = chunk_rows(rows);
-        for (chunk, results) in staging.chunks(chunk_rows * n).enumerate() {
-            let first = chunk * chunk_rows;
-            let chunk_len = results.len() / n;
-            for (b, row) in results.chunks_exact(chunk_len).enumerate() {
-                out[b * rows + first..][..chunk_len].copy_from_slice(row);
+        scatter_chunks(staging, out, n, rows, chunk_rows);
+    }
+}
+
+/// Copies the thread chunks of `staging` (each activation-row-major, see [`run`]) into `out`
+/// (`n` rows of `rows` outputs).
+fn scatter_chunks(staging: &[f32], out: &mut [f32], n: usize, rows: usize, chunk_rows: usize) {
+    for (chunk, results) in staging[..n * rows].chunks(chunk_rows * n).enumerate() {
+        let first = chunk * chunk_rows;
+        let chunk_len = results.len() / n;
+        for (b, row) in results.chunks_exact(chunk_len).enumerate() {
+            out[b * rows + first..][..chunk_len].copy_from_slice(row);
+        }
+    }
+}
+
+/// [`run`] for an interleaved matrix: thread chunks of whole 16-row groups (`chunk_rows`, a
+/// multiple of 16), each group multiplied with every pass of activation rows.
+fn run_interleaved(
+    encoding: Block32Encoding,
+    level: SimdLevel,
+    w: &WeightMatrix<'_>,
+    acts: Rows<'_, u8>,
+    dest: &mut [f32],
+    chunk_rows: usize,
+) {
+    let n = acts.count();
+    let rows = w.rows();
+    let group_bytes =
+        w.cols() / interleaved::BLOCK_VALUES * interleaved::group_block_bytes(encoding);
+    let work = |(chunk, dst): (usize, &mut [f32])| {
+        let first = chunk * chunk_rows;
+        let chunk_len = dst.len() / n;
+        for group_start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
+            let g = (first + group_start) / interleaved::GROUP_ROWS;
+            let group = &w.bytes()[g * group_bytes..][..group_bytes];
+            let valid = interleaved::GROUP_ROWS.min(chunk_len - group_start);
+            for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
+                let pass = acts.sub(pass_first, MAX_ROWS_PER_PASS.min(n - pass_first));
+                let out = &mut dst[pass_first * chunk_len + group_start..];
+                interleaved::group_pass(encoding, level, group, pass, out, chunk_len, valid);
             }
         }
+    };
+    if rayon::current_num_threads() <= 1 || rows * w.cols() * n < PARALLEL_MIN_WORK {
+        dest.chunks_mut(chunk_rows * n).enumerate().for_each(work);
+    } else {
+        dest.par_chunks_mut(chunk_rows * n)
+            .enumerate()
+            .for_each(work);
     }
 }
 

@@ -102,6 +102,7 @@ fn bad_backend_options_are_invalid_input() {
         ("ring_budget_bytes", "lots"),
         ("deep_rollback", "sometimes"),
         ("kv_type", "q8_0"),
+        ("weight_layout", "rows"),
     ] {
         let mut p = params(&fixture("tiny-qwen35.gguf"), 1, 64);
         p.options

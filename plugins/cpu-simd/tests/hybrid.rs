@@ -122,6 +122,33 @@ fn trained_qwen35_tells_the_lily_story() {
     }
 }
 
+/// Both weight layouts (interleaved row groups, the default where the CPU has AVX-512, and
+/// the file's rows) tell the same story from the Q8_0 model, with logits that differ only by
+/// the summation order of the two kernels.
+#[test]
+fn weight_layouts_agree_on_the_trained_model() {
+    let path = trained_qwen35("q8_0");
+    let mut interleaved = open_with(&path, 2, 0, 0, &[("weight_layout", "interleaved")]);
+    let mut file = open_with(&path, 2, 0, 0, &[("weight_layout", "file")]);
+    let a = greedy(&mut interleaved, &[1], 40);
+    let b = greedy(&mut file, &[1], 40);
+    assert_eq!(a, b);
+    let mut tokens = vec![1u32];
+    tokens.extend(&a[..12]);
+    let la = eval(&mut interleaved, &tokens, LogitRows::All);
+    let lb = eval(&mut file, &tokens, LogitRows::All);
+    let scale = lb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = la
+        .iter()
+        .zip(&lb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 1e-3 * scale,
+        "largest logit difference {worst} (scale {scale})"
+    );
+}
+
 /// Greedy draft agreement of the trained MTP head with the trunk's own next greedy token,
 /// over a 160-token greedy run from BOS; also the acceptance of 3-token chained drafts.
 #[test]

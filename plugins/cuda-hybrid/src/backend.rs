@@ -35,7 +35,7 @@ use specula_cpu_engine::blocks::ffn::FfnBlock;
 use specula_cpu_engine::blocks::mtp::{self, MtpWeights};
 use specula_cpu_engine::kv_cache::{KvCache, KvType};
 use specula_cpu_engine::model::weights::MatrixRef;
-use specula_cpu_engine::model::{Graph, Model};
+use specula_cpu_engine::model::{Graph, MatrixSite, Model};
 use specula_cpu_engine::recurrent::SnapshotRing;
 use specula_kernels::{matmul, ops, MatmulScratch, WeightMatrix};
 use specula_plugin_api::{
@@ -296,8 +296,8 @@ impl CudaBackend {
         mode: Mode,
     ) -> Result<Self, PluginError> {
         let path = Path::new(params.model_path.as_str());
-        let model = Model::load(path).map_err(|e| rebrand(e.into()))?;
-        let hp = &model.hparams;
+        let mut model = Model::load(path).map_err(|e| rebrand(e.into()))?;
+        let hp = model.hparams.clone();
         let train_ctx = hp.context_length;
         let n_ctx = match params.context_size {
             0 => train_ctx,
@@ -396,6 +396,17 @@ impl CudaBackend {
             }
         };
         let first_gpu = placement.first_gpu_layer;
+        // The host layers (and a host-kept head) multiply their matrices with cpu-simd's
+        // kernels, in the same interleaved layout cpu-simd uses (so host results stay cpu-simd's
+        // bit for bit); GPU-resident matrices are uploaded from the file as stored.
+        let head_on_gpu = placement.head_on_gpu;
+        pool.install(|| {
+            model.interleave_weights(|site| match site {
+                MatrixSite::Layer(i) => i < first_gpu,
+                MatrixSite::Head => !head_on_gpu,
+            })
+        })
+        .map_err(rebrand)?;
 
         // The host half.
         let host = match &model.graph {

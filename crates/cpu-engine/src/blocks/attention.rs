@@ -288,6 +288,16 @@ impl GatedAttentionWeights {
         [&self.attn_q, &self.attn_k, &self.attn_v, &self.attn_output]
     }
 
+    /// Every weight matrix of the block, mutably (to interleave them).
+    pub fn matrices_mut(&mut self) -> [&mut MatrixRef; 4] {
+        [
+            &mut self.attn_q,
+            &mut self.attn_k,
+            &mut self.attn_v,
+            &mut self.attn_output,
+        ]
+    }
+
     /// Bytes of weights read per token.
     pub fn bytes_per_token(&self) -> u64 {
         let vectors = (self.q_norm.len() + self.k_norm.len()) as u64;

@@ -54,6 +54,15 @@ pub enum FfnShape {
 }
 
 impl FfnBlock {
+    /// Every weight matrix of the block, mutably (to interleave them); the stacked MoE
+    /// experts are not among them (they stay in the file's layout).
+    pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
+        match self {
+            FfnBlock::Dense { gate, up, down } => vec![gate, up, down],
+            FfnBlock::Moe(moe) => moe.matrices_mut(),
+        }
+    }
+
     /// Loads the FFN tensors of block `layer`.
     pub fn load(file: &GgufFile, layer: usize, shape: &FfnShape) -> Result<Self, LoadError> {
         match shape {

@@ -143,6 +143,16 @@ fn tap_major(by_channel: &[f32], kernel: usize) -> Vec<f32> {
 }
 
 impl GdnWeights {
+    /// Every weight matrix of the layer, mutably (to interleave them).
+    pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
+        let mut out = vec![&mut self.attn_qkv, &mut self.attn_gate, &mut self.ssm_out];
+        match &mut self.beta_alpha {
+            BetaAlpha::Separate { beta, alpha } => out.extend([beta, alpha]),
+            BetaAlpha::Grouped(ba) => out.push(ba),
+        }
+        out
+    }
+
     /// Loads the GDN tensors of block `layer`.
     pub fn load(file: &GgufFile, layer: usize, shape: &GdnShape) -> Result<Self, LoadError> {
         let name = |t: &str| format!("blk.{layer}.{t}.weight");
@@ -406,6 +416,7 @@ mod tests {
             ty: specula_kernels::WeightType::F32,
             rows,
             cols: 0,
+            interleaved: None,
         };
         let w = GdnWeights {
             attn_qkv: matrix(3),
@@ -448,6 +459,7 @@ mod tests {
             ty: specula_kernels::WeightType::F32,
             rows: 0,
             cols: 0,
+            interleaved: None,
         };
         let w = GdnWeights {
             attn_qkv: dummy.clone(),

@@ -61,6 +61,20 @@ pub struct MoeWeights {
 }
 
 impl MoeWeights {
+    /// The router and the shared expert's matrices, mutably (to interleave them).
+    pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
+        let mut out = vec![&mut self.gate_inp];
+        if let Some(shared) = &mut self.shared {
+            out.extend([
+                &mut shared.gate_inp,
+                &mut shared.gate,
+                &mut shared.up,
+                &mut shared.down,
+            ]);
+        }
+        out
+    }
+
     /// Loads the MoE tensors of block `layer`; the shared expert is optional as in llama.cpp.
     pub fn load(file: &GgufFile, layer: usize, shape: &MoeShape) -> Result<Self, LoadError> {
         let name = |t: &str| format!("blk.{layer}.{t}.weight");

@@ -44,6 +44,15 @@ pub struct MtpWeights {
 }
 
 impl MtpWeights {
+    /// Every matrix the head multiplies, mutably (to interleave them): not `embed`, which is
+    /// looked up by rows.
+    pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
+        let mut out = vec![&mut self.eh_proj, &mut self.head];
+        out.extend(self.attention.matrices_mut());
+        out.extend(self.ffn.matrices_mut());
+        out
+    }
+
     /// Loads block `layer` as an MTP head; the optional NextN tensors fall back to the trunk's
     /// `token_embd`, `output` and `output_norm`.
     pub fn load(

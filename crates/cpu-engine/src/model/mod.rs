@@ -8,7 +8,7 @@ use std::path::Path;
 use specula_gguf::{GgmlType, GgufError, GgufFile, HParams};
 use specula_plugin_api::{ErrorKind, PluginError};
 
-use crate::arch::hybrid::HybridModel;
+use crate::arch::hybrid::{HybridModel, Mixer};
 use crate::arch::{Architecture, DenseConfig};
 use weights::{MatrixRef, ModelWeights};
 
@@ -120,6 +120,42 @@ impl Graph {
         }
     }
 
+    /// Every matrix the forward passes multiply (not the embedding tables, which are looked
+    /// up by rows), mutably, with where it sits: what [`Model::interleave_weights`] repacks.
+    pub fn matrices_mut(&mut self) -> Vec<(MatrixSite, &mut MatrixRef)> {
+        let mut out = Vec::new();
+        match self {
+            Graph::Dense(d) => {
+                let w = &mut d.weights;
+                out.push((MatrixSite::Head, &mut w.output));
+                for (i, layer) in w.layers.iter_mut().enumerate() {
+                    out.extend(layer.matrices_mut().map(|m| (MatrixSite::Layer(i), m)));
+                }
+            }
+            Graph::Hybrid(h) => {
+                let w = &mut h.weights;
+                out.push((MatrixSite::Head, &mut w.output));
+                for (i, layer) in w.layers.iter_mut().enumerate() {
+                    let mixer = match &mut layer.mixer {
+                        Mixer::Gdn { weights, .. } => weights.matrices_mut(),
+                        Mixer::Attention { weights, .. } => weights.matrices_mut().into(),
+                    };
+                    let site = MatrixSite::Layer(i);
+                    out.extend(mixer.into_iter().map(|m| (site, m)));
+                    out.extend(layer.ffn.matrices_mut().into_iter().map(|m| (site, m)));
+                }
+                if let Some(mtp) = &mut w.mtp {
+                    out.extend(
+                        mtp.matrices_mut()
+                            .into_iter()
+                            .map(|m| (MatrixSite::Head, m)),
+                    );
+                }
+            }
+        }
+        out
+    }
+
     /// Trunk blocks the forward pass runs (without appended MTP blocks).
     pub fn n_trunk_layers(&self) -> usize {
         match self {
@@ -127,6 +163,15 @@ impl Graph {
             Graph::Hybrid(h) => h.weights.layers.len(),
         }
     }
+}
+
+/// Where a weight matrix sits in the graph (for backends that place parts elsewhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatrixSite {
+    /// Trunk block `i`.
+    Layer(usize),
+    /// The LM head and, on hybrid models, the MTP block.
+    Head,
 }
 
 /// A loaded model: the mapped file, its hyper-parameters and its checked weights.
@@ -154,6 +199,19 @@ impl std::fmt::Debug for Model {
 }
 
 impl Model {
+    /// Repacks the weight matrices at the sites `select` picks into the interleaved layout the
+    /// multi-row kernels read fastest, where the SIMD level and the weight type have one
+    /// ([`weights::interleave_matrices`], run on the current rayon pool). Returns the bytes of
+    /// the repacked copies.
+    pub fn interleave_weights(
+        &mut self,
+        select: impl Fn(MatrixSite) -> bool,
+    ) -> Result<u64, PluginError> {
+        let matrices = self.graph.matrices_mut().into_iter();
+        let selected = matrices.filter(|(site, _)| select(*site)).map(|(_, m)| m);
+        weights::interleave_matrices(&self.file, selected)
+    }
+
     /// Opens and checks the model at `path`.
     pub fn load(path: &Path) -> Result<Self, LoadError> {
         let file = GgufFile::open(path)?;

@@ -5,20 +5,35 @@
 //! ([`MatrixRef::view`]) without copying. Norm vectors are small and are decoded to owned f32
 //! once at load.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rayon::prelude::*;
 use specula_gguf::GgufFile;
-use specula_kernels::{WeightMatrix, WeightType};
+use specula_kernels::{interleaved, simd, InterleavedMatrix, WeightMatrix, WeightType};
 use specula_plugin_api::PluginError;
 
 use super::LoadError;
 
 /// A checked weight matrix of the file: `rows` rows of `cols` values of type `ty`
 /// (GGUF shape `{cols, rows}`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct MatrixRef {
     pub name: String,
     pub ty: WeightType,
     pub rows: usize,
     pub cols: usize,
+    /// The matrix repacked into interleaved row groups ([`interleave_matrices`]); when present,
+    /// forward passes multiply it instead of the file's bytes.
+    pub interleaved: Option<Arc<InterleavedMatrix>>,
+}
+
+/// Two refs are equal when they name the same checked tensor (whatever its layout in memory).
+impl PartialEq for MatrixRef {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.name, self.ty, self.rows, self.cols)
+            == (&other.name, other.ty, other.rows, other.cols)
+    }
 }
 
 impl MatrixRef {
@@ -37,11 +52,15 @@ impl MatrixRef {
             ty,
             rows,
             cols,
+            interleaved: None,
         })
     }
 
-    /// The matrix over the file's bytes.
-    pub fn view<'f>(&self, file: &'f GgufFile) -> Result<WeightMatrix<'f>, PluginError> {
+    /// The matrix to multiply: the interleaved copy when there is one, else the file's bytes.
+    pub fn view<'a>(&'a self, file: &'a GgufFile) -> Result<WeightMatrix<'a>, PluginError> {
+        if let Some(repacked) = &self.interleaved {
+            return Ok(repacked.view());
+        }
         let tensor = file.tensor(&self.name).map_err(|e| {
             PluginError::new(specula_plugin_api::ErrorKind::Internal, e.to_string())
         })?;
@@ -81,8 +100,54 @@ impl MatrixRef {
             ty,
             rows: 1,
             cols,
+            interleaved: None,
         })
     }
+}
+
+/// Repacks every matrix of `matrices` whose type the multi-row kernels multiply faster
+/// interleaved at the process's SIMD level ([`interleaved::pays_off`]), in parallel on the
+/// current rayon pool; refs naming the same tensor (a tied output, an MTP head falling back
+/// to the trunk's) share one copy. Returns the bytes of the copies.
+///
+/// The file's bytes stay mapped (the embedding lookup reads them); the repacked matrices cost
+/// that much memory again for the matrices they replace.
+pub fn interleave_matrices<'m>(
+    file: &GgufFile,
+    matrices: impl IntoIterator<Item = &'m mut MatrixRef>,
+) -> Result<u64, PluginError> {
+    let level = simd::level();
+    let mut targets: Vec<&mut MatrixRef> = matrices
+        .into_iter()
+        .filter(|m| m.interleaved.is_none() && interleaved::pays_off(m.ty, level))
+        .collect();
+    let mut unique: Vec<&MatrixRef> = Vec::new();
+    for m in &targets {
+        if !unique.iter().any(|u| u.name == m.name) {
+            unique.push(m);
+        }
+    }
+    let repacked = unique
+        .par_iter()
+        .map(|m| {
+            let view = m.view(file)?;
+            let packed = InterleavedMatrix::repack(&view).ok_or_else(|| {
+                PluginError::new(
+                    specula_plugin_api::ErrorKind::Internal,
+                    format!(
+                        "tensor '{}' ({}) cannot be interleaved",
+                        m.name,
+                        m.ty.ggml()
+                    ),
+                )
+            })?;
+            Ok((m.name.clone(), Arc::new(packed)))
+        })
+        .collect::<Result<HashMap<_, _>, PluginError>>()?;
+    for m in &mut targets {
+        m.interleaved = repacked.get(&m.name).cloned();
+    }
+    Ok(repacked.values().map(|m| m.n_bytes() as u64).sum())
 }
 
 /// A checked stack of per-expert weight matrices: tensor `{cols, rows, n_expert}`, expert `e`
@@ -221,6 +286,19 @@ impl LayerWeights {
             &self.ffn_gate,
             &self.ffn_up,
             &self.ffn_down,
+        ]
+    }
+
+    /// Every weight matrix of the block, mutably (to interleave them).
+    pub fn matrices_mut(&mut self) -> [&mut MatrixRef; 7] {
+        [
+            &mut self.attn_q,
+            &mut self.attn_k,
+            &mut self.attn_v,
+            &mut self.attn_output,
+            &mut self.ffn_gate,
+            &mut self.ffn_up,
+            &mut self.ffn_down,
         ]
     }
 

@@ -619,6 +619,42 @@ pub(crate) fn row_sums(
     }
 }
 
+/// One interleaved group of 16 weight rows times a pass of activation rows at AVX-512 (the
+/// caller, [`crate::interleaved::group_pass`], has checked every size).
+pub(crate) fn interleaved_pass(
+    encoding: crate::q8_0::Block32Encoding,
+    group: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+    valid: usize,
+) {
+    SimdLevel::Avx512.assert_supported();
+    use crate::interleaved::{group_block_bytes, ACTIVATION_BLOCK_BYTES, GROUP_ROWS};
+    let blocks = x.len() / ACTIVATION_BLOCK_BYTES;
+    assert!(
+        x.len() == blocks * ACTIVATION_BLOCK_BYTES
+            && group.len() == blocks * group_block_bytes(encoding)
+            && valid <= GROUP_ROWS
+            && x.count() <= MAX_ROWS_PER_PASS
+            && (x.count() == 0 || (x.count() - 1) * stride + valid <= out.len()),
+        "interleaved pass: sizes"
+    );
+    if x.count() == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::q8_0::Block32Encoding as E;
+        let kernel: unsafe fn(&[u8], Rows<'_, u8>, &mut [f32], usize, usize) = match encoding {
+            E::Q8_0 => avx512::interleaved_pass::<{ avx2::Q8_0 }>,
+            E::Q4_0 => avx512::interleaved_pass::<{ avx2::Q4_0 }>,
+        };
+        // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
+        unsafe { kernel(group, x, out, stride, valid) }
+    }
+}
+
 /// K-quant weight rows times Q8_K activation rows, accumulated per pair.
 pub(crate) fn k_quant_accumulate(
     encoding: crate::k_quants::KEncoding,
