@@ -414,13 +414,7 @@ fn run_interleaved(
             }
         }
     };
-    if rayon::current_num_threads() <= 1 || rows * w.cols() * n < PARALLEL_MIN_WORK {
-        dest.chunks_mut(chunk_rows * n).enumerate().for_each(work);
-    } else {
-        dest.par_chunks_mut(chunk_rows * n)
-            .enumerate()
-            .for_each(work);
-    }
+    for_each_chunk(dest, chunk_rows * n, rows * w.cols() * n, work);
 }
 
 /// Single-row [`matmul`]: `out[r] = dot(w.row(r), x)`.
@@ -479,7 +473,6 @@ fn run<T: Sync>(
 ) {
     let n = acts.count();
     let rows = w.rows();
-    let threads = rayon::current_num_threads().max(1);
     let chunk_rows = chunk_rows(rows);
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
@@ -500,12 +493,22 @@ fn run<T: Sync>(
             tiled_rows(kernel, level, w, first, acts, dst);
         }
     };
-    if threads == 1 || rows * w.cols() * n < PARALLEL_MIN_WORK {
-        dest.chunks_mut(chunk_rows * n).enumerate().for_each(work);
+    for_each_chunk(dest, chunk_rows * n, rows * w.cols() * n, work);
+}
+
+/// Runs `work` on every `(index, chunk)` of `dest` (chunks of `chunk_len`), across the current
+/// rayon pool unless it has one thread or the call's `multiply_adds` are too few to pay for the
+/// fork-join.
+fn for_each_chunk(
+    dest: &mut [f32],
+    chunk_len: usize,
+    multiply_adds: usize,
+    work: impl Fn((usize, &mut [f32])) + Sync + Send,
+) {
+    if rayon::current_num_threads() <= 1 || multiply_adds < PARALLEL_MIN_WORK {
+        dest.chunks_mut(chunk_len).enumerate().for_each(work);
     } else {
-        dest.par_chunks_mut(chunk_rows * n)
-            .enumerate()
-            .for_each(work);
+        dest.par_chunks_mut(chunk_len).enumerate().for_each(work);
     }
 }
 
