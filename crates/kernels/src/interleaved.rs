@@ -252,27 +252,10 @@ pub(crate) fn group_pass(
     stride: usize,
     valid: usize,
 ) {
-    let blocks = x.len() / ACTIVATION_BLOCK_BYTES;
-    assert_eq!(
-        x.len(),
-        blocks * ACTIVATION_BLOCK_BYTES,
-        "interleaved: activation rows are not whole blocks"
-    );
-    assert_eq!(
-        group.len(),
-        blocks * group_block_bytes(encoding),
-        "interleaved: weight group and activation sizes differ"
-    );
-    assert!(valid <= GROUP_ROWS && x.count() <= simd::MAX_ROWS_PER_PASS);
-    if x.count() > 0 {
-        assert!(
-            (x.count() - 1) * stride + valid <= out.len(),
-            "interleaved: output too small"
-        );
-    }
     match level {
         SimdLevel::Avx512 => simd::interleaved_pass(encoding, group, x, out, stride, valid),
         SimdLevel::Scalar => {
+            check_pass_sizes(encoding, group, &x, out, stride, valid);
             for b in 0..x.count() {
                 let mut sums = [0.0; GROUP_ROWS];
                 dot_rows_scalar(encoding, group, x.row(b), &mut sums);
@@ -281,6 +264,34 @@ pub(crate) fn group_pass(
         }
         SimdLevel::Avx2 => panic!("interleaved weights have no AVX2 kernel (see `supports`)"),
     }
+}
+
+/// Panics unless `group` and the activation rows `x` hold the same whole number of blocks,
+/// `x` is at most one pass, `valid <= 16` and `out` holds `b * stride + i` for every activation
+/// row `b` and `i < valid`: everything the kernels index by (checked once per pass, by the
+/// AVX-512 entry point that guards the unsafe kernel or here for the scalar one).
+pub(crate) fn check_pass_sizes(
+    encoding: Block32Encoding,
+    group: &[u8],
+    x: &Rows<'_, u8>,
+    out: &[f32],
+    stride: usize,
+    valid: usize,
+) {
+    let blocks = x.len() / ACTIVATION_BLOCK_BYTES;
+    assert!(
+        x.len() == blocks * ACTIVATION_BLOCK_BYTES,
+        "interleaved: activation rows are not whole blocks"
+    );
+    assert!(
+        group.len() == blocks * group_block_bytes(encoding),
+        "interleaved: weight group and activation sizes differ"
+    );
+    assert!(valid <= GROUP_ROWS && x.count() <= simd::MAX_ROWS_PER_PASS);
+    assert!(
+        x.count() == 0 || (x.count() - 1) * stride + valid <= out.len(),
+        "interleaved: output too small"
+    );
 }
 
 /// Scalar reference: the 16 rows of one group (`group`) times one activation row `x`

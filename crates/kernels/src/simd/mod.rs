@@ -619,8 +619,8 @@ pub(crate) fn row_sums(
     }
 }
 
-/// One interleaved group of 16 weight rows times a pass of activation rows at AVX-512 (the
-/// caller, [`crate::interleaved::group_pass`], has checked every size).
+/// One interleaved group of 16 weight rows times a pass of activation rows at AVX-512, after
+/// checking every size the kernel indexes by.
 pub(crate) fn interleaved_pass(
     encoding: crate::q8_0::Block32Encoding,
     group: &[u8],
@@ -630,16 +630,7 @@ pub(crate) fn interleaved_pass(
     valid: usize,
 ) {
     SimdLevel::Avx512.assert_supported();
-    use crate::interleaved::{group_block_bytes, ACTIVATION_BLOCK_BYTES, GROUP_ROWS};
-    let blocks = x.len() / ACTIVATION_BLOCK_BYTES;
-    assert!(
-        x.len() == blocks * ACTIVATION_BLOCK_BYTES
-            && group.len() == blocks * group_block_bytes(encoding)
-            && valid <= GROUP_ROWS
-            && x.count() <= MAX_ROWS_PER_PASS
-            && (x.count() == 0 || (x.count() - 1) * stride + valid <= out.len()),
-        "interleaved pass: sizes"
-    );
+    crate::interleaved::check_pass_sizes(encoding, group, &x, out, stride, valid);
     if x.count() == 0 {
         return;
     }
