@@ -12,6 +12,11 @@
 //!
 //! Lengths further back than `depth` tokens have been overwritten; the backend takes its slow
 //! path for those (see the backends' `truncate`).
+//!
+//! Storage is ordered for the way the recurrence runs: a layer's convolution states are
+//! consecutive planes, and each value head's S matrices in every plane are one contiguous
+//! slice ([`SnapshotRing::layer_heads_mut`]), so the heads of a layer run in parallel, each
+//! over all tokens of an evaluation with its own matrix hot in cache, from one borrow.
 
 use specula_plugin_api::{ErrorKind, PluginError};
 
@@ -22,14 +27,21 @@ pub struct StateLayout {
     pub n_layers: usize,
     /// Convolution state per layer: `(conv_kernel - 1) × conv_channels`.
     pub conv_len: usize,
-    /// S matrices per layer: `n_v_heads × S × S`.
-    pub ssm_len: usize,
+    /// Value heads per layer, each with one S matrix.
+    pub n_heads: usize,
+    /// Values of one head's S matrix: `S × S`.
+    pub head_len: usize,
 }
 
 impl StateLayout {
+    /// S matrices per layer: `n_heads × S × S`.
+    pub fn ssm_len(&self) -> usize {
+        self.n_heads * self.head_len
+    }
+
     /// Values of one layer's state.
     pub fn layer_len(&self) -> usize {
-        self.conv_len + self.ssm_len
+        self.conv_len + self.ssm_len()
     }
 
     /// Values of one plane (every layer).
@@ -43,18 +55,22 @@ impl StateLayout {
     }
 }
 
-/// One layer's state, read-only.
-#[derive(Debug, Clone, Copy)]
-pub struct LayerState<'a> {
-    pub conv: &'a [f32],
-    pub ssm: &'a [f32],
-}
-
-/// One layer's state, being written.
-#[derive(Debug)]
-pub struct LayerStateMut<'a> {
-    pub conv: &'a mut [f32],
-    pub ssm: &'a mut [f32],
+/// Of `planes` (consecutive planes of `len` values), plane `read` and plane `write` (which
+/// must differ), the second mutably: a token's state in and state out.
+pub fn read_write(
+    planes: &mut [f32],
+    len: usize,
+    read: usize,
+    write: usize,
+) -> (&[f32], &mut [f32]) {
+    assert_ne!(read, write, "a state is never updated in place");
+    if read < write {
+        let (a, b) = planes.split_at_mut(write * len);
+        (&a[read * len..][..len], &mut b[..len])
+    } else {
+        let (a, b) = planes.split_at_mut(read * len);
+        (&b[..len], &mut a[write * len..][..len])
+    }
 }
 
 /// How the ring came out of [`SnapshotRing::allocate`].
@@ -158,7 +174,10 @@ impl RingIndex {
 #[derive(Debug)]
 pub struct SnapshotRing {
     layout: StateLayout,
-    planes: Vec<f32>,
+    /// Convolution states, `[layer][plane][conv_len]`.
+    conv: Vec<f32>,
+    /// S matrices, `[layer][head][plane][head_len]`.
+    ssm: Vec<f32>,
     index: RingIndex,
 }
 
@@ -174,7 +193,6 @@ impl SnapshotRing {
         depth: usize,
         budget_bytes: Option<u64>,
     ) -> Result<(Self, RingSize), PluginError> {
-        let plane_len = layout.plane_len();
         let plane_bytes = layout.plane_bytes().max(1);
         let mut n_planes = depth.saturating_add(1);
         if let Some(budget) = budget_bytes {
@@ -195,21 +213,35 @@ impl SnapshotRing {
         if n_planes < 2 {
             return Err(too_small(n_planes));
         }
-        let mut planes: Vec<f32> = Vec::new();
+        let per_plane = [
+            layout.n_layers * layout.conv_len,
+            layout.n_layers * layout.ssm_len(),
+        ];
+        let (mut conv, mut ssm): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
         loop {
-            match n_planes
-                .checked_mul(plane_len)
-                .map(|n| planes.try_reserve_exact(n))
-            {
-                Some(Ok(())) => break,
-                _ if n_planes > 2 => n_planes = n_planes / 2 + 1,
-                _ => return Err(too_small(n_planes)),
+            let reserved = [&mut conv, &mut ssm]
+                .into_iter()
+                .zip(per_plane)
+                .all(|(v, len)| {
+                    n_planes
+                        .checked_mul(len)
+                        .is_some_and(|n| v.try_reserve_exact(n).is_ok())
+                });
+            match reserved {
+                true => break,
+                false if n_planes > 2 => {
+                    (conv, ssm) = (Vec::new(), Vec::new());
+                    n_planes = n_planes / 2 + 1;
+                }
+                false => return Err(too_small(n_planes)),
             }
         }
-        planes.resize(n_planes * plane_len, 0.0);
+        conv.resize(n_planes * per_plane[0], 0.0);
+        ssm.resize(n_planes * per_plane[1], 0.0);
         let ring = Self {
             layout,
-            planes,
+            conv,
+            ssm,
             index: RingIndex::new(n_planes),
         };
         let size = RingSize {
@@ -252,41 +284,41 @@ impl SnapshotRing {
         self.layout.plane_bytes() * self.index.n_planes() as u64
     }
 
-    /// For the `step`-th token after the live state: layer `layer` of the state at length
-    /// `len + step` (read) and of the plane that receives length `len + step + 1` (written).
+    /// Layer `layer`'s convolution states, one plane after another.
+    fn conv_planes(&mut self, layer: usize) -> &mut [f32] {
+        let len = self.index.n_planes() * self.layout.conv_len;
+        &mut self.conv[layer * len..][..len]
+    }
+
+    /// For the `step`-th token after the live state: layer `layer`'s convolution state at
+    /// length `len + step` (read) and the one it writes for length `len + step + 1`.
     ///
     /// Steps of one evaluation run in order per layer, so a plane that wraps around
     /// (evaluations longer than the ring) is only overwritten after it has been read.
-    pub fn step_io(&mut self, layer: usize, step: usize) -> (LayerState<'_>, LayerStateMut<'_>) {
+    pub fn conv_io(&mut self, layer: usize, step: usize) -> (&[f32], &mut [f32]) {
         let (read, write) = self.index.step_planes(step);
-        let plane_len = self.layout.plane_len();
-        let layer_len = self.layout.layer_len();
-        let conv_len = self.layout.conv_len;
-        let offset = layer * layer_len;
-        let (src, dst) = if read < write {
-            let (a, b) = self.planes.split_at_mut(write * plane_len);
-            (&a[read * plane_len..][..plane_len], &mut b[..plane_len])
-        } else {
-            let (a, b) = self.planes.split_at_mut(read * plane_len);
-            (&b[..plane_len], &mut a[write * plane_len..][..plane_len])
-        };
-        let (src_conv, src_ssm) = src[offset..offset + layer_len].split_at(conv_len);
-        let (dst_conv, dst_ssm) = dst[offset..offset + layer_len].split_at_mut(conv_len);
-        (
-            LayerState {
-                conv: src_conv,
-                ssm: src_ssm,
-            },
-            LayerStateMut {
-                conv: dst_conv,
-                ssm: dst_ssm,
-            },
-        )
+        let len = self.layout.conv_len;
+        read_write(self.conv_planes(layer), len, read, write)
     }
 
-    /// Makes the state after `n` more tokens (written through [`step_io`]) the live one.
-    ///
-    /// [`step_io`]: SnapshotRing::step_io
+    /// Layer `layer`'s S matrices, head after head: each value head's matrix in every plane
+    /// is one slice of [`SnapshotRing::head_planes_len`] values (plane `p` at `p · head_len`;
+    /// pick a token's pair with [`read_write`] and [`RingIndex::step_planes`]), so
+    /// `chunks_exact_mut` hands each head its own. The ordering rule of
+    /// [`SnapshotRing::conv_io`] holds per head.
+    pub fn layer_heads_mut(&mut self, layer: usize) -> &mut [f32] {
+        let len = self.layout.n_heads * self.head_planes_len();
+        &mut self.ssm[layer * len..][..len]
+    }
+
+    /// Values of one head's slice of [`SnapshotRing::layer_heads_mut`]: its matrix in every
+    /// plane.
+    pub fn head_planes_len(&self) -> usize {
+        self.index.n_planes() * self.layout.head_len
+    }
+
+    /// Makes the state after `n` more tokens (written through [`SnapshotRing::conv_io`] and
+    /// [`SnapshotRing::layer_heads_mut`]) the live one.
     pub fn advance(&mut self, n: usize) {
         self.index.advance(n);
     }
@@ -298,19 +330,33 @@ impl SnapshotRing {
 
     /// Back to the empty sequence: the live plane is zeroed, every snapshot forgotten.
     pub fn reset(&mut self) {
-        let plane_len = self.layout.plane_len();
         let live = self.index.live_plane();
-        self.planes[live * plane_len..(live + 1) * plane_len].fill(0.0);
+        let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
+        let per_head = self.head_planes_len();
+        for layer in 0..self.layout.n_layers {
+            self.conv_planes(layer)[live * conv_len..][..conv_len].fill(0.0);
+            for head in self
+                .layer_heads_mut(layer)
+                .chunks_exact_mut(per_head.max(1))
+            {
+                head[live * head_len..][..head_len].fill(0.0);
+            }
+        }
         self.index.reset();
     }
 
-    /// Layer `layer` of the live state.
-    pub fn live_layer(&self, layer: usize) -> LayerState<'_> {
-        let plane_len = self.layout.plane_len();
-        let layer_len = self.layout.layer_len();
-        let start = self.index.live_plane() * plane_len + layer * layer_len;
-        let (conv, ssm) = self.planes[start..start + layer_len].split_at(self.layout.conv_len);
-        LayerState { conv, ssm }
+    /// Layer `layer`'s live convolution state.
+    pub fn live_conv(&self, layer: usize) -> &[f32] {
+        let len = self.layout.conv_len;
+        let planes = self.index.n_planes() * len;
+        &self.conv[layer * planes + self.index.live_plane() * len..][..len]
+    }
+
+    /// The live S matrix of value head `head` of layer `layer`.
+    pub fn live_head(&self, layer: usize, head: usize) -> &[f32] {
+        let len = self.layout.head_len;
+        let first = (layer * self.layout.n_heads + head) * self.head_planes_len();
+        &self.ssm[first + self.index.live_plane() * len..][..len]
     }
 }
 
@@ -321,16 +367,39 @@ mod tests {
     const LAYOUT: StateLayout = StateLayout {
         n_layers: 2,
         conv_len: 3,
-        ssm_len: 4,
+        n_heads: 2,
+        head_len: 2,
     };
 
-    /// Writes `value` into every element of every layer for one step.
+    /// Writes `value` into every element of every layer for one step (the S matrices as the
+    /// previous state plus `value` minus the previous state, so the read is exercised).
     fn step(ring: &mut SnapshotRing, step: usize, value: f32) {
+        let (read, write) = ring.index().step_planes(step);
         for layer in 0..LAYOUT.n_layers {
-            let (_, dst) = ring.step_io(layer, step);
-            dst.conv.fill(value);
-            dst.ssm.fill(value);
+            let (_, dst) = ring.conv_io(layer, step);
+            dst.fill(value);
+            let per_head = ring.head_planes_len();
+            for head in ring.layer_heads_mut(layer).chunks_exact_mut(per_head) {
+                let (src, dst) = read_write(head, LAYOUT.head_len, read, write);
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = s + (value - s);
+                }
+            }
         }
+    }
+
+    /// Every value of the live state of every layer.
+    fn live(ring: &SnapshotRing) -> Vec<f32> {
+        (0..LAYOUT.n_layers)
+            .flat_map(|l| {
+                let heads = (0..LAYOUT.n_heads).flat_map(move |h| ring.live_head(l, h).to_vec());
+                ring.live_conv(l)
+                    .iter()
+                    .copied()
+                    .chain(heads)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 
     #[test]
@@ -350,23 +419,23 @@ mod tests {
         }
         assert_eq!(ring.len(), 5);
         assert_eq!(ring.window(), 2..=5);
-        assert_eq!(ring.live_layer(1).ssm, &[5.0; 4]);
+        assert_eq!(live(&ring), [5.0; 14]);
         assert!(!ring.restore(1));
         assert!(ring.restore(3));
-        assert_eq!(ring.live_layer(0).conv, &[3.0; 3]);
+        assert_eq!(live(&ring), [3.0; 14]);
         assert_eq!(ring.window(), 2..=3);
         // A batch of 2 from length 3 overwrites the planes of 4 and 5.
         step(&mut ring, 0, 40.0);
         step(&mut ring, 1, 50.0);
         ring.advance(2);
-        assert_eq!(ring.live_layer(0).conv, &[50.0; 3]);
+        assert_eq!(live(&ring), [50.0; 14]);
         assert!(ring.restore(4));
-        assert_eq!(ring.live_layer(1).ssm, &[40.0; 4]);
+        assert_eq!(live(&ring), [40.0; 14]);
         assert!(ring.restore(2));
-        assert_eq!(ring.live_layer(1).ssm, &[2.0; 4]);
+        assert_eq!(live(&ring), [2.0; 14]);
         ring.reset();
         assert_eq!((ring.len(), ring.window()), (0, 0..=0));
-        assert_eq!(ring.live_layer(0).conv, &[0.0; 3]);
+        assert_eq!(live(&ring), [0.0; 14]);
     }
 
     #[test]
@@ -378,7 +447,7 @@ mod tests {
         ring.advance(7);
         assert_eq!(ring.window(), 5..=7);
         assert!(ring.restore(5));
-        assert_eq!(ring.live_layer(0).conv, &[5.0; 3]);
+        assert_eq!(live(&ring), [5.0; 14]);
     }
 
     #[test]

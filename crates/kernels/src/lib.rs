@@ -1,6 +1,7 @@
 //! CPU kernels of Specula: tensor block formats, dot products, the multi-row mat-vec, and the
-//! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax, SwiGLU,
-//! sigmoid, softplus), multi-query attention over one key/value head ([`attention`]), and the
+//! per-row operations (RMSNorm, L2 norm, RoPE incl. partial and multi-section, softmax,
+//! sigmoid, softplus), vectorised SiLU / SwiGLU on a bit-reproducible `exp` ([`activations`]),
+//! multi-query attention over one key/value head ([`attention`]), and the
 //! fused gated delta-rule step of Gated DeltaNet ([`delta_rule`]).
 //!
 //! One module per tensor type, as ggml-cpu is organised: weights [`f32`](mod@f32),
@@ -31,6 +32,7 @@
 //! (used to write model files); [`try_quantize`] and [`try_dequantize`] are their fallible
 //! forms.
 
+pub mod activations;
 pub mod attention;
 pub mod bf16;
 pub mod delta_rule;

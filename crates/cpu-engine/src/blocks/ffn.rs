@@ -2,7 +2,7 @@
 //! block (SwiGLU or mixture of experts).
 
 use specula_gguf::GgufFile;
-use specula_kernels::{matmul, ops, MatmulScratch, WeightMatrix};
+use specula_kernels::{activations, matmul, MatmulScratch, WeightMatrix};
 use specula_plugin_api::PluginError;
 
 use crate::blocks::moe::{self, MoeScratch, MoeShape, MoeWeights};
@@ -31,7 +31,7 @@ pub fn swiglu(
 ) {
     matmul(&w.gate, x, gate, scratch);
     matmul(&w.up, x, up, scratch);
-    ops::swiglu_in_place(gate, up);
+    activations::swiglu_in_place(gate, up);
     matmul(&w.down, gate, out, scratch);
 }
 

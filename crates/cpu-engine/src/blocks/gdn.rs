@@ -15,19 +15,20 @@
 //! 6. `o` RMS-normalised per head with `ssm_norm`, times `silu(z)`, then `ssm_out`.
 //!
 //! The projections (1, 6) run batched over all rows with the shared mat-vec; the convolution
-//! and recurrence (2-5) run row by row through [`step`], reading the state at the row's length
-//! from the snapshot ring and writing the next ring plane. A verify row and a single-token
-//! evaluation therefore execute the same code on the same data, bit for bit.
+//! (2, 3) runs row by row through [`conv_step`] and the recurrence (4-6) head by head through
+//! [`head_step`], each row reading the state at its length from the snapshot ring and writing
+//! the next ring plane. A verify row and a single-token evaluation therefore execute the same
+//! code on the same data, bit for bit.
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
 use specula_kernels::delta_rule::{self, DeltaInputs};
-use specula_kernels::{matmul, ops, MatmulScratch};
+use specula_kernels::{activations, matmul, ops, MatmulScratch};
 use specula_plugin_api::PluginError;
 
 use crate::model::weights::{load_f32, load_vector, MatrixRef};
 use crate::model::LoadError;
-use crate::recurrent::{LayerState, LayerStateMut, SnapshotRing, StateLayout};
+use crate::recurrent::{read_write, SnapshotRing, StateLayout};
 
 /// Below this many state values per token, heads run on the calling thread.
 const PARALLEL_MIN_STATE: usize = 1 << 15;
@@ -97,7 +98,8 @@ impl GdnShape {
         StateLayout {
             n_layers,
             conv_len: (self.conv_kernel - 1) * self.channels(),
-            ssm_len: self.n_v_heads * self.head_dim * self.head_dim,
+            n_heads: self.n_v_heads,
+            head_len: self.head_dim * self.head_dim,
         }
     }
 }
@@ -223,7 +225,11 @@ pub struct GdnScratch {
     beta: Vec<f32>,
     alpha: Vec<f32>,
     ba: Vec<f32>,
-    conv: Vec<f32>,
+    /// The convolved, normalised `[q | k | v]` of every row.
+    qkv: Vec<f32>,
+    /// Head outputs head-major (`[head][row][S]`), as the parallel heads write them.
+    heads: Vec<f32>,
+    /// Head outputs row-major, the input of `ssm_out`.
     out: Vec<f32>,
 }
 
@@ -236,7 +242,8 @@ impl GdnScratch {
             beta: vec![0.0; rows * hv],
             alpha: vec![0.0; rows * hv],
             ba: vec![0.0; rows * 2 * hv],
-            conv: vec![0.0; shape.channels()],
+            qkv: vec![0.0; rows * shape.channels()],
+            heads: vec![0.0; rows * shape.value_dim()],
             out: vec![0.0; rows * shape.value_dim()],
         }
     }
@@ -246,8 +253,10 @@ impl GdnScratch {
 /// `xn` and writes the projected output to `out` (`m × n_embd`).
 ///
 /// Row `i` is the `step0 + i`-th token after the ring's live state: it reads that state and
-/// writes the next plane (see [`SnapshotRing::step_io`]); the caller advances the ring once the
-/// whole evaluation is done.
+/// writes the next plane (see [`SnapshotRing::conv_io`]); the caller advances the ring once the
+/// whole evaluation is done. The convolution runs row by row; then each value head runs all
+/// `m` rows with its S matrix hot in cache, the heads in parallel (one fork-join per layer
+/// however many rows are verified). Every row takes the same steps as a single-token call.
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     shape: &GdnShape,
@@ -262,7 +271,12 @@ pub fn forward(
     mm: &mut MatmulScratch,
     out: &mut [f32],
 ) -> Result<(), PluginError> {
-    let (c, vd, hv) = (shape.channels(), shape.value_dim(), shape.n_v_heads);
+    let (c, vd, hv, sd) = (
+        shape.channels(),
+        shape.value_dim(),
+        shape.n_v_heads,
+        shape.head_dim,
+    );
     matmul(&w.attn_qkv.view(file)?, xn, &mut s.mixed[..m * c], mm);
     matmul(&w.attn_gate.view(file)?, xn, &mut s.z[..m * vd], mm);
     match &w.beta_alpha {
@@ -284,77 +298,92 @@ pub fn forward(
         }
     }
     for i in 0..m {
-        let (src, dst) = ring.step_io(slot, step0 + i);
-        step(
+        let (src, dst) = ring.conv_io(slot, step0 + i);
+        conv_step(
             shape,
             w,
-            TokenInputs {
-                mixed: &s.mixed[i * c..(i + 1) * c],
-                z: &s.z[i * vd..(i + 1) * vd],
-                beta: &s.beta[i * hv..(i + 1) * hv],
-                alpha: &s.alpha[i * hv..(i + 1) * hv],
-            },
+            &s.mixed[i * c..(i + 1) * c],
             src,
             dst,
-            &mut s.conv,
-            &mut s.out[i * vd..(i + 1) * vd],
+            &mut s.qkv[i * c..(i + 1) * c],
         );
+    }
+
+    let index = *ring.index();
+    let state_len = sd * sd;
+    let (qkv, z, beta, alpha) = (&s.qkv[..m * c], &s.z[..m * vd], &s.beta, &s.alpha);
+    let head = |(h, (planes, outputs)): (usize, (&mut [f32], &mut [f32]))| {
+        for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
+            let (read, write) = index.step_planes(step0 + i);
+            let (state_in, state_out) = read_write(planes, state_len, read, write);
+            let inputs = HeadInputs {
+                qkv: &qkv[i * c..(i + 1) * c],
+                z: &z[i * vd + h * sd..][..sd],
+                beta: beta[i * hv + h],
+                alpha: alpha[i * hv + h],
+            };
+            head_step(shape, w, h, inputs, state_in, state_out, o);
+        }
+    };
+    let per_head = ring.head_planes_len();
+    let states = ring.layer_heads_mut(slot);
+    let heads = &mut s.heads[..m * vd];
+    if hv * state_len < PARALLEL_MIN_STATE {
+        states
+            .chunks_exact_mut(per_head)
+            .zip(heads.chunks_exact_mut(m * sd))
+            .enumerate()
+            .for_each(head);
+    } else {
+        states
+            .par_chunks_exact_mut(per_head)
+            .zip(heads.par_chunks_exact_mut(m * sd))
+            .enumerate()
+            .for_each(head);
+    }
+    // Head-major to row-major for `ssm_out`.
+    for (h, rows) in s.heads[..m * vd].chunks_exact(m * sd).enumerate() {
+        for (i, o) in rows.chunks_exact(sd).enumerate() {
+            s.out[i * vd + h * sd..][..sd].copy_from_slice(o);
+        }
     }
     matmul(&w.ssm_out.view(file)?, &s.out[..m * vd], out, mm);
     Ok(())
 }
 
-/// One value head's work item: its index, output, next state and previous state.
-type HeadWork<'a> = (usize, ((&'a mut [f32], &'a mut [f32]), &'a [f32]));
-
-/// One token's projections, before the convolution.
-#[derive(Debug, Clone, Copy)]
-pub struct TokenInputs<'a> {
-    /// `[q | k | v]` before the convolution (`channels`).
-    pub mixed: &'a [f32],
-    /// Output gate (`Vd`).
-    pub z: &'a [f32],
-    /// Pre-sigmoid beta per value head.
-    pub beta: &'a [f32],
-    /// Pre-softplus alpha per value head.
-    pub alpha: &'a [f32],
-}
-
-/// One token through the convolution and the recurrence: reads the state `src`, writes the
-/// next state to `dst`, and the gated, normalised head outputs to `out` (`Vd`). `conv` is
-/// scratch of `channels` values.
-pub fn step(
+/// One token through the causal convolution: reads the convolution state `src` (the last
+/// `kernel - 1` inputs), writes the next one to `dst`, and the convolved `[q | k | v]` after
+/// SiLU to `qkv` (`channels`), with `q` and `k` L2-normalised per head and `q` scaled by
+/// `1/sqrt(S)`.
+pub fn conv_step(
     shape: &GdnShape,
     w: &GdnWeights,
-    x: TokenInputs<'_>,
-    src: LayerState<'_>,
-    dst: LayerStateMut<'_>,
-    conv: &mut [f32],
-    out: &mut [f32],
+    mixed: &[f32],
+    src: &[f32],
+    dst: &mut [f32],
+    qkv: &mut [f32],
 ) {
     let (c, kernel, sd) = (shape.channels(), shape.conv_kernel, shape.head_dim);
     let history = kernel - 1;
 
     // Causal depthwise convolution over [history..., current], then SiLU: per channel the
     // taps are summed oldest first, a tap at a time over all channels (vectorisable).
-    conv.fill(0.0);
+    qkv.fill(0.0);
     let taps = w.conv_by_tap.chunks_exact(c);
-    let inputs = src.conv.chunks_exact(c).chain([x.mixed]);
+    let inputs = src.chunks_exact(c).chain([mixed]);
     for (tap, input) in taps.zip(inputs).take(kernel) {
-        for ((o, t), v) in conv.iter_mut().zip(tap).zip(input) {
+        for ((o, t), v) in qkv.iter_mut().zip(tap).zip(input) {
             *o += v * t;
         }
     }
-    for o in conv.iter_mut() {
-        *o = ops::silu(*o);
-    }
+    activations::silu_in_place(qkv);
     if history > 0 {
-        dst.conv[..(history - 1) * c].copy_from_slice(&src.conv[c..]);
-        dst.conv[(history - 1) * c..].copy_from_slice(x.mixed);
+        dst[..(history - 1) * c].copy_from_slice(&src[c..]);
+        dst[(history - 1) * c..].copy_from_slice(mixed);
     }
 
-    let (q, rest) = conv.split_at_mut(shape.key_dim());
-    let (k, v) = rest.split_at_mut(shape.key_dim());
+    let (q, rest) = qkv.split_at_mut(shape.key_dim());
+    let k = &mut rest[..shape.key_dim()];
     let q_scale = 1.0 / (sd as f32).sqrt();
     for head in q.chunks_exact_mut(sd) {
         ops::l2_norm_in_place(head, shape.eps);
@@ -365,40 +394,46 @@ pub fn step(
     for head in k.chunks_exact_mut(sd) {
         ops::l2_norm_in_place(head, shape.eps);
     }
-    let (q, k, v) = (&*q, &*k, &*v);
+}
 
-    let head = |(h, ((o, m_out), m_in)): HeadWork<'_>| {
-        let kh = shape.head_map.key_head(h, shape.n_k_heads, shape.n_v_heads);
-        let (qh, kh) = (&q[kh * sd..(kh + 1) * sd], &k[kh * sd..(kh + 1) * sd]);
-        let vh = &v[h * sd..(h + 1) * sd];
-        let g = ops::softplus(x.alpha[h] + w.dt_bias[h]) * w.a[h];
-        let inputs = DeltaInputs {
-            k: kh,
-            q: qh,
-            v: vh,
-            decay: g.exp(),
-            beta: ops::sigmoid(x.beta[h]),
-        };
-        delta_rule::step(inputs, m_in, m_out, o);
-        ops::rms_norm_in_place(o, &w.norm, shape.eps);
-        for (value, gate) in o.iter_mut().zip(&x.z[h * sd..(h + 1) * sd]) {
-            *value *= ops::silu(*gate);
-        }
+/// One token's inputs to one value head.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadInputs<'a> {
+    /// The token's convolved `[q | k | v]` ([`conv_step`]).
+    pub qkv: &'a [f32],
+    /// The head's output gate (`S`).
+    pub z: &'a [f32],
+    /// Pre-sigmoid beta.
+    pub beta: f32,
+    /// Pre-softplus alpha.
+    pub alpha: f32,
+}
+
+/// One token through value head `h`'s recurrence: reads the S matrix `state_in`, writes the
+/// next one to `state_out` and the normalised, gated head output to `o` (`S`).
+pub fn head_step(
+    shape: &GdnShape,
+    w: &GdnWeights,
+    h: usize,
+    x: HeadInputs<'_>,
+    state_in: &[f32],
+    state_out: &mut [f32],
+    o: &mut [f32],
+) {
+    let sd = shape.head_dim;
+    let key_dim = shape.key_dim();
+    let kh = shape.head_map.key_head(h, shape.n_k_heads, shape.n_v_heads);
+    let g = ops::softplus(x.alpha + w.dt_bias[h]) * w.a[h];
+    let inputs = DeltaInputs {
+        q: &x.qkv[kh * sd..(kh + 1) * sd],
+        k: &x.qkv[key_dim + kh * sd..key_dim + (kh + 1) * sd],
+        v: &x.qkv[2 * key_dim + h * sd..2 * key_dim + (h + 1) * sd],
+        decay: g.exp(),
+        beta: ops::sigmoid(x.beta),
     };
-    let state = sd * sd;
-    if shape.n_v_heads * state < PARALLEL_MIN_STATE {
-        out.chunks_exact_mut(sd)
-            .zip(dst.ssm.chunks_exact_mut(state))
-            .zip(src.ssm.chunks_exact(state))
-            .enumerate()
-            .for_each(head);
-    } else {
-        out.par_chunks_exact_mut(sd)
-            .zip(dst.ssm.par_chunks_exact_mut(state))
-            .zip(src.ssm.par_chunks_exact(state))
-            .enumerate()
-            .for_each(head);
-    }
+    delta_rule::step(inputs, state_in, state_out, o);
+    ops::rms_norm_in_place(o, &w.norm, shape.eps);
+    activations::silu_gate_in_place(o, x.z);
 }
 
 #[cfg(test)]
@@ -443,7 +478,7 @@ mod tests {
 
     /// One head, S = 2, against the recurrence written out by hand in f64.
     #[test]
-    fn step_matches_the_delta_rule() {
+    fn conv_and_head_steps_match_the_delta_rule() {
         let shape = GdnShape {
             n_embd: 4,
             conv_kernel: 2,
@@ -475,31 +510,19 @@ mod tests {
         let mixed = [0.3, -0.2, 0.4, 0.1, 0.7, -0.6];
         let conv_prev = [0.2, 0.1, -0.3, 0.5, 0.0, 0.4];
         let s_prev = [0.1, 0.2, -0.1, 0.3];
-        let (beta_raw, alpha_raw, z) = ([0.4f32], [-0.2f32], [0.9f32, -1.1]);
+        let (beta_raw, alpha_raw, z) = (0.4f32, -0.2f32, [0.9f32, -1.1]);
         let mut conv_next = [0.0; 6];
         let mut s_next = [0.0; 4];
-        let mut conv = vec![0.0; 6];
+        let mut qkv = vec![0.0; 6];
         let mut out = [0.0; 2];
-        step(
-            &shape,
-            &w,
-            TokenInputs {
-                mixed: &mixed,
-                z: &z,
-                beta: &beta_raw,
-                alpha: &alpha_raw,
-            },
-            LayerState {
-                conv: &conv_prev,
-                ssm: &s_prev,
-            },
-            LayerStateMut {
-                conv: &mut conv_next,
-                ssm: &mut s_next,
-            },
-            &mut conv,
-            &mut out,
-        );
+        conv_step(&shape, &w, &mixed, &conv_prev, &mut conv_next, &mut qkv);
+        let inputs = HeadInputs {
+            qkv: &qkv,
+            z: &z,
+            beta: beta_raw,
+            alpha: alpha_raw,
+        };
+        head_step(&shape, &w, 0, inputs, &s_prev, &mut s_next, &mut out);
         assert_eq!(conv_next, mixed);
 
         let silu = |x: f64| x / (1.0 + (-x).exp());

@@ -783,3 +783,78 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
         store_lanes8(s, 0, a);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Activations (bit-identical to the scalar references in `crate::activations`)
+// ---------------------------------------------------------------------------------------------
+
+/// `e^x` per lane: the operations of [`crate::activations::exp`], in its order.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn exp_ps(x: __m256) -> __m256 {
+    use crate::activations::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E};
+    // `max` returns its second operand for a NaN lane, as `f32::max` returns the non-NaN one.
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
+        _mm256_set1_ps(EXP_MAX),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(LOG2_E),
+    ));
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+    }
+    let y = _mm256_add_ps(
+        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+        _mm256_set1_ps(1.0),
+    );
+    let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+}
+
+/// `x / (1 + e^-x)` per lane, as [`crate::activations::silu`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn silu_ps(x: __m256) -> __m256 {
+    let negated = _mm256_xor_ps(x, _mm256_set1_ps(-0.0));
+    _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), exp_ps(negated)))
+}
+
+/// `out[i] = silu(gate[i]) · other[i]` (without `other`: `silu(gate[i])`) for `len` values,
+/// 8 lanes at a time, the tail through the scalar reference (the same bits).
+///
+/// AVX2 and FMA must be available; `gate` and `other` readable and `out` writable for `len`
+/// values. `out` may be `gate` or `other`: each value is read before it is written.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn silu_mul(
+    gate: *const f32,
+    other: Option<*const f32>,
+    out: *mut f32,
+    len: usize,
+) {
+    let full = len / 8;
+    for c in 0..full {
+        // SAFETY: values `8c .. 8c + 8` exist behind every pointer (caller's contract).
+        unsafe {
+            let mut v = silu_ps(_mm256_loadu_ps(gate.add(8 * c)));
+            if let Some(other) = other {
+                v = _mm256_mul_ps(v, _mm256_loadu_ps(other.add(8 * c)));
+            }
+            _mm256_storeu_ps(out.add(8 * c), v);
+        }
+    }
+    for i in 8 * full..len {
+        // SAFETY: value `i < len` exists behind every pointer (caller's contract).
+        unsafe {
+            let s = crate::activations::silu(*gate.add(i));
+            *out.add(i) = match other {
+                Some(other) => s * *other.add(i),
+                None => s,
+            };
+        }
+    }
+}

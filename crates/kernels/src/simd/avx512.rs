@@ -1291,3 +1291,80 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
         unsafe { _mm512_mask_storeu_ps(out.add(r * stride), mask, *acc) };
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Activations (bit-identical to the scalar references in `crate::activations`)
+// ---------------------------------------------------------------------------------------------
+
+/// `e^x` per lane: the operations of [`crate::activations::exp`], in its order.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn exp_ps(x: __m512) -> __m512 {
+    use crate::activations::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E};
+    // `max` returns its second operand for a NaN lane, as `f32::max` returns the non-NaN one.
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
+        _mm512_set1_ps(EXP_MAX),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)),
+    );
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+    }
+    let y = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    let biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
+}
+
+/// `x / (1 + e^-x)` per lane, as [`crate::activations::silu`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn silu_ps(x: __m512) -> __m512 {
+    let negated = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(x),
+        _mm512_set1_epi32(i32::MIN),
+    ));
+    _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), exp_ps(negated)))
+}
+
+/// `out[i] = silu(gate[i]) · other[i]` (without `other`: `silu(gate[i])`) for `len` values,
+/// 16 lanes at a time, the tail through the scalar reference (the same bits).
+///
+/// The AVX-512 level must be available; `gate` and `other` readable and `out` writable for
+/// `len` values. `out` may be `gate` or `other`: each value is read before it is written.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn silu_mul(
+    gate: *const f32,
+    other: Option<*const f32>,
+    out: *mut f32,
+    len: usize,
+) {
+    let full = len / 16;
+    for c in 0..full {
+        // SAFETY: values `16c .. 16c + 16` exist behind every pointer (caller's contract).
+        unsafe {
+            let mut v = silu_ps(_mm512_loadu_ps(gate.add(16 * c)));
+            if let Some(other) = other {
+                v = _mm512_mul_ps(v, _mm512_loadu_ps(other.add(16 * c)));
+            }
+            _mm512_storeu_ps(out.add(16 * c), v);
+        }
+    }
+    for i in 16 * full..len {
+        // SAFETY: value `i < len` exists behind every pointer (caller's contract).
+        unsafe {
+            let s = crate::activations::silu(*gate.add(i));
+            *out.add(i) = match other {
+                Some(other) => s * *other.add(i),
+                None => s,
+            };
+        }
+    }
+}

@@ -747,6 +747,55 @@ pub(crate) fn delta_rule_step(
     }
 }
 
+/// `silu(x)` in place at a SIMD `level` ([`crate::activations::silu_in_place`]).
+pub(crate) fn silu_in_place(level: SimdLevel, x: &mut [f32]) {
+    let out = x.as_mut_ptr();
+    // SAFETY: one slice of `x.len()` values, read and written element by element.
+    unsafe { silu_mul(level, out, None, out, x.len()) }
+}
+
+/// `gate = silu(gate) · up` at a SIMD `level` ([`crate::activations::swiglu_in_place`]).
+pub(crate) fn swiglu_in_place(level: SimdLevel, gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "swiglu: sizes differ");
+    let out = gate.as_mut_ptr();
+    // SAFETY: both slices hold `gate.len()` values (checked above).
+    unsafe { silu_mul(level, out, Some(up.as_ptr()), out, gate.len()) }
+}
+
+/// `x = silu(gate) · x` at a SIMD `level` ([`crate::activations::silu_gate_in_place`]).
+pub(crate) fn silu_gate_in_place(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
+    assert_eq!(x.len(), gate.len(), "silu gate: sizes differ");
+    let out = x.as_mut_ptr();
+    // SAFETY: both slices hold `x.len()` values (checked above).
+    unsafe { silu_mul(level, gate.as_ptr(), Some(out), out, x.len()) }
+}
+
+/// The level's `silu_mul` kernel: `out[i] = silu(gate[i]) · other[i]`.
+///
+/// # Safety
+/// `gate` and `other` readable and `out` writable for `len` values (`out` may alias either).
+unsafe fn silu_mul(
+    level: SimdLevel,
+    gate: *const f32,
+    other: Option<*const f32>,
+    out: *mut f32,
+    len: usize,
+) {
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported; the pointers are the caller's contract.
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::silu_mul(gate, other, out, len),
+            _ => avx512::silu_mul(gate, other, out, len),
+        }
+    }
+}
+
 /// [`crate::q8_0::quantize_row`] with AVX-512 (which the caller checked is available; sizes
 /// checked by the caller too).
 pub(crate) fn quantize_q8_0_row(x: &[f32], out: &mut [u8]) {
