@@ -301,6 +301,15 @@ impl SnapshotRing {
         read_write(self.conv_planes(layer), len, read, write)
     }
 
+    /// Layer `layer`'s convolution state at length `len + step` (what the `step`-th token
+    /// after the live state reads).
+    pub fn conv_state(&self, layer: usize, step: usize) -> &[f32] {
+        let (read, _) = self.index.step_planes(step);
+        let len = self.layout.conv_len;
+        let planes = self.index.n_planes() * len;
+        &self.conv[layer * planes + read * len..][..len]
+    }
+
     /// Layer `layer`'s S matrices, head after head: each value head's matrix in every plane
     /// is one slice of [`SnapshotRing::head_planes_len`] values (plane `p` at `p · head_len`;
     /// pick a token's pair with [`read_write`] and [`RingIndex::step_planes`]), so
@@ -345,13 +354,6 @@ impl SnapshotRing {
         self.index.reset();
     }
 
-    /// Layer `layer`'s live convolution state.
-    pub fn live_conv(&self, layer: usize) -> &[f32] {
-        let len = self.layout.conv_len;
-        let planes = self.index.n_planes() * len;
-        &self.conv[layer * planes + self.index.live_plane() * len..][..len]
-    }
-
     /// The live S matrix of value head `head` of layer `layer`.
     pub fn live_head(&self, layer: usize, head: usize) -> &[f32] {
         let len = self.layout.head_len;
@@ -393,7 +395,7 @@ mod tests {
         (0..LAYOUT.n_layers)
             .flat_map(|l| {
                 let heads = (0..LAYOUT.n_heads).flat_map(move |h| ring.live_head(l, h).to_vec());
-                ring.live_conv(l)
+                ring.conv_state(l, 0)
                     .iter()
                     .copied()
                     .chain(heads)

@@ -119,6 +119,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// Runs the benchmark for `profile`.
+/// Timed rounds of the verify-cost measurement at least (each evaluates every batch size once).
+const VERIFY_MIN_ROUNDS: usize = 9;
+
 pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchReport> {
     let runs = options.runs.max(1);
     let mut plain_profile = profile.clone();
@@ -144,7 +147,8 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         .collect();
     let prompt_text = String::from_utf8_lossy(&pipeline.tokenizer.decode(&prompt_ids)).into_owned();
 
-    let total = 1 + runs + runs + capacity as usize + runs * options.drafters.len();
+    let rounds = runs.max(VERIFY_MIN_ROUNDS);
+    let total = 1 + runs + rounds + runs + runs * options.drafters.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len}")
@@ -174,7 +178,10 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         bar.inc(1);
     }
 
-    // Verify cost at the end of the prompt, for every batch size.
+    // Verify cost at the end of the prompt, for every batch size. The batch sizes take turns
+    // within each repetition (k = 1, 2, …, capacity, then again), so a drift of the machine's
+    // speed during the measurement moves every k alike instead of skewing the ratios; the
+    // first round warms up and is not counted.
     bar.set_message("verify cost");
     let position = prompt_ids.len();
     let batch: Vec<u32> = corpus_ids[position..]
@@ -183,27 +190,30 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         .cycle()
         .take(capacity as usize)
         .collect();
-    let mut verify = Vec::new();
-    for k in 1..=capacity {
-        let tokens = &batch[..k as usize];
-        let mut times = Vec::new();
-        for rep in 0..=runs.max(5) {
+    let mut times = vec![Vec::new(); capacity as usize];
+    for round in 0..=rounds {
+        for (k, times) in (1..=capacity as usize).zip(&mut times) {
             target.truncate(position).into_result()?;
             let start = Instant::now();
             target
-                .eval(RSlice::from_slice(tokens), LogitRows::All, &mut logits)
+                .eval(RSlice::from_slice(&batch[..k]), LogitRows::All, &mut logits)
                 .into_result()?;
-            if rep > 0 {
+            if round > 0 {
                 times.push(start.elapsed().as_secs_f64());
             }
         }
-        verify.push(VerifyCost {
+        if round > 0 {
+            bar.inc(1);
+        }
+    }
+    let mut verify: Vec<VerifyCost> = (1..=capacity)
+        .zip(times)
+        .map(|(k, times)| VerifyCost {
             k,
             seconds: median(times),
             ratio: 0.0,
-        });
-        bar.inc(1);
-    }
+        })
+        .collect();
     let base = verify[0].seconds;
     verify.iter_mut().for_each(|v| v.ratio = v.seconds / base);
 

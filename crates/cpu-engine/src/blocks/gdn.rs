@@ -15,7 +15,7 @@
 //! 6. `o` RMS-normalised per head with `ssm_norm`, times `silu(z)`, then `ssm_out`.
 //!
 //! The projections (1, 6) run batched over all rows with the shared mat-vec; the convolution
-//! (2, 3) runs row by row through [`conv_step`] and the recurrence (4-6) head by head through
+//! (2, 3) runs through [`conv_rows`] and the recurrence (4-6) head by head through
 //! [`head_step`], each row reading the state at its length from the snapshot ring and writing
 //! the next ring plane. A verify row and a single-token evaluation therefore execute the same
 //! code on the same data, bit for bit.
@@ -297,16 +297,16 @@ pub fn forward(
             }
         }
     }
-    for i in 0..m {
+    conv_rows(
+        shape,
+        w,
+        ring.conv_state(slot, step0),
+        &s.mixed[..m * c],
+        &mut s.qkv[..m * c],
+    );
+    for (i, mixed) in s.mixed[..m * c].chunks_exact(c).enumerate() {
         let (src, dst) = ring.conv_io(slot, step0 + i);
-        conv_step(
-            shape,
-            w,
-            &s.mixed[i * c..(i + 1) * c],
-            src,
-            dst,
-            &mut s.qkv[i * c..(i + 1) * c],
-        );
+        next_conv_state(src, mixed, dst);
     }
 
     let index = *ring.index();
@@ -351,37 +351,59 @@ pub fn forward(
     Ok(())
 }
 
-/// One token through the causal convolution: reads the convolution state `src` (the last
-/// `kernel - 1` inputs), writes the next one to `dst`, and the convolved `[q | k | v]` after
-/// SiLU to `qkv` (`channels`), with `q` and `k` L2-normalised per head and `q` scaled by
-/// `1/sqrt(S)`.
-pub fn conv_step(
+/// The causal convolution of `m` rows (`mixed`, `m × channels`) after the convolution state
+/// `history` (the `kernel - 1` inputs before the first row, oldest first): each row's
+/// convolved `[q | k | v]` after SiLU to `qkv`, with `q` and `k` L2-normalised per head and `q`
+/// scaled by `1/sqrt(S)`.
+///
+/// A row depends only on the inputs before it, not on earlier rows' results, so several rows
+/// run in parallel; each is computed by [`conv_row`] either way.
+pub fn conv_rows(
     shape: &GdnShape,
     w: &GdnWeights,
+    history: &[f32],
     mixed: &[f32],
-    src: &[f32],
-    dst: &mut [f32],
     qkv: &mut [f32],
 ) {
-    let (c, kernel, sd) = (shape.channels(), shape.conv_kernel, shape.head_dim);
-    let history = kernel - 1;
+    let c = shape.channels();
+    let history_rows = shape.conv_kernel - 1;
+    let row = |(i, qkv): (usize, &mut [f32])| {
+        // Tap `t` of row `i` reads the input `history_rows - t` rows before it.
+        let input = |t: usize| {
+            let back = history_rows - t;
+            if back <= i {
+                &mixed[(i - back) * c..][..c]
+            } else {
+                &history[(history_rows - (back - i)) * c..][..c]
+            }
+        };
+        conv_row(shape, w, input, qkv);
+    };
+    if qkv.len() > c {
+        qkv.par_chunks_exact_mut(c).enumerate().for_each(row);
+    } else {
+        qkv.chunks_exact_mut(c).enumerate().for_each(row);
+    }
+}
 
-    // Causal depthwise convolution over [history..., current], then SiLU: per channel the
-    // taps are summed oldest first, a tap at a time over all channels (vectorisable).
+/// One row of [`conv_rows`]: `input(t)` is the input under tap `t` (oldest first; the last
+/// tap is the row's own input).
+fn conv_row<'a>(
+    shape: &GdnShape,
+    w: &GdnWeights,
+    input: impl Fn(usize) -> &'a [f32],
+    qkv: &mut [f32],
+) {
+    let (c, sd) = (shape.channels(), shape.head_dim);
+    // Per channel the taps are summed oldest first, a tap at a time over all channels
+    // (vectorisable).
     qkv.fill(0.0);
-    let taps = w.conv_by_tap.chunks_exact(c);
-    let inputs = src.chunks_exact(c).chain([mixed]);
-    for (tap, input) in taps.zip(inputs).take(kernel) {
-        for ((o, t), v) in qkv.iter_mut().zip(tap).zip(input) {
+    for (t, tap) in w.conv_by_tap.chunks_exact(c).enumerate() {
+        for ((o, t), v) in qkv.iter_mut().zip(tap).zip(input(t)) {
             *o += v * t;
         }
     }
     activations::silu_in_place(qkv);
-    if history > 0 {
-        dst[..(history - 1) * c].copy_from_slice(&src[c..]);
-        dst[(history - 1) * c..].copy_from_slice(mixed);
-    }
-
     let (q, rest) = qkv.split_at_mut(shape.key_dim());
     let k = &mut rest[..shape.key_dim()];
     let q_scale = 1.0 / (sd as f32).sqrt();
@@ -396,10 +418,20 @@ pub fn conv_step(
     }
 }
 
+/// The convolution state after one more input: `src` (the last `kernel - 1` inputs) shifted
+/// by one row, `mixed` appended, into `dst`.
+pub fn next_conv_state(src: &[f32], mixed: &[f32], dst: &mut [f32]) {
+    let c = mixed.len();
+    if let Some(kept) = dst.len().checked_sub(c) {
+        dst[..kept].copy_from_slice(&src[c..]);
+        dst[kept..].copy_from_slice(mixed);
+    }
+}
+
 /// One token's inputs to one value head.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadInputs<'a> {
-    /// The token's convolved `[q | k | v]` ([`conv_step`]).
+    /// The token's convolved `[q | k | v]` ([`conv_rows`]).
     pub qkv: &'a [f32],
     /// The head's output gate (`S`).
     pub z: &'a [f32],
@@ -515,7 +547,8 @@ mod tests {
         let mut s_next = [0.0; 4];
         let mut qkv = vec![0.0; 6];
         let mut out = [0.0; 2];
-        conv_step(&shape, &w, &mixed, &conv_prev, &mut conv_next, &mut qkv);
+        conv_rows(&shape, &w, &conv_prev, &mixed, &mut qkv);
+        next_conv_state(&conv_prev, &mixed, &mut conv_next);
         let inputs = HeadInputs {
             qkv: &qkv,
             z: &z,
