@@ -405,16 +405,15 @@ pub(crate) fn encode_activation_row(encoding: Encoding, bytes: &[u8], out: &mut 
         .zip(out.chunks_exact_mut(act_block))
     {
         if encoding == Encoding::Q4K {
-            let (d, quants, _) = q8_k::parts(src);
+            // Q8_K's sums of 16 quants, two per sub-block of 32 (|Σ| ≤ 32 · 127: an i16).
+            let (d, quants, sums16) = q8_k::parts(src);
             dst[..Q4K_ACT_SCALE].copy_from_slice(quants);
             dst[Q4K_ACT_SCALE..Q4K_ACT_SUMS].copy_from_slice(&d.to_le_bytes());
-            for (sum, sub) in dst[Q4K_ACT_SUMS..]
+            for (sum, pair) in dst[Q4K_ACT_SUMS..]
                 .chunks_exact_mut(2)
-                .zip(quants.chunks_exact(32))
+                .zip(sums16.chunks_exact(2))
             {
-                // |Σ| ≤ 32 · 128: an i16.
-                let s: i32 = sub.iter().map(|&q| i32::from(q as i8)).sum();
-                sum.copy_from_slice(&(s as i16).to_le_bytes());
+                sum.copy_from_slice(&(pair[0] + pair[1]).to_le_bytes());
             }
         } else {
             let quants = &src[2..];
