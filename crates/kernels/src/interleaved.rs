@@ -13,7 +13,7 @@
 //! decoded once per pass of activation rows, as before, and a group's blocks are one
 //! contiguous stream, which is what the hardware prefetchers like best.
 //!
-//! Layout of one group block (`16` rows × one 32-value block):
+//! Layout of one group block (`16` rows × one 32-value block) of Q8_0 and Q4_0:
 //!
 //! | bytes        | Q8_0                                       | Q4_0                                   |
 //! |--------------|--------------------------------------------|----------------------------------------|
@@ -22,32 +22,133 @@
 //!
 //! The weights are the unsigned operand of `vpdpbusd` (`q + 128` for Q8_0, the raw nibble
 //! `q + 8` for Q4_0), the activation quants the signed one; the activation format
-//! (`encode_activation_row`) carries each block's `-offset · Σ x` so the kernel starts its
-//! integer sum there and needs no correction afterwards. A row count that is not a multiple of
-//! 16 is padded with zero rows (scale 0, value 0) that are never written out.
+//! (`encode_activation_row`: per block 32 quants, the f32 scale, an i32) carries each block's
+//! `-offset · Σ x` so the kernel starts its integer sum there and needs no correction
+//! afterwards. A row count that is not a multiple of 16 is padded with zero rows (scale 0,
+//! value 0) that are never written out.
+//!
+//! Q4_K (256-value super-blocks of eight 32-value sub-blocks, each with a 6-bit scale `sc_j`
+//! and min `m_j`; value `d · sc_j · q - dmin · m_j`, `q` in `0..16`) is stored with its scales
+//! and mins unpacked to bytes, so the kernel widens them with one instruction, 148 bytes per
+//! row and super-block (the file's 144 plus 4). One group block (`16` rows × one super-block):
+//!
+//! | bytes        | Q4_K                                                                  |
+//! |--------------|-----------------------------------------------------------------------|
+//! | 0..32        | the 16 rows' f16 `d`, row order                                       |
+//! | 32..64       | the 16 rows' f16 `dmin`                                               |
+//! | 64..192      | 8 × 16 bytes: sub-block `j`'s scale `sc_j` of rows 0..16 (`vpmovzxbd` → one i32 lane per row) |
+//! | 192..320     | 4 × 32 bytes: for sub-block pair `p`, `(m_2p, m_2p+1)` of rows 0..16 (`vpmovzxbw` → one i16 pair per row's lane) |
+//! | 320..2368    | 4 chunks × 8 × 64 bytes: register `r` of chunk `c` holds bytes `4r..4r+4` of the file's 32-byte chunk `c` of rows 0..16 (low nibbles: sub-block `2c`, values `4r..`; high nibbles: sub-block `2c + 1`) |
+//!
+//! Its nibbles are `vpdpbusd`'s unsigned operand as they are (no offset). Its activation
+//! format is the Q8_K row of the row-major path re-encoded per super-block: the 256 quants, the
+//! f32 scale `d_x`, and the 8 sub-block sums `Σ x` as i16, in pairs (one dword per pair, which
+//! `vpdpwssd` multiplies against a row's pair of mins).
 //!
 //! Arithmetic, identical at every level and for every pass size (the scalar reference
-//! `dot_rows_scalar` is bit-exact with the AVX-512 kernel): per block, the exact integer sum
-//! `s = Σ q_w · q_x`, then `acc = fma(s as f32, d_w · d_x, acc)` in block order. This is
-//! ggml's `ggml_vec_dot_q8_0_q8_0` reference order with the multiply and add fused.
+//! `dot_rows_scalar` is bit-exact with the AVX-512 kernel):
+//!
+//! - Q8_0, Q4_0: per block, the exact integer sum `s = Σ q_w · q_x`, then
+//!   `acc = fma(s as f32, d_w · d_x, acc)` in block order. This is ggml's
+//!   `ggml_vec_dot_q8_0_q8_0` reference order with the multiply and add fused.
+//! - Q4_K: per super-block, the exact integers `isum = Σ_j sc_j · Σ q_w · q_x` and
+//!   `imin = Σ_j m_j · Σ_{sub-block j} q_x`, then `acc = fma(isum as f32, d_w · d_x, acc)` and
+//!   `acc = fma(-(imin as f32), dmin_w · d_x, acc)`, super-blocks in order. The integers are
+//!   those of ggml's `ggml_vec_dot_q4_K_q8_K`; only the f32 steps are fused and ordered
+//!   differently (so results differ from the row-major Q4_K kernel in the last bits).
 
 use crate::matvec::{Layout, WeightMatrix};
-use crate::q8_0::{self, Block32Encoding};
 use crate::simd::{self, Rows, SimdLevel};
-use crate::{f16, WeightType};
+use crate::{f16, k_quants, q4_k, q8_0, q8_k, ActivationFormat, WeightType};
 
 /// Weight rows per interleaved group: one output register of 16 f32 lanes.
 pub const GROUP_ROWS: usize = 16;
 
-/// Values per block (both encodings have 32-value blocks).
-pub const BLOCK_VALUES: usize = q8_0::BLOCK_VALUES;
+/// Values per block of the 32-value encodings (Q8_0, Q4_0).
+pub(crate) const BLOCK32_VALUES: usize = q8_0::BLOCK_VALUES;
 
-/// Bytes of the 16 f16 scales at the start of a group block.
+/// Bytes of 16 f16 scales (one per row of a group): the start of every group block.
 const SCALES_BYTES: usize = 2 * GROUP_ROWS;
 
-/// Bytes per block of an activation row in the interleaved format: 32 signed quants, the scale
-/// as f32, the i32 integer-sum start `-offset · Σ q`.
-pub const ACTIVATION_BLOCK_BYTES: usize = BLOCK_VALUES + 8;
+/// Offset of the 16 rows' f16 `dmin` in a Q4_K group block.
+pub(crate) const Q4K_DMIN: usize = SCALES_BYTES;
+/// Offset of the unpacked sub-block scales (8 × 16 bytes) in a Q4_K group block.
+pub(crate) const Q4K_SCALES: usize = Q4K_DMIN + SCALES_BYTES;
+/// Offset of the unpacked sub-block mins (4 pairs × 32 bytes) in a Q4_K group block.
+pub(crate) const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP_ROWS;
+/// Offset of the interleaved quants (4 chunks × 8 registers of 64 bytes) in a Q4_K group
+/// block.
+pub(crate) const Q4K_QUANTS: usize = Q4K_MINS + 8 * GROUP_ROWS;
+/// Offset of the f32 scale in a Q4_K activation block (after the 256 quants).
+pub(crate) const Q4K_ACT_SCALE: usize = q4_k::BLOCK_VALUES;
+/// Offset of the 8 i16 sub-block sums in a Q4_K activation block.
+pub(crate) const Q4K_ACT_SUMS: usize = Q4K_ACT_SCALE + 4;
+
+/// The weight encodings that can be interleaved, each with its group-block and activation
+/// formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    Q8_0,
+    Q4_0,
+    Q4K,
+}
+
+impl Encoding {
+    /// Values per (super-)block.
+    pub(crate) fn block_values(self) -> usize {
+        match self {
+            Encoding::Q8_0 | Encoding::Q4_0 => BLOCK32_VALUES,
+            Encoding::Q4K => q4_k::BLOCK_VALUES,
+        }
+    }
+
+    /// Bytes of one block of one row in the file.
+    fn file_block_bytes(self) -> usize {
+        match self {
+            Encoding::Q8_0 => q8_0::BLOCK_BYTES,
+            Encoding::Q4_0 => crate::q4_0::BLOCK_BYTES,
+            Encoding::Q4K => q4_k::BLOCK_BYTES,
+        }
+    }
+
+    /// Bytes of one group block (16 rows × one block).
+    pub(crate) fn group_block_bytes(self) -> usize {
+        match self {
+            // The file's bytes, rearranged.
+            Encoding::Q8_0 | Encoding::Q4_0 => GROUP_ROWS * self.file_block_bytes(),
+            Encoding::Q4K => Q4K_QUANTS + GROUP_ROWS * q4_k::BLOCK_VALUES / 2,
+        }
+    }
+
+    /// Bytes per block of an activation row in this encoding's interleaved format.
+    pub(crate) fn activation_block_bytes(self) -> usize {
+        match self {
+            // 32 signed quants, the scale as f32, the i32 integer-sum start `-offset · Σ q`.
+            Encoding::Q8_0 | Encoding::Q4_0 => BLOCK32_VALUES + 8,
+            // 256 signed quants, the scale as f32, 8 i16 sub-block sums.
+            Encoding::Q4K => Q4K_ACT_SUMS + 2 * 8,
+        }
+    }
+
+    /// The format activation rows are quantised to before [`encode_activation_row`] (the
+    /// row-major kernels' format for the same weight type).
+    pub(crate) fn activation(self) -> ActivationFormat {
+        match self {
+            Encoding::Q8_0 | Encoding::Q4_0 => ActivationFormat::Q8_0,
+            Encoding::Q4K => ActivationFormat::Q8K,
+        }
+    }
+
+    /// Bytes of the group blocks of one 16-row group of `cols` values.
+    pub(crate) fn group_bytes(self, cols: usize) -> usize {
+        cols / self.block_values() * self.group_block_bytes()
+    }
+
+    /// Bytes of one activation row of `cols` values in the interleaved format.
+    pub(crate) fn activation_row_bytes(self, cols: usize) -> usize {
+        cols / self.block_values() * self.activation_block_bytes()
+    }
+}
 
 /// Whether weights of type `ty` can be interleaved (and multiplied interleaved at `level`:
 /// the AVX-512 kernel, or the scalar reference at the scalar level).
@@ -61,40 +162,33 @@ pub fn pays_off(ty: WeightType, level: SimdLevel) -> bool {
     level == SimdLevel::Avx512 && supports(ty, level)
 }
 
-/// The 32-value block encoding of an interleavable weight type.
-pub(crate) fn encoding(ty: WeightType) -> Option<Block32Encoding> {
+/// The interleaved encoding of a weight type, if it has one.
+pub(crate) fn encoding(ty: WeightType) -> Option<Encoding> {
     match ty {
-        WeightType::Q8_0 => Some(Block32Encoding::Q8_0),
-        WeightType::Q4_0 => Some(Block32Encoding::Q4_0),
+        WeightType::Q8_0 => Some(Encoding::Q8_0),
+        WeightType::Q4_0 => Some(Encoding::Q4_0),
+        WeightType::Q4K => Some(Encoding::Q4K),
         _ => None,
     }
 }
 
-/// Bytes of one group block of `encoding`.
-pub(crate) fn group_block_bytes(encoding: Block32Encoding) -> usize {
-    SCALES_BYTES + GROUP_ROWS * quant_bytes(encoding)
-}
-
-/// Quant bytes per row and block.
-fn quant_bytes(encoding: Block32Encoding) -> usize {
-    encoding.block_bytes() - 2
-}
-
-/// The unsigned offset the weights are stored with (`q_w + offset` is what `vpdpbusd` sees).
-fn weight_offset(encoding: Block32Encoding) -> i32 {
+/// The unsigned offset the weights of a 32-value encoding are stored with (`q_w + offset` is
+/// what `vpdpbusd` sees).
+fn weight_offset(encoding: Encoding) -> i32 {
     match encoding {
-        Block32Encoding::Q8_0 => 128,
-        Block32Encoding::Q4_0 => 8,
+        Encoding::Q8_0 => 128,
+        Encoding::Q4_0 => 8,
+        Encoding::Q4K => 0,
     }
 }
 
 /// Bytes of `rows × cols` weights of `ty` repacked (whole groups, the last one padded).
 pub fn repacked_bytes(ty: WeightType, rows: usize, cols: usize) -> Option<usize> {
     let encoding = encoding(ty)?;
-    if !cols.is_multiple_of(BLOCK_VALUES) {
+    if !cols.is_multiple_of(encoding.block_values()) {
         return None;
     }
-    Some(rows.div_ceil(GROUP_ROWS) * (cols / BLOCK_VALUES) * group_block_bytes(encoding))
+    Some(rows.div_ceil(GROUP_ROWS) * encoding.group_bytes(cols))
 }
 
 /// A weight matrix repacked into interleaved 16-row groups, owning its bytes (built once at
@@ -147,104 +241,212 @@ impl InterleavedMatrix {
     }
 }
 
+/// Stores the 4-byte words of one row's quant bytes `src` into a group block's quant area
+/// `dst`: word `w` of row `i` at `64 · w + 4 · i` (register `w` holds word `w` of rows 0..16),
+/// each byte mapped by `map`.
+fn interleave_words(src: &[u8], dst: &mut [u8], i: usize, map: impl Fn(u8) -> u8) {
+    for (w, word) in src.chunks_exact(4).enumerate() {
+        let at = w * 4 * GROUP_ROWS + 4 * i;
+        for (d, s) in dst[at..at + 4].iter_mut().zip(word) {
+            *d = map(*s);
+        }
+    }
+}
+
+/// Byte `t` of row `i`'s quant bytes in a group block's quant area (the inverse of
+/// [`interleave_words`]).
+#[inline]
+fn quant_byte(quants: &[u8], i: usize, t: usize) -> u8 {
+    quants[(t / 4) * 4 * GROUP_ROWS + 4 * i + t % 4]
+}
+
+/// Writes file block `src` of row `i` (within its group) into group block `dst`.
+fn repack_row_block(encoding: Encoding, src: &[u8], dst: &mut [u8], i: usize) {
+    dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
+    match encoding {
+        Encoding::Q8_0 => interleave_words(&src[2..], &mut dst[SCALES_BYTES..], i, |s| s ^ 0x80),
+        Encoding::Q4_0 => interleave_words(&src[2..], &mut dst[SCALES_BYTES..], i, |s| s),
+        Encoding::Q4K => {
+            dst[Q4K_DMIN + 2 * i..Q4K_DMIN + 2 * i + 2].copy_from_slice(&src[2..4]);
+            let (sc, mn) = k_quants::unpack_scales_mins(src[4..16].try_into().unwrap());
+            for j in 0..8 {
+                dst[Q4K_SCALES + GROUP_ROWS * j + i] = sc[j];
+                dst[Q4K_MINS + 2 * GROUP_ROWS * (j / 2) + 2 * i + j % 2] = mn[j];
+            }
+            interleave_words(&src[16..], &mut dst[Q4K_QUANTS..], i, |s| s);
+        }
+    }
+}
+
 /// Repacks `rows` row-major weight rows of `row_bytes` each (`data`) into `out`
 /// ([`repacked_bytes`] long).
-pub(crate) fn repack(encoding: Block32Encoding, data: &[u8], rows: usize, out: &mut [u8]) {
-    let block_bytes = encoding.block_bytes();
+pub(crate) fn repack(encoding: Encoding, data: &[u8], rows: usize, out: &mut [u8]) {
+    let block_bytes = encoding.file_block_bytes();
     let row_bytes = data.len() / rows.max(1);
     let blocks = row_bytes / block_bytes;
-    let group_block = group_block_bytes(encoding);
-    let quants = quant_bytes(encoding);
+    let group_block = encoding.group_block_bytes();
     out.fill(0);
     for (g, group) in out.chunks_exact_mut(blocks * group_block).enumerate() {
         for (b, dst) in group.chunks_exact_mut(group_block).enumerate() {
-            if encoding == Block32Encoding::Q8_0 {
+            if encoding == Encoding::Q8_0 {
                 // Padding rows: value 0 is the stored byte 128.
                 dst[SCALES_BYTES..].fill(0x80);
             }
             for i in 0..GROUP_ROWS.min(rows - g * GROUP_ROWS) {
                 let src =
                     &data[(g * GROUP_ROWS + i) * row_bytes + b * block_bytes..][..block_bytes];
-                dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
-                for (j, bytes) in src[2..].chunks_exact(4).enumerate() {
-                    let at = SCALES_BYTES + j * 4 * GROUP_ROWS + 4 * i;
-                    for (d, s) in dst[at..at + 4].iter_mut().zip(bytes) {
-                        *d = match encoding {
-                            Block32Encoding::Q8_0 => s ^ 0x80,
-                            Block32Encoding::Q4_0 => *s,
-                        };
-                    }
-                }
+                repack_row_block(encoding, src, dst, i);
             }
-            debug_assert_eq!(dst.len(), SCALES_BYTES + GROUP_ROWS * quants);
         }
     }
 }
 
-/// The signed weight quants and scale of row `i` (within its group) of one group block.
-fn row_block(encoding: Block32Encoding, block: &[u8], i: usize) -> (f32, [i8; BLOCK_VALUES]) {
+/// The signed weight quants and scale of row `i` (within its group) of one group block of a
+/// 32-value encoding.
+fn row_block32(encoding: Encoding, block: &[u8], i: usize) -> (f32, [i8; BLOCK32_VALUES]) {
     let d = f16::to_f32(u16::from_le_bytes([block[2 * i], block[2 * i + 1]]));
-    let mut q = [0i8; BLOCK_VALUES];
+    let mut q = [0i8; BLOCK32_VALUES];
     let quants = &block[SCALES_BYTES..];
     match encoding {
-        Block32Encoding::Q8_0 => {
+        Encoding::Q8_0 => {
             for (t, v) in q.iter_mut().enumerate() {
-                *v = (quants[(t / 4) * 4 * GROUP_ROWS + 4 * i + t % 4] ^ 0x80) as i8;
+                *v = (quant_byte(quants, i, t) ^ 0x80) as i8;
             }
         }
-        Block32Encoding::Q4_0 => {
-            for t in 0..BLOCK_VALUES / 2 {
-                let byte = quants[(t / 4) * 4 * GROUP_ROWS + 4 * i + t % 4];
+        Encoding::Q4_0 => {
+            for t in 0..BLOCK32_VALUES / 2 {
+                let byte = quant_byte(quants, i, t);
                 q[t] = (byte & 0x0f) as i8 - 8;
-                q[t + BLOCK_VALUES / 2] = (byte >> 4) as i8 - 8;
+                q[t + BLOCK32_VALUES / 2] = (byte >> 4) as i8 - 8;
             }
         }
+        Encoding::Q4K => unreachable!("Q4_K has 256-value super-blocks"),
     }
     (d, q)
 }
 
-/// Decodes row `r` of a repacked matrix (`blocks` blocks per row) into `out`.
-pub(crate) fn dequantize_row(encoding: Block32Encoding, data: &[u8], r: usize, out: &mut [f32]) {
-    let group_block = group_block_bytes(encoding);
-    let blocks = out.len() / BLOCK_VALUES;
-    let group = &data[(r / GROUP_ROWS) * blocks * group_block..][..blocks * group_block];
+/// One row's super-block of a Q4_K group block, decoded.
+struct Q4kRow {
+    d: f32,
+    dmin: f32,
+    scales: [u8; 8],
+    mins: [u8; 8],
+    /// The 256 levels (`0..16`), value order.
+    levels: [u8; q4_k::BLOCK_VALUES],
+}
+
+/// Decodes row `i` (within its group) of a Q4_K group block.
+fn q4k_row(block: &[u8], i: usize) -> Q4kRow {
+    let half = |at: usize| {
+        f16::to_f32(u16::from_le_bytes([
+            block[at + 2 * i],
+            block[at + 2 * i + 1],
+        ]))
+    };
+    let quants = &block[Q4K_QUANTS..];
+    let mut levels = [0u8; q4_k::BLOCK_VALUES];
+    for t in 0..q4_k::BLOCK_VALUES / 2 {
+        let byte = quant_byte(quants, i, t);
+        let (c, l) = (t / 32, t % 32);
+        levels[64 * c + l] = byte & 0x0f;
+        levels[64 * c + 32 + l] = byte >> 4;
+    }
+    Q4kRow {
+        d: half(0),
+        dmin: half(Q4K_DMIN),
+        scales: std::array::from_fn(|j| block[Q4K_SCALES + GROUP_ROWS * j + i]),
+        mins: std::array::from_fn(|j| block[Q4K_MINS + 2 * GROUP_ROWS * (j / 2) + 2 * i + j % 2]),
+        levels,
+    }
+}
+
+/// Decodes row `r` of a repacked matrix into `out` (a whole number of blocks), bit for bit
+/// as the type's `dequantize_row` decodes the file's row.
+pub(crate) fn dequantize_row(encoding: Encoding, data: &[u8], r: usize, out: &mut [f32]) {
+    let group_block = encoding.group_block_bytes();
+    let group_bytes = encoding.group_bytes(out.len());
+    let group = &data[(r / GROUP_ROWS) * group_bytes..][..group_bytes];
+    let i = r % GROUP_ROWS;
     for (block, values) in group
         .chunks_exact(group_block)
-        .zip(out.chunks_exact_mut(BLOCK_VALUES))
+        .zip(out.chunks_exact_mut(encoding.block_values()))
     {
-        let (d, q) = row_block(encoding, block, r % GROUP_ROWS);
-        for (v, q) in values.iter_mut().zip(q) {
-            *v = f32::from(q) * d;
+        if encoding == Encoding::Q4K {
+            let row = q4k_row(block, i);
+            q4_k::dequantize_levels_with_mins(
+                row.d,
+                row.dmin,
+                &row.scales,
+                &row.mins,
+                &row.levels,
+                values,
+            );
+        } else {
+            let (d, q) = row_block32(encoding, block, i);
+            for (v, q) in values.iter_mut().zip(q) {
+                *v = f32::from(q) * d;
+            }
         }
     }
 }
 
-/// Converts a Q8_0 activation row (`bytes`, ggml blocks) into the interleaved kernels'
-/// activation format for weights of `encoding` (`bytes.len() / 34 ·`
-/// [`ACTIVATION_BLOCK_BYTES`] bytes).
-pub(crate) fn encode_activation_row(encoding: Block32Encoding, bytes: &[u8], out: &mut [u8]) {
-    debug_assert_eq!(
-        out.len(),
-        bytes.len() / q8_0::BLOCK_BYTES * ACTIVATION_BLOCK_BYTES
-    );
+/// Converts an activation row quantised to [`Encoding::activation`] (`bytes`: Q8_0 or Q8_K
+/// blocks) into the interleaved kernels' activation format for weights of `encoding`
+/// ([`Encoding::activation_row_bytes`] bytes).
+pub(crate) fn encode_activation_row(encoding: Encoding, bytes: &[u8], out: &mut [u8]) {
+    let (plain_block, act_block) = match encoding.activation() {
+        ActivationFormat::Q8_0 => (q8_0::BLOCK_BYTES, encoding.activation_block_bytes()),
+        _ => (q8_k::BLOCK_BYTES, encoding.activation_block_bytes()),
+    };
+    debug_assert_eq!(out.len(), bytes.len() / plain_block * act_block);
     let offset = weight_offset(encoding);
     for (src, dst) in bytes
-        .chunks_exact(q8_0::BLOCK_BYTES)
-        .zip(out.chunks_exact_mut(ACTIVATION_BLOCK_BYTES))
+        .chunks_exact(plain_block)
+        .zip(out.chunks_exact_mut(act_block))
     {
-        let quants = &src[2..];
-        let sum: i32 = quants.iter().map(|&q| i32::from(q as i8)).sum();
-        dst[..BLOCK_VALUES].copy_from_slice(quants);
-        dst[BLOCK_VALUES..BLOCK_VALUES + 4].copy_from_slice(&q8_0::scale(src).to_le_bytes());
-        dst[BLOCK_VALUES + 4..].copy_from_slice(&(-offset * sum).to_le_bytes());
+        if encoding == Encoding::Q4K {
+            // Q8_K's sums of 16 quants, two per sub-block of 32 (|Σ| ≤ 32 · 127: an i16).
+            let (d, quants, sums16) = q8_k::parts(src);
+            dst[..Q4K_ACT_SCALE].copy_from_slice(quants);
+            dst[Q4K_ACT_SCALE..Q4K_ACT_SUMS].copy_from_slice(&d.to_le_bytes());
+            for (sum, pair) in dst[Q4K_ACT_SUMS..]
+                .chunks_exact_mut(2)
+                .zip(sums16.chunks_exact(2))
+            {
+                sum.copy_from_slice(&(pair[0] + pair[1]).to_le_bytes());
+            }
+        } else {
+            let quants = &src[2..];
+            let sum: i32 = quants.iter().map(|&q| i32::from(q as i8)).sum();
+            dst[..BLOCK32_VALUES].copy_from_slice(quants);
+            dst[BLOCK32_VALUES..BLOCK32_VALUES + 4]
+                .copy_from_slice(&q8_0::scale(src).to_le_bytes());
+            dst[BLOCK32_VALUES + 4..].copy_from_slice(&(-offset * sum).to_le_bytes());
+        }
     }
 }
 
-/// One group of weight rows (`group`: its `blocks` group blocks) times a pass of at most
+/// Quantises the activation row `x` as the row-major kernels for the same weight type do
+/// (Q8_0 or Q8_K, into `quantized`: [`Encoding::activation`]'s row bytes) and encodes it
+/// into `out` ([`Encoding::activation_row_bytes`]).
+pub(crate) fn quantize_activation_row(
+    encoding: Encoding,
+    x: &[f32],
+    quantized: &mut [u8],
+    out: &mut [u8],
+) {
+    match encoding.activation() {
+        ActivationFormat::Q8_0 => q8_0::quantize_row(x, quantized),
+        _ => q8_k::quantize_row(x, quantized),
+    }
+    encode_activation_row(encoding, quantized, out);
+}
+
+/// One group of weight rows (`group`: its group blocks) times a pass of at most
 /// [`simd::MAX_ROWS_PER_PASS`] activation rows (interleaved format): the product of the
 /// group's row `i` (`i < valid`) and activation row `b` at `out[b * stride + i]`, at `level`.
 pub(crate) fn group_pass(
-    encoding: Block32Encoding,
+    encoding: Encoding,
     level: SimdLevel,
     group: &[u8],
     x: Rows<'_, u8>,
@@ -271,20 +473,21 @@ pub(crate) fn group_pass(
 /// row `b` and `i < valid`: everything the kernels index by (checked once per pass, by the
 /// AVX-512 entry point that guards the unsafe kernel or here for the scalar one).
 pub(crate) fn check_pass_sizes(
-    encoding: Block32Encoding,
+    encoding: Encoding,
     group: &[u8],
     x: &Rows<'_, u8>,
     out: &[f32],
     stride: usize,
     valid: usize,
 ) {
-    let blocks = x.len() / ACTIVATION_BLOCK_BYTES;
+    let act_block = encoding.activation_block_bytes();
+    let blocks = x.len() / act_block;
     assert!(
-        x.len() == blocks * ACTIVATION_BLOCK_BYTES,
+        x.len() == blocks * act_block,
         "interleaved: activation rows are not whole blocks"
     );
     assert!(
-        group.len() == blocks * group_block_bytes(encoding),
+        group.len() == blocks * encoding.group_block_bytes(),
         "interleaved: weight group and activation sizes differ"
     );
     assert!(valid <= GROUP_ROWS && x.count() <= simd::MAX_ROWS_PER_PASS);
@@ -295,29 +498,58 @@ pub(crate) fn check_pass_sizes(
 }
 
 /// Scalar reference: the 16 rows of one group (`group`) times one activation row `x`
-/// (interleaved format) into `out`.
+/// (interleaved format) into `out`, with the AVX-512 kernel's arithmetic (see the module doc).
 pub(crate) fn dot_rows_scalar(
-    encoding: Block32Encoding,
+    encoding: Encoding,
     group: &[u8],
     x: &[u8],
     out: &mut [f32; GROUP_ROWS],
 ) {
-    let group_block = group_block_bytes(encoding);
-    let offset = weight_offset(encoding);
     out.fill(0.0);
-    for (block, xb) in group
-        .chunks_exact(group_block)
-        .zip(x.chunks_exact(ACTIVATION_BLOCK_BYTES))
-    {
-        let dx = f32::from_le_bytes(xb[BLOCK_VALUES..BLOCK_VALUES + 4].try_into().unwrap());
-        let start = i32::from_le_bytes(xb[BLOCK_VALUES + 4..].try_into().unwrap());
+    let blocks = group
+        .chunks_exact(encoding.group_block_bytes())
+        .zip(x.chunks_exact(encoding.activation_block_bytes()));
+    if encoding == Encoding::Q4K {
+        for (block, xb) in blocks {
+            let xq = &xb[..Q4K_ACT_SCALE];
+            let dx = f32::from_le_bytes(xb[Q4K_ACT_SCALE..Q4K_ACT_SUMS].try_into().unwrap());
+            let sums: [i16; 8] = std::array::from_fn(|j| {
+                i16::from_le_bytes([xb[Q4K_ACT_SUMS + 2 * j], xb[Q4K_ACT_SUMS + 2 * j + 1]])
+            });
+            for (i, acc) in out.iter_mut().enumerate() {
+                let row = q4k_row(block, i);
+                let (mut isum, mut imin) = (0i32, 0i32);
+                for (j, (levels, xq)) in row
+                    .levels
+                    .chunks_exact(32)
+                    .zip(xq.chunks_exact(32))
+                    .enumerate()
+                {
+                    let sub: i32 = levels
+                        .iter()
+                        .zip(xq)
+                        .map(|(&w, &a)| i32::from(w) * i32::from(a as i8))
+                        .sum();
+                    isum += i32::from(row.scales[j]) * sub;
+                    imin += i32::from(row.mins[j]) * i32::from(sums[j]);
+                }
+                *acc = (isum as f32).mul_add(row.d * dx, *acc);
+                *acc = (-(imin as f32)).mul_add(row.dmin * dx, *acc);
+            }
+        }
+        return;
+    }
+    let offset = weight_offset(encoding);
+    for (block, xb) in blocks {
+        let dx = f32::from_le_bytes(xb[BLOCK32_VALUES..BLOCK32_VALUES + 4].try_into().unwrap());
+        let start = i32::from_le_bytes(xb[BLOCK32_VALUES + 4..].try_into().unwrap());
         for (i, acc) in out.iter_mut().enumerate() {
-            let (dw, q) = row_block(encoding, block, i);
+            let (dw, q) = row_block32(encoding, block, i);
             // What `vpdpbusd` computes: unsigned stored weights times signed activations,
             // started at `-offset · Σ x`, i.e. exactly `Σ q_w · q_x`.
             let sum = q
                 .iter()
-                .zip(&xb[..BLOCK_VALUES])
+                .zip(&xb[..BLOCK32_VALUES])
                 .fold(start, |s, (&w, &a)| {
                     s + (i32::from(w) + offset) * i32::from(a as i8)
                 });
@@ -332,9 +564,10 @@ mod tests {
     use crate::test_util::random_vec;
     use crate::{matmul_at, MatmulScratch};
 
-    const ENCODINGS: [(WeightType, Block32Encoding); 2] = [
-        (WeightType::Q8_0, Block32Encoding::Q8_0),
-        (WeightType::Q4_0, Block32Encoding::Q4_0),
+    const ENCODINGS: [(WeightType, Encoding); 3] = [
+        (WeightType::Q8_0, Encoding::Q8_0),
+        (WeightType::Q4_0, Encoding::Q4_0),
+        (WeightType::Q4K, Encoding::Q4K),
     ];
 
     fn levels() -> impl Iterator<Item = SimdLevel> {
@@ -343,6 +576,14 @@ mod tests {
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `(rows, cols)` from `(rows, blocks)` for an encoding's block size.
+    fn shapes(encoding: Encoding, blocks: &[(usize, usize)]) -> Vec<(usize, usize)> {
+        blocks
+            .iter()
+            .map(|&(rows, b)| (rows, b * encoding.block_values()))
+            .collect()
     }
 
     /// Row-major encoded weights of `rows × cols` random values (with a few zero and extreme
@@ -355,29 +596,48 @@ mod tests {
                 *v = if i % 2 == 0 { 1e3 } else { -1e3 };
             }
         }
+        if rows > 3 {
+            // All positive: Q4_K sub-blocks whose mins are 0.
+            for v in &mut values[2 * cols..3 * cols] {
+                *v = v.abs() + 0.5;
+            }
+        }
         crate::quantize(ty.ggml(), &values)
     }
 
-    fn encoded_activations(encoding: Block32Encoding, x: &[f32], cols: usize) -> Vec<u8> {
+    /// Activation rows of `cols` values each, quantised and encoded as `matmul` does.
+    fn encoded_activations(encoding: Encoding, x: &[f32], cols: usize) -> Vec<u8> {
         let mut out = Vec::new();
         for row in x.chunks_exact(cols) {
-            let mut q = vec![0; cols / 32 * q8_0::BLOCK_BYTES];
-            q8_0::quantize_row_scalar(row, &mut q);
-            let mut e = vec![0; cols / 32 * ACTIVATION_BLOCK_BYTES];
-            encode_activation_row(encoding, &q, &mut e);
+            let mut q = vec![0; encoding.activation().row_bytes(cols).unwrap()];
+            let mut e = vec![0; encoding.activation_row_bytes(cols)];
+            quantize_activation_row(encoding, row, &mut q, &mut e);
             out.extend(e);
         }
         out
     }
 
+    /// `Σ |w_i · x_i|` over the dequantised weight row `r` and the f32 activations: the scale
+    /// of the rounding differences between two orders of the same dot product.
+    fn magnitude(w: &WeightMatrix<'_>, r: usize, x: &[f32]) -> f32 {
+        let mut row = vec![0.0; w.cols()];
+        w.dequantize_row(r, &mut row);
+        row.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
+    }
+
     #[test]
     fn repacking_keeps_every_value() {
-        for (ty, _) in ENCODINGS {
-            for (rows, cols) in [(1, 32), (16, 64), (17, 96), (40, 160)] {
+        for (ty, encoding) in ENCODINGS {
+            for (rows, cols) in shapes(encoding, &[(1, 1), (16, 2), (17, 3), (40, 5)]) {
                 let data = weights(ty, rows, cols, 3);
                 let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
                 let packed = InterleavedMatrix::repack(&plain).unwrap();
                 assert_eq!(packed.view().layout(), Layout::Interleaved);
+                assert_eq!(
+                    packed.n_bytes(),
+                    rows.div_ceil(GROUP_ROWS) * cols / encoding.block_values()
+                        * encoding.group_block_bytes()
+                );
                 let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
                 for r in 0..rows {
                     plain.dequantize_row(r, &mut a);
@@ -388,23 +648,41 @@ mod tests {
         }
         let f16 = WeightMatrix::new(WeightType::F16, 1, 4, &[0; 8]).unwrap();
         assert!(InterleavedMatrix::repack(&f16).is_none());
+        // Q4_K: 148 bytes per row and super-block; rows must be whole super-blocks.
+        assert_eq!(Encoding::Q4K.group_block_bytes(), GROUP_ROWS * 148);
+        assert_eq!(
+            repacked_bytes(WeightType::Q4K, 17, 512),
+            Some(2 * 2 * GROUP_ROWS * 148)
+        );
+        assert_eq!(repacked_bytes(WeightType::Q4K, 16, 32), None);
+        assert_eq!(repacked_bytes(WeightType::Q6K, 16, 256), None);
     }
 
     /// The AVX-512 kernel against the scalar reference, bit for bit, on awkward sizes and every
-    /// pass size; and the reference against ggml's block order (`dot_scalar`), which differs
-    /// only by the fused multiply-add.
+    /// pass size; and the reference against ggml's order (`dot_scalar` of the row-major
+    /// encoding), which differs only in the rounding of the f32 steps.
     #[test]
     fn simd_pass_equals_scalar_reference() {
         for (ty, encoding) in ENCODINGS {
-            for (rows, cols) in [(16, 32), (5, 96), (33, 160), (17, 1056)] {
+            let blocks: &[(usize, usize)] = match encoding {
+                Encoding::Q4K => &[(16, 1), (5, 1), (17, 2), (33, 3)],
+                _ => &[(16, 1), (5, 3), (33, 5), (17, 33)],
+            };
+            for (rows, cols) in shapes(encoding, blocks) {
                 let data = weights(ty, rows, cols, 7);
                 let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
                 let packed = InterleavedMatrix::repack(&plain).unwrap();
-                let group_bytes = cols / 32 * group_block_bytes(encoding);
+                let group_bytes = encoding.group_bytes(cols);
                 for n in 1..=simd::MAX_ROWS_PER_PASS {
-                    let x = random_vec(n * cols, 2.0, 11 + n as u64);
+                    let mut x = random_vec(n * cols, 2.0, 11 + n as u64);
+                    if n > 2 {
+                        // One activation row of extreme magnitude (full-range quants and
+                        // sums), one of zeros.
+                        x[..cols].iter_mut().for_each(|v| *v = v.signum() * 3.0);
+                        x[cols..2 * cols].fill(0.0);
+                    }
                     let acts = encoded_activations(encoding, &x, cols);
-                    let act_row = cols / 32 * ACTIVATION_BLOCK_BYTES;
+                    let act_row = encoding.activation_row_bytes(cols);
                     let pass = Rows::new(&acts, act_row, act_row, n);
                     for (g, group) in packed.data.chunks_exact(group_bytes).enumerate() {
                         let valid = GROUP_ROWS.min(rows - g * GROUP_ROWS);
@@ -428,21 +706,29 @@ mod tests {
                             );
                         }
                         for b in 0..n {
-                            let mut q = vec![0; cols / 32 * q8_0::BLOCK_BYTES];
-                            q8_0::quantize_row_scalar(&x[b * cols..(b + 1) * cols], &mut q);
+                            let xb = &x[b * cols..(b + 1) * cols];
+                            let mut q = vec![0; encoding.activation().row_bytes(cols).unwrap()];
                             for i in 0..valid {
                                 let r = g * GROUP_ROWS + i;
                                 let ggml = match encoding {
-                                    Block32Encoding::Q8_0 => q8_0::dot_scalar(plain.row(r), &q),
-                                    Block32Encoding::Q4_0 => {
+                                    Encoding::Q8_0 => {
+                                        q8_0::quantize_row_scalar(xb, &mut q);
+                                        q8_0::dot_scalar(plain.row(r), &q)
+                                    }
+                                    Encoding::Q4_0 => {
+                                        q8_0::quantize_row_scalar(xb, &mut q);
                                         crate::q4_0::dot_scalar(plain.row(r), &q)
+                                    }
+                                    Encoding::Q4K => {
+                                        q8_k::quantize_row_scalar(xb, &mut q);
+                                        q4_k::dot_scalar(plain.row(r), &q)
                                     }
                                 };
                                 let got = reference[b * GROUP_ROWS + i];
-                                let tol = 1e-5 * ggml.abs().max(1.0) * (cols / 32) as f32;
+                                let tol = 1e-6 * magnitude(&plain, r, xb);
                                 assert!(
                                     (got - ggml).abs() <= tol,
-                                    "{ty:?} row {r}: {got} vs {ggml}"
+                                    "{ty:?} row {r}: {got} vs {ggml} (tolerance {tol})"
                                 );
                             }
                             // Padding rows are never written.
@@ -457,11 +743,15 @@ mod tests {
     }
 
     /// Through `matmul`: every row of a batch (passes of 8 and a ragged one, 1 and 2 threads)
-    /// is bit-identical to a single-row call.
+    /// is bit-identical to a single-row call, and close to the row-major matrix's result.
     #[test]
     fn batch_rows_equal_single_rows() {
-        for (ty, _) in ENCODINGS {
-            for (rows, cols) in [(50, 96), (300, 256)] {
+        for (ty, encoding) in ENCODINGS {
+            let blocks: &[(usize, usize)] = match encoding {
+                Encoding::Q4K => &[(50, 1), (300, 2)],
+                _ => &[(50, 3), (300, 8)],
+            };
+            for (rows, cols) in shapes(encoding, blocks) {
                 let data = weights(ty, rows, cols, 5);
                 let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
                 let packed = InterleavedMatrix::repack(&plain).unwrap();
@@ -494,6 +784,21 @@ mod tests {
                                 bits(&got),
                                 bits(&single[..batch * rows]),
                                 "{ty:?} {rows}x{cols} {level} threads={threads} batch={batch}"
+                            );
+                        }
+                    }
+                    // The row-major matrix at the same level: the same integers, the f32 steps
+                    // in another order.
+                    let mut row_major = vec![0.0; n * rows];
+                    matmul_at(level, &plain, &x, &mut row_major, &mut scratch);
+                    for b in 0..n {
+                        let xb = &x[b * cols..(b + 1) * cols];
+                        for r in 0..rows {
+                            let (got, want) = (single[b * rows + r], row_major[b * rows + r]);
+                            let tol = 1e-6 * magnitude(&plain, r, xb);
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{ty:?} {level} row {r} of batch row {b}: {got} vs {want}"
                             );
                         }
                     }

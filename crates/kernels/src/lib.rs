@@ -24,8 +24,8 @@
 //! Different SIMD levels sum in different lane orders, so their results differ in the last
 //! bits (bounded against an exact reference by the tests); a process never mixes levels.
 //!
-//! Q8_0 and Q4_0 matrices can be repacked once at load into interleaved 16-row groups
-//! ([`interleaved`]), whose AVX-512 kernel reduces each block inside `vpdpbusd` for 16 weight
+//! Q8_0, Q4_0 and Q4_K matrices can be repacked once at load into interleaved 16-row groups
+//! ([`interleaved`]), whose AVX-512 kernels reduce each block inside `vpdpbusd` for 16 weight
 //! rows at once: a verify pass of 8 rows then costs little more than a single-row pass.
 //!
 //! [`quantize`] and [`dequantize`] encode and decode whole tensors for any supported type

@@ -257,12 +257,15 @@ fn matmul_tiled(
     };
     if w.layout() == Layout::Interleaved {
         let encoding = interleaved::encoding(ty).expect("interleavable type");
-        let act_row = cols / interleaved::BLOCK_VALUES * interleaved::ACTIVATION_BLOCK_BYTES;
+        let act_row = encoding.activation_row_bytes(cols);
         quantized.resize(n * act_row, 0);
-        row_buffer.resize(ty.activation().row_bytes(cols).expect("whole blocks"), 0);
+        row_buffer.resize(
+            encoding.activation().row_bytes(cols).expect("whole blocks"),
+            0,
+        );
         for (b, encoded) in quantized.chunks_exact_mut(act_row).enumerate() {
-            q8_0::quantize_row(&x[b * cols..(b + 1) * cols], row_buffer);
-            interleaved::encode_activation_row(encoding, row_buffer, encoded);
+            let values = &x[b * cols..(b + 1) * cols];
+            interleaved::quantize_activation_row(encoding, values, row_buffer, encoded);
         }
         let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
         run_interleaved(encoding, level, w, acts, dest, chunk_rows);
@@ -389,7 +392,7 @@ fn scatter_chunks(staging: &[f32], out: &mut [f32], n: usize, rows: usize, chunk
 /// [`run`] for an interleaved matrix: thread chunks of whole 16-row groups (`chunk_rows`, a
 /// multiple of 16), each group multiplied with every pass of activation rows.
 fn run_interleaved(
-    encoding: Block32Encoding,
+    encoding: interleaved::Encoding,
     level: SimdLevel,
     w: &WeightMatrix<'_>,
     acts: Rows<'_, u8>,
@@ -398,8 +401,7 @@ fn run_interleaved(
 ) {
     let n = acts.count();
     let rows = w.rows();
-    let group_bytes =
-        w.cols() / interleaved::BLOCK_VALUES * interleaved::group_block_bytes(encoding);
+    let group_bytes = encoding.group_bytes(w.cols());
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
         let chunk_len = dst.len() / n;
@@ -643,17 +645,26 @@ mod tests {
 
     /// The guarantee speculative decoding rests on: for every type and every level this CPU
     /// runs, row `b` of an n-row matmul (n = 1..=8, and 11 = more than one pass) is bit-identical
-    /// to a single-row matmul of that activation, whatever the thread count. 37 weight rows do
-    /// not divide into the thread chunks evenly.
+    /// to a single-row matmul of that activation, whatever the thread count; the same for the
+    /// interleaved copy of every type the level multiplies interleaved. 37 weight rows do not
+    /// divide into the thread chunks (nor into 16-row groups) evenly.
     #[test]
     fn batched_rows_are_bit_identical_to_single_rows_at_every_level() {
         let (rows, cols) = (37, 512);
         let max_n = 11;
         for ty in WeightType::ALL {
             let data = weight_data(ty, rows, cols, 80);
-            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            let repacked = interleaved::InterleavedMatrix::repack(&plain);
             let x = activations(max_n, cols, 81);
-            for level in SimdLevel::supported() {
+            let layouts = SimdLevel::supported().map(|level| (level, plain)).chain(
+                SimdLevel::supported().filter_map(|level| {
+                    let packed = repacked.as_ref()?;
+                    interleaved::supports(ty, level).then(|| (level, packed.view()))
+                }),
+            );
+            for (level, w) in layouts {
+                let ty = format!("{ty} ({:?})", w.layout());
                 let mut scratch = MatmulScratch::new();
                 let singles: Vec<Vec<f32>> = (0..max_n)
                     .map(|b| {
@@ -795,6 +806,7 @@ mod tests {
         }
     }
 
+    /// Row-major and (where the process level multiplies them) interleaved matrices.
     #[test]
     fn matvec_matches_dequantised_reference() {
         let (rows, cols) = (17, 256);
@@ -802,22 +814,31 @@ mod tests {
         let x = random_vec(cols, 1.0, 91);
         for ty in WeightType::ALL {
             let data = crate::quantize(ty.ggml(), &weights);
-            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
-            let mut out = vec![0.0; rows];
-            matvec(&w, &x, &mut out, &mut MatmulScratch::new());
-            let mut row = vec![0.0; cols];
-            for (r, got) in out.iter().enumerate() {
-                w.dequantize_row(r, &mut row);
-                let reference: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                // Quantised types also quantise the activation: allow its error.
-                let tol = match ty.activation() {
-                    ActivationFormat::F32 => 1e-4,
-                    _ => 0.05,
-                };
-                assert!(
-                    (*got as f64 - reference).abs() < tol,
-                    "{ty:?} row {r}: {got} vs {reference}"
-                );
+            let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            let repacked = interleaved::InterleavedMatrix::repack(&plain)
+                .filter(|_| interleaved::supports(ty, simd::level()));
+            for w in [Some(plain), repacked.as_ref().map(|m| m.view())]
+                .into_iter()
+                .flatten()
+            {
+                let mut out = vec![0.0; rows];
+                matvec(&w, &x, &mut out, &mut MatmulScratch::new());
+                let mut row = vec![0.0; cols];
+                for (r, got) in out.iter().enumerate() {
+                    w.dequantize_row(r, &mut row);
+                    let reference: f64 =
+                        row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    // Quantised types also quantise the activation: allow its error.
+                    let tol = match ty.activation() {
+                        ActivationFormat::F32 => 1e-4,
+                        _ => 0.05,
+                    };
+                    assert!(
+                        (*got as f64 - reference).abs() < tol,
+                        "{ty:?} {:?} row {r}: {got} vs {reference}",
+                        w.layout()
+                    );
+                }
             }
         }
     }

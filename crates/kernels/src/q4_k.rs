@@ -91,6 +91,21 @@ pub(crate) fn dequantize_block_with_mins(
     let d = f16::to_f32(u16::from_le_bytes([block[0], block[1]]));
     let dmin = f16::to_f32(u16::from_le_bytes([block[2], block[3]]));
     let (sc, mn) = k_quants::unpack_scales_mins(block[4..16].try_into().unwrap());
+    dequantize_levels_with_mins(d, dmin, &sc, &mn, &q, values);
+}
+
+/// The value formula of Q4_K / Q5_K on decoded fields (super-block scales `d`, `dmin`,
+/// sub-block scales and mins, the 256 levels in value order): value `i` of sub-block `j` is
+/// `(d · sc_j) · q_i - dmin · m_j` in f32. Shared with the interleaved layout, whose decoded
+/// rows must give the file's values bit for bit.
+pub(crate) fn dequantize_levels_with_mins(
+    d: f32,
+    dmin: f32,
+    sc: &[u8; 8],
+    mn: &[u8; 8],
+    q: &[u8; BLOCK_VALUES],
+    values: &mut [f32],
+) {
     for j in 0..8 {
         let step = d * f32::from(sc[j]);
         let offset = dmin * f32::from(mn[j]);

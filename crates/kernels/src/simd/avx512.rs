@@ -1175,12 +1175,12 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Interleaved Q8_0 / Q4_0 weight groups (16 rows) × Q8_0 activations
+// Interleaved weight groups (16 rows): Q8_0 / Q4_0 × Q8_0 activations, Q4_K × Q8_K activations
 // ---------------------------------------------------------------------------------------------
 
-/// One interleaved group of 16 weight rows ([`crate::interleaved`]) times a pass of activation
-/// rows in the interleaved activation format: the product of weight row `i < valid` and
-/// activation row `b` at `out[b * stride + i]`.
+/// One interleaved Q8_0 / Q4_0 group of 16 weight rows ([`crate::interleaved`]) times a pass
+/// of activation rows in the interleaved activation format: the product of weight row
+/// `i < valid` and activation row `b` at `out[b * stride + i]`.
 ///
 /// # Safety
 ///
@@ -1205,7 +1205,45 @@ pub(crate) unsafe fn interleaved_pass<const KIND: u8>(
 }
 
 /// How far ahead of the block being multiplied a multi-row interleaved pass prefetches.
+/// Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB; Q4_K (8 rows) the same from
+/// 4 to 16 KiB, worse from 20 KiB (16.3 against 18.3 GB/s) and without (6.5 GB/s).
 const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
+
+/// Prefetches the `bytes` (a group block) at `ahead` into L1, a line at a time.
+///
+/// Multi-row interleaved passes compute long enough per block that the hardware prefetchers
+/// fall behind the stream (measured, 4096² Q8_0 from DRAM, 1 thread, 8 rows: 9.2 GB/s without,
+/// 22.8 / 33.1 GB/s prefetching 4 / 13 KiB ahead); single-row passes stream faster without.
+/// Past the group's end `ahead` is the next group, stored right after it; a prefetch never
+/// faults, so the address may run past the matrix.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn prefetch_block(ahead: *const u8, bytes: usize) {
+    let mut line = 0;
+    while line < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+        line += 64;
+    }
+}
+
+/// Stores lanes `0..valid` of each row's 16 results at `out + r * stride`.
+///
+/// # Safety
+///
+/// `out` holds `r * stride + i` for every row `r` of `acc` and `i < valid <= 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn store_group_results(acc: &[__m512], out: *mut f32, stride: usize, valid: usize) {
+    let mask: __mmask16 = if valid >= 16 {
+        0xffff
+    } else {
+        (1u16 << valid) - 1
+    };
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller guarantees `out` holds `r * stride + i` for every `i < valid`.
+        unsafe { _mm512_mask_storeu_ps(out.add(r * stride), mask, *acc) };
+    }
+}
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
@@ -1215,13 +1253,14 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
     stride: usize,
     valid: usize,
 ) {
-    use crate::interleaved::{ACTIVATION_BLOCK_BYTES as XB, BLOCK_VALUES};
+    use crate::interleaved::{Encoding, BLOCK32_VALUES};
     let encoding = match KIND {
-        Q8_0 => q8_0::Block32Encoding::Q8_0,
-        _ => q8_0::Block32Encoding::Q4_0,
+        Q8_0 => Encoding::Q8_0,
+        _ => Encoding::Q4_0,
     };
-    let group_block = crate::interleaved::group_block_bytes(encoding);
-    let blocks = x.len() / XB;
+    let group_block = encoding.group_block_bytes();
+    let act_block = encoding.activation_block_bytes();
+    let blocks = x.len() / act_block;
     let xp = row_ptrs::<u8, N>(&x);
     let mut acc = [_mm512_setzero_ps(); N];
     let low_nibbles = _mm512_set1_epi8(0x0f);
@@ -1231,18 +1270,7 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
         unsafe {
             let block = group.as_ptr().add(b * group_block);
             if N > 1 {
-                // Multi-row passes compute long enough per block that the hardware prefetchers
-                // fall behind the stream (measured, 4096² Q8_0 from DRAM, 1 thread, 8 rows:
-                // 9.2 GB/s without, 22.8 / 33.1 GB/s prefetching 4 / 13 KiB ahead); single-row
-                // passes stream faster without. Past the group's end this is the next group,
-                // stored right after it; a prefetch never faults, so the address may run past
-                // the matrix.
-                let ahead = block.wrapping_add(INTERLEAVED_PREFETCH_BYTES);
-                let mut line = 0;
-                while line < group_block {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-                    line += 64;
-                }
+                prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             let quants = block.add(32);
@@ -1259,14 +1287,14 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
                 }
             }
             for r in 0..N {
-                let xb = xp[r].add(b * XB);
+                let xb = xp[r].add(b * act_block);
                 let words = xb.cast::<i32>();
                 macro_rules! word {
                     ($j:expr) => {
                         _mm512_set1_epi32(words.add($j).read_unaligned())
                     };
                 }
-                let start = _mm512_set1_epi32(words.add(BLOCK_VALUES / 4 + 1).read_unaligned());
+                let start = _mm512_set1_epi32(words.add(BLOCK32_VALUES / 4 + 1).read_unaligned());
                 // Two independent chains (integer sums: the split changes no bit) keep a
                 // single-row pass from waiting on `vpdpbusd` latency.
                 let mut even = _mm512_dpbusd_epi32(start, w[0], word!(0));
@@ -1276,20 +1304,130 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
                     odd = _mm512_dpbusd_epi32(odd, w[j + 1], word!(j + 1));
                 }
                 let sums = _mm512_add_epi32(even, odd);
-                let dx = _mm512_set1_ps(xb.add(BLOCK_VALUES).cast::<f32>().read_unaligned());
+                let dx = _mm512_set1_ps(xb.add(BLOCK32_VALUES).cast::<f32>().read_unaligned());
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, dx), acc[r]);
             }
         }
     }
-    let mask: __mmask16 = if valid >= 16 {
-        0xffff
-    } else {
-        (1u16 << valid) - 1
-    };
-    for (r, acc) in acc.iter().enumerate() {
-        // SAFETY: the caller guarantees `out` holds `r * stride + i` for every `i < valid`.
-        unsafe { _mm512_mask_storeu_ps(out.add(r * stride), mask, *acc) };
+    // SAFETY: forwarded contract on `out`.
+    unsafe { store_group_results(&acc, out, stride, valid) };
+}
+
+/// One interleaved Q4_K group of 16 weight rows ([`crate::interleaved`]) times a pass of
+/// activation rows in the interleaved Q4_K activation format: the product of weight row
+/// `i < valid` and activation row `b` at `out[b * stride + i]`.
+///
+/// # Safety
+///
+/// AVX-512 is supported; `group` holds `x.len() / 276` Q4_K group blocks; `x` holds at most
+/// [`super::MAX_ROWS_PER_PASS`] rows of whole activation blocks; `out` holds index
+/// `(x.count() - 1) * stride + valid - 1`; `valid <= 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn interleaved_q4k_pass(
+    group: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut [f32],
+    stride: usize,
+    valid: usize,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_row_count!(
+            x.count(),
+            interleaved_q4k_rows(group, x, out.as_mut_ptr(), stride, valid)
+        )
     }
+}
+
+/// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains) give
+/// the 16 rows' `Σ q_w · q_x`, times the rows' `sc_j` (`vpmulld`) into `isum`; 4 `vpdpwssd` of
+/// the rows' min pairs against the activation's sub-block sum pairs give `imin`; then two
+/// fused multiply-adds (see [`crate::interleaved`]). A sub-block's nibbles are decoded once
+/// for the whole pass; the loop over sub-blocks is outermost so that only one sub-block's 8
+/// weight registers and each row's `isum` are live.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn interleaved_q4k_rows<const N: usize>(
+    group: &[u8],
+    x: Rows<'_, u8>,
+    out: *mut f32,
+    stride: usize,
+    valid: usize,
+) {
+    use crate::interleaved::{
+        Encoding, Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES,
+    };
+    let group_block = Encoding::Q4K.group_block_bytes();
+    let act_block = Encoding::Q4K.activation_block_bytes();
+    let blocks = x.len() / act_block;
+    let xp = row_ptrs::<u8, N>(&x);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let low_nibbles = _mm512_set1_epi8(0x0f);
+    for b in 0..blocks {
+        // SAFETY: super-block `b` lies inside the group (2368 bytes: scales, mins, 4 chunks of
+        // 8 quant registers) and every activation row (276 bytes: 256 quants, the scale, 4
+        // dwords of sums) by the caller's contract.
+        unsafe {
+            let block = group.as_ptr().add(b * group_block);
+            if N > 1 {
+                prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
+            }
+            let mut isum = [_mm512_setzero_si512(); N];
+            for j in 0..8 {
+                // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
+                let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
+                let mut w = [_mm512_setzero_si512(); 8];
+                for (k, w) in w.iter_mut().enumerate() {
+                    let packed = _mm512_loadu_si512(chunk.add(64 * k).cast());
+                    *w = if j % 2 == 0 {
+                        _mm512_and_si512(packed, low_nibbles)
+                    } else {
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles)
+                    };
+                }
+                let scales =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(Q4K_SCALES + 16 * j).cast()));
+                for r in 0..N {
+                    let words = xp[r].add(b * act_block + 32 * j).cast::<i32>();
+                    macro_rules! word {
+                        ($k:expr) => {
+                            _mm512_set1_epi32(words.add($k).read_unaligned())
+                        };
+                    }
+                    // Two independent chains (exact integers: the split changes no bit).
+                    let mut even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], word!(0));
+                    let mut odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], word!(1));
+                    for k in (2..8).step_by(2) {
+                        even = _mm512_dpbusd_epi32(even, w[k], word!(k));
+                        odd = _mm512_dpbusd_epi32(odd, w[k + 1], word!(k + 1));
+                    }
+                    let sub = _mm512_add_epi32(even, odd);
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sub, scales));
+                }
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(Q4K_DMIN).cast()));
+            let mins: [__m512i; 4] = std::array::from_fn(|p| {
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(block.add(Q4K_MINS + 32 * p).cast()))
+            });
+            for r in 0..N {
+                let xb = xp[r].add(b * act_block);
+                let sums = xb.add(Q4K_ACT_SUMS).cast::<i32>();
+                let pair = |p: usize| _mm512_set1_epi32(sums.add(p).read_unaligned());
+                let low = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[0], pair(0));
+                let high = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[1], pair(1));
+                let low = _mm512_dpwssd_epi32(low, mins[2], pair(2));
+                let high = _mm512_dpwssd_epi32(high, mins[3], pair(3));
+                let imin = _mm512_add_epi32(low, high);
+                let dx = _mm512_set1_ps(xb.add(Q4K_ACT_SCALE).cast::<f32>().read_unaligned());
+                acc[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, dx), acc[r]);
+                acc[r] =
+                    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), acc[r]);
+            }
+        }
+    }
+    // SAFETY: forwarded contract on `out`.
+    unsafe { store_group_results(&acc, out, stride, valid) };
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ pub fn level() -> SimdLevel {
     })
 }
 
-/// Calls `$kernel::<G…, N>($args…)` with `N` the const equal to `$n`
+/// Calls `$kernel::<G…, N>($args…)` (or `$kernel::<N>($args…)`) with `N` the const equal to `$n`
 /// (1 ..= [`MAX_ROWS_PER_PASS`]): multi-input kernels are monomorphised per row count so
 /// their per-row state lives in registers.
 #[cfg(target_arch = "x86_64")]
@@ -148,6 +148,10 @@ macro_rules! with_row_count {
             8 => $kernel::<$($generic,)* 8>($($arg),*),
             n => unreachable!("row pass of {n} rows"),
         }
+    };
+    // A kernel generic over the row count only.
+    ($n:expr, $kernel:ident ( $($arg:expr),* $(,)? )) => {
+        with_row_count!($n, $kernel::<>($($arg),*))
     };
 }
 #[cfg(target_arch = "x86_64")]
@@ -622,7 +626,7 @@ pub(crate) fn row_sums(
 /// One interleaved group of 16 weight rows times a pass of activation rows at AVX-512, after
 /// checking every size the kernel indexes by.
 pub(crate) fn interleaved_pass(
-    encoding: crate::q8_0::Block32Encoding,
+    encoding: crate::interleaved::Encoding,
     group: &[u8],
     x: Rows<'_, u8>,
     out: &mut [f32],
@@ -636,10 +640,11 @@ pub(crate) fn interleaved_pass(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::q8_0::Block32Encoding as E;
+        use crate::interleaved::Encoding as E;
         let kernel: unsafe fn(&[u8], Rows<'_, u8>, &mut [f32], usize, usize) = match encoding {
             E::Q8_0 => avx512::interleaved_pass::<{ avx2::Q8_0 }>,
             E::Q4_0 => avx512::interleaved_pass::<{ avx2::Q4_0 }>,
+            E::Q4K => avx512::interleaved_q4k_pass,
         };
         // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
         unsafe { kernel(group, x, out, stride, valid) }
