@@ -1,5 +1,6 @@
-//! Element-wise activations built on one vectorisable `exp`: SiLU, and SiLU-gated products
-//! (SwiGLU's `silu(gate) · up`, Gated DeltaNet's `o · silu(z)`).
+//! Element-wise activations built on one vectorisable `exp`: SiLU and sigmoid, and the gated
+//! products built on them (SwiGLU's `silu(gate) · up`, Gated DeltaNet's `o · silu(z)`, gated
+//! attention's `o · sigmoid(g)`).
 //!
 //! These run over every FFN hidden value and every Gated DeltaNet channel of every token, so a
 //! libm `expf` call per value is a visible share of a verify pass (8 rows of a 0.8B hybrid:
@@ -53,6 +54,12 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// Logistic sigmoid `1 / (1 + e^-x)` with [`exp`].
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
 /// `x[i] = silu(x[i])`, at the process's [`simd::level`].
 pub fn silu_in_place(x: &mut [f32]) {
     silu_in_place_at(simd::level(), x);
@@ -101,6 +108,25 @@ pub fn silu_gate_in_place_at(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
             }
         }
         _ => simd::silu_gate_in_place(level, x, gate),
+    }
+}
+
+/// `x[i] = sigmoid(gate[i]) · x[i]` (gated attention's output gate), at the process's
+/// [`simd::level`].
+pub fn sigmoid_gate_in_place(x: &mut [f32], gate: &[f32]) {
+    sigmoid_gate_in_place_at(simd::level(), x, gate);
+}
+
+/// [`sigmoid_gate_in_place`] at `level` (which must be supported).
+pub fn sigmoid_gate_in_place_at(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
+    assert_eq!(x.len(), gate.len(), "sigmoid gate: sizes differ");
+    match level {
+        SimdLevel::Scalar => {
+            for (v, g) in x.iter_mut().zip(gate) {
+                *v *= sigmoid(*g);
+            }
+        }
+        _ => simd::sigmoid_gate_in_place(level, x, gate),
     }
 }
 
@@ -157,6 +183,9 @@ mod tests {
         swiglu_in_place(&mut g, &[2.0, 3.0]);
         assert!((g[0] - 2.0 * 0.731_058_6).abs() < 1e-6);
         assert_eq!(g[1], 3.0 * silu(-2.0));
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert!((sigmoid(2.0) - 0.880_797).abs() < 1e-6);
+        assert_eq!(sigmoid(-200.0), 1.0 / (1.0 + exp(EXP_MAX)));
     }
 
     /// Inputs over the whole range, the clamps, zeros, NaN and infinities.
@@ -207,6 +236,11 @@ mod tests {
                 let mut gated = other.clone();
                 silu_gate_in_place_at(level, &mut gated, &x);
                 assert_eq!(bits(&gated), bits(&want), "silu gate {level:?} len {len}");
+
+                let (mut want, mut got) = (other.clone(), other.clone());
+                sigmoid_gate_in_place_at(SimdLevel::Scalar, &mut want, &x);
+                sigmoid_gate_in_place_at(level, &mut got, &x);
+                assert_eq!(bits(&got), bits(&want), "sigmoid gate {level:?} len {len}");
             }
         }
     }

@@ -149,12 +149,6 @@ pub fn l2_norm_in_place(x: &mut [f32], eps: f32) {
     }
 }
 
-/// Logistic sigmoid `1 / (1 + exp(-x))`.
-#[inline]
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 /// Softplus `ln(1 + exp(x))`, returning `x` itself above 20 where the two agree in f32
 /// (ggml's threshold).
 #[inline]
@@ -331,15 +325,13 @@ mod tests {
     }
 
     #[test]
-    fn l2_norm_sigmoid_softplus() {
+    fn l2_norm_and_softplus() {
         let mut x = vec![3.0, 4.0];
         l2_norm_in_place(&mut x, 1e-6);
         assert_eq!(x, vec![0.6, 0.8]);
         let mut zero = vec![0.0; 3];
         l2_norm_in_place(&mut zero, 1e-6);
         assert_eq!(zero, vec![0.0; 3]);
-        assert_eq!(sigmoid(0.0), 0.5);
-        assert!((sigmoid(2.0) - 0.880_797).abs() < 1e-6);
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(-5.0) - 0.006_715_348).abs() < 1e-8);

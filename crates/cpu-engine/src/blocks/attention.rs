@@ -18,7 +18,7 @@
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
 use specula_kernels::attention::{self as kattention, Cached};
-use specula_kernels::{matmul, ops, MatmulScratch, Rope, Rows};
+use specula_kernels::{activations, matmul, ops, MatmulScratch, Rope, Rows};
 use specula_plugin_api::PluginError;
 
 use crate::kv_cache::{CachedHeads, KvCache};
@@ -415,9 +415,7 @@ pub fn forward_gated(
         &mut s.attention,
         &mut s.attn[..m * ow],
     );
-    for (a, g) in s.attn[..m * ow].iter_mut().zip(&s.gate[..m * qw]) {
-        *a *= ops::sigmoid(*g);
-    }
+    activations::sigmoid_gate_in_place(&mut s.attn[..m * ow], &s.gate[..m * ow]);
     matmul(&w.attn_output.view(file)?, &s.attn[..m * ow], out, mm);
     Ok(())
 }

@@ -461,7 +461,7 @@ pub fn head_step(
         k: &x.qkv[key_dim + kh * sd..key_dim + (kh + 1) * sd],
         v: &x.qkv[2 * key_dim + h * sd..2 * key_dim + (h + 1) * sd],
         decay: g.exp(),
-        beta: ops::sigmoid(x.beta),
+        beta: activations::sigmoid(x.beta),
     };
     delta_rule::step(inputs, state_in, state_out, o);
     ops::rms_norm_in_place(o, &w.norm, shape.eps);

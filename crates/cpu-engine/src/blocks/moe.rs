@@ -14,7 +14,7 @@
 //! a verify row is bit-identical to a single-token evaluation.
 
 use specula_gguf::GgufFile;
-use specula_kernels::{matmul, ops, MatmulScratch};
+use specula_kernels::{activations, matmul, ops, MatmulScratch};
 use specula_plugin_api::PluginError;
 
 use crate::blocks::ffn;
@@ -277,7 +277,7 @@ pub fn forward(
             mm,
         );
         for i in 0..m {
-            let scale = ops::sigmoid(s.shared_scale[i]);
+            let scale = activations::sigmoid(s.shared_scale[i]);
             for (d, v) in out[i * e..(i + 1) * e]
                 .iter_mut()
                 .zip(&s.shared_out[i * e..(i + 1) * e])

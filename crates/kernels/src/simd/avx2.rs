@@ -824,13 +824,23 @@ fn silu_ps(x: __m256) -> __m256 {
     _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), exp_ps(negated)))
 }
 
-/// `out[i] = silu(gate[i]) · other[i]` (without `other`: `silu(gate[i])`) for `len` values,
+/// `1 / (1 + e^-x)` per lane, as [`crate::activations::sigmoid`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn sigmoid_ps(x: __m256) -> __m256 {
+    let negated = _mm256_xor_ps(x, _mm256_set1_ps(-0.0));
+    let one = _mm256_set1_ps(1.0);
+    _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(negated)))
+}
+
+/// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
+/// the sigmoid, for `len` values,
 /// 8 lanes at a time, the tail through the scalar reference (the same bits).
 ///
 /// AVX2 and FMA must be available; `gate` and `other` readable and `out` writable for `len`
 /// values. `out` may be `gate` or `other`: each value is read before it is written.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn silu_mul(
+pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
     gate: *const f32,
     other: Option<*const f32>,
     out: *mut f32,
@@ -840,7 +850,8 @@ pub(crate) unsafe fn silu_mul(
     for c in 0..full {
         // SAFETY: values `8c .. 8c + 8` exist behind every pointer (caller's contract).
         unsafe {
-            let mut v = silu_ps(_mm256_loadu_ps(gate.add(8 * c)));
+            let g = _mm256_loadu_ps(gate.add(8 * c));
+            let mut v = if SIGMOID { sigmoid_ps(g) } else { silu_ps(g) };
             if let Some(other) = other {
                 v = _mm256_mul_ps(v, _mm256_loadu_ps(other.add(8 * c)));
             }
@@ -850,7 +861,12 @@ pub(crate) unsafe fn silu_mul(
     for i in 8 * full..len {
         // SAFETY: value `i < len` exists behind every pointer (caller's contract).
         unsafe {
-            let s = crate::activations::silu(*gate.add(i));
+            let g = *gate.add(i);
+            let s = if SIGMOID {
+                crate::activations::sigmoid(g)
+            } else {
+                crate::activations::silu(g)
+            };
             *out.add(i) = match other {
                 Some(other) => s * *other.add(i),
                 None => s,

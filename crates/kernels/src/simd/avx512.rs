@@ -1472,13 +1472,26 @@ fn silu_ps(x: __m512) -> __m512 {
     _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), exp_ps(negated)))
 }
 
-/// `out[i] = silu(gate[i]) · other[i]` (without `other`: `silu(gate[i])`) for `len` values,
+/// `1 / (1 + e^-x)` per lane, as [`crate::activations::sigmoid`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn sigmoid_ps(x: __m512) -> __m512 {
+    let negated = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(x),
+        _mm512_set1_epi32(i32::MIN),
+    ));
+    let one = _mm512_set1_ps(1.0);
+    _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(negated)))
+}
+
+/// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
+/// the sigmoid, for `len` values,
 /// 16 lanes at a time, the tail through the scalar reference (the same bits).
 ///
 /// The AVX-512 level must be available; `gate` and `other` readable and `out` writable for
 /// `len` values. `out` may be `gate` or `other`: each value is read before it is written.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn silu_mul(
+pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
     gate: *const f32,
     other: Option<*const f32>,
     out: *mut f32,
@@ -1488,7 +1501,8 @@ pub(crate) unsafe fn silu_mul(
     for c in 0..full {
         // SAFETY: values `16c .. 16c + 16` exist behind every pointer (caller's contract).
         unsafe {
-            let mut v = silu_ps(_mm512_loadu_ps(gate.add(16 * c)));
+            let g = _mm512_loadu_ps(gate.add(16 * c));
+            let mut v = if SIGMOID { sigmoid_ps(g) } else { silu_ps(g) };
             if let Some(other) = other {
                 v = _mm512_mul_ps(v, _mm512_loadu_ps(other.add(16 * c)));
             }
@@ -1498,7 +1512,12 @@ pub(crate) unsafe fn silu_mul(
     for i in 16 * full..len {
         // SAFETY: value `i < len` exists behind every pointer (caller's contract).
         unsafe {
-            let s = crate::activations::silu(*gate.add(i));
+            let g = *gate.add(i);
+            let s = if SIGMOID {
+                crate::activations::sigmoid(g)
+            } else {
+                crate::activations::silu(g)
+            };
             *out.add(i) = match other {
                 Some(other) => s * *other.add(i),
                 None => s,

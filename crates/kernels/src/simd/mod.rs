@@ -756,7 +756,7 @@ pub(crate) fn delta_rule_step(
 pub(crate) fn silu_in_place(level: SimdLevel, x: &mut [f32]) {
     let out = x.as_mut_ptr();
     // SAFETY: one slice of `x.len()` values, read and written element by element.
-    unsafe { silu_mul(level, out, None, out, x.len()) }
+    unsafe { gate_mul::<false>(level, out, None, out, x.len()) }
 }
 
 /// `gate = silu(gate) · up` at a SIMD `level` ([`crate::activations::swiglu_in_place`]).
@@ -764,7 +764,7 @@ pub(crate) fn swiglu_in_place(level: SimdLevel, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "swiglu: sizes differ");
     let out = gate.as_mut_ptr();
     // SAFETY: both slices hold `gate.len()` values (checked above).
-    unsafe { silu_mul(level, out, Some(up.as_ptr()), out, gate.len()) }
+    unsafe { gate_mul::<false>(level, out, Some(up.as_ptr()), out, gate.len()) }
 }
 
 /// `x = silu(gate) · x` at a SIMD `level` ([`crate::activations::silu_gate_in_place`]).
@@ -772,14 +772,23 @@ pub(crate) fn silu_gate_in_place(level: SimdLevel, x: &mut [f32], gate: &[f32]) 
     assert_eq!(x.len(), gate.len(), "silu gate: sizes differ");
     let out = x.as_mut_ptr();
     // SAFETY: both slices hold `x.len()` values (checked above).
-    unsafe { silu_mul(level, gate.as_ptr(), Some(out), out, x.len()) }
+    unsafe { gate_mul::<false>(level, gate.as_ptr(), Some(out), out, x.len()) }
 }
 
-/// The level's `silu_mul` kernel: `out[i] = silu(gate[i]) · other[i]`.
+/// `x = sigmoid(gate) · x` at a SIMD `level` ([`crate::activations::sigmoid_gate_in_place`]).
+pub(crate) fn sigmoid_gate_in_place(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
+    assert_eq!(x.len(), gate.len(), "sigmoid gate: sizes differ");
+    let out = x.as_mut_ptr();
+    // SAFETY: both slices hold `x.len()` values (checked above).
+    unsafe { gate_mul::<true>(level, gate.as_ptr(), Some(out), out, x.len()) }
+}
+
+/// The level's `gate_mul` kernel: `out[i] = f(gate[i]) · other[i]`, `f` SiLU or (`SIGMOID`)
+/// the sigmoid.
 ///
 /// # Safety
 /// `gate` and `other` readable and `out` writable for `len` values (`out` may alias either).
-unsafe fn silu_mul(
+unsafe fn gate_mul<const SIGMOID: bool>(
     level: SimdLevel,
     gate: *const f32,
     other: Option<*const f32>,
@@ -795,8 +804,8 @@ unsafe fn silu_mul(
     // SAFETY: the level is supported; the pointers are the caller's contract.
     unsafe {
         match level {
-            SimdLevel::Avx2 => avx2::silu_mul(gate, other, out, len),
-            _ => avx512::silu_mul(gate, other, out, len),
+            SimdLevel::Avx2 => avx2::gate_mul::<SIGMOID>(gate, other, out, len),
+            _ => avx512::gate_mul::<SIGMOID>(gate, other, out, len),
         }
     }
 }
