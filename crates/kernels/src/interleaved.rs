@@ -199,7 +199,50 @@ pub struct InterleavedMatrix {
     ty: WeightType,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: AlignedBytes,
+}
+
+/// Bytes starting on a 64-byte boundary, so that the kernels' 64-byte register loads of a
+/// group block's aligned parts each stay within one cache line (a large `Vec<u8>` starts 16
+/// bytes into a line, and every such load would touch two). Safe code: an over-allocated
+/// buffer and the offset of its first aligned byte.
+struct AlignedBytes {
+    buffer: Vec<u8>,
+    offset: usize,
+    len: usize,
+}
+
+impl AlignedBytes {
+    /// A cache line.
+    const ALIGN: usize = 64;
+
+    /// `len` zero bytes.
+    fn zeroed(len: usize) -> Self {
+        let buffer = vec![0; len + Self::ALIGN - 1];
+        let offset = (buffer.as_ptr() as usize).wrapping_neg() % Self::ALIGN;
+        Self {
+            buffer,
+            offset,
+            len,
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.buffer[self.offset..self.offset + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buffer[self.offset..self.offset + self.len]
+    }
+}
+
+impl Clone for AlignedBytes {
+    /// The copy's buffer has its own offset to a boundary.
+    fn clone(&self) -> Self {
+        let mut copy = Self::zeroed(self.len);
+        copy.as_mut_slice().copy_from_slice(self.as_slice());
+        copy
+    }
 }
 
 impl std::fmt::Debug for InterleavedMatrix {
@@ -220,8 +263,8 @@ impl InterleavedMatrix {
         if w.layout() != Layout::RowMajor {
             return None;
         }
-        let mut data = vec![0; repacked_bytes(w.ty(), w.rows(), w.cols())?];
-        repack(encoding, w.bytes(), w.rows(), &mut data);
+        let mut data = AlignedBytes::zeroed(repacked_bytes(w.ty(), w.rows(), w.cols())?);
+        repack(encoding, w.bytes(), w.rows(), data.as_mut_slice());
         Some(Self {
             ty: w.ty(),
             rows: w.rows(),
@@ -232,12 +275,12 @@ impl InterleavedMatrix {
 
     /// The matrix for [`crate::matmul`].
     pub fn view(&self) -> WeightMatrix<'_> {
-        WeightMatrix::interleaved(self.ty, self.rows, self.cols, &self.data)
+        WeightMatrix::interleaved(self.ty, self.rows, self.cols, self.data.as_slice())
     }
 
     /// Bytes held (the padded groups).
     pub fn n_bytes(&self) -> usize {
-        self.data.len()
+        self.data.len
     }
 }
 
@@ -648,6 +691,16 @@ mod tests {
         }
         let f16 = WeightMatrix::new(WeightType::F16, 1, 4, &[0; 8]).unwrap();
         assert!(InterleavedMatrix::repack(&f16).is_none());
+        // The bytes start on a cache line, in a clone too.
+        let data = weights(WeightType::Q4K, 20, 512, 4);
+        let packed =
+            InterleavedMatrix::repack(&WeightMatrix::new(WeightType::Q4K, 20, 512, &data).unwrap())
+                .unwrap();
+        let copy = packed.clone();
+        for m in [&packed, &copy] {
+            assert_eq!(m.view().bytes().as_ptr() as usize % 64, 0);
+        }
+        assert_eq!(packed.view().bytes(), copy.view().bytes());
         // Q4_K: 148 bytes per row and super-block; rows must be whole super-blocks.
         assert_eq!(Encoding::Q4K.group_block_bytes(), GROUP_ROWS * 148);
         assert_eq!(
@@ -684,7 +737,7 @@ mod tests {
                     let acts = encoded_activations(encoding, &x, cols);
                     let act_row = encoding.activation_row_bytes(cols);
                     let pass = Rows::new(&acts, act_row, act_row, n);
-                    for (g, group) in packed.data.chunks_exact(group_bytes).enumerate() {
+                    for (g, group) in packed.data.as_slice().chunks_exact(group_bytes).enumerate() {
                         let valid = GROUP_ROWS.min(rows - g * GROUP_ROWS);
                         let mut reference = vec![f32::NAN; n * GROUP_ROWS];
                         group_pass(
