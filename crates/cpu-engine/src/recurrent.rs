@@ -18,6 +18,7 @@
 //! slice ([`SnapshotRing::layer_heads_mut`]), so the heads of a layer run in parallel, each
 //! over all tokens of an evaluation with its own matrix hot in cache, from one borrow.
 
+use specula_kernels::aligned::AlignedVec;
 use specula_plugin_api::{ErrorKind, PluginError};
 
 /// Sizes of the per-layer recurrent state, in f32 values.
@@ -176,8 +177,9 @@ pub struct SnapshotRing {
     layout: StateLayout,
     /// Convolution states, `[layer][plane][conv_len]`.
     conv: Vec<f32>,
-    /// S matrices, `[layer][head][plane][head_len]`.
-    ssm: Vec<f32>,
+    /// S matrices, `[layer][head][plane][head_len]`, on a cache line so that the delta rule's
+    /// 64-byte row loads and stores (rows of S values, S a multiple of 16) each touch one line.
+    ssm: AlignedVec<f32>,
     index: RingIndex,
 }
 
@@ -217,27 +219,21 @@ impl SnapshotRing {
             layout.n_layers * layout.conv_len,
             layout.n_layers * layout.ssm_len(),
         ];
-        let (mut conv, mut ssm): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
-        loop {
-            let reserved = [&mut conv, &mut ssm]
-                .into_iter()
-                .zip(per_plane)
-                .all(|(v, len)| {
-                    n_planes
-                        .checked_mul(len)
-                        .is_some_and(|n| v.try_reserve_exact(n).is_ok())
-                });
-            match reserved {
-                true => break,
-                false if n_planes > 2 => {
-                    (conv, ssm) = (Vec::new(), Vec::new());
-                    n_planes = n_planes / 2 + 1;
-                }
-                false => return Err(too_small(n_planes)),
+        let allocate = |n_planes: usize| {
+            let mut conv = Vec::new();
+            conv.try_reserve_exact(n_planes.checked_mul(per_plane[0])?)
+                .ok()?;
+            conv.resize(n_planes * per_plane[0], 0.0);
+            let ssm = AlignedVec::try_zeroed(n_planes.checked_mul(per_plane[1])?)?;
+            Some((conv, ssm))
+        };
+        let (conv, ssm) = loop {
+            match allocate(n_planes) {
+                Some(states) => break states,
+                None if n_planes > 2 => n_planes = n_planes / 2 + 1,
+                None => return Err(too_small(n_planes)),
             }
-        }
-        conv.resize(n_planes * per_plane[0], 0.0);
-        ssm.resize(n_planes * per_plane[1], 0.0);
+        };
         let ring = Self {
             layout,
             conv,
@@ -317,7 +313,7 @@ impl SnapshotRing {
     /// [`SnapshotRing::conv_io`] holds per head.
     pub fn layer_heads_mut(&mut self, layer: usize) -> &mut [f32] {
         let len = self.layout.n_heads * self.head_planes_len();
-        &mut self.ssm[layer * len..][..len]
+        &mut self.ssm.as_mut_slice()[layer * len..][..len]
     }
 
     /// Values of one head's slice of [`SnapshotRing::layer_heads_mut`]: its matrix in every
@@ -358,7 +354,7 @@ impl SnapshotRing {
     pub fn live_head(&self, layer: usize, head: usize) -> &[f32] {
         let len = self.layout.head_len;
         let first = (layer * self.layout.n_heads + head) * self.head_planes_len();
-        &self.ssm[first + self.index.live_plane() * len..][..len]
+        &self.ssm.as_slice()[first + self.index.live_plane() * len..][..len]
     }
 }
 

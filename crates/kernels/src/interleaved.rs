@@ -57,6 +57,7 @@
 //!   those of ggml's `ggml_vec_dot_q4_K_q8_K`; only the f32 steps are fused and ordered
 //!   differently (so results differ from the row-major Q4_K kernel in the last bits).
 
+use crate::aligned::AlignedVec;
 use crate::matvec::{Layout, WeightMatrix};
 use crate::simd::{self, Rows, SimdLevel};
 use crate::{f16, k_quants, q4_k, q8_0, q8_k, ActivationFormat, WeightType};
@@ -199,50 +200,9 @@ pub struct InterleavedMatrix {
     ty: WeightType,
     rows: usize,
     cols: usize,
-    data: AlignedBytes,
-}
-
-/// Bytes starting on a 64-byte boundary, so that the kernels' 64-byte register loads of a
-/// group block's aligned parts each stay within one cache line (a large `Vec<u8>` starts 16
-/// bytes into a line, and every such load would touch two). Safe code: an over-allocated
-/// buffer and the offset of its first aligned byte.
-struct AlignedBytes {
-    buffer: Vec<u8>,
-    offset: usize,
-    len: usize,
-}
-
-impl AlignedBytes {
-    /// A cache line.
-    const ALIGN: usize = 64;
-
-    /// `len` zero bytes.
-    fn zeroed(len: usize) -> Self {
-        let buffer = vec![0; len + Self::ALIGN - 1];
-        let offset = (buffer.as_ptr() as usize).wrapping_neg() % Self::ALIGN;
-        Self {
-            buffer,
-            offset,
-            len,
-        }
-    }
-
-    fn as_slice(&self) -> &[u8] {
-        &self.buffer[self.offset..self.offset + self.len]
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.buffer[self.offset..self.offset + self.len]
-    }
-}
-
-impl Clone for AlignedBytes {
-    /// The copy's buffer has its own offset to a boundary.
-    fn clone(&self) -> Self {
-        let mut copy = Self::zeroed(self.len);
-        copy.as_mut_slice().copy_from_slice(self.as_slice());
-        copy
-    }
+    /// On a cache line, so the kernels' 64-byte loads of a group block's aligned parts each
+    /// stay within one line.
+    data: AlignedVec<u8>,
 }
 
 impl std::fmt::Debug for InterleavedMatrix {
@@ -263,7 +223,7 @@ impl InterleavedMatrix {
         if w.layout() != Layout::RowMajor {
             return None;
         }
-        let mut data = AlignedBytes::zeroed(repacked_bytes(w.ty(), w.rows(), w.cols())?);
+        let mut data = AlignedVec::zeroed(repacked_bytes(w.ty(), w.rows(), w.cols())?);
         repack(encoding, w.bytes(), w.rows(), data.as_mut_slice());
         Some(Self {
             ty: w.ty(),
@@ -280,7 +240,7 @@ impl InterleavedMatrix {
 
     /// Bytes held (the padded groups).
     pub fn n_bytes(&self) -> usize {
-        self.data.len
+        self.data.len()
     }
 }
 

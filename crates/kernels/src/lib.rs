@@ -33,6 +33,7 @@
 //! forms.
 
 pub mod activations;
+pub mod aligned;
 pub mod attention;
 pub mod bf16;
 pub mod delta_rule;
