@@ -24,7 +24,7 @@
 //! ring's memory), `deep_rollback` (`redecode`, the default, or `refuse`) and `kv_type` (how
 //! the attention KV cache stores keys and values: `f32`, the default, or `f16`, which halves
 //! its memory and the attention's memory traffic) and `weight_layout` (`interleaved`, the
-//! default: Q8_0 / Q4_0 matrices are repacked at load into interleaved 16-row groups where the
+//! default: Q8_0 / Q4_0 / Q4_K matrices are repacked at load into interleaved 16-row groups where the
 //! CPU has AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every
 //! matrix is read from the mapped file as stored). Unknown options are ignored with a warning.
 
@@ -68,7 +68,7 @@ pub const OPTION_WEIGHT_LAYOUT: &str = "weight_layout";
 /// Where the multiplied weight matrices live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightLayout {
-    /// Q8_0 / Q4_0 matrices repacked at load into interleaved 16-row groups, where the SIMD
+    /// Q8_0 / Q4_0 / Q4_K matrices repacked at load into interleaved 16-row groups, where the SIMD
     /// level has a kernel for them (AVX-512): the multi-row verify pass reads them several
     /// times faster. Costs their size again in memory and a moment at load.
     Interleaved,
