@@ -507,3 +507,52 @@ fn prompt_from_stdin_drops_the_final_line_end() {
         "{v}"
     );
 }
+
+/// `specula bench` end to end on the trained stories model: every batch size up to the
+/// backend's capacity has a verify cost (the first one the unit), the oracle drafter accepts
+/// everything and gives the plain output, and both bandwidth measurements are there.
+#[test]
+fn bench_reports_every_figure_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "stories.toml",
+        &shared("models/stories260K.gguf"),
+        "",
+    );
+    let out = specula_ok(
+        &[
+            "bench",
+            "--profile",
+            profile.to_str().unwrap(),
+            "--runs",
+            "1",
+            "-n",
+            "16",
+            "--prompt-tokens",
+            "16",
+            "--drafters",
+            "oracle",
+            "--json",
+        ],
+        dir.path(),
+    );
+    let report = json_of(&out);
+    let verify = report["verify"].as_array().expect("verify costs");
+    assert!(verify.len() >= 8, "{verify:?}");
+    assert_eq!(verify[0]["k"], 1);
+    assert_eq!(verify[0]["ratio"], 1.0);
+    assert!(verify.iter().all(|v| v["seconds"].as_f64().unwrap() > 0.0));
+    for field in [
+        "bandwidth_bytes_per_second",
+        "bandwidth_at_end_bytes_per_second",
+        "prefill_tokens_per_second",
+        "decode_tokens_per_second",
+    ] {
+        assert!(report[field].as_f64().unwrap() > 0.0, "{field}: {report}");
+    }
+    let oracle = &report["drafters"][0];
+    assert_eq!(oracle["drafter"], "oracle");
+    assert_eq!(oracle["output_matches_plain"], true);
+    assert_eq!(oracle["acceptance"], 1.0);
+}

@@ -87,6 +87,20 @@ pub struct DrafterRun {
     pub efficiency: Option<f64>,
 }
 
+/// A change of the measured bandwidth between the start and the end of a run beyond which the
+/// report warns that the machine changed speed under it.
+const BANDWIDTH_DRIFT_WARNING: f64 = 0.15;
+
+impl BenchReport {
+    /// The relative change of the bandwidth from the start to the end of the run, if it is
+    /// beyond [`BANDWIDTH_DRIFT_WARNING`].
+    pub fn bandwidth_drift(&self) -> Option<f64> {
+        let start = self.bandwidth_bytes_per_second;
+        let drift = self.bandwidth_at_end_bytes_per_second / start - 1.0;
+        (start > 0.0 && drift.abs() > BANDWIDTH_DRIFT_WARNING).then_some(drift)
+    }
+}
+
 /// Everything `specula bench` measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
@@ -94,7 +108,10 @@ pub struct BenchReport {
     pub architecture: String,
     pub weight_bytes: u64,
     pub threads: u32,
+    /// Measured first; the roofline is against it.
     pub bandwidth_bytes_per_second: f64,
+    /// Measured again after every other figure.
+    pub bandwidth_at_end_bytes_per_second: f64,
     pub prompt_tokens: usize,
     pub prefill_tokens_per_second: f64,
     pub decode_tokens_per_second: f64,
@@ -148,7 +165,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let prompt_text = String::from_utf8_lossy(&pipeline.tokenizer.decode(&prompt_ids)).into_owned();
 
     let rounds = runs.max(VERIFY_MIN_ROUNDS);
-    let total = 1 + runs + rounds + runs + runs * options.drafters.len();
+    let total = 2 + runs + rounds + runs + runs * options.drafters.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len}")
@@ -308,6 +325,11 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
             efficiency,
         });
     }
+    // Shared machines change speed under a run (other tenants' memory traffic): measured
+    // again, the bandwidth shows whether the figures above saw the same machine.
+    bar.set_message("memory bandwidth again");
+    let bandwidth_at_end = read_bandwidth(options.bandwidth_bytes, threads as usize, 3);
+    bar.inc(1);
     bar.finish_and_clear();
 
     Ok(BenchReport {
@@ -316,6 +338,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         weight_bytes: info.weight_bytes,
         threads,
         bandwidth_bytes_per_second: bandwidth,
+        bandwidth_at_end_bytes_per_second: bandwidth_at_end,
         prompt_tokens: prompt_ids.len(),
         prefill_tokens_per_second: median(prefill),
         decode_tokens_per_second: decode_tps,
@@ -375,9 +398,16 @@ pub fn render(report: &BenchReport) -> String {
         report.threads
     );
     out += &format!(
-        "memory read bandwidth: {:.1} GB/s\n",
-        gb(report.bandwidth_bytes_per_second)
+        "memory read bandwidth: {:.1} GB/s ({:.1} GB/s at the end of the run)\n",
+        gb(report.bandwidth_bytes_per_second),
+        gb(report.bandwidth_at_end_bytes_per_second)
     );
+    if let Some(drift) = report.bandwidth_drift() {
+        out += &format!(
+            "warning: the memory bandwidth moved by {:+.0}% during the run; the machine's speed changed under it, so its figures (ratios and roofline included) are not comparable with each other\n",
+            100.0 * drift
+        );
+    }
     out += &format!(
         "prefill ({} tokens): {:.1} t/s\n",
         report.prompt_tokens, report.prefill_tokens_per_second
@@ -425,4 +455,43 @@ pub fn render(report: &BenchReport) -> String {
         out += &format!("skipped {name}: {reason}\n");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(start: f64, end: f64) -> BenchReport {
+        BenchReport {
+            model: "m".into(),
+            architecture: "llama".into(),
+            weight_bytes: 1 << 20,
+            threads: 2,
+            bandwidth_bytes_per_second: start,
+            bandwidth_at_end_bytes_per_second: end,
+            prompt_tokens: 8,
+            prefill_tokens_per_second: 100.0,
+            decode_tokens_per_second: 10.0,
+            roofline_fraction: 0.5,
+            verify: vec![VerifyCost {
+                k: 1,
+                seconds: 0.01,
+                ratio: 1.0,
+            }],
+            drafters: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_bandwidth_that_moved_during_the_run_is_flagged() {
+        assert_eq!(report(40e9, 44e9).bandwidth_drift(), None);
+        let text = render(&report(40e9, 44e9));
+        assert!(text.contains("40.0 GB/s (44.0 GB/s at the end"), "{text}");
+        assert!(!text.contains("warning"), "{text}");
+        let drift = report(40e9, 60e9).bandwidth_drift().expect("a drift");
+        assert!((drift - 0.5).abs() < 1e-9);
+        assert!(render(&report(40e9, 60e9)).contains("moved by +50%"));
+        assert!(report(60e9, 40e9).bandwidth_drift().unwrap() < 0.0);
+    }
 }
