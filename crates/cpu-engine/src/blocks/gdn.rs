@@ -357,7 +357,7 @@ pub fn forward(
 /// scaled by `1/sqrt(S)`.
 ///
 /// A row depends only on the inputs before it, not on earlier rows' results, so several rows
-/// run in parallel; each is computed by [`conv_row`] either way.
+/// run in parallel; each row runs the same code either way.
 pub fn conv_rows(
     shape: &GdnShape,
     w: &GdnWeights,
