@@ -93,7 +93,7 @@ const BANDWIDTH_DRIFT_WARNING: f64 = 0.15;
 
 impl BenchReport {
     /// The relative change of the bandwidth from the start to the end of the run, if it is
-    /// beyond [`BANDWIDTH_DRIFT_WARNING`].
+    /// beyond 15% (`BANDWIDTH_DRIFT_WARNING`).
     pub fn bandwidth_drift(&self) -> Option<f64> {
         let start = self.bandwidth_bytes_per_second;
         let drift = self.bandwidth_at_end_bytes_per_second / start - 1.0;
