@@ -91,42 +91,43 @@ pub fn swiglu_in_place_at(level: SimdLevel, gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// `x[i] = silu(gate[i]) · x[i]` (an output gated by SiLU, as Gated DeltaNet's `o · silu(z)`):
-/// [`swiglu_in_place`] with the result written over the other operand, bit for bit the same
-/// products.
-pub fn silu_gate_in_place(x: &mut [f32], gate: &[f32]) {
-    silu_gate_in_place_at(simd::level(), x, gate);
+/// The function an output gate applies to its gate values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// `silu(g)`: Gated DeltaNet's `o · silu(z)` (the same products as [`swiglu_in_place`]
+    /// with the result written over the other operand, bit for bit).
+    Silu,
+    /// `sigmoid(g)`: gated attention's output gate.
+    Sigmoid,
 }
 
-/// [`silu_gate_in_place`] at `level` (which must be supported).
-pub fn silu_gate_in_place_at(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
-    assert_eq!(x.len(), gate.len(), "silu gate: sizes differ");
-    match level {
-        SimdLevel::Scalar => {
-            for (v, g) in x.iter_mut().zip(gate) {
-                *v *= silu(*g);
-            }
+impl Gate {
+    /// The gate function of one value (the scalar reference).
+    #[inline]
+    pub fn apply(self, g: f32) -> f32 {
+        match self {
+            Gate::Silu => silu(g),
+            Gate::Sigmoid => sigmoid(g),
         }
-        _ => simd::silu_gate_in_place(level, x, gate),
     }
 }
 
-/// `x[i] = sigmoid(gate[i]) · x[i]` (gated attention's output gate), at the process's
+/// `x[i] = f(gate[i]) · x[i]`, `f` the [`Gate`]'s function, at the process's
 /// [`simd::level`].
-pub fn sigmoid_gate_in_place(x: &mut [f32], gate: &[f32]) {
-    sigmoid_gate_in_place_at(simd::level(), x, gate);
+pub fn gate_in_place(kind: Gate, x: &mut [f32], gate: &[f32]) {
+    gate_in_place_at(simd::level(), kind, x, gate);
 }
 
-/// [`sigmoid_gate_in_place`] at `level` (which must be supported).
-pub fn sigmoid_gate_in_place_at(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
-    assert_eq!(x.len(), gate.len(), "sigmoid gate: sizes differ");
+/// [`gate_in_place`] at `level` (which must be supported).
+pub fn gate_in_place_at(level: SimdLevel, kind: Gate, x: &mut [f32], gate: &[f32]) {
+    assert_eq!(x.len(), gate.len(), "gate: sizes differ");
     match level {
         SimdLevel::Scalar => {
             for (v, g) in x.iter_mut().zip(gate) {
-                *v *= sigmoid(*g);
+                *v *= kind.apply(*g);
             }
         }
-        _ => simd::sigmoid_gate_in_place(level, x, gate),
+        _ => simd::gate_in_place(level, kind, x, gate),
     }
 }
 
@@ -234,12 +235,12 @@ mod tests {
 
                 // The gate form gives the same products with the roles swapped.
                 let mut gated = other.clone();
-                silu_gate_in_place_at(level, &mut gated, &x);
+                gate_in_place_at(level, Gate::Silu, &mut gated, &x);
                 assert_eq!(bits(&gated), bits(&want), "silu gate {level:?} len {len}");
 
                 let (mut want, mut got) = (other.clone(), other.clone());
-                sigmoid_gate_in_place_at(SimdLevel::Scalar, &mut want, &x);
-                sigmoid_gate_in_place_at(level, &mut got, &x);
+                gate_in_place_at(SimdLevel::Scalar, Gate::Sigmoid, &mut want, &x);
+                gate_in_place_at(level, Gate::Sigmoid, &mut got, &x);
                 assert_eq!(bits(&got), bits(&want), "sigmoid gate {level:?} len {len}");
             }
         }

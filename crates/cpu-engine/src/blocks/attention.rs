@@ -17,8 +17,9 @@
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
+use specula_kernels::activations::{self, Gate};
 use specula_kernels::attention::{self as kattention, Cached};
-use specula_kernels::{activations, matmul, ops, MatmulScratch, Rope, Rows};
+use specula_kernels::{matmul, ops, MatmulScratch, Rope, Rows};
 use specula_plugin_api::PluginError;
 
 use crate::kv_cache::{CachedHeads, KvCache};
@@ -415,7 +416,7 @@ pub fn forward_gated(
         &mut s.attention,
         &mut s.attn[..m * ow],
     );
-    activations::sigmoid_gate_in_place(&mut s.attn[..m * ow], &s.gate[..m * ow]);
+    activations::gate_in_place(Gate::Sigmoid, &mut s.attn[..m * ow], &s.gate[..m * ow]);
     matmul(&w.attn_output.view(file)?, &s.attn[..m * ow], out, mm);
     Ok(())
 }

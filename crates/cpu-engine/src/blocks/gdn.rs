@@ -22,8 +22,9 @@
 
 use rayon::prelude::*;
 use specula_gguf::GgufFile;
+use specula_kernels::activations::{self, Gate};
 use specula_kernels::delta_rule::{self, DeltaInputs};
-use specula_kernels::{activations, matmul, ops, MatmulScratch};
+use specula_kernels::{matmul, ops, MatmulScratch};
 use specula_plugin_api::PluginError;
 
 use crate::model::weights::{load_f32, load_vector, MatrixRef};
@@ -465,7 +466,7 @@ pub fn head_step(
     };
     delta_rule::step(inputs, state_in, state_out, o);
     ops::rms_norm_in_place(o, &w.norm, shape.eps);
-    activations::silu_gate_in_place(o, x.z);
+    activations::gate_in_place(Gate::Silu, o, x.z);
 }
 
 #[cfg(test)]

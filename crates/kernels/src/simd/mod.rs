@@ -767,20 +767,26 @@ pub(crate) fn swiglu_in_place(level: SimdLevel, gate: &mut [f32], up: &[f32]) {
     unsafe { gate_mul::<false>(level, out, Some(up.as_ptr()), out, gate.len()) }
 }
 
-/// `x = silu(gate) · x` at a SIMD `level` ([`crate::activations::silu_gate_in_place`]).
-pub(crate) fn silu_gate_in_place(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
-    assert_eq!(x.len(), gate.len(), "silu gate: sizes differ");
+/// `x = f(gate) · x` at a SIMD `level` ([`crate::activations::gate_in_place`]).
+pub(crate) fn gate_in_place(
+    level: SimdLevel,
+    kind: crate::activations::Gate,
+    x: &mut [f32],
+    gate: &[f32],
+) {
+    assert_eq!(x.len(), gate.len(), "gate: sizes differ");
     let out = x.as_mut_ptr();
     // SAFETY: both slices hold `x.len()` values (checked above).
-    unsafe { gate_mul::<false>(level, gate.as_ptr(), Some(out), out, x.len()) }
-}
-
-/// `x = sigmoid(gate) · x` at a SIMD `level` ([`crate::activations::sigmoid_gate_in_place`]).
-pub(crate) fn sigmoid_gate_in_place(level: SimdLevel, x: &mut [f32], gate: &[f32]) {
-    assert_eq!(x.len(), gate.len(), "sigmoid gate: sizes differ");
-    let out = x.as_mut_ptr();
-    // SAFETY: both slices hold `x.len()` values (checked above).
-    unsafe { gate_mul::<true>(level, gate.as_ptr(), Some(out), out, x.len()) }
+    unsafe {
+        match kind {
+            crate::activations::Gate::Silu => {
+                gate_mul::<false>(level, gate.as_ptr(), Some(out), out, x.len())
+            }
+            crate::activations::Gate::Sigmoid => {
+                gate_mul::<true>(level, gate.as_ptr(), Some(out), out, x.len())
+            }
+        }
+    }
 }
 
 /// The level's `gate_mul` kernel: `out[i] = f(gate[i]) · other[i]`, `f` SiLU or (`SIGMOID`)
