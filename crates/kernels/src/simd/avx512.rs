@@ -1351,8 +1351,9 @@ pub(crate) unsafe fn interleaved_q4k_pass(
 /// of the 0.6B-shaped Q4_K model (cost of k rows over one row, alternating runs): sweeps of
 /// 8 gave k = 4 / 8 at 1.30–1.31 / 2.04–2.07, of 4 at 1.33 / 1.60–1.62, of 3 at 1.12–1.19 /
 /// 1.51–1.62, of 2 at 1.16–1.19 / 1.63–1.71, of 1 at 1.21–1.22 / 1.94. The group
-/// block is in L1 for every sweep after the first; wider sweeps lose more to their register
-/// pressure than they save in nibble decoding.
+/// block is in L1 for every sweep after the first; wider sweeps measured slower than the
+/// nibble decoding they save (register pressure, by the look of it — not confirmed without
+/// hardware counters).
 const Q4K_ROWS_PER_SWEEP: usize = 3;
 
 /// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains) give
