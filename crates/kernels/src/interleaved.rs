@@ -59,7 +59,7 @@
 
 use crate::aligned::AlignedVec;
 use crate::matvec::{Layout, WeightMatrix};
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, OutRows, Rows, SimdLevel};
 use crate::{f16, k_quants, q4_k, q8_0, q8_k, ActivationFormat, WeightType};
 
 /// Weight rows per interleaved group: one output register of 16 f32 lanes.
@@ -445,59 +445,77 @@ pub(crate) fn quantize_activation_row(
     encode_activation_row(encoding, quantized, out);
 }
 
-/// One group of weight rows (`group`: its group blocks) times a pass of at most
-/// [`simd::MAX_ROWS_PER_PASS`] activation rows (interleaved format): the product of the
-/// group's row `i` (`i < valid`) and activation row `b` at `out[b * stride + i]`, at `level`.
-pub(crate) fn group_pass(
+/// A run of whole groups of weight rows (`groups`: their group blocks, group after group)
+/// times a pass of at most [`simd::MAX_ROWS_PER_PASS`] activation rows (interleaved format):
+/// the product of the run's weight row `i < valid` and activation row `b` at
+/// `out.row(b)[first + i]`, at `level`. Rows of the last group from `valid` on are padding and
+/// never written.
+pub(crate) fn groups_pass(
     encoding: Encoding,
     level: SimdLevel,
-    group: &[u8],
+    groups: &[u8],
     x: Rows<'_, u8>,
-    out: &mut [f32],
-    stride: usize,
+    out: &mut OutRows<'_>,
+    first: usize,
     valid: usize,
 ) {
     match level {
-        SimdLevel::Avx512 => simd::interleaved_pass(encoding, group, x, out, stride, valid),
+        SimdLevel::Avx512 => simd::interleaved_pass(encoding, groups, x, out, first, valid),
         SimdLevel::Scalar => {
-            check_pass_sizes(encoding, group, &x, out, stride, valid);
-            for b in 0..x.count() {
-                let mut sums = [0.0; GROUP_ROWS];
-                dot_rows_scalar(encoding, group, x.row(b), &mut sums);
-                out[b * stride..][..valid].copy_from_slice(&sums[..valid]);
+            let group_bytes = check_pass_sizes(encoding, groups, &x, out, first, valid);
+            for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+                let rows = GROUP_ROWS.min(valid - g * GROUP_ROWS);
+                for b in 0..x.count() {
+                    let mut sums = [0.0; GROUP_ROWS];
+                    dot_rows_scalar(encoding, group, x.row(b), &mut sums);
+                    out.row(b)[first + g * GROUP_ROWS..][..rows].copy_from_slice(&sums[..rows]);
+                }
             }
         }
         SimdLevel::Avx2 => panic!("interleaved weights have no AVX2 kernel (see `supports`)"),
     }
 }
 
-/// Panics unless `group` and the activation rows `x` hold the same whole number of blocks,
-/// `x` is at most one pass, `valid <= 16` and `out` holds `b * stride + i` for every activation
-/// row `b` and `i < valid`: everything the kernels index by (checked once per pass, by the
-/// AVX-512 entry point that guards the unsafe kernel or here for the scalar one).
+/// Panics unless `groups` is whole groups of as many blocks as each activation row of `x`
+/// holds, `valid` rows end in the last group, `x` is one pass with a row of `out` for each
+/// activation row, and every row of `out` holds `first + valid` outputs: everything the
+/// kernels index by (checked once per pass, by the AVX-512 entry point that guards the unsafe
+/// kernel or here for the scalar one). Returns the bytes of one group.
 pub(crate) fn check_pass_sizes(
     encoding: Encoding,
-    group: &[u8],
+    groups: &[u8],
     x: &Rows<'_, u8>,
-    out: &[f32],
-    stride: usize,
+    out: &OutRows<'_>,
+    first: usize,
     valid: usize,
-) {
+) -> usize {
     let act_block = encoding.activation_block_bytes();
     let blocks = x.len() / act_block;
     assert!(
-        x.len() == blocks * act_block,
+        blocks > 0 && x.len() == blocks * act_block,
         "interleaved: activation rows are not whole blocks"
     );
+    let group_bytes = blocks * encoding.group_block_bytes();
     assert!(
-        group.len() == blocks * encoding.group_block_bytes(),
-        "interleaved: weight group and activation sizes differ"
+        groups.len().is_multiple_of(group_bytes),
+        "interleaved: weight groups and activation sizes differ"
     );
-    assert!(valid <= GROUP_ROWS && x.count() <= simd::MAX_ROWS_PER_PASS);
+    let n_groups = groups.len() / group_bytes;
     assert!(
-        x.count() == 0 || (x.count() - 1) * stride + valid <= out.len(),
+        valid <= n_groups * GROUP_ROWS && valid + GROUP_ROWS > n_groups * GROUP_ROWS,
+        "interleaved: {valid} valid rows in {n_groups} groups"
+    );
+    assert!(
+        x.count() == out.count() && x.count() <= simd::MAX_ROWS_PER_PASS,
+        "interleaved: {} activation rows, {} output rows",
+        x.count(),
+        out.count()
+    );
+    assert!(
+        x.count() == 0 || first + valid <= out.len(),
         "interleaved: output too small"
     );
+    group_bytes
 }
 
 /// Scalar reference: the 16 rows of one group (`group`) times one activation row `x`
@@ -697,57 +715,71 @@ mod tests {
                     let acts = encoded_activations(encoding, &x, cols);
                     let act_row = encoding.activation_row_bytes(cols);
                     let pass = Rows::new(&acts, act_row, act_row, n);
+                    // The reference group by group, each level over the whole run of groups
+                    // in one call.
+                    let mut reference = vec![f32::NAN; n * rows];
                     for (g, group) in packed.data.as_slice().chunks_exact(group_bytes).enumerate() {
                         let valid = GROUP_ROWS.min(rows - g * GROUP_ROWS);
-                        let mut reference = vec![f32::NAN; n * GROUP_ROWS];
-                        group_pass(
+                        let mut out = OutRows::new(reference.chunks_exact_mut(rows));
+                        let level = SimdLevel::Scalar;
+                        groups_pass(
                             encoding,
-                            SimdLevel::Scalar,
+                            level,
                             group,
                             pass,
-                            &mut reference,
-                            GROUP_ROWS,
+                            &mut out,
+                            g * GROUP_ROWS,
                             valid,
                         );
-                        for level in levels() {
-                            let mut got = vec![f32::NAN; n * GROUP_ROWS];
-                            group_pass(encoding, level, group, pass, &mut got, GROUP_ROWS, valid);
+                    }
+                    for level in levels() {
+                        // Each output row is followed by a guard of NaNs: the padding rows of
+                        // the last group are never written.
+                        let mut got = vec![f32::NAN; n * (rows + GROUP_ROWS)];
+                        let rows_out = got.chunks_exact_mut(rows + GROUP_ROWS);
+                        let mut out = OutRows::new(rows_out.map(|row| &mut row[..rows]));
+                        groups_pass(
+                            encoding,
+                            level,
+                            packed.data.as_slice(),
+                            pass,
+                            &mut out,
+                            0,
+                            rows,
+                        );
+                        for (b, row) in got.chunks_exact(rows + GROUP_ROWS).enumerate() {
                             assert_eq!(
-                                bits(&got),
-                                bits(&reference),
-                                "{ty:?} {rows}x{cols} n={n} group {g} {level}"
+                                bits(&row[..rows]),
+                                bits(&reference[b * rows..(b + 1) * rows]),
+                                "{ty:?} {rows}x{cols} n={n} {level} row {b}"
                             );
+                            assert!(row[rows..].iter().all(|v| v.is_nan()));
                         }
-                        for b in 0..n {
-                            let xb = &x[b * cols..(b + 1) * cols];
-                            let mut q = vec![0; encoding.activation().row_bytes(cols).unwrap()];
-                            for i in 0..valid {
-                                let r = g * GROUP_ROWS + i;
-                                let ggml = match encoding {
-                                    Encoding::Q8_0 => {
-                                        q8_0::quantize_row_scalar(xb, &mut q);
-                                        q8_0::dot_scalar(plain.row(r), &q)
-                                    }
-                                    Encoding::Q4_0 => {
-                                        q8_0::quantize_row_scalar(xb, &mut q);
-                                        crate::q4_0::dot_scalar(plain.row(r), &q)
-                                    }
-                                    Encoding::Q4K => {
-                                        q8_k::quantize_row_scalar(xb, &mut q);
-                                        q4_k::dot_scalar(plain.row(r), &q)
-                                    }
-                                };
-                                let got = reference[b * GROUP_ROWS + i];
-                                let tol = 1e-6 * magnitude(&plain, r, xb);
-                                assert!(
-                                    (got - ggml).abs() <= tol,
-                                    "{ty:?} row {r}: {got} vs {ggml} (tolerance {tol})"
-                                );
-                            }
-                            // Padding rows are never written.
-                            assert!(reference[b * GROUP_ROWS + valid..(b + 1) * GROUP_ROWS]
-                                .iter()
-                                .all(|v| v.is_nan()));
+                    }
+                    for b in 0..n {
+                        let xb = &x[b * cols..(b + 1) * cols];
+                        let mut q = vec![0; encoding.activation().row_bytes(cols).unwrap()];
+                        for r in 0..rows {
+                            let ggml = match encoding {
+                                Encoding::Q8_0 => {
+                                    q8_0::quantize_row_scalar(xb, &mut q);
+                                    q8_0::dot_scalar(plain.row(r), &q)
+                                }
+                                Encoding::Q4_0 => {
+                                    q8_0::quantize_row_scalar(xb, &mut q);
+                                    crate::q4_0::dot_scalar(plain.row(r), &q)
+                                }
+                                Encoding::Q4K => {
+                                    q8_k::quantize_row_scalar(xb, &mut q);
+                                    q4_k::dot_scalar(plain.row(r), &q)
+                                }
+                            };
+                            let got = reference[b * rows + r];
+                            let tol = 1e-6 * magnitude(&plain, r, xb);
+                            assert!(
+                                (got - ggml).abs() <= tol,
+                                "{ty:?} row {r}: {got} vs {ggml} (tolerance {tol})"
+                            );
                         }
                     }
                 }

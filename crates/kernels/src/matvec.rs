@@ -26,7 +26,9 @@ use rayon::prelude::*;
 
 use crate::k_quants::KEncoding;
 use crate::q8_0::Block32Encoding;
-use crate::simd::{self, Accumulator, RowSumsEncoding, Rows, SimdLevel, MAX_ROWS_PER_PASS};
+use crate::simd::{
+    self, Accumulator, OutRows, RowSumsEncoding, Rows, SimdLevel, MAX_ROWS_PER_PASS,
+};
 use crate::{
     bf16, f16, f32, interleaved, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError,
     WeightType,
@@ -246,15 +248,6 @@ fn matmul_tiled(
         row_buffer,
         staging,
     } = scratch;
-    // One thread chunk of weight rows writes its results activation-row-major into its own
-    // piece of `dest`; with several activation rows those pieces are then copied into place
-    // row by row (contiguous copies, not a strided transpose).
-    let dest: &mut [f32] = if n == 1 {
-        &mut *out
-    } else {
-        staging.resize(n * rows, 0.0);
-        &mut *staging
-    };
     if w.layout() == Layout::Interleaved {
         let encoding = interleaved::encoding(ty).expect("interleavable type");
         let act_row = encoding.activation_row_bytes(cols);
@@ -268,12 +261,18 @@ fn matmul_tiled(
             interleaved::quantize_activation_row(encoding, values, row_buffer, encoded);
         }
         let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
-        run_interleaved(encoding, level, w, acts, dest, chunk_rows);
-        if n > 1 {
-            scatter_chunks(staging, out, n, rows, chunk_rows);
-        }
+        run_interleaved(encoding, level, w, acts, out, staging, chunk_rows);
         return;
     }
+    // One thread chunk of weight rows writes its results activation-row-major into its own
+    // piece of `dest`; with several activation rows those pieces are then copied into place
+    // row by row (contiguous copies, not a strided transpose).
+    let dest: &mut [f32] = if n == 1 {
+        &mut *out
+    } else {
+        staging.resize(n * rows, 0.0);
+        &mut *staging
+    };
     match ty.activation() {
         ActivationFormat::F32 => {
             let acts = Rows::new(x, cols, cols, n);
@@ -389,34 +388,114 @@ fn scatter_chunks(staging: &[f32], out: &mut [f32], n: usize, rows: usize, chunk
     }
 }
 
-/// [`run`] for an interleaved matrix: thread chunks of whole 16-row groups (`chunk_rows`, a
-/// multiple of 16), each group multiplied with every pass of activation rows.
+/// [`run`] for an interleaved matrix, in thread chunks of whole 16-row groups (`chunk_rows`, a
+/// multiple of 16). Up to a pass of activation rows (every verify) each chunk writes straight
+/// into `out`, its groups in one kernel call; more rows (prefill) run pass after pass over each
+/// group while it is in cache, through `staging` and [`scatter_chunks`] as in [`run`].
 fn run_interleaved(
     encoding: interleaved::Encoding,
     level: SimdLevel,
     w: &WeightMatrix<'_>,
     acts: Rows<'_, u8>,
-    dest: &mut [f32],
+    out: &mut [f32],
+    staging: &mut Vec<f32>,
     chunk_rows: usize,
 ) {
     let n = acts.count();
     let rows = w.rows();
     let group_bytes = encoding.group_bytes(w.cols());
+    // The group blocks of weight rows `first .. first + len` (`first` a multiple of 16).
+    let groups = |first: usize, len: usize| {
+        &w.bytes()[first / interleaved::GROUP_ROWS * group_bytes..]
+            [..len.div_ceil(interleaved::GROUP_ROWS) * group_bytes]
+    };
+    let multiply_adds = rows * w.cols() * n;
+    let sequential = rayon::current_num_threads() <= 1 || multiply_adds < PARALLEL_MIN_WORK;
+    if n <= MAX_ROWS_PER_PASS {
+        let work = |mut run: WeightRun<'_>| {
+            let groups = groups(run.first, run.len);
+            interleaved::groups_pass(encoding, level, groups, acts, &mut run.out, 0, run.len);
+        };
+        let whole = WeightRun {
+            first: 0,
+            len: rows,
+            out: OutRows::new(out.chunks_exact_mut(rows)),
+        };
+        if sequential {
+            work(whole);
+        } else {
+            rayon::iter::split(whole, |run| run.split(chunk_rows)).for_each(work);
+        }
+        return;
+    }
+    staging.resize(n * rows, 0.0);
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
         let chunk_len = dst.len() / n;
         for group_start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
-            let g = (first + group_start) / interleaved::GROUP_ROWS;
-            let group = &w.bytes()[g * group_bytes..][..group_bytes];
             let valid = interleaved::GROUP_ROWS.min(chunk_len - group_start);
+            let group = groups(first + group_start, valid);
             for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
-                let pass = acts.sub(pass_first, MAX_ROWS_PER_PASS.min(n - pass_first));
-                let out = &mut dst[pass_first * chunk_len + group_start..];
-                interleaved::group_pass(encoding, level, group, pass, out, chunk_len, valid);
+                let count = MAX_ROWS_PER_PASS.min(n - pass_first);
+                let pass_rows = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
+                let mut pass_out = OutRows::new(pass_rows);
+                let pass = acts.sub(pass_first, count);
+                interleaved::groups_pass(
+                    encoding,
+                    level,
+                    group,
+                    pass,
+                    &mut pass_out,
+                    group_start,
+                    valid,
+                );
             }
         }
     };
-    for_each_chunk(dest, chunk_rows * n, rows * w.cols() * n, work);
+    if sequential {
+        staging[..n * rows]
+            .chunks_mut(chunk_rows * n)
+            .enumerate()
+            .for_each(work);
+    } else {
+        staging[..n * rows]
+            .par_chunks_mut(chunk_rows * n)
+            .enumerate()
+            .for_each(work);
+    }
+    scatter_chunks(staging, out, n, rows, chunk_rows);
+}
+
+/// Weight rows `first .. first + len` of a matrix with their outputs for every activation row
+/// of a pass: the piece of a matmul one thread takes, split in halves of whole chunks while
+/// rayon asks for more pieces.
+struct WeightRun<'a> {
+    first: usize,
+    len: usize,
+    out: OutRows<'a>,
+}
+
+impl WeightRun<'_> {
+    /// The run in two halves of whole `chunk_rows` chunks, or whole when it is one chunk.
+    fn split(self, chunk_rows: usize) -> (Self, Option<Self>) {
+        let chunks = self.len.div_ceil(chunk_rows);
+        if chunks < 2 {
+            return (self, None);
+        }
+        let mid = chunks / 2 * chunk_rows;
+        let (low, high) = self.out.split_at(mid);
+        let high = WeightRun {
+            first: self.first + mid,
+            len: self.len - mid,
+            out: high,
+        };
+        let low = WeightRun {
+            first: self.first,
+            len: mid,
+            out: low,
+        };
+        (low, Some(high))
+    }
 }
 
 /// Single-row [`matmul`]: `out[r] = dot(w.row(r), x)`.

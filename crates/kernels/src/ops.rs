@@ -24,7 +24,22 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
 }
 
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
-    let sum: f64 = x.iter().map(|v| f64::from(v * v)).sum();
+    // The squares summed in f64 as ggml does, in eight interleaved partial sums (one register
+    // of lanes) rather than one serial chain: a head of 128 values is otherwise 128 dependent
+    // additions.
+    const LANES: usize = 8;
+    let mut lanes = [0.0f64; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, v) in lanes.iter_mut().zip(chunk) {
+            *lane += f64::from(v * v);
+        }
+    }
+    for (lane, v) in lanes.iter_mut().zip(tail) {
+        *lane += f64::from(v * v);
+    }
+    let sum: f64 = lanes.iter().sum();
     let mean = (sum / x.len() as f64) as f32;
     1.0 / (mean + eps).sqrt()
 }
@@ -126,15 +141,26 @@ impl Rope {
     pub fn apply(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
         let pairs = self.n_rot / 2;
         assert!(head.len() >= self.n_rot, "rope: head smaller than n_rot");
-        let (first, second): (fn(usize) -> usize, usize) = match self.mode {
-            RopeMode::Normal => (|i| 2 * i, 1),
-            RopeMode::NeoX | RopeMode::MultiSection(_) => (|i| i, pairs),
+        let (cos, sin) = (&cos[..pairs], &sin[..pairs]);
+        let rotate = |x0: &mut f32, x1: &mut f32, c: f32, s: f32| {
+            let (a, b) = (*x0, *x1);
+            *x0 = a * c - b * s;
+            *x1 = a * s + b * c;
         };
-        for i in 0..pairs {
-            let (a, b) = (first(i), first(i) + second);
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * cos[i] - x1 * sin[i];
-            head[b] = x0 * sin[i] + x1 * cos[i];
+        // One plain loop per pairing, so that the compiler vectorises each.
+        match self.mode {
+            RopeMode::Normal => {
+                for ((pair, &c), &s) in head[..self.n_rot].chunks_exact_mut(2).zip(cos).zip(sin) {
+                    let (x0, x1) = pair.split_at_mut(1);
+                    rotate(&mut x0[0], &mut x1[0], c, s);
+                }
+            }
+            RopeMode::NeoX | RopeMode::MultiSection(_) => {
+                let (first, second) = head[..self.n_rot].split_at_mut(pairs);
+                for (((x0, x1), &c), &s) in first.iter_mut().zip(second).zip(cos).zip(sin) {
+                    rotate(x0, x1, c, s);
+                }
+            }
         }
     }
 }

@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 use super::avx2::{
     decode_block32, float_size, k_block_bytes, row_ptrs, F16, F32, Q4_K, Q6_K, Q8_0,
 };
-use super::{in_passes, with_row_count, Accumulator, Rows};
+use super::{in_passes, with_row_count, Accumulator, OutRows, Rows, MAX_ROWS_PER_PASS};
 use crate::{q8_0, q8_k};
 
 /// Lanes `first .. first + 16` of an accumulator.
@@ -1178,29 +1178,68 @@ unsafe fn k_quant_pass<const KIND: u8, const N: usize>(
 // Interleaved weight groups (16 rows): Q8_0 / Q4_0 × Q8_0 activations, Q4_K × Q8_K activations
 // ---------------------------------------------------------------------------------------------
 
-/// One interleaved Q8_0 / Q4_0 group of 16 weight rows ([`crate::interleaved`]) times a pass
-/// of activation rows in the interleaved activation format: the product of weight row
-/// `i < valid` and activation row `b` at `out[b * stride + i]`.
+/// A run of interleaved Q8_0 / Q4_0 groups of 16 weight rows ([`crate::interleaved`]) times a
+/// pass of activation rows in the interleaved activation format: the product of the run's
+/// weight row `i < valid` and activation row `b` at `out.row(b)[first + i]`.
 ///
 /// # Safety
 ///
-/// AVX-512 is supported; `group` holds `x.len() / 40` group blocks of encoding `KIND`; `x`
-/// holds at most [`super::MAX_ROWS_PER_PASS`] rows of whole activation blocks; `out` holds
-/// index `(x.count() - 1) * stride + valid - 1`; `valid <= 16`.
+/// AVX-512 is supported; `groups` holds whole groups of `x.len() / 40` group blocks of encoding
+/// `KIND`, the last of which holds row `valid - 1`; `x` holds at most
+/// [`super::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many rows, each of
+/// at least `first + valid` outputs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn interleaved_pass<const KIND: u8>(
-    group: &[u8],
+    groups: &[u8],
     x: Rows<'_, u8>,
-    out: &mut [f32],
-    stride: usize,
+    out: &mut OutRows<'_>,
+    first: usize,
     valid: usize,
 ) {
     // SAFETY: forwarded contract.
     unsafe {
         with_row_count!(
             x.count(),
-            interleaved_rows::<KIND>(group, x, out.as_mut_ptr(), stride, valid)
+            interleaved_groups::<KIND>(groups, x, out, first, valid)
         )
+    }
+}
+
+/// [`interleaved_pass`] for `N` activation rows: the groups one after the other, all in one
+/// call (no argument round trip through memory between groups).
+///
+/// # Safety
+///
+/// As [`interleaved_pass`], with `x.count() == N`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn interleaved_groups<const KIND: u8, const N: usize>(
+    groups: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut OutRows<'_>,
+    first: usize,
+    valid: usize,
+) {
+    use crate::interleaved::{Encoding, GROUP_ROWS};
+    let encoding = match KIND {
+        Q8_0 => Encoding::Q8_0,
+        _ => Encoding::Q4_0,
+    };
+    let blocks = x.len() / encoding.activation_block_bytes();
+    let group_bytes = blocks * encoding.group_block_bytes();
+    let xp = row_ptrs::<u8, N>(&x);
+    let op = out.ptrs::<N>();
+    for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+        let offset = first + g * GROUP_ROWS;
+        // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
+        unsafe {
+            interleaved_rows::<KIND, N>(
+                group.as_ptr(),
+                blocks,
+                xp,
+                op.map(|p| p.add(offset)),
+                GROUP_ROWS.min(valid - g * GROUP_ROWS),
+            )
+        }
     }
 }
 
@@ -1226,31 +1265,39 @@ fn prefetch_block(ahead: *const u8, bytes: usize) {
     }
 }
 
-/// Stores lanes `0..valid` of each row's 16 results at `out + r * stride`.
+/// Stores lanes `0..valid` of row `r`'s 16 results at `out[r]`.
 ///
 /// # Safety
 ///
-/// `out` holds `r * stride + i` for every row `r` of `acc` and `i < valid <= 16`.
+/// Every `out[r]` holds `valid <= 16` outputs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn store_group_results(acc: &[__m512], out: *mut f32, stride: usize, valid: usize) {
+unsafe fn store_group_results<const N: usize>(acc: &[__m512; N], out: [*mut f32; N], valid: usize) {
     let mask: __mmask16 = if valid >= 16 {
         0xffff
     } else {
         (1u16 << valid) - 1
     };
-    for (r, acc) in acc.iter().enumerate() {
-        // SAFETY: the caller guarantees `out` holds `r * stride + i` for every `i < valid`.
-        unsafe { _mm512_mask_storeu_ps(out.add(r * stride), mask, *acc) };
+    for (acc, out) in acc.iter().zip(out) {
+        // SAFETY: the caller guarantees `out` holds `valid` outputs.
+        unsafe { _mm512_mask_storeu_ps(out, mask, *acc) };
     }
 }
 
+/// One Q8_0 / Q4_0 group (`blocks` group blocks at `group`) times `N` activation rows (`xp`):
+/// lanes `0..valid` of row `r`'s results stored at `out[r]`.
+///
+/// # Safety
+///
+/// The group and every activation row hold `blocks` blocks; every `out[r]` holds `valid`
+/// outputs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
 unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
-    group: &[u8],
-    x: Rows<'_, u8>,
-    out: *mut f32,
-    stride: usize,
+    group: *const u8,
+    blocks: usize,
+    xp: [*const u8; N],
+    out: [*mut f32; N],
     valid: usize,
 ) {
     use crate::interleaved::{Encoding, BLOCK32_VALUES};
@@ -1260,15 +1307,13 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
     };
     let group_block = encoding.group_block_bytes();
     let act_block = encoding.activation_block_bytes();
-    let blocks = x.len() / act_block;
-    let xp = row_ptrs::<u8, N>(&x);
     let mut acc = [_mm512_setzero_ps(); N];
     let low_nibbles = _mm512_set1_epi8(0x0f);
     for b in 0..blocks {
         // SAFETY: block `b` lies inside the group and every activation row (caller's contract):
         // 32 scale bytes then 8 (Q8_0) or 4 (Q4_0) registers of quants; 40 activation bytes.
         unsafe {
-            let block = group.as_ptr().add(b * group_block);
+            let block = group.add(b * group_block);
             if N > 1 {
                 prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
             }
@@ -1310,39 +1355,56 @@ unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
         }
     }
     // SAFETY: forwarded contract on `out`.
-    unsafe { store_group_results(&acc, out, stride, valid) };
+    unsafe { store_group_results(&acc, out, valid) };
 }
 
-/// One interleaved Q4_K group of 16 weight rows ([`crate::interleaved`]) times a pass of
-/// activation rows in the interleaved Q4_K activation format: the product of weight row
-/// `i < valid` and activation row `b` at `out[b * stride + i]`.
+/// A run of interleaved Q4_K groups of 16 weight rows ([`crate::interleaved`]) times a pass of
+/// activation rows in the interleaved Q4_K activation format: the product of the run's weight
+/// row `i < valid` and activation row `b` at `out.row(b)[first + i]`.
 ///
 /// # Safety
 ///
-/// AVX-512 is supported; `group` holds `x.len() / 276` Q4_K group blocks; `x` holds at most
-/// [`super::MAX_ROWS_PER_PASS`] rows of whole activation blocks; `out` holds index
-/// `(x.count() - 1) * stride + valid - 1`; `valid <= 16`.
+/// AVX-512 is supported; `groups` holds whole groups of `x.len() / 276` Q4_K group blocks, the
+/// last of which holds row `valid - 1`; `x` holds at most [`super::MAX_ROWS_PER_PASS`] rows of
+/// whole activation blocks and `out` as many rows, each of at least `first + valid` outputs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn interleaved_q4k_pass(
-    group: &[u8],
+    groups: &[u8],
     x: Rows<'_, u8>,
-    out: &mut [f32],
-    stride: usize,
+    out: &mut OutRows<'_>,
+    first: usize,
     valid: usize,
 ) {
-    // The rows run in sweeps of at most `Q4K_ROWS_PER_SWEEP` over the group (the later ones
-    // from L1): each row's results are the same bits however the rows are grouped.
+    use crate::interleaved::{Encoding, GROUP_ROWS};
     let n = x.count();
-    for first in (0..n).step_by(Q4K_ROWS_PER_SWEEP) {
-        let rows = x.sub(first, Q4K_ROWS_PER_SWEEP.min(n - first));
-        let out = &mut out[first * stride..];
-        // SAFETY: forwarded contract; each sweep is a pass of its own, writing from row
-        // `first` on.
-        unsafe {
-            with_row_count!(
-                rows.count(),
-                interleaved_q4k_rows(group, rows, out.as_mut_ptr(), stride, valid)
-            )
+    let blocks = x.len() / Encoding::Q4K.activation_block_bytes();
+    let group_bytes = blocks * Encoding::Q4K.group_block_bytes();
+    let mut xp = [std::ptr::null(); MAX_ROWS_PER_PASS];
+    let mut op = [std::ptr::null_mut(); MAX_ROWS_PER_PASS];
+    for r in 0..n {
+        (xp[r], op[r]) = (x.ptr(r), out.ptr(r));
+    }
+    for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+        let offset = first + g * GROUP_ROWS;
+        let rows_valid = GROUP_ROWS.min(valid - g * GROUP_ROWS);
+        // The rows run in sweeps of at most `Q4K_ROWS_PER_SWEEP` over the group (the later
+        // ones from L1): each row's results are the same bits however the rows are grouped.
+        for sweep in (0..n).step_by(Q4K_ROWS_PER_SWEEP) {
+            let count = Q4K_ROWS_PER_SWEEP.min(n - sweep);
+            // SAFETY: the caller's contract; the sweep's rows are `sweep .. sweep + count` and
+            // group `g`'s outputs start at `offset` in every output row.
+            unsafe {
+                with_row_count!(
+                    count,
+                    interleaved_q4k_rows(
+                        group.as_ptr(),
+                        blocks,
+                        std::array::from_fn(|r| xp[sweep + r]),
+                        std::array::from_fn(|r| op[sweep + r].add(offset)),
+                        rows_valid,
+                    )
+                )
+            }
         }
     }
 }
@@ -1363,11 +1425,12 @@ const Q4K_ROWS_PER_SWEEP: usize = 3;
 /// for the whole pass; the loop over sub-blocks is outermost so that only one sub-block's 8
 /// weight registers and each row's `isum` are live.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
 unsafe fn interleaved_q4k_rows<const N: usize>(
-    group: &[u8],
-    x: Rows<'_, u8>,
-    out: *mut f32,
-    stride: usize,
+    group: *const u8,
+    blocks: usize,
+    xp: [*const u8; N],
+    out: [*mut f32; N],
     valid: usize,
 ) {
     use crate::interleaved::{
@@ -1375,8 +1438,6 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
     };
     let group_block = Encoding::Q4K.group_block_bytes();
     let act_block = Encoding::Q4K.activation_block_bytes();
-    let blocks = x.len() / act_block;
-    let xp = row_ptrs::<u8, N>(&x);
     let mut acc = [_mm512_setzero_ps(); N];
     let low_nibbles = _mm512_set1_epi8(0x0f);
     for b in 0..blocks {
@@ -1384,7 +1445,7 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
         // 8 quant registers) and every activation row (276 bytes: 256 quants, the scale, 4
         // dwords of sums) by the caller's contract.
         unsafe {
-            let block = group.as_ptr().add(b * group_block);
+            let block = group.add(b * group_block);
             // Unlike Q8_0, a Q4_K single-row pass gains from it too (4096² from DRAM, criterion,
             // alternating builds: 1 thread 20.8–20.9 GiB/s without, 27.3–28.2 with; 2 threads
             // 35.5–35.6 without, 36.4–53.0 with): its per-block work is long enough already.
@@ -1445,7 +1506,7 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
         }
     }
     // SAFETY: forwarded contract on `out`.
-    unsafe { store_group_results(&acc, out, stride, valid) };
+    unsafe { store_group_results(&acc, out, valid) };
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -321,6 +321,85 @@ impl<'a, T> Rows<'a, T> {
     }
 }
 
+/// The outputs of one pass of activation rows (at most [`MAX_ROWS_PER_PASS`]) over a run of
+/// weight rows: the product of the run's weight row `i` and activation row `b` goes to
+/// `row(b)[i]`. Each row is a separate borrow, so thread chunks of weight rows can write their
+/// runs of every output row in place (no staging buffer, no copy afterwards).
+#[derive(Debug, Default)]
+pub(crate) struct OutRows<'a> {
+    rows: [&'a mut [f32]; MAX_ROWS_PER_PASS],
+    count: usize,
+}
+
+impl<'a> OutRows<'a> {
+    /// The rows `rows` yields (at most [`MAX_ROWS_PER_PASS`]).
+    ///
+    /// # Panics
+    ///
+    /// If it yields more.
+    pub(crate) fn new(rows: impl IntoIterator<Item = &'a mut [f32]>) -> Self {
+        let mut out = Self::default();
+        for row in rows {
+            assert!(
+                out.count < MAX_ROWS_PER_PASS,
+                "out rows: more than one pass"
+            );
+            out.rows[out.count] = row;
+            out.count += 1;
+        }
+        out
+    }
+
+    /// Number of rows.
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Outputs every row holds (the shortest row's length).
+    pub(crate) fn len(&self) -> usize {
+        self.rows[..self.count]
+            .iter()
+            .map(|r| r.len())
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Row `b`.
+    pub(crate) fn row(&mut self, b: usize) -> &mut [f32] {
+        assert!(b < self.count, "out rows: row {b} of {}", self.count);
+        self.rows[b]
+    }
+
+    /// Every row split at `mid`: the outputs before and from `mid`.
+    pub(crate) fn split_at(self, mid: usize) -> (Self, Self) {
+        let (mut low, mut high) = (Self::default(), Self::default());
+        for (b, row) in self.rows.into_iter().take(self.count).enumerate() {
+            (low.rows[b], high.rows[b]) = row.split_at_mut(mid);
+        }
+        (low.count, high.count) = (self.count, self.count);
+        (low, high)
+    }
+
+    /// Pointer to the first output of row `b` (kernels write within [`len`]).
+    ///
+    /// [`len`]: OutRows::len
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) fn ptr(&mut self, b: usize) -> *mut f32 {
+        debug_assert!(b < self.count);
+        self.rows[b].as_mut_ptr()
+    }
+
+    /// [`ptr`] of rows `0 .. N`.
+    ///
+    /// [`ptr`]: OutRows::ptr
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) fn ptrs<const N: usize>(&mut self) -> [*mut f32; N] {
+        std::array::from_fn(|b| self.ptr(b))
+    }
+}
+
 /// Runs `pass(rows, accumulators)` over consecutive groups of at most [`MAX_ROWS_PER_PASS`]
 /// rows (used by every SIMD multi-input entry point).
 #[cfg(target_arch = "x86_64")]
@@ -623,31 +702,32 @@ pub(crate) fn row_sums(
     }
 }
 
-/// One interleaved group of 16 weight rows times a pass of activation rows at AVX-512, after
-/// checking every size the kernel indexes by.
+/// A run of interleaved groups of 16 weight rows times a pass of activation rows at AVX-512
+/// ([`crate::interleaved::groups_pass`]), after checking every size the kernel indexes by.
 pub(crate) fn interleaved_pass(
     encoding: crate::interleaved::Encoding,
-    group: &[u8],
+    groups: &[u8],
     x: Rows<'_, u8>,
-    out: &mut [f32],
-    stride: usize,
+    out: &mut OutRows<'_>,
+    first: usize,
     valid: usize,
 ) {
     SimdLevel::Avx512.assert_supported();
-    crate::interleaved::check_pass_sizes(encoding, group, &x, out, stride, valid);
+    crate::interleaved::check_pass_sizes(encoding, groups, &x, out, first, valid);
     if x.count() == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     {
         use crate::interleaved::Encoding as E;
-        let kernel: unsafe fn(&[u8], Rows<'_, u8>, &mut [f32], usize, usize) = match encoding {
+        type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
+        let kernel: Kernel = match encoding {
             E::Q8_0 => avx512::interleaved_pass::<{ avx2::Q8_0 }>,
             E::Q4_0 => avx512::interleaved_pass::<{ avx2::Q4_0 }>,
             E::Q4K => avx512::interleaved_q4k_pass,
         };
         // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
-        unsafe { kernel(group, x, out, stride, valid) }
+        unsafe { kernel(groups, x, out, first, valid) }
     }
 }
 
