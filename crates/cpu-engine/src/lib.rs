@@ -15,5 +15,6 @@ pub mod arch;
 pub mod blocks;
 pub mod kv_cache;
 pub mod model;
+pub mod pool;
 pub mod recurrent;
 pub mod validate;

@@ -45,6 +45,7 @@ use crate::blocks::mtp;
 use crate::kv_cache::{KvCache, KvType};
 use crate::model::{Graph, Model};
 use crate::recurrent::SnapshotRing;
+use specula_cpu_engine::pool::install_busy;
 
 /// `max_verify_tokens` advertised when the host passes 0.
 pub const DEFAULT_MAX_VERIFY_TOKENS: u32 = 8;
@@ -407,7 +408,7 @@ impl CpuBackend {
     ) -> Result<(), PluginError> {
         self.engine.validate(tokens)?;
         let engine = &mut self.engine;
-        self.pool.install(|| engine.forward(tokens, rows, logits))
+        install_busy(&self.pool, || engine.forward(tokens, rows, logits))
     }
 
     /// [`ForwardPass::truncate`] without the panic guard.
@@ -457,7 +458,7 @@ impl CpuBackend {
                     let result = if replay.is_empty() {
                         Ok(())
                     } else {
-                        self.pool.install(|| {
+                        install_busy(&self.pool, || {
                             engine.forward(&replay, LogitRows::None, &mut scratch_logits)
                         })
                     };
@@ -557,7 +558,7 @@ impl CpuBackend {
         let file = &engine.model.file;
         let scratch = &mut h.scratch;
         let chunk = engine.batch_rows;
-        self.pool.install(|| {
+        install_busy(&self.pool, || {
             mtp::forward_chunked(
                 &model.config,
                 weights,

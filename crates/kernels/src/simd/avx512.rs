@@ -546,12 +546,14 @@ unsafe fn scores_tiled<const KIND: u8, const C: usize>(
                     *reg = _mm512_loadu_ps(qp.add(16 * c));
                 }
             }
+            // Keys every query of the tile sees, then the causal tail with a check per query.
+            let shortest = tile_limits.iter().copied().min().unwrap_or(0);
             for j in 0..longest {
                 let kp = keys.ptr(j);
                 let k: [__m512; C] =
                     std::array::from_fn(|c| load16::<KIND>(kp.add(16 * c * size), 16));
                 for t in 0..count {
-                    if j >= tile_limits[t] {
+                    if j >= shortest && j >= tile_limits[t] {
                         continue;
                     }
                     let mut acc = [_mm512_setzero_ps(); 2];
@@ -647,7 +649,23 @@ unsafe fn sums_tiled<const KIND: u8, const C: usize>(
         // hold at least their limits; output rows `first + t` lie inside `out`.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); C]; SUM_TILE];
-            for j in 0..longest {
+            // Values every query of the tile sees (no per-query check), then the causal tail.
+            let shortest = tile_limits.iter().copied().min().unwrap_or(0);
+            if count == SUM_TILE {
+                for j in 0..shortest {
+                    let vp = values.ptr(j);
+                    let p: [__m512; SUM_TILE] =
+                        std::array::from_fn(|t| _mm512_set1_ps(*probs.ptr(first + t).add(j)));
+                    for c in 0..C {
+                        let v = load16::<KIND>(vp.add(16 * c * size), 16);
+                        for (regs, weight) in acc.iter_mut().zip(&p) {
+                            regs[c] = _mm512_fmadd_ps(*weight, v, regs[c]);
+                        }
+                    }
+                }
+            }
+            let tail_start = if count == SUM_TILE { shortest } else { 0 };
+            for j in tail_start..longest {
                 let vp = values.ptr(j);
                 let mut p = [_mm512_setzero_ps(); SUM_TILE];
                 for (t, weight) in p.iter_mut().enumerate().take(count) {

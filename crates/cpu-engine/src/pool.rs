@@ -1,0 +1,80 @@
+//! Running a forward pass on a rayon pool whose threads stay awake between its parallel
+//! regions.
+//!
+//! A forward pass is a few hundred short fork-joins (every projection, attention, the GDN
+//! heads), separated by bits of serial work (norms, RoPE, activation quantisation). Between
+//! them rayon parks its idle workers, and waking a parked thread costs a futex call and, in a
+//! virtual machine, an inter-processor interrupt to a halted vCPU: tens of microseconds per
+//! region, which a k-token verify pays as often as a single-token step. [`install_busy`] keeps
+//! the pool's other threads polling for work for the length of one pass (as llama.cpp's
+//! threads poll between graph nodes), so a region starts on every thread at once.
+
+use rayon::{ThreadPool, Yield};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Runs `work` on `pool` (as [`ThreadPool::install`]) while every other thread of the pool
+/// polls for the parallel work `work` spawns instead of parking between regions; they go back
+/// to rayon's normal idling when `work` returns.
+pub fn install_busy<R: Send>(pool: &ThreadPool, work: impl FnOnce() -> R + Send) -> R {
+    if pool.current_num_threads() <= 1 {
+        return pool.install(work);
+    }
+    pool.install(|| {
+        let owner = rayon::current_thread_index();
+        let done = AtomicBool::new(false);
+        rayon::scope(|scope| {
+            scope.spawn_broadcast(|_, context| {
+                // The thread running `work` must not spin here: `done` waits on it.
+                if Some(context.index()) == owner {
+                    return;
+                }
+                while !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() != Some(Yield::Executed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+            // Set however `work` ends, a panic included, so the scope can finish.
+            let _release = ReleaseOnDrop(&done);
+            work()
+        })
+    })
+}
+
+/// Sets its flag when dropped.
+struct ReleaseOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+
+    #[test]
+    fn runs_the_work_with_every_thread_and_returns() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for _ in 0..20 {
+                let sum: u64 = install_busy(&pool, || {
+                    (0..10_000u64).into_par_iter().map(|i| i * i).sum::<u64>()
+                        + (0..100u64).into_par_iter().sum::<u64>()
+                });
+                assert_eq!(sum, 333_283_335_000 + 4950);
+            }
+            // A panic in the work reaches the caller and leaves the pool usable.
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                install_busy(&pool, || -> u32 { panic!("boom") })
+            }));
+            assert!(caught.is_err());
+            assert_eq!(install_busy(&pool, || 7), 7);
+        }
+    }
+}
