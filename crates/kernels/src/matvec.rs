@@ -410,7 +410,6 @@ fn run_interleaved(
             [..len.div_ceil(interleaved::GROUP_ROWS) * group_bytes]
     };
     let multiply_adds = rows * w.cols() * n;
-    let sequential = rayon::current_num_threads() <= 1 || multiply_adds < PARALLEL_MIN_WORK;
     if n <= MAX_ROWS_PER_PASS {
         let work = |mut run: WeightRun<'_>| {
             let groups = groups(run.first, run.len);
@@ -421,7 +420,7 @@ fn run_interleaved(
             len: rows,
             out: OutRows::new(out.chunks_exact_mut(rows)),
         };
-        if sequential {
+        if rayon::current_num_threads() <= 1 || multiply_adds < PARALLEL_MIN_WORK {
             work(whole);
         } else {
             rayon::iter::split(whole, |run| run.split(chunk_rows)).for_each(work);
@@ -452,17 +451,12 @@ fn run_interleaved(
             }
         }
     };
-    if sequential {
-        staging[..n * rows]
-            .chunks_mut(chunk_rows * n)
-            .enumerate()
-            .for_each(work);
-    } else {
-        staging[..n * rows]
-            .par_chunks_mut(chunk_rows * n)
-            .enumerate()
-            .for_each(work);
-    }
+    for_each_chunk(
+        &mut staging[..n * rows],
+        chunk_rows * n,
+        multiply_adds,
+        work,
+    );
     scatter_chunks(staging, out, n, rows, chunk_rows);
 }
 
