@@ -555,4 +555,18 @@ fn bench_reports_every_figure_as_json() {
     assert_eq!(oracle["drafter"], "oracle");
     assert_eq!(oracle["output_matches_plain"], true);
     assert_eq!(oracle["acceptance"], 1.0);
+    // Its speedup is against plain decoding and its ideal against the verify cost, both
+    // measured again in its own pipeline.
+    let plain_here = oracle["plain_decode_tokens_per_second"].as_f64().unwrap();
+    let speedup = oracle["speedup"].as_f64().unwrap();
+    let tps = oracle["decode_tokens_per_second"].as_f64().unwrap();
+    assert!(
+        plain_here > 0.0 && (speedup - tps / plain_here).abs() < 1e-9,
+        "{oracle}"
+    );
+    let ratio = oracle["verify_ratio"].as_f64().unwrap();
+    let ideal = oracle["ideal_speedup"].as_f64().unwrap();
+    assert!(ratio > 0.0 && ideal > 0.0, "{oracle}");
+    let efficiency = oracle["efficiency"].as_f64().unwrap();
+    assert!((efficiency - speedup / ideal).abs() < 1e-9, "{oracle}");
 }
