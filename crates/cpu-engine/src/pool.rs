@@ -97,7 +97,6 @@ mod tests {
     /// deadlock seen in CI). Polling stops after `IDLE_POLL` without work instead.
     #[test]
     fn a_pass_waiting_on_a_job_its_poller_is_inside_finishes() {
-        use std::sync::atomic::AtomicBool;
         let (sender, receiver) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let pool = rayon::ThreadPoolBuilder::new()
