@@ -1261,9 +1261,9 @@ unsafe fn interleaved_groups<const KIND: u8, const N: usize>(
     }
 }
 
-/// How far ahead of the block being multiplied a multi-row interleaved pass prefetches.
-/// Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB; Q4_K (8 rows) the same from
-/// 4 to 16 KiB, worse from 20 KiB (16.3 against 18.3 GB/s) and without (6.5 GB/s).
+/// How far ahead of the block being multiplied a multi-row Q8_0 / Q4_0 interleaved pass
+/// prefetches. Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB. (Q4_K has its
+/// own, [`Q4K_PREFETCH_BYTES`].)
 const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
 
 /// Prefetches the `bytes` (a group block) at `ahead` into L1, a line at a time.
@@ -1402,13 +1402,25 @@ pub(crate) unsafe fn interleaved_q4k_pass(
     for r in 0..n {
         (xp[r], op[r]) = (x.ptr(r), out.ptr(r));
     }
+    // Each sweep prefetches its share of the stream ahead (see `Q4K_PREFETCH_BYTES`), so the
+    // memory stays busy through every sweep, not only the first.
+    let sweeps = n.div_ceil(Q4K_ROWS_PER_SWEEP);
+    let prefetch_per_block = Encoding::Q4K
+        .group_block_bytes()
+        .div_ceil(sweeps)
+        .next_multiple_of(64);
     for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
         let offset = first + g * GROUP_ROWS;
         let rows_valid = GROUP_ROWS.min(valid - g * GROUP_ROWS);
+        let ahead = group.as_ptr().wrapping_add(Q4K_PREFETCH_BYTES);
         // The rows run in sweeps of at most `Q4K_ROWS_PER_SWEEP` over the group (the later
         // ones from L1): each row's results are the same bits however the rows are grouped.
-        for sweep in (0..n).step_by(Q4K_ROWS_PER_SWEEP) {
+        for (sweep_index, sweep) in (0..n).step_by(Q4K_ROWS_PER_SWEEP).enumerate() {
             let count = Q4K_ROWS_PER_SWEEP.min(n - sweep);
+            let prefetch = Prefetch {
+                start: ahead.wrapping_add(sweep_index * blocks * prefetch_per_block),
+                per_block: prefetch_per_block,
+            };
             // SAFETY: the caller's contract; the sweep's rows are `sweep .. sweep + count` and
             // group `g`'s outputs start at `offset` in every output row.
             unsafe {
@@ -1420,9 +1432,49 @@ pub(crate) unsafe fn interleaved_q4k_pass(
                         std::array::from_fn(|r| xp[sweep + r]),
                         std::array::from_fn(|r| op[sweep + r].add(offset)),
                         rows_valid,
+                        prefetch,
                     )
                 )
             }
+        }
+    }
+}
+
+/// How far ahead of the group being multiplied the Q4_K pass prefetches. Measured through a
+/// verify pass of the 0.6B-shaped Q4_K model (alternating in one process, sweeps sharing the
+/// prefetch as now): k = 8 took 14.851 / 13.784 / 13.465 / 13.521 ms prefetching 8 / 12 / 16 /
+/// 24 KiB ahead, k = 1 the same within noise.
+const Q4K_PREFETCH_BYTES: usize = 16 << 10;
+
+/// The part of the weight stream ahead that one sweep of a Q4_K pass prefetches: `per_block`
+/// bytes from `start + b * per_block` while it multiplies block `b`, an eighth of them before
+/// each of the block's 8 sub-blocks.
+///
+/// Two measured effects shape it (0.6B Q4_K verify pass, variants alternating in one process):
+/// - A pass of several sweeps reads the group from DRAM in its first sweep and from L1 in the
+///   others. Prefetching a whole group block ahead per block in every sweep issues the stream's
+///   prefetches in the first sweep only and leaves memory idle through the rest, so each of `s`
+///   sweeps prefetches a `1/s` share of the group ahead: k = 6 / 8 from 14.266 / 17.878 ms to
+///   13.280 / 16.556 (slow memory) and from 12.157 / 14.729 to 11.717 / 13.784 ms (faster).
+/// - Spread over the sub-blocks instead of 37 prefetches in one burst per block, the stream
+///   keeps up far better: k = 1 from 13.299 / 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in
+///   three runs (the whole forward pass), k = 4 from 13.189 / 13.109 to 12.114 / 11.979;
+///   k = 8 within noise (14.347 / 15.018 against 15.165 / 14.844).
+#[derive(Clone, Copy)]
+struct Prefetch {
+    start: *const u8,
+    per_block: usize,
+}
+
+impl Prefetch {
+    /// Prefetches sub-block `j`'s eighth of the lines at `ahead` (this block's share).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    fn sub_block(self, ahead: *const u8, j: usize) {
+        let lines = self.per_block / 64;
+        for line in j * lines / 8..(j + 1) * lines / 8 {
+            // A prefetch never faults, so the address may run past the matrix.
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
         }
     }
 }
@@ -1450,6 +1502,7 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
     xp: [*const u8; N],
     out: [*mut f32; N],
     valid: usize,
+    prefetch: Prefetch,
 ) {
     use crate::interleaved::{
         Encoding, Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES,
@@ -1464,12 +1517,13 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
         // dwords of sums) by the caller's contract.
         unsafe {
             let block = group.add(b * group_block);
-            // Unlike Q8_0, a Q4_K single-row pass gains from it too (4096² from DRAM, criterion,
-            // alternating builds: 1 thread 20.8–20.9 GiB/s without, 27.3–28.2 with; 2 threads
-            // 35.5–35.6 without, 36.4–53.0 with): its per-block work is long enough already.
-            prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
+            // Unlike Q8_0, a Q4_K single-row pass gains from prefetching too (4096² from DRAM,
+            // criterion, alternating builds: 1 thread 20.8–20.9 GiB/s without, 27.3–28.2 with;
+            // 2 threads 35.5–35.6 without, 36.4–53.0 with): its per-block work is long enough.
+            let ahead = prefetch.start.wrapping_add(b * prefetch.per_block);
             let mut isum = [_mm512_setzero_si512(); N];
             for j in 0..8 {
+                prefetch.sub_block(ahead, j);
                 // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
                 let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
                 let mut w = [_mm512_setzero_si512(); 8];
