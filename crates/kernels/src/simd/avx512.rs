@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 use super::avx2::{
     decode_block32, float_size, k_block_bytes, row_ptrs, F16, F32, Q4_K, Q6_K, Q8_0,
 };
-use super::{in_passes, with_row_count, Accumulator, OutRows, Rows, MAX_ROWS_PER_PASS};
+use super::{in_passes, with_row_count, Accumulator, OutRows, Rows};
 use crate::{q8_0, q8_k};
 
 /// Lanes `first .. first + 16` of an accumulator.
@@ -1393,106 +1393,81 @@ pub(crate) unsafe fn interleaved_q4k_pass(
     first: usize,
     valid: usize,
 ) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_row_count!(
+            x.count(),
+            interleaved_q4k_groups(groups, x, out, first, valid)
+        )
+    }
+}
+
+/// [`interleaved_q4k_pass`] for `N` activation rows: every group in one sweep of all the rows.
+///
+/// One sweep of all 8 rows measured best once the prefetches were spread over the sub-blocks
+/// (see [`Q4K_PREFETCH_BYTES`]): 0.6B Q4_K verify pass, alternating in one process, k = 8 in
+/// 16.277 / 17.570 ms against 16.885 / 17.537 in sweeps of 4 and 19.331 / 19.917 in sweeps of 3
+/// (with the prefetches in one burst per block, sweeps of 3 had been best).
+///
+/// # Safety
+///
+/// As [`interleaved_q4k_pass`], with `x.count() == N`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn interleaved_q4k_groups<const N: usize>(
+    groups: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut OutRows<'_>,
+    first: usize,
+    valid: usize,
+) {
     use crate::interleaved::{Encoding, GROUP_ROWS};
-    let n = x.count();
     let blocks = x.len() / Encoding::Q4K.activation_block_bytes();
     let group_bytes = blocks * Encoding::Q4K.group_block_bytes();
-    let mut xp = [std::ptr::null(); MAX_ROWS_PER_PASS];
-    let mut op = [std::ptr::null_mut(); MAX_ROWS_PER_PASS];
-    for r in 0..n {
-        (xp[r], op[r]) = (x.ptr(r), out.ptr(r));
-    }
-    // Each sweep prefetches its share of the stream ahead (see `Q4K_PREFETCH_BYTES`), so the
-    // memory stays busy through every sweep, not only the first.
-    let sweeps = n.div_ceil(Q4K_ROWS_PER_SWEEP);
-    let prefetch_per_block = Encoding::Q4K
-        .group_block_bytes()
-        .div_ceil(sweeps)
-        .next_multiple_of(64);
+    let xp = row_ptrs::<u8, N>(&x);
+    let op = out.ptrs::<N>();
     for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
         let offset = first + g * GROUP_ROWS;
-        let rows_valid = GROUP_ROWS.min(valid - g * GROUP_ROWS);
-        let ahead = group.as_ptr().wrapping_add(Q4K_PREFETCH_BYTES);
-        // The rows run in sweeps of at most `Q4K_ROWS_PER_SWEEP` over the group (the later
-        // ones from L1): each row's results are the same bits however the rows are grouped.
-        for (sweep_index, sweep) in (0..n).step_by(Q4K_ROWS_PER_SWEEP).enumerate() {
-            let count = Q4K_ROWS_PER_SWEEP.min(n - sweep);
-            let prefetch = Prefetch {
-                start: ahead.wrapping_add(sweep_index * blocks * prefetch_per_block),
-                per_block: prefetch_per_block,
-            };
-            // SAFETY: the caller's contract; the sweep's rows are `sweep .. sweep + count` and
-            // group `g`'s outputs start at `offset` in every output row.
-            unsafe {
-                with_row_count!(
-                    count,
-                    interleaved_q4k_rows(
-                        group.as_ptr(),
-                        blocks,
-                        std::array::from_fn(|r| xp[sweep + r]),
-                        std::array::from_fn(|r| op[sweep + r].add(offset)),
-                        rows_valid,
-                        prefetch,
-                    )
-                )
-            }
+        // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
+        unsafe {
+            interleaved_q4k_rows::<N>(
+                group.as_ptr(),
+                blocks,
+                xp,
+                op.map(|p| p.add(offset)),
+                GROUP_ROWS.min(valid - g * GROUP_ROWS),
+            )
         }
     }
 }
 
-/// How far ahead of the group being multiplied the Q4_K pass prefetches. Measured through a
-/// verify pass of the 0.6B-shaped Q4_K model (alternating in one process, sweeps sharing the
-/// prefetch as now): k = 8 took 14.851 / 13.784 / 13.465 / 13.521 ms prefetching 8 / 12 / 16 /
-/// 24 KiB ahead, k = 1 the same within noise.
+/// How far ahead of the block being multiplied the Q4_K pass prefetches, an eighth of a group
+/// block before each of the block's 8 sub-blocks rather than the whole of it in one burst.
+///
+/// Spread that way the stream keeps up far better (0.6B Q4_K forward pass, variants alternating
+/// in one process): k = 1 from 13.299 / 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in three
+/// runs, k = 4 from 13.189 / 13.109 to 12.114 / 11.979. The distance: k = 8 took
+/// 14.851 / 13.784 / 13.465 / 13.521 ms prefetching 8 / 12 / 16 / 24 KiB ahead (in sweeps of 3
+/// rows then), k = 1 the same within noise.
 const Q4K_PREFETCH_BYTES: usize = 16 << 10;
 
-/// The part of the weight stream ahead that one sweep of a Q4_K pass prefetches: `per_block`
-/// bytes from `start + b * per_block` while it multiplies block `b`, an eighth of them before
-/// each of the block's 8 sub-blocks.
-///
-/// Two measured effects shape it (0.6B Q4_K verify pass, variants alternating in one process):
-/// - A pass of several sweeps reads the group from DRAM in its first sweep and from L1 in the
-///   others. Prefetching a whole group block ahead per block in every sweep issues the stream's
-///   prefetches in the first sweep only and leaves memory idle through the rest, so each of `s`
-///   sweeps prefetches a `1/s` share of the group ahead: k = 6 / 8 from 14.266 / 17.878 ms to
-///   13.280 / 16.556 (slow memory) and from 12.157 / 14.729 to 11.717 / 13.784 ms (faster).
-/// - Spread over the sub-blocks instead of 37 prefetches in one burst per block, the stream
-///   keeps up far better: k = 1 from 13.299 / 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in
-///   three runs (the whole forward pass), k = 4 from 13.189 / 13.109 to 12.114 / 11.979;
-///   k = 8 within noise (14.347 / 15.018 against 15.165 / 14.844).
-#[derive(Clone, Copy)]
-struct Prefetch {
-    start: *const u8,
-    per_block: usize,
-}
-
-impl Prefetch {
-    /// Prefetches sub-block `j`'s eighth of the lines at `ahead` (this block's share).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[inline]
-    fn sub_block(self, ahead: *const u8, j: usize) {
-        let lines = self.per_block / 64;
-        for line in j * lines / 8..(j + 1) * lines / 8 {
-            // A prefetch never faults, so the address may run past the matrix.
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
-        }
+/// Prefetches sub-block `j`'s eighth of the group block at `ahead`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn prefetch_q4k_sub_block(ahead: *const u8, j: usize) {
+    let lines = crate::interleaved::Encoding::Q4K
+        .group_block_bytes()
+        .div_ceil(64);
+    for line in j * lines / 8..(j + 1) * lines / 8 {
+        // A prefetch never faults, so the address may run past the matrix.
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
     }
 }
-
-/// Activation rows one sweep of the Q4_K kernel takes at most. Measured through a verify pass
-/// of the 0.6B-shaped Q4_K model (cost of k rows over one row, alternating runs): sweeps of
-/// 8 gave k = 4 / 8 at 1.30–1.31 / 2.04–2.07, of 4 at 1.33 / 1.60–1.62, of 3 at 1.12–1.19 /
-/// 1.51–1.62, of 2 at 1.16–1.19 / 1.63–1.71, of 1 at 1.21–1.22 / 1.94. The group
-/// block is in L1 for every sweep after the first; wider sweeps measured slower than the
-/// nibble decoding they save (register pressure, by the look of it — not confirmed without
-/// hardware counters).
-const Q4K_ROWS_PER_SWEEP: usize = 3;
 
 /// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains) give
 /// the 16 rows' `Σ q_w · q_x`, times the rows' `sc_j` (`vpmulld`) into `isum`; 4 `vpdpwssd` of
 /// the rows' min pairs against the activation's sub-block sum pairs give `imin`; then two
 /// fused multiply-adds (see [`crate::interleaved`]). A sub-block's nibbles are decoded once
-/// for the whole pass; the loop over sub-blocks is outermost so that only one sub-block's 8
+/// for all the rows; the loop over sub-blocks is outermost so that only one sub-block's 8
 /// weight registers and each row's `isum` are live.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
@@ -1502,7 +1477,6 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
     xp: [*const u8; N],
     out: [*mut f32; N],
     valid: usize,
-    prefetch: Prefetch,
 ) {
     use crate::interleaved::{
         Encoding, Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES,
@@ -1520,10 +1494,10 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
             // Unlike Q8_0, a Q4_K single-row pass gains from prefetching too (4096² from DRAM,
             // criterion, alternating builds: 1 thread 20.8–20.9 GiB/s without, 27.3–28.2 with;
             // 2 threads 35.5–35.6 without, 36.4–53.0 with): its per-block work is long enough.
-            let ahead = prefetch.start.wrapping_add(b * prefetch.per_block);
+            let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
             let mut isum = [_mm512_setzero_si512(); N];
             for j in 0..8 {
-                prefetch.sub_block(ahead, j);
+                prefetch_q4k_sub_block(ahead, j);
                 // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
                 let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
                 let mut w = [_mm512_setzero_si512(); 8];
