@@ -131,6 +131,43 @@ pub fn gate_in_place_at(level: SimdLevel, kind: Gate, x: &mut [f32], gate: &[f32
     }
 }
 
+/// Lanes the softmax sums its exponentials in: element `i` goes to lane `i % 16`, and the
+/// lanes are added in order at the end. (Fixed so that every SIMD level gives this reference's
+/// bits; 16 is one AVX-512 register, two AVX2 ones.)
+pub(crate) const SOFTMAX_LANES: usize = 16;
+
+/// Softmax in place: `exp(x - max)` with [`exp`], summed in 16 f32 lanes (element `i` in lane
+/// `i % 16`, the lanes added in order), scaled
+/// by the reciprocal of the sum; at the process's [`simd::level`]. Attention runs it over every
+/// score row of every head and layer, where a libm `expf` per score was a visible share of a
+/// verify pass.
+pub fn softmax_in_place(x: &mut [f32]) {
+    softmax_in_place_at(simd::level(), x);
+}
+
+/// [`softmax_in_place`] at `level` (which must be supported); every level gives the same bits.
+pub fn softmax_in_place_at(level: SimdLevel, x: &mut [f32]) {
+    if x.is_empty() {
+        return;
+    }
+    let sum = match level {
+        SimdLevel::Scalar => {
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut lanes = [0.0f32; SOFTMAX_LANES];
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = exp(*v - max);
+                lanes[i % SOFTMAX_LANES] += *v;
+            }
+            lanes.iter().fold(0.0, |sum, &lane| sum + lane)
+        }
+        _ => simd::softmax_exp_sum(level, x),
+    };
+    let inverse = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inverse;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +180,35 @@ mod tests {
     /// Distance in units of the last place between two finite f32 of the same sign.
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_keeps_order() {
+        let mut x = vec![1.0, 2.0, 3.0, -100.0, 1000.0];
+        softmax_in_place(&mut x);
+        let sum: f32 = x.iter().sum();
+        assert!((sum - 1.0).abs() < 1e-6);
+        assert!(x[4] > 0.99 && x[3] >= 0.0);
+        let mut y = vec![0.5, 0.25];
+        softmax_in_place(&mut y);
+        assert!(y[0] > y[1]);
+        let mut uniform = vec![0.3; 37];
+        softmax_in_place(&mut uniform);
+        assert!(uniform.iter().all(|&p| (p - 1.0 / 37.0).abs() < 1e-7));
+    }
+
+    #[test]
+    fn softmax_simd_levels_equal_the_scalar_reference() {
+        for level in SimdLevel::supported() {
+            for len in [1, 2, 7, 15, 16, 17, 31, 33, 64, 100, 1000] {
+                let x = random_vec(len, 20.0, len as u64 + 7);
+                let mut reference = x.clone();
+                softmax_in_place_at(SimdLevel::Scalar, &mut reference);
+                let mut got = x;
+                softmax_in_place_at(level, &mut got);
+                assert_eq!(bits(&got), bits(&reference), "{level:?} length {len}");
+            }
+        }
     }
 
     #[test]

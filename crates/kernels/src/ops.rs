@@ -186,20 +186,6 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
-/// Softmax in place: `exp(x - max)`, summed in f64, scaled by the f32 reciprocal of the sum.
-pub fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += f64::from(*v);
-    }
-    let inverse = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inverse;
-    }
-}
-
 /// `dst += src`, element-wise (residual connections).
 pub fn add_in_place(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len(), "add: sizes differ");
@@ -361,18 +347,6 @@ mod tests {
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(-5.0) - 0.006_715_348).abs() < 1e-8);
-    }
-
-    #[test]
-    fn softmax_sums_to_one_and_keeps_order() {
-        let mut x = vec![1.0, 2.0, 3.0, -100.0, 1000.0];
-        softmax_in_place(&mut x);
-        let sum: f32 = x.iter().sum();
-        assert!((sum - 1.0).abs() < 1e-6);
-        assert!(x[4] > 0.99 && x[3] >= 0.0);
-        let mut y = vec![0.5, 0.25];
-        softmax_in_place(&mut y);
-        assert!(y[0] > y[1]);
     }
 
     #[test]

@@ -194,7 +194,7 @@ pub fn attend_rows(
                 for score in row.iter_mut() {
                     *score *= scale;
                 }
-                ops::softmax_in_place(row);
+                activations::softmax_in_place(row);
             }
             let probs = Rows::new(s_buf, n_keys, n_keys, n_queries);
             kattention::weighted_sums(probs, value_rows, limits, &mut o_buf[..n_queries * vd]);

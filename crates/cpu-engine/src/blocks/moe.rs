@@ -14,7 +14,7 @@
 //! a verify row is bit-identical to a single-token evaluation.
 
 use specula_gguf::GgufFile;
-use specula_kernels::{activations, matmul, ops, MatmulScratch};
+use specula_kernels::{activations, matmul, MatmulScratch};
 use specula_plugin_api::PluginError;
 
 use crate::blocks::ffn;
@@ -180,7 +180,7 @@ pub fn forward(
     matmul(&w.gate_inp.view(file)?, xn, probs, mm);
     for i in 0..m {
         let row = &mut probs[i * n_expert..(i + 1) * n_expert];
-        ops::softmax_in_place(row);
+        activations::softmax_in_place(row);
         s.order.clear();
         s.order.extend(0..n_expert);
         s.order

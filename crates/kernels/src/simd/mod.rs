@@ -832,6 +832,26 @@ pub(crate) fn delta_rule_step(
     }
 }
 
+/// The exponentials and their sum of [`crate::activations::softmax_in_place_at`] at a SIMD
+/// `level`: `x[i] = exp(x[i] - max)` in place, summed in the reference's lanes.
+pub(crate) fn softmax_exp_sum(level: SimdLevel, x: &mut [f32]) -> f32 {
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported; the kernels stay inside `x`.
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::softmax_exp_sum(x),
+            _ => avx512::softmax_exp_sum(x),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no SIMD level is supported on this architecture")
+}
+
 /// `silu(x)` in place at a SIMD `level` ([`crate::activations::silu_in_place`]).
 pub(crate) fn silu_in_place(level: SimdLevel, x: &mut [f32]) {
     let out = x.as_mut_ptr();
