@@ -137,10 +137,9 @@ pub fn gate_in_place_at(level: SimdLevel, kind: Gate, x: &mut [f32], gate: &[f32
 pub(crate) const SOFTMAX_LANES: usize = 16;
 
 /// Softmax in place: `exp(x - max)` with [`exp`], summed in 16 f32 lanes (element `i` in lane
-/// `i % 16`, the lanes added in order), scaled
-/// by the reciprocal of the sum; at the process's [`simd::level`]. Attention runs it over every
-/// score row of every head and layer, where a libm `expf` per score was a visible share of a
-/// verify pass.
+/// `i % 16`, the lanes added in order), scaled by the reciprocal of the sum; at the process's
+/// [`simd::level`]. Attention runs it over every score row of every head and layer, where a
+/// libm `expf` per score was a visible share of a verify pass.
 pub fn softmax_in_place(x: &mut [f32]) {
     softmax_in_place_at(simd::level(), x);
 }
