@@ -833,48 +833,51 @@ fn sigmoid_ps(x: __m256) -> __m256 {
     _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(negated)))
 }
 
-/// [`super::softmax_exp_sum`]: whole 16-value chunks in two registers of lanes (0–7, 8–15),
-/// the tail as the scalar reference does it.
+/// The largest value of `x` (whole chunks of 16) or -∞, for [`super::softmax_exp_sum`].
 ///
 /// # Safety
 ///
 /// AVX2 and FMA must be available.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn softmax_exp_sum(x: &mut [f32]) -> f32 {
-    use crate::activations::{exp, SOFTMAX_LANES};
-    let full = x.len() / SOFTMAX_LANES;
-    // SAFETY: chunks `0 .. full` of 16 values lie inside `x`.
-    unsafe {
-        let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
-        for half in x[..16 * full].chunks_exact(8) {
-            max = _mm256_max_ps(max, _mm256_loadu_ps(half.as_ptr()));
-        }
-        let mut lanes = [0.0f32; SOFTMAX_LANES];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), max);
-        let max = lanes
-            .iter()
-            .take(8)
-            .chain(&x[16 * full..])
-            .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let shift = _mm256_set1_ps(max);
-        let p = x.as_mut_ptr();
-        let mut sums = [_mm256_setzero_ps(); 2];
-        for c in 0..full {
-            for (half, sum) in sums.iter_mut().enumerate() {
-                let at = p.add(16 * c + 8 * half);
-                let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(at), shift));
-                _mm256_storeu_ps(at, e);
+pub(crate) unsafe fn max_of_chunks(x: &[f32]) -> f32 {
+    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
+    for half in x.chunks_exact(8) {
+        // SAFETY: the half chunk holds 8 values.
+        max = _mm256_max_ps(max, unsafe { _mm256_loadu_ps(half.as_ptr()) });
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds 8 values.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), max) };
+    lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// `x[i] = exp(x[i] - max)` over whole chunks of 16 (two registers of lanes, 0–7 and 8–15),
+/// returning the sums of lanes 0–15, for [`super::softmax_exp_sum`].
+///
+/// # Safety
+///
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn exp_sum_chunks(x: &mut [f32], max: f32) -> [f32; 16] {
+    let shift = _mm256_set1_ps(max);
+    let mut sums = [_mm256_setzero_ps(); 2];
+    for chunk in x.chunks_exact_mut(16) {
+        for (half, sum) in chunk.chunks_exact_mut(8).zip(&mut sums) {
+            // SAFETY: the half chunk holds 8 values.
+            unsafe {
+                let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(half.as_ptr()), shift));
+                _mm256_storeu_ps(half.as_mut_ptr(), e);
                 *sum = _mm256_add_ps(*sum, e);
             }
         }
+    }
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: `lanes` holds 16 values.
+    unsafe {
         _mm256_storeu_ps(lanes.as_mut_ptr(), sums[0]);
         _mm256_storeu_ps(lanes.as_mut_ptr().add(8), sums[1]);
-        for (i, v) in x[16 * full..].iter_mut().enumerate() {
-            *v = exp(*v - max);
-            lanes[i] += *v;
-        }
-        lanes.iter().fold(0.0, |sum, &lane| sum + lane)
     }
+    lanes
 }
 
 /// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)

@@ -1559,41 +1559,43 @@ unsafe fn interleaved_q4k_rows<const N: usize>(
 // Activations (bit-identical to the scalar references in `crate::activations`)
 // ---------------------------------------------------------------------------------------------
 
-/// [`super::softmax_exp_sum`]: whole 16-value chunks in one register of lanes, the tail as the
-/// scalar reference does it.
+/// The largest value of `x` (whole chunks of 16) or -∞, for [`super::softmax_exp_sum`].
 ///
 /// # Safety
 ///
 /// AVX-512 must be available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn softmax_exp_sum(x: &mut [f32]) -> f32 {
-    use crate::activations::{exp, SOFTMAX_LANES};
-    let full = x.len() / SOFTMAX_LANES;
-    // SAFETY: chunks `0 .. full` of 16 values lie inside `x`.
-    unsafe {
-        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
-        for chunk in x.chunks_exact(SOFTMAX_LANES) {
-            max = _mm512_max_ps(max, _mm512_loadu_ps(chunk.as_ptr()));
-        }
-        let max = x[16 * full..]
-            .iter()
-            .fold(_mm512_reduce_max_ps(max), |m, &v| m.max(v));
-        let shift = _mm512_set1_ps(max);
-        let p = x.as_mut_ptr();
-        let mut sums = _mm512_setzero_ps();
-        for c in 0..full {
-            let e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p.add(16 * c)), shift));
-            _mm512_storeu_ps(p.add(16 * c), e);
+pub(crate) unsafe fn max_of_chunks(x: &[f32]) -> f32 {
+    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+    for chunk in x.chunks_exact(16) {
+        // SAFETY: the chunk holds 16 values.
+        max = _mm512_max_ps(max, unsafe { _mm512_loadu_ps(chunk.as_ptr()) });
+    }
+    _mm512_reduce_max_ps(max)
+}
+
+/// `x[i] = exp(x[i] - max)` over whole chunks of 16, returning the sums of lanes 0–15, for
+/// [`super::softmax_exp_sum`].
+///
+/// # Safety
+///
+/// AVX-512 must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn exp_sum_chunks(x: &mut [f32], max: f32) -> [f32; 16] {
+    let shift = _mm512_set1_ps(max);
+    let mut sums = _mm512_setzero_ps();
+    for chunk in x.chunks_exact_mut(16) {
+        // SAFETY: the chunk holds 16 values.
+        unsafe {
+            let e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(chunk.as_ptr()), shift));
+            _mm512_storeu_ps(chunk.as_mut_ptr(), e);
             sums = _mm512_add_ps(sums, e);
         }
-        let mut lanes = [0.0f32; SOFTMAX_LANES];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), sums);
-        for (i, v) in x[16 * full..].iter_mut().enumerate() {
-            *v = exp(*v - max);
-            lanes[i] += *v;
-        }
-        lanes.iter().fold(0.0, |sum, &lane| sum + lane)
     }
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: `lanes` holds 16 values.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
+    lanes
 }
 
 /// `e^x` per lane: the operations of [`crate::activations::exp`], in its order.

@@ -833,23 +833,38 @@ pub(crate) fn delta_rule_step(
 }
 
 /// The exponentials and their sum of [`crate::activations::softmax_in_place_at`] at a SIMD
-/// `level`: `x[i] = exp(x[i] - max)` in place, summed in the reference's lanes.
+/// `level`: `x[i] = exp(x[i] - max)` in place, summed in the reference's lanes. The level's
+/// kernels take the whole 16-value chunks; the tail runs as the scalar reference does it.
 pub(crate) fn softmax_exp_sum(level: SimdLevel, x: &mut [f32]) -> f32 {
+    use crate::activations::{exp, SOFTMAX_LANES};
     assert!(
         level != SimdLevel::Scalar,
         "SIMD kernels run SIMD levels only"
     );
     level.assert_supported();
+    let (body, tail) = x.split_at_mut(x.len() / SOFTMAX_LANES * SOFTMAX_LANES);
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the level is supported; the kernels stay inside `x`.
-    unsafe {
-        match level {
-            SimdLevel::Avx2 => avx2::softmax_exp_sum(x),
-            _ => avx512::softmax_exp_sum(x),
-        }
-    }
+    // SAFETY: the level is supported; `body` is whole chunks of 16 values.
+    let (max, mut lanes) = unsafe {
+        let body_max = match level {
+            SimdLevel::Avx2 => avx2::max_of_chunks(body),
+            _ => avx512::max_of_chunks(body),
+        };
+        let max = tail.iter().fold(body_max, |m, &v| m.max(v));
+        let lanes = match level {
+            SimdLevel::Avx2 => avx2::exp_sum_chunks(body, max),
+            _ => avx512::exp_sum_chunks(body, max),
+        };
+        (max, lanes)
+    };
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("no SIMD level is supported on this architecture")
+    let (max, mut lanes): (f32, [f32; SOFTMAX_LANES]) =
+        unreachable!("no SIMD level is supported on this architecture");
+    for (i, v) in tail.iter_mut().enumerate() {
+        *v = exp(*v - max);
+        lanes[i] += *v;
+    }
+    lanes.iter().fold(0.0, |sum, &lane| sum + lane)
 }
 
 /// `silu(x)` in place at a SIMD `level` ([`crate::activations::silu_in_place`]).
