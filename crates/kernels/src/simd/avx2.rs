@@ -881,8 +881,8 @@ pub(crate) unsafe fn exp_sum_chunks(x: &mut [f32], max: f32) -> [f32; 16] {
 }
 
 /// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
-/// the sigmoid, for `len` values,
-/// 8 lanes at a time, the tail through the scalar reference (the same bits).
+/// the sigmoid, for the whole registers of 8 among `len` values; returns how many it did
+/// (the caller finishes the tail).
 ///
 /// AVX2 and FMA must be available; `gate` and `other` readable and `out` writable for `len`
 /// values. `out` may be `gate` or `other`: each value is read before it is written.
@@ -892,7 +892,7 @@ pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
     other: Option<*const f32>,
     out: *mut f32,
     len: usize,
-) {
+) -> usize {
     let full = len / 8;
     for c in 0..full {
         // SAFETY: values `8c .. 8c + 8` exist behind every pointer (caller's contract).
@@ -905,19 +905,5 @@ pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
             _mm256_storeu_ps(out.add(8 * c), v);
         }
     }
-    for i in 8 * full..len {
-        // SAFETY: value `i < len` exists behind every pointer (caller's contract).
-        unsafe {
-            let g = *gate.add(i);
-            let s = if SIGMOID {
-                crate::activations::sigmoid(g)
-            } else {
-                crate::activations::silu(g)
-            };
-            *out.add(i) = match other {
-                Some(other) => s * *other.add(i),
-                None => s,
-            };
-        }
-    }
+    8 * full
 }

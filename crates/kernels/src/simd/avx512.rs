@@ -1649,8 +1649,8 @@ fn sigmoid_ps(x: __m512) -> __m512 {
 }
 
 /// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
-/// the sigmoid, for `len` values,
-/// 16 lanes at a time, the tail through the scalar reference (the same bits).
+/// the sigmoid, for the whole registers of 16 among `len` values; returns how many it did
+/// (the caller finishes the tail).
 ///
 /// The AVX-512 level must be available; `gate` and `other` readable and `out` writable for
 /// `len` values. `out` may be `gate` or `other`: each value is read before it is written.
@@ -1660,7 +1660,7 @@ pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
     other: Option<*const f32>,
     out: *mut f32,
     len: usize,
-) {
+) -> usize {
     let full = len / 16;
     for c in 0..full {
         // SAFETY: values `16c .. 16c + 16` exist behind every pointer (caller's contract).
@@ -1673,19 +1673,5 @@ pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
             _mm512_storeu_ps(out.add(16 * c), v);
         }
     }
-    for i in 16 * full..len {
-        // SAFETY: value `i < len` exists behind every pointer (caller's contract).
-        unsafe {
-            let g = *gate.add(i);
-            let s = if SIGMOID {
-                crate::activations::sigmoid(g)
-            } else {
-                crate::activations::silu(g)
-            };
-            *out.add(i) = match other {
-                Some(other) => s * *other.add(i),
-                None => s,
-            };
-        }
-    }
+    16 * full
 }

@@ -923,10 +923,28 @@ unsafe fn gate_mul<const SIGMOID: bool>(
     level.assert_supported();
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the level is supported; the pointers are the caller's contract.
-    unsafe {
+    let done = unsafe {
         match level {
             SimdLevel::Avx2 => avx2::gate_mul::<SIGMOID>(gate, other, out, len),
             _ => avx512::gate_mul::<SIGMOID>(gate, other, out, len),
+        }
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    // The tail through the scalar reference (the same bits).
+    for i in done..len {
+        // SAFETY: value `i < len` exists behind every pointer (caller's contract).
+        unsafe {
+            let g = *gate.add(i);
+            let s = if SIGMOID {
+                crate::activations::sigmoid(g)
+            } else {
+                crate::activations::silu(g)
+            };
+            *out.add(i) = match other {
+                Some(other) => s * *other.add(i),
+                None => s,
+            };
         }
     }
 }
