@@ -10,6 +10,7 @@
 //! it are overwritten by the next evaluation before anything reads them. Values are rounded to
 //! the storage type when stored, so a verify row and a single-token pass read the same bits.
 
+use rayon::prelude::*;
 use specula_kernels::attention::{Cached, CachedRows};
 
 use crate::blocks::attention::AttentionShape;
@@ -64,14 +65,45 @@ impl Rows {
         }
     }
 
-    fn write(&mut self, at: usize, values: &[f32]) {
-        match self {
-            Rows::F32(rows) => rows[at..at + values.len()].copy_from_slice(values),
-            Rows::F16(rows) => {
-                for (dst, v) in rows[at..at + values.len()].iter_mut().zip(values) {
-                    *dst = specula_kernels::f16::from_f32(*v);
+    /// Writes the `n` rows of `data` (each `heads` heads of `dim` values) at positions
+    /// `pos0 ..` of a head-major store of `n_ctx` positions per head; heads on the pool's
+    /// threads when there are several rows.
+    fn write_rows(&mut self, data: &[f32], dim: usize, n_ctx: usize, pos0: usize) {
+        fn write<T: Send>(
+            store: &mut [T],
+            data: &[f32],
+            dim: usize,
+            n_ctx: usize,
+            pos0: usize,
+            convert: impl Fn(f32) -> T + Sync,
+        ) {
+            let width = store.len() / n_ctx;
+            let n = data.len() / width;
+            let head = |(h, region): (usize, &mut [T])| {
+                for (i, row) in data.chunks_exact(width).enumerate() {
+                    let src = &row[h * dim..(h + 1) * dim];
+                    for (dst, v) in region[(pos0 + i) * dim..][..dim].iter_mut().zip(src) {
+                        *dst = convert(*v);
+                    }
                 }
+            };
+            let heads = store.chunks_mut(n_ctx * dim).enumerate();
+            if n > 1 && rayon::current_num_threads() > 1 {
+                store.par_chunks_mut(n_ctx * dim).enumerate().for_each(head);
+            } else {
+                heads.for_each(head);
             }
+        }
+        match self {
+            Rows::F32(store) => write(store, data, dim, n_ctx, pos0, |v| v),
+            Rows::F16(store) => write(
+                store,
+                data,
+                dim,
+                n_ctx,
+                pos0,
+                specula_kernels::f16::from_f32,
+            ),
         }
     }
 
@@ -186,23 +218,27 @@ impl KvCache {
         self.len = len;
     }
 
-    /// Stores the key row (`heads × key_dim`) and value row (`heads × value_dim`) of position
-    /// `pos` in `layer`, rounded to the storage type.
-    pub fn store(&mut self, layer: usize, pos: usize, key: &[f32], value: &[f32]) {
-        assert!(
-            pos < self.n_ctx,
-            "kv cache: position {pos} beyond {}",
-            self.n_ctx
-        );
-        let n_ctx = self.n_ctx;
-        for (rows, row, dim) in [
-            (&mut self.keys[layer], key, self.key_dim),
-            (&mut self.values[layer], value, self.value_dim),
+    /// Stores the key rows (each `heads × key_dim`) and value rows (each `heads × value_dim`)
+    /// of positions `pos0 ..` in `layer`, rounded to the storage type.
+    pub fn store(&mut self, layer: usize, pos0: usize, keys: &[f32], values: &[f32]) {
+        let (heads, n_ctx) = (self.heads, self.n_ctx);
+        for (rows, data, dim) in [
+            (&mut self.keys[layer], keys, self.key_dim),
+            (&mut self.values[layer], values, self.value_dim),
         ] {
-            assert_eq!(row.len(), self.heads * dim, "kv cache: row size");
-            for (h, head) in row.chunks_exact(dim.max(1)).enumerate() {
-                rows.write((h * n_ctx + pos) * dim, head);
-            }
+            let width = heads * dim;
+            assert!(
+                width > 0 && data.len().is_multiple_of(width),
+                "kv cache: rows of {width} values expected, got {}",
+                data.len()
+            );
+            let end = pos0 + data.len() / width;
+            assert!(
+                end <= n_ctx,
+                "kv cache: position {} beyond {n_ctx}",
+                end - 1
+            );
+            rows.write_rows(data, dim, n_ctx, pos0);
         }
     }
 

@@ -224,14 +224,15 @@ mod tests {
     #[test]
     fn every_level_matches_the_f64_reference() {
         for dim in [1, 5, 16, 40, 64, 128, 160] {
-            let n_keys = 13;
+            // Whole blocks of 16 keys and a ragged one, limits inside and at their ends.
+            let n_keys = 37;
             let n_queries = 7;
             let queries = random_vec(n_queries * dim, 1.0, dim as u64);
             let keys = random_vec(n_keys * dim, 1.0, dim as u64 + 1);
             let values = random_vec(n_keys * dim, 1.0, dim as u64 + 2);
             let (key_bits, keys_f16) = stored(&keys);
             let (value_bits, values_f16) = stored(&values);
-            let limits: Vec<usize> = (0..n_queries).map(|q| 1 + (q * 5) % n_keys).collect();
+            let limits: Vec<usize> = (0..n_queries).map(|q| 1 + (q * 15) % n_keys).collect();
             let q_rows = Rows::new(&queries, dim, dim, n_queries);
             let caches = [
                 (Cached::F32(&keys), Cached::F32(&values), &keys, &values),
@@ -300,7 +301,7 @@ mod tests {
     #[test]
     fn a_query_alone_gets_the_bits_it_gets_in_a_batch() {
         for dim in [40, 128] {
-            let (n_keys, n_queries) = (11, 9);
+            let (n_keys, n_queries) = (35, 9);
             let queries = random_vec(n_queries * dim, 1.0, 3);
             let keys = random_vec(n_keys * dim, 1.0, 4);
             let values = random_vec(n_keys * dim, 1.0, 5);

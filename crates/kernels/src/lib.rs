@@ -55,8 +55,8 @@ pub mod simd;
 
 pub use error::KernelError;
 pub use interleaved::InterleavedMatrix;
-pub use matvec::{matmul, matmul_at, matvec, Layout, MatmulScratch, WeightMatrix};
-pub use ops::{Rope, RopeMode, RopeSections};
+pub use matvec::{matmul, matmul_at, matmul_many, matvec, Layout, MatmulScratch, WeightMatrix};
+pub use ops::{Rope, RopeAngles, RopeMode, RopeSections};
 pub use simd::{Rows, SimdLevel};
 pub use specula_gguf::GgmlType;
 

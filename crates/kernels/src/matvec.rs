@@ -2,13 +2,15 @@
 //!
 //! [`matmul`] multiplies a weight matrix with one or more activation rows. Activation rows are
 //! first encoded for the weight type ([`WeightType::activation`]: f32, Q8_0 or Q8_K), once per
-//! call. Output rows of the weight matrix are then split across the current rayon pool (run it
-//! inside `pool.install`) in contiguous ranges. Within a range, a small group of weight rows is
-//! multiplied with a pass of up to [`simd::MAX_ROWS_PER_PASS`] activation rows: the kernels
-//! decode each weight block once and dot it with every activation row of the pass — so a
-//! verify batch reads the weights from memory once, not once per row — while the next weight
-//! row is prefetched. Passes whose activations would not fit the L2 are split into column
-//! tiles, each tile kept in cache while the group's weight rows stream through.
+//! call (several rows on the pool's threads), or once for all the matrices of a
+//! [`matmul_many`] that share an input (a layer's q, k and v projections). Output rows of the
+//! weight matrix are then split across the current rayon pool (run it inside `pool.install`)
+//! in contiguous ranges. Within a range, a small group of weight rows is multiplied with a
+//! pass of up to [`simd::MAX_ROWS_PER_PASS`] activation rows: the kernels decode each weight
+//! block once and dot it with every activation row of the pass — so a verify batch reads the
+//! weights from memory once, not once per row — while the next weight row is prefetched.
+//! Passes whose activations would not fit the L2 are split into column tiles, each tile kept
+//! in cache while the group's weight rows stream through.
 //!
 //! An interleaved matrix ([`Layout::Interleaved`], see [`crate::interleaved`]) is split across
 //! threads in whole 16-row groups instead, each group multiplied with every pass of activation
@@ -172,8 +174,10 @@ pub struct MatmulScratch {
     /// Activation rows encoded for quantised weight types (Q8_0 or Q8_K rows, in the widened
     /// format of the SIMD level where it has one).
     quantized: Vec<u8>,
-    /// One quantised row on its way to being widened.
+    /// The quantised rows on their way to being widened (one per activation row).
     row_buffer: Vec<u8>,
+    /// What `quantized` holds, for the next matrix of a [`matmul_many`] to reuse.
+    encoded: Option<EncodedRows>,
     /// Multi-row results, each thread chunk's activation-row-major, before they are copied
     /// into place.
     staging: Vec<f32>,
@@ -214,7 +218,146 @@ pub fn matmul_at(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    matmul_tiled(level, w, x, out, scratch, None);
+    matmul_tiled(level, w, x, out, scratch, None, false);
+}
+
+/// Several matrices times the same activation rows `x` (a layer's q, k and v projections, an
+/// FFN's gate and up): `outs[i]` gets exactly what [`matmul`] of `ws[i]` and `x` writes, but
+/// `x` is encoded once for consecutive matrices that take the same activation encoding rather
+/// than once per matrix.
+pub fn matmul_many(
+    ws: &[&WeightMatrix<'_>],
+    x: &[f32],
+    outs: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
+    let level = simd::level();
+    // Whatever the scratch holds was encoded from another input.
+    scratch.encoded = None;
+    for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        matmul_tiled(level, w, x, out, scratch, None, i > 0);
+    }
+}
+
+/// How activation rows are encoded for a matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ActivationEncoding {
+    /// The interleaved kernels' format for weights of this encoding.
+    Interleaved(interleaved::Encoding),
+    /// Q8_0 or Q8_K blocks, in the level's widened format where it has one.
+    Blocks(ActivationFormat, SimdLevel),
+}
+
+/// What a [`MatmulScratch`] holds encoded: `n` rows of `cols` values as `encoding`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EncodedRows {
+    encoding: ActivationEncoding,
+    cols: usize,
+    n: usize,
+}
+
+/// Values per block and bytes per encoded block of activation `format` at `level`.
+fn activation_blocks(format: ActivationFormat, level: SimdLevel) -> (usize, usize) {
+    match format {
+        ActivationFormat::Q8_0 => (q8_0::BLOCK_VALUES, q8_0::wide_block_bytes(level)),
+        _ => (q8_k::BLOCK_VALUES, q8_k::wide_block_bytes(level)),
+    }
+}
+
+impl ActivationEncoding {
+    /// Bytes of an encoded row of `cols` values, and of the plain quantised row it is made
+    /// from.
+    fn row_bytes(self, cols: usize) -> (usize, usize) {
+        let format = match self {
+            ActivationEncoding::Interleaved(encoding) => encoding.activation(),
+            ActivationEncoding::Blocks(format, _) => format,
+        };
+        let plain = format
+            .row_bytes(cols)
+            .expect("weight rows are whole blocks");
+        let encoded = match self {
+            ActivationEncoding::Interleaved(encoding) => encoding.activation_row_bytes(cols),
+            ActivationEncoding::Blocks(format, level) => {
+                let (block_values, block_bytes) = activation_blocks(format, level);
+                cols / block_values * block_bytes
+            }
+        };
+        (encoded, plain)
+    }
+
+    /// Encodes the row `values` into `out`, through `plain` (a plain quantised row).
+    fn encode_row(self, values: &[f32], plain: &mut [u8], out: &mut [u8]) {
+        match self {
+            ActivationEncoding::Interleaved(encoding) => {
+                interleaved::quantize_activation_row(encoding, values, plain, out)
+            }
+            ActivationEncoding::Blocks(format, level) => {
+                let quantize_row = match format {
+                    ActivationFormat::Q8_0 => q8_0::quantize_row,
+                    _ => q8_k::quantize_row,
+                };
+                if out.len() == plain.len() {
+                    quantize_row(values, out);
+                    return;
+                }
+                quantize_row(values, plain);
+                match format {
+                    ActivationFormat::Q8_0 => q8_0::widen_row(level, plain, out),
+                    _ => q8_k::widen_row(level, plain, out),
+                }
+            }
+        }
+    }
+}
+
+/// Below this many activation values a call encodes its rows on the calling thread.
+const PARALLEL_MIN_ENCODE: usize = 1 << 12;
+
+/// Encodes the rows of `x` (`cols` values each) as `encoding` into `scratch.quantized` and
+/// returns the bytes of an encoded row. Several rows are encoded on the pool's threads (each
+/// row's bytes are the same either way). With `reuse`, rows the scratch already holds under
+/// the same encoding and shape (the previous matrix of a [`matmul_many`]) are kept.
+fn encode_activations(
+    encoding: ActivationEncoding,
+    x: &[f32],
+    cols: usize,
+    scratch: &mut MatmulScratch,
+    reuse: bool,
+) -> usize {
+    let n = x.len() / cols;
+    let (act_row, plain_row) = encoding.row_bytes(cols);
+    let key = EncodedRows { encoding, cols, n };
+    if reuse && scratch.encoded == Some(key) {
+        return act_row;
+    }
+    scratch.encoded = None;
+    if scratch.quantized.len() < n * act_row {
+        scratch.quantized.resize(n * act_row, 0);
+    }
+    if scratch.row_buffer.len() < n * plain_row {
+        scratch.row_buffer.resize(n * plain_row, 0);
+    }
+    let encoded = &mut scratch.quantized[..n * act_row];
+    let plain = &mut scratch.row_buffer[..n * plain_row];
+    let encode = |((out, plain), values): ((&mut [u8], &mut [u8]), &[f32])| {
+        encoding.encode_row(values, plain, out)
+    };
+    if n > 1 && x.len() >= PARALLEL_MIN_ENCODE && rayon::current_num_threads() > 1 {
+        encoded
+            .par_chunks_exact_mut(act_row)
+            .zip(plain.par_chunks_exact_mut(plain_row))
+            .zip(x.par_chunks_exact(cols))
+            .for_each(encode);
+    } else {
+        encoded
+            .chunks_exact_mut(act_row)
+            .zip(plain.chunks_exact_mut(plain_row))
+            .zip(x.chunks_exact(cols))
+            .for_each(encode);
+    }
+    scratch.encoded = Some(key);
+    act_row
 }
 
 /// [`matmul_at`] with the activation tile budget overridden (tests force small tiles to check
@@ -226,6 +369,7 @@ fn matmul_tiled(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
     tile_bytes: Option<usize>,
+    reuse_encoded: bool,
 ) {
     let (rows, cols) = (w.rows(), w.cols());
     assert!(
@@ -243,23 +387,18 @@ fn matmul_tiled(
         Layout::RowMajor => chunk_rows(rows),
         Layout::Interleaved => chunk_rows(rows).next_multiple_of(interleaved::GROUP_ROWS),
     };
-    let MatmulScratch {
-        quantized,
-        row_buffer,
-        staging,
-    } = scratch;
     if w.layout() == Layout::Interleaved {
         let encoding = interleaved::encoding(ty).expect("interleavable type");
-        let act_row = encoding.activation_row_bytes(cols);
-        quantized.resize(n * act_row, 0);
-        row_buffer.resize(
-            encoding.activation().row_bytes(cols).expect("whole blocks"),
-            0,
+        let act_row = encode_activations(
+            ActivationEncoding::Interleaved(encoding),
+            x,
+            cols,
+            scratch,
+            reuse_encoded,
         );
-        for (b, encoded) in quantized.chunks_exact_mut(act_row).enumerate() {
-            let values = &x[b * cols..(b + 1) * cols];
-            interleaved::quantize_activation_row(encoding, values, row_buffer, encoded);
-        }
+        let MatmulScratch {
+            quantized, staging, ..
+        } = scratch;
         let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
         run_interleaved(encoding, level, w, acts, out, staging, chunk_rows);
         return;
@@ -267,13 +406,27 @@ fn matmul_tiled(
     // One thread chunk of weight rows writes its results activation-row-major into its own
     // piece of `dest`; with several activation rows those pieces are then copied into place
     // row by row (contiguous copies, not a strided transpose).
+    let format = ty.activation();
+    let act_row = match format {
+        ActivationFormat::F32 => 0,
+        _ => encode_activations(
+            ActivationEncoding::Blocks(format, level),
+            x,
+            cols,
+            scratch,
+            reuse_encoded,
+        ),
+    };
+    let MatmulScratch {
+        quantized, staging, ..
+    } = scratch;
     let dest: &mut [f32] = if n == 1 {
         &mut *out
     } else {
         staging.resize(n * rows, 0.0);
         &mut *staging
     };
-    match ty.activation() {
+    match format {
         ActivationFormat::F32 => {
             let acts = Rows::new(x, cols, cols, n);
             let (dot_rows, accumulate, size): (DotRowsFn<f32>, AccumulateFn<f32>, usize) = match ty
@@ -298,36 +451,7 @@ fn matmul_tiled(
             run(&kernel, level, w, acts, dest);
         }
         format => {
-            let q_row = format
-                .row_bytes(cols)
-                .expect("weight rows are whole blocks");
-            // SIMD levels multiply activations in their own widened formats.
-            let (block_values, act_block) = match format {
-                ActivationFormat::Q8_0 => (q8_0::BLOCK_VALUES, q8_0::wide_block_bytes(level)),
-                _ => (q8_k::BLOCK_VALUES, q8_k::wide_block_bytes(level)),
-            };
-            let act_row = cols / block_values * act_block;
-            let widen = act_row != q_row;
-            quantized.resize(n * act_row, 0);
-            if widen {
-                row_buffer.resize(q_row, 0);
-            }
-            for (b, q) in quantized.chunks_exact_mut(act_row).enumerate() {
-                let values = &x[b * cols..(b + 1) * cols];
-                let quantize_row = match format {
-                    ActivationFormat::Q8_0 => q8_0::quantize_row,
-                    _ => q8_k::quantize_row,
-                };
-                if widen {
-                    quantize_row(values, row_buffer);
-                    match format {
-                        ActivationFormat::Q8_0 => q8_0::widen_row(level, row_buffer, q),
-                        _ => q8_k::widen_row(level, row_buffer, q),
-                    }
-                } else {
-                    quantize_row(values, q);
-                }
-            }
+            let (block_values, act_block) = activation_blocks(format, level);
             let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
             let (dot_rows, accumulate, lanes): (DotRowsFn<u8>, AccumulateFn<u8>, usize) = match ty {
                 WeightType::Q8_0 => (q8_0::dot_rows, q8_0::accumulate, q8_0::block32_lanes(level)),
@@ -767,6 +891,65 @@ mod tests {
         }
     }
 
+    /// Matrices sharing an input get exactly what separate calls give, whatever mix of
+    /// encodings they take and whatever the scratch held from an earlier input.
+    #[test]
+    fn shared_input_matches_separate_calls() {
+        let cols = 512;
+        let types = [
+            WeightType::F32,
+            WeightType::Q4K,
+            WeightType::Q4K,
+            WeightType::Q8_0,
+            WeightType::Q4K,
+            WeightType::Q6K,
+        ];
+        let data: Vec<(WeightType, usize, Vec<u8>)> = types
+            .iter()
+            .enumerate()
+            .map(|(i, &ty)| {
+                let rows = 16 + 9 * i;
+                (ty, rows, weight_data(ty, rows, cols, 90 + i as u64))
+            })
+            .collect();
+        let plain: Vec<WeightMatrix<'_>> = data
+            .iter()
+            .map(|(ty, rows, bytes)| WeightMatrix::new(*ty, *rows, cols, bytes).unwrap())
+            .collect();
+        let repacked: Vec<Option<interleaved::InterleavedMatrix>> = plain
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (i % 2 == 1).then(|| interleaved::InterleavedMatrix::repack(w))?)
+            .collect();
+        let matrices: Vec<WeightMatrix<'_>> = plain
+            .iter()
+            .zip(&repacked)
+            .map(|(w, packed)| packed.as_ref().map_or(*w, |p| p.view()))
+            .collect();
+        let mut scratch = MatmulScratch::new();
+        for (seed, n) in [(1, 1), (2, 8), (3, 8), (4, 3)] {
+            let x = activations(n, cols, 100 + seed);
+            let expected: Vec<Vec<f32>> = matrices
+                .iter()
+                .map(|w| {
+                    let mut out = vec![0.0; n * w.rows()];
+                    matmul(w, &x, &mut out, &mut MatmulScratch::new());
+                    out
+                })
+                .collect();
+            let mut outs: Vec<Vec<f32>> = matrices
+                .iter()
+                .map(|w| vec![f32::NAN; n * w.rows()])
+                .collect();
+            let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            let refs: Vec<&WeightMatrix<'_>> = matrices.iter().collect();
+            run_in_pool(2, || matmul_many(&refs, &x, &mut slices, &mut scratch));
+            for (i, (got, want)) in outs.iter().zip(&expected).enumerate() {
+                assert_eq!(bits(got), bits(want), "matrix {i}, {n} rows");
+            }
+        }
+    }
+
     /// Long rows are multiplied in column tiles whose size depends on the number of rows in a
     /// pass (8 rows: a few blocks; 1 row: the whole row); tiling must not change any bit.
     #[test]
@@ -789,11 +972,11 @@ mod tests {
             {
                 let mut scratch = MatmulScratch::new();
                 let mut batched = vec![0.0; 11 * rows];
-                matmul_tiled(level, &w, &x, &mut batched, &mut scratch, budget);
+                matmul_tiled(level, &w, &x, &mut batched, &mut scratch, budget, false);
                 for b in 0..11 {
                     let row = &x[b * cols..(b + 1) * cols];
                     let mut single = vec![0.0; rows];
-                    matmul_tiled(level, &w, row, &mut single, &mut scratch, budget);
+                    matmul_tiled(level, &w, row, &mut single, &mut scratch, budget, false);
                     assert_eq!(
                         bits(&single),
                         bits(&batched[b * rows..(b + 1) * rows]),

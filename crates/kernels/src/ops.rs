@@ -3,41 +3,57 @@
 //! stay close to llama.cpp's, and each is a fixed sequential computation per row, so results
 //! never depend on batching or threads.
 
+use crate::simd::{self, SimdLevel};
+
 /// `out = x / sqrt(mean(x²) + eps) * weight`, as ggml's `rms_norm` followed by `mul`:
 /// the squares are summed in f64, the mean and scale are f32.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    assert_eq!(x.len(), weight.len(), "rms_norm: weight size");
     assert_eq!(x.len(), out.len(), "rms_norm: output size");
-    let scale = rms_scale(x, eps);
-    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
-        *o = (v * scale) * w;
-    }
+    rms_norm_at(
+        simd::level(),
+        x.as_ptr(),
+        weight,
+        eps,
+        out.as_mut_ptr(),
+        x.len(),
+    );
 }
 
 /// [`rms_norm`] in place.
 pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
-    assert_eq!(x.len(), weight.len(), "rms_norm: weight size");
-    let scale = rms_scale(x, eps);
-    for (v, w) in x.iter_mut().zip(weight) {
-        *v = (*v * scale) * w;
+    let p = x.as_mut_ptr();
+    rms_norm_at(simd::level(), p, weight, eps, p, x.len());
+}
+
+/// [`rms_norm`] of the `len` values at `x` into `out` (which may be `x`) at `level`: the SIMD
+/// kernels do the whole registers, the scalar reference the rest, by the same arithmetic.
+fn rms_norm_at(
+    level: SimdLevel,
+    x: *const f32,
+    weight: &[f32],
+    eps: f32,
+    out: *mut f32,
+    len: usize,
+) {
+    assert_eq!(len, weight.len(), "rms_norm: weight size");
+    // SAFETY: `x` and `out` are `len` values (the callers' slices); `out` may alias `x`, so no
+    // slice of one lives while the other is written.
+    unsafe {
+        let scale = rms_scale(level, std::slice::from_raw_parts(x, len), eps);
+        let done = simd::scale_mul(level, x, scale, weight.as_ptr(), out, len);
+        for (i, w) in weight.iter().enumerate().skip(done) {
+            *out.add(i) = (*x.add(i) * scale) * w;
+        }
     }
 }
 
-fn rms_scale(x: &[f32], eps: f32) -> f32 {
+fn rms_scale(level: SimdLevel, x: &[f32], eps: f32) -> f32 {
     // The squares summed in f64 as ggml does, in eight interleaved partial sums (one register
     // of lanes) rather than one serial chain: a head of 128 values is otherwise 128 dependent
     // additions.
-    const LANES: usize = 8;
-    let mut lanes = [0.0f64; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (lane, v) in lanes.iter_mut().zip(chunk) {
-            *lane += f64::from(v * v);
-        }
-    }
-    for (lane, v) in lanes.iter_mut().zip(tail) {
-        *lane += f64::from(v * v);
+    let (mut lanes, done) = simd::sum_squares_f64(level, x);
+    for (i, v) in x.iter().enumerate().skip(done) {
+        lanes[i % 8] += f64::from(v * v);
     }
     let sum: f64 = lanes.iter().sum();
     let mean = (sum / x.len() as f64) as f32;
@@ -139,6 +155,12 @@ impl Rope {
 
     /// Rotates one head (`head.len() >= n_rot`) by the angles from [`Rope::angles`].
     pub fn apply(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
+        self.apply_at(simd::level(), head, cos, sin);
+    }
+
+    /// [`Rope::apply`] at `level`: the SIMD kernels rotate the whole registers of NeoX halves,
+    /// the scalar reference the rest, by the same arithmetic.
+    fn apply_at(&self, level: SimdLevel, head: &mut [f32], cos: &[f32], sin: &[f32]) {
         let pairs = self.n_rot / 2;
         assert!(head.len() >= self.n_rot, "rope: head smaller than n_rot");
         let (cos, sin) = (&cos[..pairs], &sin[..pairs]);
@@ -147,7 +169,6 @@ impl Rope {
             *x0 = a * c - b * s;
             *x1 = a * s + b * c;
         };
-        // One plain loop per pairing, so that the compiler vectorises each.
         match self.mode {
             RopeMode::Normal => {
                 for ((pair, &c), &s) in head[..self.n_rot].chunks_exact_mut(2).zip(cos).zip(sin) {
@@ -157,11 +178,82 @@ impl Rope {
             }
             RopeMode::NeoX | RopeMode::MultiSection(_) => {
                 let (first, second) = head[..self.n_rot].split_at_mut(pairs);
-                for (((x0, x1), &c), &s) in first.iter_mut().zip(second).zip(cos).zip(sin) {
+                let done = simd::rotate_pairs(level, first, second, cos, sin);
+                for (((x0, x1), &c), &s) in
+                    first.iter_mut().zip(second).zip(cos).zip(sin).skip(done)
+                {
                     rotate(x0, x1, c, s);
                 }
             }
         }
+    }
+}
+
+/// The RoPE angles of a run of consecutive positions, computed once for every layer of a
+/// forward pass (each layer rotates the same positions by the same angles) rather than once
+/// per layer.
+#[derive(Debug, Clone, Default)]
+pub struct RopeAngles {
+    /// The rotation and the positions (first, count) held; `None` until [`RopeAngles::cover`].
+    held: Option<(Rope, usize, usize)>,
+    /// `count` rows of `n_rot / 2` values.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeAngles {
+    /// A table with room for `rows` positions of `rope` (more grow it).
+    pub fn new(rope: &Rope, rows: usize) -> Self {
+        let len = rows * (rope.n_rot / 2);
+        Self {
+            held: None,
+            cos: vec![0.0; len],
+            sin: vec![0.0; len],
+        }
+    }
+
+    /// Makes the table hold the angles of positions `first .. first + count` of `rope`
+    /// ([`Rope::angles`]), computing them only when it holds others.
+    pub fn cover(&mut self, rope: &Rope, first: usize, count: usize) {
+        if let Some((held, f, c)) = &self.held {
+            if (*f, *c) == (first, count) && held == rope {
+                return;
+            }
+        }
+        let pairs = rope.n_rot / 2;
+        if self.cos.len() < count * pairs {
+            self.cos.resize(count * pairs, 0.0);
+            self.sin.resize(count * pairs, 0.0);
+        }
+        for (i, (cos, sin)) in self
+            .cos
+            .chunks_exact_mut(pairs.max(1))
+            .zip(self.sin.chunks_exact_mut(pairs.max(1)))
+            .take(count)
+            .enumerate()
+        {
+            rope.angles(first + i, &mut cos[..pairs], &mut sin[..pairs]);
+        }
+        match &mut self.held {
+            Some((held, f, c)) => {
+                held.clone_from(rope);
+                (*f, *c) = (first, count);
+            }
+            None => self.held = Some((rope.clone(), first, count)),
+        }
+    }
+
+    /// Cosines and sines of the `i`-th position covered.
+    pub fn row(&self, i: usize) -> (&[f32], &[f32]) {
+        let Some((rope, _, count)) = &self.held else {
+            panic!("rope angles: nothing covered");
+        };
+        assert!(i < *count, "rope angles: row {i} of {count}");
+        let pairs = rope.n_rot / 2;
+        (
+            &self.cos[i * pairs..(i + 1) * pairs],
+            &self.sin[i * pairs..(i + 1) * pairs],
+        )
     }
 }
 
@@ -216,6 +308,44 @@ mod tests {
         assert_eq!(in_place, out);
     }
 
+    /// Every SIMD level's RMSNorm and RoPE give the scalar reference's bits, on lengths that
+    /// leave every kind of tail.
+    #[test]
+    fn rms_norm_and_rope_simd_levels_equal_the_scalar_reference() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for len in [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 128, 130] {
+            let x = random_vec(len, 3.0, len as u64);
+            let w = random_vec(len, 1.0, len as u64 + 1);
+            let mut want = vec![0.0; len];
+            rms_norm_at(
+                SimdLevel::Scalar,
+                x.as_ptr(),
+                &w,
+                1e-6,
+                want.as_mut_ptr(),
+                len,
+            );
+            let r = rope(RopeMode::NeoX, 2 * len);
+            let (mut cos, mut sin) = (vec![0.0; len], vec![0.0; len]);
+            r.angles(41, &mut cos, &mut sin);
+            let head = random_vec(2 * len + 3, 1.0, len as u64 + 2);
+            let mut rotated = head.clone();
+            r.apply_at(SimdLevel::Scalar, &mut rotated, &cos, &sin);
+            for level in SimdLevel::supported() {
+                let mut out = vec![0.0; len];
+                rms_norm_at(level, x.as_ptr(), &w, 1e-6, out.as_mut_ptr(), len);
+                assert_eq!(bits(&out), bits(&want), "rms_norm at {level}, {len} values");
+                let mut in_place = x.clone();
+                let p = in_place.as_mut_ptr();
+                rms_norm_at(level, p, &w, 1e-6, p, len);
+                assert_eq!(bits(&in_place), bits(&want), "in place at {level}, {len}");
+                let mut got = head.clone();
+                r.apply_at(level, &mut got, &cos, &sin);
+                assert_eq!(bits(&got), bits(&rotated), "rope at {level}, {len} pairs");
+            }
+        }
+    }
+
     fn rope(mode: RopeMode, n_rot: usize) -> Rope {
         Rope {
             mode,
@@ -223,6 +353,22 @@ mod tests {
             freq_base: 10000.0,
             freq_scale: 1.0,
             freq_factors: None,
+        }
+    }
+
+    #[test]
+    fn angle_table_holds_each_positions_angles() {
+        let neox = rope(RopeMode::NeoX, 8);
+        let mut scaled = neox.clone();
+        scaled.freq_scale = 0.5;
+        let mut table = RopeAngles::new(&neox, 2);
+        for (r, first, count) in [(&neox, 5, 3), (&neox, 5, 3), (&neox, 9, 1), (&scaled, 9, 1)] {
+            table.cover(r, first, count);
+            for i in 0..count {
+                let (mut cos, mut sin) = (vec![0.0; 4], vec![0.0; 4]);
+                r.angles(first + i, &mut cos, &mut sin);
+                assert_eq!(table.row(i), (&cos[..], &sin[..]), "position {}", first + i);
+            }
         }
     }
 

@@ -358,17 +358,16 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
         let (mut cos, mut sin) = (vec![0.0; 4], vec![0.0; 4]);
         for r in 0..rows {
             let mut k = vec![0.0; hd];
+            rope.angles(pos0 + r, &mut cos, &mut sin);
             attention::prepare_query_key(
                 &rope,
                 hd,
                 1e-6,
                 Some(&norm),
                 Some(&norm),
-                pos0 + r,
+                (&cos, &sin),
                 &mut cpu[r * heads * hd..(r + 1) * heads * hd],
                 &mut k,
-                &mut cos,
-                &mut sin,
             );
         }
         let d = max_diff(&cpu, &got);

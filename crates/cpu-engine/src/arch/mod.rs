@@ -12,8 +12,9 @@ pub mod qwen3next;
 
 use std::path::Path;
 
+use rayon::prelude::*;
 use specula_gguf::{ArchKeys, GgufFile, HParams, RopeScaling};
-use specula_kernels::{matmul, ops, MatmulScratch, Rope, RopeMode};
+use specula_kernels::{matmul, matmul_many, ops, MatmulScratch, Rope, RopeAngles, RopeMode};
 use specula_plugin_api::PluginError;
 
 use crate::blocks::attention::{self, AttentionShape};
@@ -188,15 +189,14 @@ pub struct Scratch {
     pub up: Vec<f32>,
     /// Attention buffers.
     pub attention: attention::AttentionScratch,
-    pub rope_cos: Vec<f32>,
-    pub rope_sin: Vec<f32>,
+    /// RoPE angles of the rows' positions, shared by every layer.
+    pub rope_angles: RopeAngles,
     pub matmul: MatmulScratch,
 }
 
 impl Scratch {
     pub fn new(config: &DenseConfig, rows: usize, n_ctx: usize) -> Self {
         let shape = &config.attention;
-        let pairs = config.rope.n_rot / 2;
         Self {
             x: vec![0.0; rows * config.n_embd],
             xn: vec![0.0; rows * config.n_embd],
@@ -208,8 +208,7 @@ impl Scratch {
             gate: vec![0.0; rows * config.n_ff],
             up: vec![0.0; rows * config.n_ff],
             attention: attention::AttentionScratch::new(shape, n_ctx),
-            rope_cos: vec![0.0; pairs],
-            rope_sin: vec![0.0; pairs],
+            rope_angles: RopeAngles::new(&config.rope, rows),
             matmul: MatmulScratch::new(),
         }
     }
@@ -239,47 +238,41 @@ pub fn forward_dense_layer(
     let ow = shape.out_width();
     let s = scratch;
 
-    // Attention: norm, projections, per-row q/k norm + RoPE + cache write, then attention.
+    // Attention: norm, projections, per-row q/k norm + RoPE, cache write, then attention.
     for (x, xn) in s.x[..n * e].chunks_exact(e).zip(s.xn.chunks_exact_mut(e)) {
         ops::rms_norm(x, &layer.attn_norm, config.rms_eps, xn);
     }
-    let xn = &s.xn[..n * e];
-    matmul(
-        &layer.attn_q.view(file)?,
-        xn,
-        &mut s.q[..n * qw],
+    matmul_many(
+        &[
+            &layer.attn_q.view(file)?,
+            &layer.attn_k.view(file)?,
+            &layer.attn_v.view(file)?,
+        ],
+        &s.xn[..n * e],
+        &mut [&mut s.q[..n * qw], &mut s.k[..n * kw], &mut s.v[..n * vw]],
         &mut s.matmul,
     );
-    matmul(
-        &layer.attn_k.view(file)?,
-        xn,
-        &mut s.k[..n * kw],
-        &mut s.matmul,
-    );
-    matmul(
-        &layer.attn_v.view(file)?,
-        xn,
-        &mut s.v[..n * vw],
-        &mut s.matmul,
-    );
-    for i in 0..n {
-        let pos = pos0 + i;
-        let q = &mut s.q[i * qw..(i + 1) * qw];
-        let k = &mut s.k[i * kw..(i + 1) * kw];
+    s.rope_angles.cover(&config.rope, pos0, n);
+    let angles = &s.rope_angles;
+    let prepare = |(i, (q, k)): (usize, (&mut [f32], &mut [f32]))| {
         attention::prepare_query_key(
             &config.rope,
             shape.head_dim,
             config.rms_eps,
             layer.attn_q_norm.as_deref(),
             layer.attn_k_norm.as_deref(),
-            pos,
+            angles.row(i),
             q,
             k,
-            &mut s.rope_cos,
-            &mut s.rope_sin,
         );
-        kv.store(layer_index, pos, k, &s.v[i * vw..(i + 1) * vw]);
-    }
+    };
+    // Rows on the pool's threads (a single row stays on this one).
+    s.q[..n * qw]
+        .par_chunks_mut(qw)
+        .zip(s.k[..n * kw].par_chunks_mut(kw))
+        .enumerate()
+        .for_each(prepare);
+    kv.store(layer_index, pos0, &s.k[..n * kw], &s.v[..n * vw]);
     attention::attend_rows(
         shape,
         &s.q[..n * qw],

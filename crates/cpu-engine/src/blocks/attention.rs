@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use specula_gguf::GgufFile;
 use specula_kernels::activations::{self, Gate};
 use specula_kernels::attention::{self as kattention, Cached};
-use specula_kernels::{matmul, ops, MatmulScratch, Rope, Rows};
+use specula_kernels::{matmul, matmul_many, ops, MatmulScratch, Rope, RopeAngles, Rows};
 use specula_plugin_api::PluginError;
 
 use crate::kv_cache::{CachedHeads, KvCache};
@@ -64,9 +64,9 @@ impl AttentionShape {
     }
 }
 
-/// Applies the optional per-head q/k RMSNorm (epsilon `eps`) and then `rope` for position `pos`
-/// to one row's query (`n_head × head_dim`) and key (`n_head_kv × head_dim`) in place.
-/// `cos`/`sin` are scratch of `n_rot / 2`.
+/// Applies the optional per-head q/k RMSNorm (epsilon `eps`) and then `rope` by the angles of
+/// the row's position (`cos`/`sin`, [`Rope::angles`]) to one row's query (`n_head × head_dim`)
+/// and key (`n_head_kv × head_dim`) in place.
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_query_key(
     rope: &Rope,
@@ -74,13 +74,10 @@ pub fn prepare_query_key(
     eps: f32,
     q_norm: Option<&[f32]>,
     k_norm: Option<&[f32]>,
-    pos: usize,
+    (cos, sin): (&[f32], &[f32]),
     q: &mut [f32],
     k: &mut [f32],
-    cos: &mut [f32],
-    sin: &mut [f32],
 ) {
-    rope.angles(pos, cos, sin);
     for (heads, norm) in [(q, q_norm), (k, k_norm)] {
         for head in heads.chunks_exact_mut(head_dim) {
             if let Some(weight) = norm {
@@ -316,8 +313,7 @@ pub struct GatedScratch {
     v: Vec<f32>,
     attn: Vec<f32>,
     attention: AttentionScratch,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    angles: RopeAngles,
 }
 
 impl GatedScratch {
@@ -330,11 +326,13 @@ impl GatedScratch {
             v: vec![0.0; rows * shape.v_width()],
             attn: vec![0.0; rows * shape.out_width()],
             attention: AttentionScratch::new(shape, n_ctx),
-            cos: vec![0.0; rope.n_rot / 2],
-            sin: vec![0.0; rope.n_rot / 2],
+            angles: RopeAngles::new(rope, rows),
         }
     }
 }
+
+/// One row's query, gate and key buffers and its projected query-and-gate row.
+type RowParts<'a> = (((&'a mut [f32], &'a mut [f32]), &'a mut [f32]), &'a [f32]);
 
 /// Where a gated-attention call keeps its keys and values.
 #[derive(Debug, Clone, Copy)]
@@ -352,7 +350,8 @@ pub struct KvSlot {
 /// keys and values in `kv` at `slot`, and writes the projected output to `out` (`m × n_embd`).
 ///
 /// Projections and attention are batched across rows; the per-row part (split, norms, RoPE,
-/// cache write, gate) runs row by row, so row `i` gets exactly the bits of a single-row call.
+/// gate) runs row by row (rows on the pool's threads), so row `i` gets exactly the bits of a
+/// single-row call.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_gated(
     shape: &AttentionShape,
@@ -375,13 +374,23 @@ pub fn forward_gated(
         shape.v_width(),
         shape.out_width(),
     );
-    matmul(&w.attn_q.view(file)?, xn, &mut s.q_full[..m * 2 * qw], mm);
-    matmul(&w.attn_k.view(file)?, xn, &mut s.k[..m * kw], mm);
-    matmul(&w.attn_v.view(file)?, xn, &mut s.v[..m * vw], mm);
-    for i in 0..m {
-        let q = &mut s.q[i * qw..(i + 1) * qw];
-        let gate = &mut s.gate[i * qw..(i + 1) * qw];
-        let full = &s.q_full[i * 2 * qw..(i + 1) * 2 * qw];
+    matmul_many(
+        &[
+            &w.attn_q.view(file)?,
+            &w.attn_k.view(file)?,
+            &w.attn_v.view(file)?,
+        ],
+        xn,
+        &mut [
+            &mut s.q_full[..m * 2 * qw],
+            &mut s.k[..m * kw],
+            &mut s.v[..m * vw],
+        ],
+        mm,
+    );
+    s.angles.cover(rope, slot.pos0 + slot.rope_offset, m);
+    let angles = &s.angles;
+    let prepare = |(i, (((q, gate), k), full)): (usize, RowParts<'_>)| {
         for ((pair, qh), gh) in full
             .chunks_exact(2 * hd)
             .zip(q.chunks_exact_mut(hd))
@@ -390,22 +399,18 @@ pub fn forward_gated(
             qh.copy_from_slice(&pair[..hd]);
             gh.copy_from_slice(&pair[hd..]);
         }
-        let k = &mut s.k[i * kw..(i + 1) * kw];
-        let pos = slot.pos0 + i;
-        prepare_query_key(
-            rope,
-            hd,
-            eps,
-            Some(&w.q_norm),
-            Some(&w.k_norm),
-            pos + slot.rope_offset,
-            q,
-            k,
-            &mut s.cos,
-            &mut s.sin,
-        );
-        kv.store(slot.layer, pos, k, &s.v[i * vw..(i + 1) * vw]);
-    }
+        let (norm_q, norm_k) = (Some(&w.q_norm[..]), Some(&w.k_norm[..]));
+        prepare_query_key(rope, hd, eps, norm_q, norm_k, angles.row(i), q, k);
+    };
+    // Rows on the pool's threads (a single row stays on this one).
+    s.q[..m * qw]
+        .par_chunks_mut(qw)
+        .zip(s.gate[..m * qw].par_chunks_mut(qw))
+        .zip(s.k[..m * kw].par_chunks_mut(kw))
+        .zip(s.q_full[..m * 2 * qw].par_chunks(2 * qw))
+        .enumerate()
+        .for_each(prepare);
+    kv.store(slot.layer, slot.pos0, &s.k[..m * kw], &s.v[..m * vw]);
     let last = slot.pos0 + m;
     attend_rows(
         shape,

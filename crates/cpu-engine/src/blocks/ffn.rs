@@ -2,7 +2,7 @@
 //! block (SwiGLU or mixture of experts).
 
 use specula_gguf::GgufFile;
-use specula_kernels::{activations, matmul, MatmulScratch, WeightMatrix};
+use specula_kernels::{activations, matmul, matmul_many, MatmulScratch, WeightMatrix};
 use specula_plugin_api::PluginError;
 
 use crate::blocks::moe::{self, MoeScratch, MoeShape, MoeWeights};
@@ -29,8 +29,7 @@ pub fn swiglu(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    matmul(&w.gate, x, gate, scratch);
-    matmul(&w.up, x, up, scratch);
+    matmul_many(&[&w.gate, &w.up], x, &mut [&mut *gate, &mut *up], scratch);
     activations::swiglu_in_place(gate, up);
     matmul(&w.down, gate, out, scratch);
 }

@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use specula_gguf::GgufFile;
 use specula_kernels::activations::{self, Gate};
 use specula_kernels::delta_rule::{self, DeltaInputs};
-use specula_kernels::{matmul, ops, MatmulScratch};
+use specula_kernels::{matmul, matmul_many, ops, MatmulScratch};
 use specula_plugin_api::PluginError;
 
 use crate::model::weights::{load_f32, load_vector, MatrixRef};
@@ -278,15 +278,30 @@ pub fn forward(
         shape.n_v_heads,
         shape.head_dim,
     );
-    matmul(&w.attn_qkv.view(file)?, xn, &mut s.mixed[..m * c], mm);
-    matmul(&w.attn_gate.view(file)?, xn, &mut s.z[..m * vd], mm);
+    let (qkv, gate) = (w.attn_qkv.view(file)?, w.attn_gate.view(file)?);
     match &w.beta_alpha {
-        BetaAlpha::Separate { beta, alpha } => {
-            matmul(&beta.view(file)?, xn, &mut s.beta[..m * hv], mm);
-            matmul(&alpha.view(file)?, xn, &mut s.alpha[..m * hv], mm);
-        }
+        BetaAlpha::Separate { beta, alpha } => matmul_many(
+            &[&qkv, &gate, &beta.view(file)?, &alpha.view(file)?],
+            xn,
+            &mut [
+                &mut s.mixed[..m * c],
+                &mut s.z[..m * vd],
+                &mut s.beta[..m * hv],
+                &mut s.alpha[..m * hv],
+            ],
+            mm,
+        ),
         BetaAlpha::Grouped(ba) => {
-            matmul(&ba.view(file)?, xn, &mut s.ba[..m * 2 * hv], mm);
+            matmul_many(
+                &[&qkv, &gate, &ba.view(file)?],
+                xn,
+                &mut [
+                    &mut s.mixed[..m * c],
+                    &mut s.z[..m * vd],
+                    &mut s.ba[..m * 2 * hv],
+                ],
+                mm,
+            );
             let per_group = hv / shape.n_k_heads;
             for i in 0..m {
                 let row = &s.ba[i * 2 * hv..(i + 1) * 2 * hv];

@@ -907,3 +907,92 @@ pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
     }
     8 * full
 }
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm and RoPE
+// ---------------------------------------------------------------------------------------------
+
+/// [`super::avx512::sum_squares_f64`] with AVX2: lanes 0-3 and 4-7 in two registers.
+///
+/// # Safety
+///
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sum_squares_f64(x: &[f32]) -> ([f64; 8], usize) {
+    let chunks = x.len() / 8;
+    let (mut low, mut high) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    for c in 0..chunks {
+        // SAFETY: values `8c .. 8c + 8` lie inside `x`.
+        let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * c)) };
+        let squares = _mm256_mul_ps(v, v);
+        low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(squares)));
+        high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(squares)));
+    }
+    let mut lanes = [0.0; 8];
+    // SAFETY: `lanes` holds 8 f64.
+    unsafe {
+        _mm256_storeu_pd(lanes.as_mut_ptr(), low);
+        _mm256_storeu_pd(lanes.as_mut_ptr().add(4), high);
+    }
+    (lanes, 8 * chunks)
+}
+
+/// [`super::avx512::scale_mul`] with AVX2 (whole registers of 8).
+///
+/// # Safety
+///
+/// As the AVX-512 kernel, with AVX2 and FMA available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn scale_mul(
+    x: *const f32,
+    scale: f32,
+    weight: *const f32,
+    out: *mut f32,
+    len: usize,
+) -> usize {
+    let full = len / 8;
+    let s = _mm256_set1_ps(scale);
+    for c in 0..full {
+        // SAFETY: values `8c .. 8c + 8` exist behind every pointer (caller's contract).
+        unsafe {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(x.add(8 * c)), s);
+            let v = _mm256_mul_ps(v, _mm256_loadu_ps(weight.add(8 * c)));
+            _mm256_storeu_ps(out.add(8 * c), v);
+        }
+    }
+    8 * full
+}
+
+/// [`super::avx512::rotate_pairs`] with AVX2 (whole registers of 8).
+///
+/// # Safety
+///
+/// As the AVX-512 kernel, with AVX2 and FMA available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn rotate_pairs(
+    x0: *mut f32,
+    x1: *mut f32,
+    cos: *const f32,
+    sin: *const f32,
+    len: usize,
+) -> usize {
+    let full = len / 8;
+    for i in 0..full {
+        // SAFETY: values `8i .. 8i + 8` exist behind every pointer (caller's contract).
+        unsafe {
+            let (a, b) = (
+                _mm256_loadu_ps(x0.add(8 * i)),
+                _mm256_loadu_ps(x1.add(8 * i)),
+            );
+            let (c, s) = (
+                _mm256_loadu_ps(cos.add(8 * i)),
+                _mm256_loadu_ps(sin.add(8 * i)),
+            );
+            let first = _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s));
+            let second = _mm256_add_ps(_mm256_mul_ps(a, s), _mm256_mul_ps(b, c));
+            _mm256_storeu_ps(x0.add(8 * i), first);
+            _mm256_storeu_ps(x1.add(8 * i), second);
+        }
+    }
+    8 * full
+}

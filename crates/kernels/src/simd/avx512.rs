@@ -460,8 +460,6 @@ unsafe fn delta_rule_rows<const CHUNKS: usize>(
 
 /// Queries whose registers stay live while the keys stream past ([`attention_scores`]).
 const SCORE_TILE: usize = 2;
-/// Queries whose outputs stay in registers while the values stream past.
-const SUM_TILE: usize = 3;
 
 /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32 or
 /// F16; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
@@ -518,7 +516,12 @@ pub(crate) unsafe fn attention_scores<const KIND: u8>(
     }
 }
 
-/// [`attention_scores`] for head size `16 · C`.
+/// [`attention_scores`] for head size `16 · C`: queries in tiles of [`SCORE_TILE`] (then
+/// one) held in registers while the keys stream past, keys in blocks of 16 whose dot products
+/// with a query are summed across lanes together ([`sum_lanes_16`]) rather than one
+/// horizontal sum per key. A key's arithmetic is the same wherever it falls in a block and
+/// whatever the other keys and queries: two accumulators over the chunks (even / odd), their
+/// sum, then the lane tree of [`sum_lanes_16`].
 ///
 /// # Safety
 ///
@@ -531,41 +534,142 @@ unsafe fn scores_tiled<const KIND: u8, const C: usize>(
     out: &mut [f32],
     stride: usize,
 ) {
-    let size = float_size(KIND);
-    for first in (0..limits.len()).step_by(SCORE_TILE) {
-        let count = SCORE_TILE.min(limits.len() - first);
-        let tile_limits = &limits[first..first + count];
-        let longest = tile_limits.iter().copied().max().unwrap_or(0);
-        // SAFETY: rows `first .. first + count` exist; key `j < longest` exists; the
-        // written scores lie inside `out` (the caller's contract).
+    let mut first = 0;
+    while first < limits.len() {
+        // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
         unsafe {
-            let mut q = [[_mm512_setzero_ps(); C]; SCORE_TILE];
-            for (t, regs) in q.iter_mut().enumerate().take(count) {
-                let qp = queries.ptr(first + t);
-                for (c, reg) in regs.iter_mut().enumerate() {
-                    *reg = _mm512_loadu_ps(qp.add(16 * c));
-                }
-            }
-            // Keys every query of the tile sees, then the causal tail with a check per query.
-            let shortest = tile_limits.iter().copied().min().unwrap_or(0);
-            for j in 0..longest {
-                let kp = keys.ptr(j);
+            first += if limits.len() - first >= SCORE_TILE {
+                scores_tile::<KIND, C, SCORE_TILE>(queries, keys, limits, out, stride, first)
+            } else {
+                scores_tile::<KIND, C, 1>(queries, keys, limits, out, stride, first)
+            };
+        }
+    }
+}
+
+/// Cached rows ahead of the current one whose lines the attention kernels prefetch: a head's
+/// rows are contiguous, but each row is only a few lines, too few for the hardware prefetchers
+/// to run ahead of a pass that starts from memory.
+const PREFETCH_ROWS: usize = 4;
+
+/// Prefetches every line of cached row `j + PREFETCH_ROWS` of `rows`, when there is one.
+#[inline(always)]
+fn prefetch_row_ahead(rows: Rows<'_, u8>, j: usize) {
+    if j + PREFETCH_ROWS < rows.count() {
+        let row = rows.ptr(j + PREFETCH_ROWS);
+        for line in (0..rows.len()).step_by(64) {
+            // SAFETY: a prefetch does not fault; the address lies inside the row.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line).cast()) };
+        }
+    }
+}
+
+/// One tile of `T` queries from `first` for [`scores_tiled`]; returns `T`.
+///
+/// # Safety
+///
+/// As [`scores_tiled`], with queries `first .. first + T` present.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn scores_tile<const KIND: u8, const C: usize, const T: usize>(
+    queries: Rows<'_, f32>,
+    keys: Rows<'_, u8>,
+    limits: &[usize],
+    out: &mut [f32],
+    stride: usize,
+    first: usize,
+) -> usize {
+    let size = float_size(KIND);
+    let tile_limits = &limits[first..first + T];
+    let longest = tile_limits.iter().copied().max().unwrap_or(0);
+    let shortest = tile_limits.iter().copied().min().unwrap_or(0);
+    // SAFETY: rows `first .. first + T` exist; key `j < longest` exists; the written scores
+    // lie inside `out` (the caller's contract).
+    unsafe {
+        let q: [[__m512; C]; T] = std::array::from_fn(|t| {
+            let qp = queries.ptr(first + t);
+            std::array::from_fn(|c| _mm512_loadu_ps(qp.add(16 * c)))
+        });
+        // Per query, one vector of lane products per key of a block. Slots of keys past the
+        // block's end or a query's limit keep what they held (zeros, or an earlier block's
+        // products): each lane of a lane sum depends on its own slot only, and those lanes
+        // are never stored.
+        let mut products = [[_mm512_setzero_ps(); 16]; T];
+        for block in (0..longest).step_by(16) {
+            let in_block = 16.min(longest - block);
+            for (j, key) in (block..block + in_block).enumerate() {
+                prefetch_row_ahead(keys, key);
+                let kp = keys.ptr(key);
                 let k: [__m512; C] =
                     std::array::from_fn(|c| load16::<KIND>(kp.add(16 * c * size), 16));
-                for t in 0..count {
-                    if j >= shortest && j >= tile_limits[t] {
+                let every = key < shortest;
+                for t in 0..T {
+                    if !every && key >= tile_limits[t] {
                         continue;
                     }
                     let mut acc = [_mm512_setzero_ps(); 2];
                     for c in 0..C {
                         acc[c % 2] = _mm512_fmadd_ps(q[t][c], k[c], acc[c % 2]);
                     }
-                    out[(first + t) * stride + j] =
-                        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                    products[t][j] = _mm512_add_ps(acc[0], acc[1]);
                 }
+            }
+            for (t, &limit) in tile_limits.iter().enumerate() {
+                if block >= limit {
+                    continue;
+                }
+                let keep = (limit - block).min(16);
+                let mask = if keep == 16 {
+                    0xffff
+                } else {
+                    (1u16 << keep) - 1
+                };
+                let sums = sum_lanes_16(&products[t]);
+                let dst = out.as_mut_ptr().add((first + t) * stride + block);
+                _mm512_mask_storeu_ps(dst, mask, sums);
             }
         }
     }
+    T
+}
+
+/// The lane sums of 16 vectors, in order: lane `j` of the result is the sum of the 16 lanes of
+/// `v[j]`, always by the same tree (lanes `i` and `i + 8`, then `+ 4`, then `+ 2`, then
+/// `+ 1`), whatever the other vectors hold.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn sum_lanes_16(v: &[__m512; 16]) -> __m512 {
+    // Each step adds the two halves of every vector's partial sums and packs two vectors'
+    // halved partials into one.
+    // Lanes 0..8 of `w[i]`: v[2i] lanes i + lanes i + 8; lanes 8..16: the same for v[2i + 1].
+    let w: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    });
+    // 128-bit quarter `r` of `x[i]`: the four partial sums of v[4i + r].
+    let x: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (w[2 * i], w[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    });
+    // Quarter `r` of `y[i]`: two partials of v[8i + r], then two of v[8i + 4 + r].
+    let y: [__m512; 2] = std::array::from_fn(|i| {
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
+    });
+    // Lane `4r + m`: the sum of v[4m + r].
+    let sums = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(y[0], y[1]),
+        _mm512_shuffle_ps::<0b11_01_11_01>(y[0], y[1]),
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(order, sums)
 }
 
 /// Attention weighted sums ([`crate::attention::weighted_sums`]) over cached values stored as
@@ -628,7 +732,10 @@ pub(crate) unsafe fn attention_weighted_sums<const KIND: u8>(
     }
 }
 
-/// [`attention_weighted_sums`] for head size `16 · C`.
+/// [`attention_weighted_sums`] for head size `16 · C`: queries in tiles of 8, 4, 2 and 1 whose
+/// outputs for one 16-value chunk stay in registers while that chunk of every value row
+/// streams past, so each value row is read once per chunk for a whole tile (rather than once
+/// per query), and each probability is broadcast straight from memory.
 ///
 /// # Safety
 ///
@@ -640,54 +747,68 @@ unsafe fn sums_tiled<const KIND: u8, const C: usize>(
     limits: &[usize],
     out: &mut [f32],
 ) {
-    let (dim, size) = (16 * C, float_size(KIND));
-    for first in (0..limits.len()).step_by(SUM_TILE) {
-        let count = SUM_TILE.min(limits.len() - first);
-        let tile_limits = &limits[first..first + count];
-        let longest = tile_limits.iter().copied().max().unwrap_or(0);
-        // SAFETY: value rows `j < longest` exist; probability rows `first .. first + count`
-        // hold at least their limits; output rows `first + t` lie inside `out`.
+    let mut first = 0;
+    while first < limits.len() {
+        let left = limits.len() - first;
+        // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
         unsafe {
-            let mut acc = [[_mm512_setzero_ps(); C]; SUM_TILE];
-            // Values every query of the tile sees (no per-query check), then the causal tail.
-            let shortest = tile_limits.iter().copied().min().unwrap_or(0);
-            if count == SUM_TILE {
-                for j in 0..shortest {
-                    let vp = values.ptr(j);
-                    let p: [__m512; SUM_TILE] =
-                        std::array::from_fn(|t| _mm512_set1_ps(*probs.ptr(first + t).add(j)));
-                    for c in 0..C {
-                        let v = load16::<KIND>(vp.add(16 * c * size), 16);
-                        for (regs, weight) in acc.iter_mut().zip(&p) {
-                            regs[c] = _mm512_fmadd_ps(*weight, v, regs[c]);
-                        }
+            first += match left {
+                8.. => sums_tile::<KIND, C, 8>(probs, values, limits, out, first),
+                4..=7 => sums_tile::<KIND, C, 4>(probs, values, limits, out, first),
+                2 | 3 => sums_tile::<KIND, C, 2>(probs, values, limits, out, first),
+                _ => sums_tile::<KIND, C, 1>(probs, values, limits, out, first),
+            };
+        }
+    }
+}
+
+/// One tile of `T` queries from `first` for [`sums_tiled`]; returns `T`.
+///
+/// # Safety
+///
+/// As [`sums_tiled`], with queries `first .. first + T` present.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn sums_tile<const KIND: u8, const C: usize, const T: usize>(
+    probs: Rows<'_, f32>,
+    values: Rows<'_, u8>,
+    limits: &[usize],
+    out: &mut [f32],
+    first: usize,
+) -> usize {
+    let (dim, size) = (16 * C, float_size(KIND));
+    let tile_limits = &limits[first..first + T];
+    let longest = tile_limits.iter().copied().max().unwrap_or(0);
+    let shortest = tile_limits.iter().copied().min().unwrap_or(0);
+    // SAFETY: value rows `j < longest` exist; probability rows `first .. first + T` hold at
+    // least their limits; output rows `first + t` lie inside `out`.
+    unsafe {
+        let p: [*const f32; T] = std::array::from_fn(|t| probs.ptr(first + t));
+        for c in 0..C {
+            let mut acc = [_mm512_setzero_ps(); T];
+            // Values every query of the tile sees, then the causal tail checked per query.
+            for j in 0..shortest {
+                if c == 0 {
+                    prefetch_row_ahead(values, j);
+                }
+                let v = load16::<KIND>(values.ptr(j).add(16 * c * size), 16);
+                for (y, row) in acc.iter_mut().zip(&p) {
+                    *y = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(j)), v, *y);
+                }
+            }
+            for j in shortest..longest {
+                let v = load16::<KIND>(values.ptr(j).add(16 * c * size), 16);
+                for ((y, row), &limit) in acc.iter_mut().zip(&p).zip(tile_limits) {
+                    if j < limit {
+                        *y = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(j)), v, *y);
                     }
                 }
             }
-            let tail_start = if count == SUM_TILE { shortest } else { 0 };
-            for j in tail_start..longest {
-                let vp = values.ptr(j);
-                let mut p = [_mm512_setzero_ps(); SUM_TILE];
-                for (t, weight) in p.iter_mut().enumerate().take(count) {
-                    *weight = _mm512_set1_ps(*probs.ptr(first + t).add(j));
-                }
-                for c in 0..C {
-                    let v = load16::<KIND>(vp.add(16 * c * size), 16);
-                    for ((regs, weight), &limit) in acc.iter_mut().zip(&p).zip(tile_limits) {
-                        if j < limit {
-                            regs[c] = _mm512_fmadd_ps(*weight, v, regs[c]);
-                        }
-                    }
-                }
-            }
-            for (t, regs) in acc.iter().enumerate().take(count) {
-                let op = out.as_mut_ptr().add((first + t) * dim);
-                for (c, reg) in regs.iter().enumerate() {
-                    _mm512_storeu_ps(op.add(16 * c), *reg);
-                }
+            for (t, y) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add((first + t) * dim + 16 * c), *y);
             }
         }
     }
+    T
 }
 
 /// `y[i] = fma(w_j, v_j[i], y[i])` for `j = 0, 1, …` in order — exactly [`axpy`] once per row,
@@ -1671,6 +1792,95 @@ pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
                 v = _mm512_mul_ps(v, _mm512_loadu_ps(other.add(16 * c)));
             }
             _mm512_storeu_ps(out.add(16 * c), v);
+        }
+    }
+    16 * full
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm and RoPE
+// ---------------------------------------------------------------------------------------------
+
+/// The squares of `x`'s values (squared in f32) summed in f64 into 8 lanes, value `i` into
+/// lane `i % 8`, over the whole chunks of 8; returns the lanes and how many values it took.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn sum_squares_f64(x: &[f32]) -> ([f64; 8], usize) {
+    let chunks = x.len() / 8;
+    let mut acc = _mm512_setzero_pd();
+    for c in 0..chunks {
+        // SAFETY: values `8c .. 8c + 8` lie inside `x`.
+        let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * c)) };
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_mul_ps(v, v)));
+    }
+    let mut lanes = [0.0; 8];
+    // SAFETY: `lanes` holds 8 f64.
+    unsafe { _mm512_storeu_pd(lanes.as_mut_ptr(), acc) };
+    (lanes, 8 * chunks)
+}
+
+/// `out[i] = (x[i] · scale) · weight[i]` for the whole registers of 16 among `len` values;
+/// returns how many it did.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `x` and `weight` readable and `out` writable for `len`
+/// values (`out` may be `x`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn scale_mul(
+    x: *const f32,
+    scale: f32,
+    weight: *const f32,
+    out: *mut f32,
+    len: usize,
+) -> usize {
+    let full = len / 16;
+    let s = _mm512_set1_ps(scale);
+    for c in 0..full {
+        // SAFETY: values `16c .. 16c + 16` exist behind every pointer (caller's contract).
+        unsafe {
+            let v = _mm512_mul_ps(_mm512_loadu_ps(x.add(16 * c)), s);
+            let v = _mm512_mul_ps(v, _mm512_loadu_ps(weight.add(16 * c)));
+            _mm512_storeu_ps(out.add(16 * c), v);
+        }
+    }
+    16 * full
+}
+
+/// Rotates pairs `(a, b) = (x0[i], x1[i])` to `(a·c − b·s, a·s + b·c)` by `cos[i]`, `sin[i]`
+/// for the whole registers of 16 among `len` pairs; returns how many it did.
+///
+/// # Safety
+///
+/// The AVX-512 level must be available; `x0` and `x1` writable (not overlapping) and `cos`,
+/// `sin` readable for `len` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn rotate_pairs(
+    x0: *mut f32,
+    x1: *mut f32,
+    cos: *const f32,
+    sin: *const f32,
+    len: usize,
+) -> usize {
+    let full = len / 16;
+    for i in 0..full {
+        // SAFETY: values `16i .. 16i + 16` exist behind every pointer (caller's contract).
+        unsafe {
+            let (a, b) = (
+                _mm512_loadu_ps(x0.add(16 * i)),
+                _mm512_loadu_ps(x1.add(16 * i)),
+            );
+            let (c, s) = (
+                _mm512_loadu_ps(cos.add(16 * i)),
+                _mm512_loadu_ps(sin.add(16 * i)),
+            );
+            let first = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s));
+            let second = _mm512_add_ps(_mm512_mul_ps(a, s), _mm512_mul_ps(b, c));
+            _mm512_storeu_ps(x0.add(16 * i), first);
+            _mm512_storeu_ps(x1.add(16 * i), second);
         }
     }
     16 * full

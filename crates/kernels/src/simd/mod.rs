@@ -836,7 +836,7 @@ pub(crate) fn delta_rule_step(
 /// `level`: `x[i] = exp(x[i] - max)` in place, summed in the reference's lanes. The level's
 /// kernels take the whole 16-value chunks; the tail runs as the scalar reference does it.
 pub(crate) fn softmax_exp_sum(level: SimdLevel, x: &mut [f32]) -> f32 {
-    use crate::activations::{exp, SOFTMAX_LANES};
+    use crate::activations::SOFTMAX_LANES;
     assert!(
         level != SimdLevel::Scalar,
         "SIMD kernels run SIMD levels only"
@@ -844,24 +844,34 @@ pub(crate) fn softmax_exp_sum(level: SimdLevel, x: &mut [f32]) -> f32 {
     level.assert_supported();
     let (body, tail) = x.split_at_mut(x.len() / SOFTMAX_LANES * SOFTMAX_LANES);
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the level is supported; `body` is whole chunks of 16 values.
-    let (max, mut lanes) = unsafe {
+    // SAFETY: the level is supported; `body` and `padded` are whole chunks of 16 values.
+    let (mut lanes, padded) = unsafe {
         let body_max = match level {
             SimdLevel::Avx2 => avx2::max_of_chunks(body),
             _ => avx512::max_of_chunks(body),
         };
         let max = tail.iter().fold(body_max, |m, &v| m.max(v));
+        // The tail as one more chunk, padded with `max` (whose exponential, 1, goes nowhere):
+        // the kernel's exp has the scalar one's bits, so this is the scalar tail, vectorised.
+        let mut padded = [max; SOFTMAX_LANES];
+        padded[..tail.len()].copy_from_slice(tail);
         let lanes = match level {
-            SimdLevel::Avx2 => avx2::exp_sum_chunks(body, max),
-            _ => avx512::exp_sum_chunks(body, max),
+            SimdLevel::Avx2 => {
+                avx2::exp_sum_chunks(&mut padded, max);
+                avx2::exp_sum_chunks(body, max)
+            }
+            _ => {
+                avx512::exp_sum_chunks(&mut padded, max);
+                avx512::exp_sum_chunks(body, max)
+            }
         };
-        (max, lanes)
+        (lanes, padded)
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let (max, mut lanes): (f32, [f32; SOFTMAX_LANES]) =
+    let (mut lanes, padded): ([f32; SOFTMAX_LANES], [f32; SOFTMAX_LANES]) =
         unreachable!("no SIMD level is supported on this architecture");
     for (i, v) in tail.iter_mut().enumerate() {
-        *v = exp(*v - max);
+        *v = padded[i];
         lanes[i] += *v;
     }
     lanes.iter().fold(0.0, |sum, &lane| sum + lane)
@@ -947,6 +957,82 @@ unsafe fn gate_mul<const SIGMOID: bool>(
             };
         }
     }
+}
+
+/// The squares of `x` (squared in f32) summed in f64 into 8 lanes, value `i` into lane
+/// `i % 8`, over the whole chunks of 8 at `level` (none at the scalar level); returns the lanes
+/// and how many values they hold ([`crate::ops::rms_norm`]).
+pub(crate) fn sum_squares_f64(level: SimdLevel, x: &[f32]) -> ([f64; 8], usize) {
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported.
+    unsafe {
+        match level {
+            SimdLevel::Scalar => ([0.0; 8], 0),
+            SimdLevel::Avx2 => avx2::sum_squares_f64(x),
+            SimdLevel::Avx512 => avx512::sum_squares_f64(x),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    ([0.0; 8], 0)
+}
+
+/// `out[i] = (x[i] · scale) · weight[i]` for the whole registers among `x.len()` values at
+/// `level` (none at the scalar level); returns how many it did. `out` may be `x`.
+///
+/// # Safety
+///
+/// `x` and `weight` readable and `out` writable for `len` values.
+pub(crate) unsafe fn scale_mul(
+    level: SimdLevel,
+    x: *const f32,
+    scale: f32,
+    weight: *const f32,
+    out: *mut f32,
+    len: usize,
+) -> usize {
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported; the pointers are the caller's contract.
+    unsafe {
+        match level {
+            SimdLevel::Scalar => 0,
+            SimdLevel::Avx2 => avx2::scale_mul(x, scale, weight, out, len),
+            SimdLevel::Avx512 => avx512::scale_mul(x, scale, weight, out, len),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0
+}
+
+/// Rotates the pairs `(first[i], second[i])` by `cos[i]`, `sin[i]` ([`crate::Rope::apply`]) for
+/// the whole registers among them at `level` (none at the scalar level); returns how many it
+/// did.
+pub(crate) fn rotate_pairs(
+    level: SimdLevel,
+    first: &mut [f32],
+    second: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+) -> usize {
+    let len = first.len();
+    assert!(
+        second.len() == len && cos.len() == len && sin.len() == len,
+        "rope: sizes differ"
+    );
+    level.assert_supported();
+    let (x0, x1) = (first.as_mut_ptr(), second.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported; four slices of `len` values (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Scalar => 0,
+            SimdLevel::Avx2 => avx2::rotate_pairs(x0, x1, cos.as_ptr(), sin.as_ptr(), len),
+            SimdLevel::Avx512 => avx512::rotate_pairs(x0, x1, cos.as_ptr(), sin.as_ptr(), len),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0
 }
 
 /// [`crate::q8_0::quantize_row`] with AVX-512 (which the caller checked is available; sizes
