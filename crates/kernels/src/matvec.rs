@@ -387,18 +387,20 @@ fn matmul_tiled(
         Layout::RowMajor => chunk_rows(rows),
         Layout::Interleaved => chunk_rows(rows).next_multiple_of(interleaved::GROUP_ROWS),
     };
-    if w.layout() == Layout::Interleaved {
-        let encoding = interleaved::encoding(ty).expect("interleavable type");
-        let act_row = encode_activations(
-            ActivationEncoding::Interleaved(encoding),
-            x,
-            cols,
-            scratch,
-            reuse_encoded,
-        );
-        let MatmulScratch {
-            quantized, staging, ..
-        } = scratch;
+    let encoding = match (w.layout(), ty.activation()) {
+        (Layout::Interleaved, _) => Some(ActivationEncoding::Interleaved(
+            interleaved::encoding(ty).expect("interleavable type"),
+        )),
+        (_, ActivationFormat::F32) => None,
+        (_, format) => Some(ActivationEncoding::Blocks(format, level)),
+    };
+    let act_row = encoding.map_or(0, |e| {
+        encode_activations(e, x, cols, scratch, reuse_encoded)
+    });
+    let MatmulScratch {
+        quantized, staging, ..
+    } = scratch;
+    if let Some(ActivationEncoding::Interleaved(encoding)) = encoding {
         let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
         run_interleaved(encoding, level, w, acts, out, staging, chunk_rows);
         return;
@@ -406,27 +408,13 @@ fn matmul_tiled(
     // One thread chunk of weight rows writes its results activation-row-major into its own
     // piece of `dest`; with several activation rows those pieces are then copied into place
     // row by row (contiguous copies, not a strided transpose).
-    let format = ty.activation();
-    let act_row = match format {
-        ActivationFormat::F32 => 0,
-        _ => encode_activations(
-            ActivationEncoding::Blocks(format, level),
-            x,
-            cols,
-            scratch,
-            reuse_encoded,
-        ),
-    };
-    let MatmulScratch {
-        quantized, staging, ..
-    } = scratch;
     let dest: &mut [f32] = if n == 1 {
         &mut *out
     } else {
         staging.resize(n * rows, 0.0);
         &mut *staging
     };
-    match format {
+    match ty.activation() {
         ActivationFormat::F32 => {
             let acts = Rows::new(x, cols, cols, n);
             let (dot_rows, accumulate, size): (DotRowsFn<f32>, AccumulateFn<f32>, usize) = match ty
