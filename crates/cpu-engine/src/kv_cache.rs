@@ -87,11 +87,10 @@ impl Rows {
                     }
                 }
             };
-            let heads = store.chunks_mut(n_ctx * dim).enumerate();
             if n > 1 && rayon::current_num_threads() > 1 {
                 store.par_chunks_mut(n_ctx * dim).enumerate().for_each(head);
             } else {
-                heads.for_each(head);
+                store.chunks_mut(n_ctx * dim).enumerate().for_each(head);
             }
         }
         match self {
@@ -308,7 +307,14 @@ mod tests {
             let mut kv = KvCache::new(2, 4, &SHAPE, ty);
             kv.store(1, 0, &[1.0, 2.0], &[3.0, 4.0, 5.0, 6.0]);
             kv.store(1, 1, &[7.0, 8.0], &[9.0, 10.0, 11.0, 12.0]);
+            // The same two rows in one call, into layer 0.
+            let values = [3.0, 4.0, 5.0, 6.0, 9.0, 10.0, 11.0, 12.0];
+            kv.store(0, 0, &[1.0, 2.0, 7.0, 8.0], &values);
             kv.set_len(2);
+            for h in 0..2 {
+                assert_eq!(head(kv.keys(0, 2), h), head(kv.keys(1, 2), h));
+                assert_eq!(head(kv.values(0, 2), h), head(kv.values(1, 2), h));
+            }
             assert_eq!(head(kv.keys(1, 2), 0), [1.0, 7.0]);
             assert_eq!(head(kv.keys(1, 2), 1), [2.0, 8.0]);
             assert_eq!(head(kv.values(1, 2), 1), [5.0, 6.0, 11.0, 12.0]);
