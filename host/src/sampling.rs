@@ -125,15 +125,23 @@ impl Sampler {
                 }
             }
         }
-        // Stable order: higher logit first, lower id first on ties.
-        out.sort_by(|a, b| b.p.total_cmp(&a.p).then(a.id.cmp(&b.id)));
+        // A total order: higher logit first, lower id first on ties. Only the candidates that
+        // greedy or top-k keep are sorted (selected first in linear time, not a sort of the
+        // whole vocabulary): the same list a full sort would start with.
+        let order = |a: &Candidate, b: &Candidate| b.p.total_cmp(&a.p).then(a.id.cmp(&b.id));
+        let keep = match (p.is_greedy(), p.top_k) {
+            (true, _) => 1,
+            (false, 0) => out.len(),
+            (false, k) => k as usize,
+        };
+        if keep < out.len() {
+            out.select_nth_unstable_by(keep - 1, order);
+            out.truncate(keep);
+        }
+        out.sort_by(order);
         if p.is_greedy() {
-            out.truncate(1);
             out[0].p = 1.0;
             return;
-        }
-        if p.top_k > 0 {
-            out.truncate(p.top_k as usize);
         }
         softmax_in_place(out, 1.0);
         if p.top_p < 1.0 {
@@ -255,6 +263,29 @@ mod tests {
         let ids: Vec<_> = out.iter().map(|c| c.id).collect();
         assert_eq!(ids, vec![1, 3]);
         assert!((out.iter().map(|c| c.p).sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    /// Top-k selects before it sorts; the kept list must be the head of the fully sorted
+    /// vocabulary (higher logit first, lower id first on ties), ties across the cut included.
+    #[test]
+    fn top_k_keeps_the_head_of_the_full_order() {
+        let logits: Vec<f32> = (0..500).map(|i| ((i * 7919) % 23) as f32 * 0.5).collect();
+        let mut sorted: Vec<u32> = (0..500).collect();
+        sorted.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        for k in [1, 2, 21, 22, 23, 40, 499, 500, 600] {
+            let s = Sampler::new(SamplingParams {
+                top_k: k,
+                ..params(1.0)
+            });
+            let mut out = Vec::new();
+            s.distribution(&logits, &[], &mut out);
+            let ids: Vec<u32> = out.iter().map(|c| c.id).collect();
+            assert_eq!(ids, sorted[..(k as usize).min(500)], "top_k {k}");
+        }
     }
 
     #[test]
