@@ -553,14 +553,11 @@ unsafe fn scores_tiled<const KIND: u8, const C: usize>(
 const PREFETCH_ROWS: usize = 4;
 
 /// Prefetches every line of cached row `j + PREFETCH_ROWS` of `rows`, when there is one.
-#[inline(always)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
 fn prefetch_row_ahead(rows: Rows<'_, u8>, j: usize) {
     if j + PREFETCH_ROWS < rows.count() {
-        let row = rows.ptr(j + PREFETCH_ROWS);
-        for line in (0..rows.len()).step_by(64) {
-            // SAFETY: a prefetch does not fault; the address lies inside the row.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line).cast()) };
-        }
+        prefetch_block(rows.ptr(j + PREFETCH_ROWS), rows.len());
     }
 }
 
