@@ -298,6 +298,48 @@ fn missing_model_file_is_named() {
 }
 
 #[test]
+fn gen_model_writes_the_quantised_types_and_names_the_ones_it_cannot() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("m.gguf");
+    let gen = |ty: &str| {
+        specula(
+            &[
+                "gen-model",
+                "--preset",
+                "tiny-llama",
+                "--hidden",
+                "256",
+                "--head-dim",
+                "64",
+                "--type",
+                ty,
+                "--out",
+                out_path.to_str().unwrap(),
+            ],
+            dir.path(),
+        )
+    };
+    for ty in ["q4_0", "Q4_K", "q5_K", "q6_K"] {
+        let out = gen(ty);
+        assert!(out.status.success(), "{ty}: {}", stderr(&out));
+        let file = specula_gguf::GgufFile::open(&out_path).unwrap();
+        let q = file.tensor("blk.0.attn_q.weight").unwrap();
+        assert!(
+            q.info.ty.name().eq_ignore_ascii_case(ty),
+            "{ty}: {}",
+            q.info.ty
+        );
+    }
+    let out = gen("q2_K");
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("--type q2_K") && err.contains("q4_K, q5_K, q6_K"),
+        "{err}"
+    );
+}
+
+#[test]
 fn truncated_model_is_reported() {
     let dir = tempfile::tempdir().unwrap();
     let bytes = std::fs::read(shared("models/stories260K.gguf")).unwrap();

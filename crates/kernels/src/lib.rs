@@ -227,6 +227,7 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Vec<u8> {
 
 /// [`quantize`], reporting an unsupported type or partial block as an error.
 pub fn try_quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, KernelError> {
+    use rayon::prelude::*;
     let wt = supported(ty)?;
     let len = wt.row_bytes(x.len()).ok_or(KernelError::NotWholeBlocks {
         ty,
@@ -234,9 +235,16 @@ pub fn try_quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, KernelError> {
         block: wt.block_values(),
     })?;
     let mut out = vec![0u8; len];
-    quantize_row_into(wt, x, &mut out);
+    // Blocks are encoded independently, so runs of them go to rayon's threads (the same
+    // bytes as one sequential pass; writing a model is mostly this).
+    out.par_chunks_mut(QUANTIZE_RUN_BLOCKS * wt.block_bytes())
+        .zip(x.par_chunks(QUANTIZE_RUN_BLOCKS * wt.block_values()))
+        .for_each(|(out, x)| quantize_row_into(wt, x, out));
     Ok(out)
 }
+
+/// Blocks per parallel run of [`try_quantize`].
+const QUANTIZE_RUN_BLOCKS: usize = 256;
 
 /// Decodes `n` values of type `ty` from tensor data `bytes` (exactly their size).
 ///
@@ -330,6 +338,23 @@ mod tests {
                 WeightType::Q6K => 2.0 / 32.0,
             };
             assert!(max_err <= bound, "{ty}: max error {max_err} > {bound}");
+        }
+    }
+
+    /// Runs of blocks quantised on several threads give the bytes of one sequential pass,
+    /// with a ragged last run.
+    #[test]
+    fn parallel_quantisation_equals_one_pass() {
+        for ty in WeightType::ALL {
+            let n = (2 * QUANTIZE_RUN_BLOCKS + 3) * ty.block_values();
+            let x = random_vec(n, 3.0, 9);
+            let mut sequential = vec![0u8; ty.ggml().row_bytes(n).unwrap()];
+            quantize_row_into(ty, &x, &mut sequential);
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap();
+            assert_eq!(pool.install(|| quantize(ty.ggml(), &x)), sequential, "{ty}");
         }
     }
 

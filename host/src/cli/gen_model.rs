@@ -15,7 +15,7 @@ pub struct GenModelArgs {
     /// Output GGUF file.
     #[arg(short, long, value_name = "FILE")]
     out: PathBuf,
-    /// Named shape (tiny-llama, tiny-qwen3, small-llama, demo); flags below override it.
+    /// Named shape (see --list-presets); the flags below override it.
     #[arg(long, default_value = "tiny-llama")]
     preset: String,
     /// List the presets and exit.
@@ -24,21 +24,29 @@ pub struct GenModelArgs {
     /// Architecture: llama, qwen3 (qwen35 / qwen3next come from presets).
     #[arg(long, value_parser = parse_dense_arch)]
     arch: Option<Arch>,
-    /// Weight type of the matrices: f32, f16, bf16, q8_0 (and the K-quants the kernels write).
+    /// Weight type of the matrices: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K (matrices whose
+    /// rows are not whole blocks of it stay f32).
     #[arg(long = "type", value_name = "TYPE")]
     weight_type: Option<String>,
+    /// Model width (embedding length).
     #[arg(long)]
     hidden: Option<u32>,
+    /// Transformer blocks (an MTP block comes on top).
     #[arg(long)]
     layers: Option<u32>,
+    /// Query heads.
     #[arg(long)]
     heads: Option<u32>,
+    /// Key / value heads.
     #[arg(long)]
     kv_heads: Option<u32>,
+    /// Values per attention head.
     #[arg(long)]
     head_dim: Option<u32>,
+    /// Feed-forward width.
     #[arg(long)]
     ffn: Option<u32>,
+    /// Context length the model declares.
     #[arg(long)]
     context: Option<u32>,
     /// Vocabulary size (byte tokens plus synthetic pieces; at least 259). Default: the
@@ -70,9 +78,16 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         spec.arch = a;
     }
     if let Some(t) = &args.weight_type {
-        spec.weight_type = GgmlType::from_name(t).with_context(|| {
-            format!("--type {t}: unknown tensor type (use f32, f16, bf16 or q8_0)")
-        })?;
+        let writable = specula_kernels::WeightType::ALL.map(|w| w.ggml());
+        spec.weight_type = GgmlType::from_name(t)
+            .filter(|ty| writable.contains(ty))
+            .with_context(|| {
+                let names: Vec<&str> = writable.iter().map(|ty| ty.name()).collect();
+                format!(
+                    "--type {t}: not a tensor type gen-model writes (use {})",
+                    names.join(", ")
+                )
+            })?;
     }
     macro_rules! set {
         ($($field:ident),*) => { $( if let Some(v) = args.$field { spec.$field = v; } )* };

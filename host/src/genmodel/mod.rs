@@ -19,6 +19,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("small-llama", "llama, dim 512, 8 layers, 8 heads / 4 kv heads, FFN 1536"),
     ("qwen3-0.6b", "Qwen3-0.6B's shape: qwen3, dim 1024, 28 layers, 16/8 heads of 128, FFN 3072, vocab 151936, tied"),
     ("qwen35-0.8b", "Qwen3.5-0.8B's shape: qwen35, dim 1024, 24 layers (6 × (3 GDN + 1 attention)), 8/2 heads of 256, FFN 3584, GDN 16/16 heads of 128, MTP block, vocab 151936, tied"),
+    ("qwen35-2b", "Qwen3.5-2B's shape: qwen35, dim 2048, 24 layers (6 × (3 GDN + 1 attention)), 8/2 heads of 256, FFN 6144, GDN 16/16 heads of 128, MTP block, vocab 248320, tied, Q4_K"),
     ("demo", "the built-in default: a word-bigram model of an embedded public-domain text"),
 ];
 
@@ -84,6 +85,18 @@ pub fn preset(name: &str) -> anyhow::Result<ModelSpec> {
             }),
             mtp: true,
             ..dense(Arch::Qwen35, 1024, 24, 8, 2, 256, 3584)
+        },
+        // Qwen3.5-2B's published text config: hidden 2048, 24 layers as 6 × (3 Gated DeltaNet
+        // + 1 gated attention), 8 query / 2 KV heads of 256, intermediate 6144, GDN 16 key /
+        // 16 value heads of 128, conv kernel 4, vocab 248320, tied, partial rotary as 0.8B,
+        // one MTP layer. Q4_K, the size people run it at (about 1.9B parameters).
+        "qwen35-2b" => ModelSpec {
+            name: name.to_string(),
+            hidden: 2048,
+            ffn: 6144,
+            weight_type: GgmlType::Q4K,
+            vocab: Some(248320),
+            ..preset("qwen35-0.8b")?
         },
         other => bail!(
             "unknown preset '{other}' (known: {})",
