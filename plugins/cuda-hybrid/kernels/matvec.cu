@@ -1,8 +1,8 @@
 // Quantised mat-vec and small-batch mat-mul: out[b][r] = dot(weight row r, activation row b).
 //
-// Weights stay in their GGUF encoding (F32, F16, BF16, Q8_0, Q4_K, Q6_K) exactly as they are in
-// the file. A row is walked in *units* of 32 values (one Q8_0 block, one 32-value sub-block of
-// a Q4_K / Q6_K super-block, 32 floats): lane `l` of the warp that owns weight row `r` decodes
+// Weights stay in their GGUF encoding (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) exactly as
+// they are in the file. A row is walked in *units* of 32 values (one Q8_0 / Q4_0 block, one
+// 32-value sub-block of a K-quant super-block, 32 floats): lane `l` of the warp that owns weight row `r` decodes
 // units l, l + 32, l + 64, ... once, into registers, and multiplies each decoded unit with the
 // same 32 values of every activation row of its block (up to MM_COLS rows) before moving on.
 // So a launch with k <= MM_COLS activation rows reads every weight byte once for all k rows.
@@ -59,6 +59,32 @@ struct DecBF16 {
     }
 };
 
+// Q4_0 block (18 bytes, 32 values): d (f16), 16 bytes of 4-bit quants; value i is
+// d * ((qs[i] & 0xF) - 8) for i < 16 and d * ((qs[i - 16] >> 4) - 8) for the upper half.
+struct DecQ40 {
+    static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
+        const u8* b = row + (u64)u * 18;
+        const float d = f16_to_f32(load_u16(b));
+        const u8* q = b + 2;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            v[i] = d * (float)((int)(q[i] & 0xF) - 8);
+            v[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+        }
+    }
+};
+
+// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block's 12 packed bytes.
+__device__ __forceinline__ void scale_min_k4(const u8* sc, int j, int* s, int* m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
 // Q4_K super-block (144 bytes, 256 values): d (f16), dmin (f16), 12 bytes of packed 6-bit
 // scales and mins, 128 bytes of 4-bit quants. Sub-block j uses scale/min pair j; its quants are
 // the low (j even) or high (j odd) nibbles of bytes (j/2)*32 ..; value = d*sc*q - dmin*m.
@@ -68,15 +94,8 @@ struct DecQ4K {
         const int j = u & 7;
         const float d = f16_to_f32(load_u16(b));
         const float dmin = f16_to_f32(load_u16(b + 2));
-        const u8* sc = b + 4;
         int s, m;
-        if (j < 4) {
-            s = sc[j] & 63;
-            m = sc[j + 4] & 63;
-        } else {
-            s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-        }
+        scale_min_k4(b + 4, j, &s, &m);
         const float d1 = d * (float)s;
         const float m1 = dmin * (float)m;
         const u8* q = b + 16 + (j >> 1) * 32;
@@ -84,6 +103,31 @@ struct DecQ4K {
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             v[i] = d1 * (float)((q[i] >> shift) & 0xF) - m1;
+        }
+    }
+};
+
+// Q5_K super-block (176 bytes, 256 values): d (f16), dmin (f16), 12 bytes of scales and mins
+// packed as Q4_K's, qh (32 bytes, the fifth bits), qs (128 bytes, the low 4 bits). Sub-block j
+// takes low bits as Q4_K does and its fifth bit from bit j of qh[i]; value = d*sc*q - dmin*m.
+struct DecQ5K {
+    static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
+        const u8* b = row + (u64)(u >> 3) * 176;
+        const int j = u & 7;
+        const float d = f16_to_f32(load_u16(b));
+        const float dmin = f16_to_f32(load_u16(b + 2));
+        int s, m;
+        scale_min_k4(b + 4, j, &s, &m);
+        const float d1 = d * (float)s;
+        const float m1 = dmin * (float)m;
+        const u8* qh = b + 16;
+        const u8* q = b + 48 + (j >> 1) * 32;
+        const int shift = (j & 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int low = (q[i] >> shift) & 0xF;
+            const int high = (qh[i] >> j) & 1;
+            v[i] = d1 * (float)(low | (high << 4)) - m1;
         }
     }
 };
@@ -214,7 +258,9 @@ __device__ __forceinline__ void matmul_ids_body(const u8* __restrict__ w, u64 ro
 DEFINE_MATMUL(f32, DecF32)
 DEFINE_MATMUL(f16, DecF16)
 DEFINE_MATMUL(bf16, DecBF16)
+DEFINE_MATMUL(q4_0, DecQ40)
 DEFINE_MATMUL(q4_k, DecQ4K)
+DEFINE_MATMUL(q5_k, DecQ5K)
 DEFINE_MATMUL(q6_k, DecQ6K)
 
 // ---- Q8_0 -------------------------------------------------------------------------------------

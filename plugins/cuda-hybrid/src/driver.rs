@@ -15,9 +15,11 @@ use specula_plugin_api::{ErrorKind, PluginError};
 /// The driver library the plugin needs (the NVIDIA driver installs it).
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
 
-/// The NVRTC library the plugin compiles its kernels with (CUDA 12; the PyPI wheel
-/// `nvidia-cuda-nvrtc-cu12` ships it in `nvidia/cuda_nvrtc/lib/`).
-pub const NVRTC_LIBRARY: &str = "libnvrtc.so.12";
+/// The NVRTC libraries the plugin compiles its kernels with, newest first: CUDA 13's and CUDA
+/// 12's (the toolkit's `lib64`, or the PyPI wheels `nvidia-cuda-nvrtc`, in `nvidia/cu13/lib/`,
+/// and `nvidia-cuda-nvrtc-cu12`, in `nvidia/cuda_nvrtc/lib/`). cudarc opens the first of its
+/// candidate names that loads: the unversioned `libnvrtc.so`, then these.
+pub const NVRTC_LIBRARIES: [&str; 2] = ["libnvrtc.so.13", "libnvrtc.so.12"];
 
 /// Environment variable naming the NVRTC library file, or the directory holding it, when it
 /// is not on the loader's search path (the `nvrtc_path` option does the same per profile).
@@ -73,40 +75,48 @@ fn nvrtc_hint(option: Option<&Path>) -> Option<PathBuf> {
 
 /// Makes NVRTC loadable for cudarc: if `hint` (the `nvrtc_path` option, else
 /// `$SPECULA_NVRTC_PATH`) names the library or its directory, that file is loaded first (and
-/// kept loaded, so cudarc's dlopen of `libnvrtc.so.12` finds it by its soname); otherwise the
-/// loader's search path (`LD_LIBRARY_PATH`, the system directories) must have it.
+/// kept loaded, so cudarc's dlopen of its soname finds it); otherwise the loader's search path
+/// (`LD_LIBRARY_PATH`, the system directories) must have one of [`NVRTC_LIBRARIES`].
 ///
 /// Returns the error to report when NVRTC cannot be found.
 pub fn ensure_nvrtc(option: Option<&Path>) -> Result<(), PluginError> {
     let hint = nvrtc_hint(option);
     let mut tried = Vec::new();
     if let Some(hint) = &hint {
-        let file = if hint.is_dir() {
-            hint.join(NVRTC_LIBRARY)
+        let files: Vec<PathBuf> = if hint.is_dir() {
+            NVRTC_LIBRARIES.iter().map(|name| hint.join(name)).collect()
         } else {
-            hint.clone()
+            vec![hint.clone()]
         };
-        // SAFETY: loads the NVRTC library named by the user; leaked so it stays resident.
-        match unsafe { libloading::Library::new(&file) } {
-            Ok(lib) => std::mem::forget(lib),
-            Err(e) => tried.push(format!("{} ({e})", file.display())),
+        for file in files {
+            // SAFETY: loads the NVRTC library named by the user; leaked so it stays resident.
+            match unsafe { libloading::Library::new(&file) } {
+                Ok(lib) => {
+                    std::mem::forget(lib);
+                    break;
+                }
+                Err(e) => tried.push(format!("{} ({e})", file.display())),
+            }
         }
     }
     // SAFETY: dlopen / dlclose of the NVRTC library only.
     if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Ok(());
     }
-    // SAFETY: as above.
-    if let Err(e) = unsafe { libloading::Library::new(NVRTC_LIBRARY) } {
-        tried.push(format!("{NVRTC_LIBRARY} ({e})"));
+    for name in NVRTC_LIBRARIES {
+        // SAFETY: as above.
+        if let Err(e) = unsafe { libloading::Library::new(name) } {
+            tried.push(format!("{name} ({e})"));
+        }
     }
     Err(PluginError::new(
         ErrorKind::Unsupported,
         format!(
             "cuda-hybrid: NVRTC not found (tried {}). The kernels are compiled with NVRTC when \
-             the backend opens: install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc-cu12` \
-             and put its nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH, in ${NVRTC_ENV} or \
-             in the option nvrtc_path",
+             the backend opens: install the CUDA toolkit (12 or 13), or `pip install \
+             nvidia-cuda-nvrtc` (CUDA 13) or `nvidia-cuda-nvrtc-cu12` and put the wheel's lib \
+             directory (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib) on LD_LIBRARY_PATH, in \
+             ${NVRTC_ENV} or in the option nvrtc_path",
             tried.join(", ")
         ),
     ))

@@ -40,13 +40,17 @@ pub const SOURCES: &[KernelSource] = &[
             "matmul_f16",
             "matmul_bf16",
             "matmul_q8_0",
+            "matmul_q4_0",
             "matmul_q4_k",
+            "matmul_q5_k",
             "matmul_q6_k",
             "matmul_ids_f32",
             "matmul_ids_f16",
             "matmul_ids_bf16",
             "matmul_ids_q8_0",
+            "matmul_ids_q4_0",
             "matmul_ids_q4_k",
+            "matmul_ids_q5_k",
             "matmul_ids_q6_k",
         ],
     },
@@ -233,6 +237,34 @@ pub fn nvrtc_version() -> Result<(i32, i32), PluginError> {
         )));
     }
     Ok((major, minor))
+}
+
+/// The virtual architectures this NVRTC compiles for, as (major, minor), oldest first (CUDA
+/// 12's NVRTC starts at 5.0, CUDA 13's at 7.5).
+pub fn supported_archs() -> Result<Vec<(i32, i32)>, PluginError> {
+    use cudarc::nvrtc::sys;
+    let mut count = 0;
+    // SAFETY: out-parameter calls into NVRTC, which the caller has made sure is loadable; the
+    // buffer holds the `count` entries NVRTC reported.
+    let archs = unsafe {
+        let status = sys::nvrtcGetNumSupportedArchs(&mut count);
+        if status != sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(nvrtc_error(format!(
+                "cuda-hybrid: nvrtcGetNumSupportedArchs failed: {status:?}"
+            )));
+        }
+        let mut archs = vec![0i32; count.max(0) as usize];
+        let status = sys::nvrtcGetSupportedArchs(archs.as_mut_ptr());
+        if status != sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(nvrtc_error(format!(
+                "cuda-hybrid: nvrtcGetSupportedArchs failed: {status:?}"
+            )));
+        }
+        archs
+    };
+    let mut archs: Vec<(i32, i32)> = archs.iter().map(|a| (a / 10, a % 10)).collect();
+    archs.sort_unstable();
+    Ok(archs)
 }
 
 /// FNV-1a, 64 bits: a hash that is the same in every build (for cache file names).

@@ -7,7 +7,7 @@
 //! | `device` | CUDA device ordinal | `0` |
 //! | `ring_budget_bytes` | upper bound on the recurrent-state snapshot ring (host and device parts together) | none |
 //! | `deep_rollback` | `redecode` or `refuse`: truncation beyond the ring | `redecode` |
-//! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
+//! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.13` or `.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
 //! | `kernel_cache` | directory for compiled PTX, or `off` | `$SPECULA_HOME/cuda-kernels`, else `$XDG_CACHE_HOME/specula/cuda-kernels`, else `~/.cache/specula/cuda-kernels` |
 //!
 //! Unknown options are ignored with a warning; malformed values are `InvalidInput` errors

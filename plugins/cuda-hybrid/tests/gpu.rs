@@ -158,7 +158,9 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
         (GgmlType::F16, 300),
         (GgmlType::BF16, 512),
         (GgmlType::Q8_0, 512),
+        (GgmlType::Q4_0, 352),
         (GgmlType::Q4K, 512),
+        (GgmlType::Q5K, 768),
         (GgmlType::Q6K, 768),
     ];
     let (rows, n) = (37, 11);
@@ -228,7 +230,13 @@ fn expert_matmul_equals_the_plain_matmul_of_each_pair() {
     let gpu = open_device(&device);
     let mut rng = Rng::new(9);
     let (rows, cols, n_expert, pairs, k) = (24, 256, 3, 6, 2);
-    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K] {
+    for ty in [
+        GgmlType::F32,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+    ] {
         let (bytes, _) = random_matrix(ty, rows * n_expert, cols, &mut rng);
         let dev_w = gpu.upload(&bytes).unwrap();
         let row_bytes = ty.row_bytes(cols).unwrap();
@@ -618,6 +626,72 @@ fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
         for options in placements(&device) {
             let got = greedy(&mut cuda(&device, &path, options), &[1], n);
             assert_eq!(got, want, "{} {options:?}", path.display());
+        }
+    }
+}
+
+/// The values of [`RandomWeights`] as a model of `ty` stores them: matrices whose rows are
+/// whole blocks of `ty` go through `ty` and back, everything else is left as it is. Written as
+/// F32, this is the quantised model's exact weights in a form every kernel multiplies
+/// without quantising its activations.
+struct Dequantised {
+    random: specula_host::genmodel::RandomWeights,
+    ty: GgmlType,
+}
+
+impl specula_host::genmodel::WeightSource for Dequantised {
+    fn tensor(&mut self, name: &str, n_in: usize, n_out: usize) -> Vec<f32> {
+        let values = self.random.tensor(name, n_in, n_out);
+        if n_out == 1 || self.ty.row_bytes(n_in).is_none() {
+            return values;
+        }
+        let bytes = specula_kernels::quantize(self.ty, &values);
+        specula_kernels::dequantize(self.ty, &bytes, values.len())
+    }
+}
+
+/// Models in each block type the GPU decodes itself (written here with rows of 256 values,
+/// so the projections, FFNs and the tied LM head all take the type), through the whole device
+/// path: logits equal, up to f32 rounding, cpu-simd's on the same weights stored as F32 (the
+/// GPU multiplies these types with f32 activations; cpu-simd quantises activations for them,
+/// so it is compared on the F32 copy), and verify rows bit-identical to single-token evals.
+#[test]
+fn quantised_models_follow_their_dequantised_weights() {
+    let Some(device) = device_or_skip("quantised_models_follow_their_dequantised_weights") else {
+        return;
+    };
+    use specula_host::genmodel::{preset, write_model, RandomWeights, SpmVocab, Vocab};
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = Vocab::Spm(SpmVocab::synthetic(VOCAB));
+    for ty in [GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        let mut spec = preset("tiny-qwen35").unwrap();
+        (spec.hidden, spec.ffn, spec.weight_type) = (256, 512, ty);
+        let quantised = dir.path().join(format!("tiny-qwen35-{}.gguf", ty.name()));
+        write_model(&spec, &vocab, &mut RandomWeights::new(3), &quantised).unwrap();
+        spec.weight_type = GgmlType::F32;
+        let dequantised = dir
+            .path()
+            .join(format!("tiny-qwen35-{}-f32.gguf", ty.name()));
+        let mut weights = Dequantised {
+            random: RandomWeights::new(3),
+            ty,
+        };
+        write_model(&spec, &vocab, &mut weights, &dequantised).unwrap();
+
+        let mut cpu = cpu_simd(&params(&dequantised, 64, &[]));
+        let mut gpu = cuda(&device, &quantised, &[]);
+        let mut single = cuda(&device, &quantised, &[]);
+        let a = eval(&mut cpu, &PROMPT, LogitRows::All);
+        let b = eval(&mut gpu, &PROMPT, LogitRows::All);
+        let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let d = max_diff(&a, &b);
+        assert!(
+            d <= 1e-4 * scale,
+            "{ty:?}: logits differ by {d} (scale {scale})"
+        );
+        for (i, &t) in PROMPT.iter().enumerate() {
+            let r = eval(&mut single, &[t], LogitRows::Last);
+            assert_eq!(bits(row(&b, i, VOCAB)), bits(&r), "{ty:?}: row {i}");
         }
     }
 }

@@ -156,28 +156,14 @@ impl std::fmt::Debug for Gpu {
 /// The newest architecture NVRTC supports that the device can run (PTX of an older virtual
 /// architecture runs on newer devices).
 fn kernel_arch(device: (i32, i32)) -> Result<(i32, i32), PluginError> {
-    use cudarc::nvrtc::sys;
-    let mut count = 0;
-    // SAFETY: out-parameter calls into NVRTC, which the caller has made sure is loadable.
-    let supported: Vec<i32> = unsafe {
-        if sys::nvrtcGetNumSupportedArchs(&mut count) != sys::nvrtcResult::NVRTC_SUCCESS {
-            return Ok(device);
-        }
-        let mut archs = vec![0i32; count.max(0) as usize];
-        if sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) != sys::nvrtcResult::NVRTC_SUCCESS {
-            return Ok(device);
-        }
-        archs
-    };
-    let wanted = device.0 * 10 + device.1;
-    let best = supported.iter().copied().filter(|&a| a <= wanted).max();
-    match best {
-        Some(a) => Ok((a / 10, a % 10)),
-        None => Err(PluginError::unsupported(format!(
+    let supported = kernels::supported_archs()?;
+    let best = supported.iter().copied().filter(|&a| a <= device).max();
+    best.ok_or_else(|| {
+        PluginError::unsupported(format!(
             "cuda-hybrid: the device's compute capability {}.{} is older than every architecture this NVRTC supports ({supported:?})",
             device.0, device.1
-        ))),
-    }
+        ))
+    })
 }
 
 impl Gpu {

@@ -16,14 +16,16 @@ pub fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
         GgmlType::F16 => Some("f16"),
         GgmlType::BF16 => Some("bf16"),
         GgmlType::Q8_0 => Some("q8_0"),
+        GgmlType::Q4_0 => Some("q4_0"),
         GgmlType::Q4K => Some("q4_k"),
+        GgmlType::Q5K => Some("q5_k"),
         GgmlType::Q6K => Some("q6_k"),
         _ => None,
     }
 }
 
 /// The types [`kernel_suffix`] knows, for messages.
-pub const GPU_TYPES: &str = "f32, f16, bf16, q8_0, q4_K, q6_K";
+pub const GPU_TYPES: &str = "f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K";
 
 /// A weight matrix on the device: `rows` rows of `cols` values of `ty`.
 #[derive(Debug, Clone, Copy)]
