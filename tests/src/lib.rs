@@ -42,10 +42,13 @@ pub fn plugin_library(name: &str) -> PathBuf {
     path
 }
 
-/// A file in the shared folder (`../shared` from the workspace root).
+/// A file in the shared folder: `../shared` from the workspace root, or the directory
+/// `$SPECULA_SHARED` names (for test executables run away from their checkout, as on a GPU
+/// machine; see `plugins/cuda-hybrid/gpu-check/`).
 pub fn shared(rel: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared")
+    let path = std::env::var_os("SPECULA_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
         .join(rel);
     assert!(path.exists(), "{} is missing", path.display());
     path

@@ -11,9 +11,13 @@ use specula_plugin_api::{BackendParams, BoxedForwardPass, ForwardPass, LogitRows
 
 pub const VOCAB: usize = 512;
 
-/// `../shared/models` beside the workspace.
+/// `../shared/models` beside the workspace, or `models` in the directory `$SPECULA_SHARED`
+/// names (for test executables run away from their checkout, as on a GPU machine).
 pub fn models_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models");
+    let dir = std::env::var_os("SPECULA_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
+        .join("models");
     assert!(
         dir.join("stories260K.gguf").exists(),
         "shared models not found at {}",
