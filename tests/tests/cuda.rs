@@ -25,10 +25,13 @@ fn driver_installed() -> bool {
     specula_cuda_hybrid::driver::probe_driver().is_ok()
 }
 
-/// `true` when a GPU test can run; else prints why it is skipped.
+/// `true` when a GPU test can run; else prints why it is skipped (or fails, when
+/// `$SPECULA_REQUIRE_GPU` is set, as `plugins/cuda-hybrid/gpu-check/run.sh` does).
 fn gpu_or_skip(test: &str) -> bool {
+    let required = std::env::var("SPECULA_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0");
     match specula_cuda_hybrid::driver::usable_gpu() {
         Ok(_) => true,
+        Err(e) if required => panic!("{test}: SPECULA_REQUIRE_GPU is set, but: {}", e.message),
         Err(e) => {
             eprintln!("SKIPPED {test}: no GPU here: {}", e.message);
             false

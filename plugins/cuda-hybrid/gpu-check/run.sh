@@ -24,8 +24,10 @@ if [ ! -x "$bin" ]; then
     exit 100
 fi
 
-# The tests read the kit's models; every process shares one PTX cache.
+# The tests read the kit's models, fail rather than skip or fall back to the emulator when
+# the GPU cannot be used, and share one PTX cache.
 export SPECULA_SHARED="$kit/shared"
+export SPECULA_REQUIRE_GPU=1
 export SPECULA_HOME="${SPECULA_HOME:-/tmp/specula-home}"
 # NVRTC: the loader's path first (cudarc looks there), else the CUDA toolkit's or a Python
 # wheel's copy, CUDA 13's or 12's.
@@ -63,7 +65,7 @@ step() {
 } | tee "$out/machine.txt"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    step ptx "$deps/ptx" --nocapture
+    step ptx env CI=true "$deps/ptx" --nocapture  # CI set: NVRTC must load
     step gpu "$deps/gpu" --test-threads=1 --nocapture
     step cuda "$deps/cuda" --test-threads=1 --nocapture
 fi

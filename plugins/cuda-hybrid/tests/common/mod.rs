@@ -244,11 +244,19 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+/// Whether `$SPECULA_REQUIRE_GPU` is set (to anything but empty / `0`): then a GPU test fails
+/// instead of falling back to the emulator or skipping (`gpu-check/run.sh` sets it).
+pub fn gpu_required() -> bool {
+    std::env::var("SPECULA_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 /// A CUDA device when there is one, else the host emulator when a C++ compiler can build it;
 /// `None` (after printing why) when neither is available.
 pub fn device_or_skip(test: &str) -> Option<Device> {
-    if specula_cuda_hybrid::driver::usable_gpu().is_ok() {
-        return Some(Device::Cuda);
+    match specula_cuda_hybrid::driver::usable_gpu() {
+        Ok(_) => return Some(Device::Cuda),
+        Err(e) if gpu_required() => panic!("{test}: SPECULA_REQUIRE_GPU is set, but: {e}"),
+        Err(_) => {}
     }
     match emulator() {
         Ok(e) => {
