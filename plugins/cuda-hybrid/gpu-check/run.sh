@@ -6,7 +6,8 @@
 #                                                # verify rows == single-token evals, rollback
 #                                                # oracle, greedy == cpu-simd, MTP == plain
 #   plugins/cuda-hybrid/gpu-check/run.sh bench   # a Qwen3.5-2B-shaped Q4_K model: plain and
-#                                                # MTP decode, verify cost ratios k = 1..8
+#                                                # MTP decode, verify cost ratios k = 1..8;
+#                                                # the trained qwen35 with its MTP head
 #   plugins/cuda-hybrid/gpu-check/run.sh all     # both (the default)
 #
 # Logs go to $OUT (the device tool's output folder) or ./gpu-check-out/. The exit status is
@@ -82,6 +83,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench-oracle-k8 "$bin" bench --profile "$profile" --runs 3 -n 128 --prompt-tokens 64 \
         --drafters oracle --oracle-k 8
     cat "$out/bench-oracle-k8.log"
+    # The random 2B model's MTP head accepts nothing; the trained qwen35 shows real acceptance.
+    trained="$out/stories-qwen35-cuda-mtp.toml"
+    printf '[target]\nbackend = "cuda-hybrid"\nmodel = "%s"\ncontext_size = 1024\n\n[drafter]\nplugin = "mtp"\n' \
+        "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" >"$trained"
+    step bench-trained "$bin" bench --profile "$trained" --runs 3 -n 128 --prompt-tokens 64 \
+        --drafters profile,oracle
+    cat "$out/bench-trained.log"
 fi
 echo "failed steps: $failed"
 exit "$failed"
