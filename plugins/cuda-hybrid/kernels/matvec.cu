@@ -74,15 +74,20 @@ struct DecQ40 {
     }
 };
 
-// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block's 12 packed bytes.
-__device__ __forceinline__ void scale_min_k4(const u8* sc, int j, int* s, int* m) {
+// The scale d*sc and offset dmin*m of sub-block j of the Q4_K / Q5_K super-block at b, which
+// starts with d (f16), dmin (f16) and 12 bytes packing the 6-bit sc and m of its 8 sub-blocks.
+__device__ __forceinline__ void k4_scale_min(const u8* b, int j, float* scale, float* offset) {
+    const u8* sc = b + 4;
+    int s, m;
     if (j < 4) {
-        *s = sc[j] & 63;
-        *m = sc[j + 4] & 63;
+        s = sc[j] & 63;
+        m = sc[j + 4] & 63;
     } else {
-        *s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
     }
+    *scale = f16_to_f32(load_u16(b)) * (float)s;
+    *offset = f16_to_f32(load_u16(b + 2)) * (float)m;
 }
 
 // Q4_K super-block (144 bytes, 256 values): d (f16), dmin (f16), 12 bytes of packed 6-bit
@@ -92,12 +97,8 @@ struct DecQ4K {
     static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
         const u8* b = row + (u64)(u >> 3) * 144;
         const int j = u & 7;
-        const float d = f16_to_f32(load_u16(b));
-        const float dmin = f16_to_f32(load_u16(b + 2));
-        int s, m;
-        scale_min_k4(b + 4, j, &s, &m);
-        const float d1 = d * (float)s;
-        const float m1 = dmin * (float)m;
+        float d1, m1;
+        k4_scale_min(b, j, &d1, &m1);
         const u8* q = b + 16 + (j >> 1) * 32;
         const int shift = (j & 1) * 4;
 #pragma unroll
@@ -114,12 +115,8 @@ struct DecQ5K {
     static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
         const u8* b = row + (u64)(u >> 3) * 176;
         const int j = u & 7;
-        const float d = f16_to_f32(load_u16(b));
-        const float dmin = f16_to_f32(load_u16(b + 2));
-        int s, m;
-        scale_min_k4(b + 4, j, &s, &m);
-        const float d1 = d * (float)s;
-        const float m1 = dmin * (float)m;
+        float d1, m1;
+        k4_scale_min(b, j, &d1, &m1);
         const u8* qh = b + 16;
         const u8* q = b + 48 + (j >> 1) * 32;
         const int shift = (j & 1) * 4;
