@@ -65,7 +65,7 @@ static jmp_buf scheduler;
 static unsigned current = 0;
 static const std::function<void()>* body = nullptr;
 // Shuffle slots, double-buffered by the parity of each warp's barrier generation.
-static float shuffle_slots[2][1024];
+static unsigned shuffle_slots[2][1024];
 static unsigned warp_generation[32];
 
 static void entry() {
@@ -205,7 +205,8 @@ inline void __syncthreads() {
     emu::wait(emu::BLOCK_WAIT);
 }
 
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+// A warp shuffle of 32 bits: lane t gets the value of lane t ^ lane_mask.
+inline unsigned emu_shfl_xor_bits(unsigned v, int lane_mask) {
     const unsigned t = emu::current;
     const unsigned w = t / 32;
     const unsigned g = emu::warp_generation[w] & 1u;
@@ -213,6 +214,49 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     emu::wait(emu::WARP_WAIT);
     const unsigned partner = (t & ~31u) | ((t & 31u) ^ static_cast<unsigned>(lane_mask));
     return emu::shuffle_slots[g][partner];
+}
+
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    unsigned bits;
+    std::memcpy(&bits, &v, 4);
+    bits = emu_shfl_xor_bits(bits, lane_mask);
+    std::memcpy(&v, &bits, 4);
+    return v;
+}
+
+inline int __shfl_xor_sync(unsigned, int v, int lane_mask) {
+    return static_cast<int>(emu_shfl_xor_bits(static_cast<unsigned>(v), lane_mask));
+}
+
+// The rounding intrinsics: plain IEEE operations on the host (the emulator is built with
+// -ffp-contract=off, so none is fused with another), a fused multiply-add for __fmaf_rn.
+inline float __fmul_rn(float a, float b) {
+    return a * b;
+}
+
+inline float __fadd_rn(float a, float b) {
+    return a + b;
+}
+
+inline float __fdiv_rn(float a, float b) {
+    return a / b;
+}
+
+inline float __fmaf_rn(float a, float b, float c) {
+    return std::fma(a, b, c);
+}
+
+// Round to nearest, ties to even (the default rounding mode).
+inline int __float2int_rn(float v) {
+    return static_cast<int>(std::nearbyint(v));
+}
+
+// A misaligned load faults on a GPU; here it stops the test process with a message.
+inline void emu_check_alignment(const void* p, unsigned alignment) {
+    if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0) {
+        std::fprintf(stderr, "cuda emulator: %u-byte aligned load from %p\n", alignment, p);
+        std::abort();
+    }
 }
 
 inline float __uint_as_float(unsigned u) {

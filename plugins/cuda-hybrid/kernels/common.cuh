@@ -49,6 +49,54 @@ __device__ __forceinline__ u16 load_u16(const u8* p) {
     return (u16)((u32)p[0] | ((u32)p[1] << 8));
 }
 
+// Four 32-bit words, loaded from a 16-byte aligned address in one vector load.
+struct alignas(16) U32x4 {
+    u32 x, y, z, w;
+};
+
+// The 16 bytes at `p`, which must be 16-byte aligned (the emulator checks it; a GPU would
+// fault on a misaligned vector load).
+__device__ __forceinline__ U32x4 load_16(const void* p) {
+#ifdef SPECULA_HOST_EMULATION
+    emu_check_alignment(p, 16);
+    U32x4 v;
+    std::memcpy(&v, p, 16);
+    return v;
+#else
+    return *(const U32x4*)p;
+#endif
+}
+
+// Little-endian u32 at a 2-byte aligned address, in two 16-bit loads (the quants of Q8_0,
+// Q4_0 and Q6_K blocks are only 2-byte aligned).
+__device__ __forceinline__ u32 load_u32_from_u16s(const u8* p) {
+#ifdef SPECULA_HOST_EMULATION
+    emu_check_alignment(p, 2);
+#endif
+    const u16* h = (const u16*)p;
+    return (u32)h[0] | ((u32)h[1] << 16);
+}
+
+// c + the dot product of the four signed bytes of a and b (PTX dp4a, compute 6.1+): exact.
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
+#ifdef SPECULA_HOST_EMULATION
+    for (int i = 0; i < 32; i += 8) {
+        c += (int)(i8)(a >> i) * (int)(i8)(b >> i);
+    }
+    return c;
+#else
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+#endif
+}
+
+// Each byte of w minus k, as a signed byte, for bytes <= 0x7F and k <= 0x80: with the top bit
+// of every byte set first, no byte borrows from its neighbour.
+__device__ __forceinline__ u32 sub_bytes(u32 w, u32 k) {
+    return ((w | 0x80808080u) - k * 0x01010101u) ^ 0x80808080u;
+}
+
 __device__ __forceinline__ float sigmoid_f(float x) {
     return 1.0f / (1.0f + expf(-x));
 }

@@ -2,22 +2,30 @@
 //
 // Weights stay in their GGUF encoding (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) exactly as
 // they are in the file. A row is walked in *units* of 32 values (one Q8_0 / Q4_0 block, one
-// 32-value sub-block of a K-quant super-block, 32 floats): lane `l` of the warp that owns weight row `r` decodes
-// units l, l + 32, l + 64, ... once, into registers, and multiplies each decoded unit with the
-// same 32 values of every activation row of its block (up to MM_COLS rows) before moving on.
-// So a launch with k <= MM_COLS activation rows reads every weight byte once for all k rows.
+// 32-value sub-block of a K-quant super-block, 32 floats): lane `l` of the warp that owns
+// weight row `r` decodes units l, l + 32, l + 64, ... once, into registers, and multiplies each
+// decoded unit with the same 32 values of every activation row of its block (up to MM_COLS
+// rows) before moving on. So a launch with k <= MM_COLS activation rows reads every weight
+// byte once for all k rows.
 //
 // The per-row arithmetic does not depend on how many activation rows share the launch: lane
 // sums are accumulated unit by unit in a fixed order, then reduced by the fixed butterfly of
 // `warp_sum`. Row b of a k-row launch is therefore bit-identical to a one-row launch with that
 // activation row (the verify / single-token parity the speculative loop relies on).
 //
-// Q8_0 weights multiply Q8_0-quantised activations (as the CPU backend and ggml do): an exact
-// integer dot per block times d_w * d_x. The other types multiply f32 activations.
+// F32, F16 and BF16 weights multiply f32 activations. The quantised types multiply quantised
+// activations, as the CPU backend and ggml do — Q8_0 activations for Q8_0 and Q4_0 weights,
+// Q8_K for the K-quants, quantised by the same rules as the CPU's, bit for bit — in exact
+// integer dot products per unit (see "quantised weights" below). So the GPU's logits follow
+// cpu-simd's on the same model up to the order of f32 sums.
 //
-// Launch shape of every `matmul_*` kernel: blockDim = (32 * MM_WARPS), grid =
+// Launch shape of every `matmul_*` kernel (the quantised ones take the activation rows as
+// quantize_q8_0 / quantize_q8_k outputs instead of f32): blockDim = (32 * MM_WARPS), grid =
 // (ceil(rows / MM_WARPS), ceil(n / MM_COLS)). Block (x, y) computes weight rows
 // x*MM_WARPS .. x*MM_WARPS+3 (one per warp) for activation rows y*MM_COLS .. y*MM_COLS+7.
+// `matvec_*` takes the same arguments with one activation row per block (grid.y = n; the
+// plugin launches it for n = 1): its rows are bit-identical to matmul_*'s, and it keeps
+// fewer registers live (a plain decoding step has one row).
 //
 // `matmul_ids_*` (mixture-of-experts): the weight tensor is a stack of matrices of
 // `matrix_bytes` bytes; pair p (blockIdx.y) uses matrix ids[p] and activation row p / x_div,
@@ -27,7 +35,7 @@
 #define MM_WARPS 4
 #define MM_COLS 8
 
-// ---- decoders: the 32 values of unit `u` of a row (values u*32 .. u*32 + 31) ----------------
+// ---- float weights: the 32 values of unit `u` of a row (values u*32 .. u*32 + 31) ----------
 
 struct DecF32 {
     static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
@@ -59,105 +67,12 @@ struct DecBF16 {
     }
 };
 
-// Q4_0 block (18 bytes, 32 values): d (f16), 16 bytes of 4-bit quants; value i is
-// d * ((qs[i] & 0xF) - 8) for i < 16 and d * ((qs[i - 16] >> 4) - 8) for the upper half.
-struct DecQ40 {
-    static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
-        const u8* b = row + (u64)u * 18;
-        const float d = f16_to_f32(load_u16(b));
-        const u8* q = b + 2;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            v[i] = d * (float)((int)(q[i] & 0xF) - 8);
-            v[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
-        }
-    }
-};
-
-// The scale d*sc and offset dmin*m of sub-block j of the Q4_K / Q5_K super-block at b, which
-// starts with d (f16), dmin (f16) and 12 bytes packing the 6-bit sc and m of its 8 sub-blocks.
-__device__ __forceinline__ void k4_scale_min(const u8* b, int j, float* scale, float* offset) {
-    const u8* sc = b + 4;
-    int s, m;
-    if (j < 4) {
-        s = sc[j] & 63;
-        m = sc[j + 4] & 63;
-    } else {
-        s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-        m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    }
-    *scale = f16_to_f32(load_u16(b)) * (float)s;
-    *offset = f16_to_f32(load_u16(b + 2)) * (float)m;
-}
-
-// Q4_K super-block (144 bytes, 256 values): d (f16), dmin (f16), 12 bytes of packed 6-bit
-// scales and mins, 128 bytes of 4-bit quants. Sub-block j uses scale/min pair j; its quants are
-// the low (j even) or high (j odd) nibbles of bytes (j/2)*32 ..; value = d*sc*q - dmin*m.
-struct DecQ4K {
-    static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
-        const u8* b = row + (u64)(u >> 3) * 144;
-        const int j = u & 7;
-        float d1, m1;
-        k4_scale_min(b, j, &d1, &m1);
-        const u8* q = b + 16 + (j >> 1) * 32;
-        const int shift = (j & 1) * 4;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            v[i] = d1 * (float)((q[i] >> shift) & 0xF) - m1;
-        }
-    }
-};
-
-// Q5_K super-block (176 bytes, 256 values): d (f16), dmin (f16), 12 bytes of scales and mins
-// packed as Q4_K's, qh (32 bytes, the fifth bits), qs (128 bytes, the low 4 bits). Sub-block j
-// takes low bits as Q4_K does and its fifth bit from bit j of qh[i]; value = d*sc*q - dmin*m.
-struct DecQ5K {
-    static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
-        const u8* b = row + (u64)(u >> 3) * 176;
-        const int j = u & 7;
-        float d1, m1;
-        k4_scale_min(b, j, &d1, &m1);
-        const u8* qh = b + 16;
-        const u8* q = b + 48 + (j >> 1) * 32;
-        const int shift = (j & 1) * 4;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int low = (q[i] >> shift) & 0xF;
-            const int high = (qh[i] >> j) & 1;
-            v[i] = d1 * (float)(low | (high << 4)) - m1;
-        }
-    }
-};
-
-// Q6_K super-block (210 bytes, 256 values): ql (128 bytes, low 4 bits), qh (64 bytes, high 2
-// bits), 16 int8 scales, d (f16). Sub-block j = 4*h + qq (h = 128-value half, qq = quarter):
-// low bits from ql[h*64 + (qq&1)*32 + l] (low nibble for qq < 2, high nibble otherwise), high
-// bits from qh[h*32 + l] >> 2*qq, scale sc[h*8 + l/16 + 2*qq]; value = d * sc * (q - 32).
-struct DecQ6K {
-    static __device__ __forceinline__ void decode(const u8* row, int u, int count, float* v) {
-        const u8* b = row + (u64)(u >> 3) * 210;
-        const int j = u & 7;
-        const int h = j >> 2;
-        const int qq = j & 3;
-        const float d = f16_to_f32(load_u16(b + 208));
-        const u8* ql = b + h * 64 + (qq & 1) * 32;
-        const u8* qh = b + 128 + h * 32;
-        const i8* sc = (const i8*)(b + 192) + h * 8 + 2 * qq;
-        const int lshift = (qq >> 1) * 4;
-        const int hshift = 2 * qq;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int q = (int)(((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
-            v[i] = d * (float)sc[i >> 4] * (float)q;
-        }
-    }
-};
-
 // ---- the shared row loop ---------------------------------------------------------------------
 
-// acc[c] += dot(row, xs[c]) for c < nc, lane's share (units lane, lane + 32, ...).
-template <class D>
-__device__ __forceinline__ void row_dots(const u8* row, int cols, const float* const* xs, int nc,
+// acc[c] += dot(row, activation row c) for c < nc <= COLS (row c at x + c * cols), lane's
+// share (units lane, lane + 32, ...).
+template <class D, int COLS>
+__device__ __forceinline__ void row_dots(const u8* row, int cols, const float* x, int nc,
                                          float* acc) {
     const int lane = threadIdx.x & 31;
     const int units = (cols + 31) / 32;
@@ -166,14 +81,14 @@ __device__ __forceinline__ void row_dots(const u8* row, int cols, const float* c
         float w[32];
         D::decode(row, u, count, w);
 #pragma unroll
-        for (int c = 0; c < MM_COLS; ++c) {
+        for (int c = 0; c < COLS; ++c) {
             if (c < nc) {
-                const float* x = xs[c] + (u64)u * 32;
+                const float* xc = x + (u64)c * cols + (u64)u * 32;
                 float s = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 32; ++i) {
                     if (i < count) {
-                        s = fmaf(w[i], x[i], s);
+                        s = fmaf(w[i], xc[i], s);
                     }
                 }
                 acc[c] += s;
@@ -182,27 +97,13 @@ __device__ __forceinline__ void row_dots(const u8* row, int cols, const float* c
     }
 }
 
-template <class D>
-__device__ __forceinline__ void matmul_body(const u8* __restrict__ w, u64 row_bytes, int rows,
-                                            int cols, const float* __restrict__ x, int n,
-                                            float* __restrict__ out) {
+// Writes the warp's sums of acc[c] (c < nc) to out[(b0 + c) * rows + r].
+template <int COLS>
+__device__ __forceinline__ void store_rows(const float* acc, int nc, int b0, int rows, int r,
+                                           float* __restrict__ out) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
-    const int b0 = blockIdx.y * MM_COLS;
-    if (r >= rows || b0 >= n) {
-        return;  // warp-uniform
-    }
-    const int nc = min(MM_COLS, n - b0);
-    const float* xs[MM_COLS];
-    float acc[MM_COLS];
 #pragma unroll
-    for (int c = 0; c < MM_COLS; ++c) {
-        xs[c] = x + (u64)(b0 + min(c, nc - 1)) * cols;
-        acc[c] = 0.0f;
-    }
-    row_dots<D>(w + (u64)r * row_bytes, cols, xs, nc, acc);
-#pragma unroll
-    for (int c = 0; c < MM_COLS; ++c) {
+    for (int c = 0; c < COLS; ++c) {
         if (c < nc) {
             const float total = warp_sum(acc[c]);
             if (lane == 0) {
@@ -212,38 +113,52 @@ __device__ __forceinline__ void matmul_body(const u8* __restrict__ w, u64 row_by
     }
 }
 
+template <class D, int COLS>
+__device__ __forceinline__ void matmul_body(const u8* __restrict__ w, u64 row_bytes, int rows,
+                                            int cols, const float* __restrict__ x, int n,
+                                            float* __restrict__ out) {
+    const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
+    const int b0 = blockIdx.y * COLS;
+    if (r >= rows || b0 >= n) {
+        return;  // warp-uniform
+    }
+    const int nc = min(COLS, n - b0);
+    float acc[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        acc[c] = 0.0f;
+    }
+    row_dots<D, COLS>(w + (u64)r * row_bytes, cols, x + (u64)b0 * cols, nc, acc);
+    store_rows<COLS>(acc, nc, b0, rows, r, out);
+}
+
 template <class D>
 __device__ __forceinline__ void matmul_ids_body(const u8* __restrict__ w, u64 row_bytes,
                                                 u64 matrix_bytes, int rows, int cols,
                                                 const int* __restrict__ ids,
                                                 const float* __restrict__ x, int x_div,
                                                 float* __restrict__ out) {
-    const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
     const int p = blockIdx.y;
     if (r >= rows) {
         return;
     }
     const u8* matrix = w + (u64)ids[p] * matrix_bytes;
-    const float* xs[MM_COLS];
-    float acc[MM_COLS];
-#pragma unroll
-    for (int c = 0; c < MM_COLS; ++c) {
-        xs[c] = x + (u64)(p / x_div) * cols;
-        acc[c] = 0.0f;
-    }
-    row_dots<D>(matrix + (u64)r * row_bytes, cols, xs, 1, acc);
-    const float total = warp_sum(acc[0]);
-    if (lane == 0) {
-        out[(u64)p * rows + r] = total;
-    }
+    float acc[1] = {0.0f};
+    row_dots<D, 1>(matrix + (u64)r * row_bytes, cols, x + (u64)(p / x_div) * cols, 1, acc);
+    store_rows<1>(acc, 1, p, rows, r, out);
 }
 
 #define DEFINE_MATMUL(NAME, DEC)                                                                \
+    extern "C" __global__ void matvec_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
+                                             int cols, const float* __restrict__ x, int n,      \
+                                             float* __restrict__ out) {                         \
+        matmul_body<DEC, 1>(w, row_bytes, rows, cols, x, n, out);                               \
+    }                                                                                           \
     extern "C" __global__ void matmul_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
                                              int cols, const float* __restrict__ x, int n,      \
                                              float* __restrict__ out) {                         \
-        matmul_body<DEC>(w, row_bytes, rows, cols, x, n, out);                                  \
+        matmul_body<DEC, MM_COLS>(w, row_bytes, rows, cols, x, n, out);                         \
     }                                                                                           \
     extern "C" __global__ void matmul_ids_##NAME(                                               \
         const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \
@@ -255,12 +170,8 @@ __device__ __forceinline__ void matmul_ids_body(const u8* __restrict__ w, u64 ro
 DEFINE_MATMUL(f32, DecF32)
 DEFINE_MATMUL(f16, DecF16)
 DEFINE_MATMUL(bf16, DecBF16)
-DEFINE_MATMUL(q4_0, DecQ40)
-DEFINE_MATMUL(q4_k, DecQ4K)
-DEFINE_MATMUL(q5_k, DecQ5K)
-DEFINE_MATMUL(q6_k, DecQ6K)
 
-// ---- Q8_0 -------------------------------------------------------------------------------------
+// ---- activation quantisation ----------------------------------------------------------------
 
 // Quantises activation rows to Q8_0 as the CPU backend does (ggml's quantize_row_q8_0_ref):
 // per block of 32 values d = amax / 127, q = round(x / d) (ties away from zero) with the
@@ -279,9 +190,9 @@ extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u64 n_bloc
     for (int offset = 16; offset > 0; offset >>= 1) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
-    const float scale = amax / 127.0f;
-    const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-    float r = roundf(v * inverse);
+    const float scale = __fdiv_rn(amax, 127.0f);
+    const float inverse = scale != 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+    float r = roundf(__fmul_rn(v, inverse));
     r = fminf(fmaxf(r, -128.0f), 127.0f);
     q[block * 32 + lane] = (i8)(int)r;
     if (lane == 0) {
@@ -289,79 +200,319 @@ extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u64 n_bloc
     }
 }
 
-// acc[c] += dot(Q8_0 row, quantised activation c), lane's share of the blocks.
-__device__ __forceinline__ void row_dots_q8_0(const u8* row, int cols, const i8* const* xq,
-                                              const float* const* xd, int nc, float* acc) {
+// Quantises activation rows to Q8_K as the CPU backend does (ggml's quantize_row_q8_K_ref): per
+// block of 256 values, the first value of largest magnitude `max` (sign kept; NaNs never win)
+// maps to -127: iscale = -127 / max, q = min(127, round-half-even(iscale * x)), d = 1 / iscale;
+// an all-zero block gets d = 0 and zero quants. Writes the quants to `q` (row-major like x),
+// d to `d` (n_values / 256) and the sum of each 32 quants to `sums` (n_values / 32).
+// Launch: blockDim = 128 (4 warps, one block of 256 values per warp, 8 values per lane),
+// grid = ceil(blocks / 4).
+extern "C" __global__ void quantize_q8_k(const float* __restrict__ x, u64 n_blocks,
+                                         i8* __restrict__ q, float* __restrict__ d,
+                                         int* __restrict__ sums) {
+    const u64 block = (u64)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
-    const int units = cols / 32;
-    for (int u = lane; u < units; u += 32) {
-        const u8* b = row + (u64)u * 34;
-        const float dw = f16_to_f32(load_u16(b));
-        const i8* qw = (const i8*)(b + 2);
-        int w[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            w[i] = (int)qw[i];
-        }
-#pragma unroll
-        for (int c = 0; c < MM_COLS; ++c) {
-            if (c < nc) {
-                const i8* qx = xq[c] + (u64)u * 32;
-                int isum = 0;
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    isum += w[i] * (int)qx[i];
-                }
-                acc[c] += (float)isum * (dw * xd[c][u]);
-            }
-        }
-    }
-}
-
-// matmul for Q8_0 weights: activations given as quantize_q8_0 output (quants xq, scales xd).
-// Launch shape as the other matmul kernels.
-extern "C" __global__ void matmul_q8_0(const u8* __restrict__ w, u64 row_bytes, int rows,
-                                       int cols, const i8* __restrict__ xq,
-                                       const float* __restrict__ xd, int n,
-                                       float* __restrict__ out) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
-    const int b0 = blockIdx.y * MM_COLS;
-    if (r >= rows || b0 >= n) {
+    if (block >= n_blocks) {
         return;
     }
-    const int nc = min(MM_COLS, n - b0);
-    const int units = cols / 32;
-    const i8* qs[MM_COLS];
-    const float* ds[MM_COLS];
-    float acc[MM_COLS];
+    const float* src = x + block * 256 + lane * 8;
+    float v[8];
+    float amax = 0.0f;
 #pragma unroll
-    for (int c = 0; c < MM_COLS; ++c) {
-        const u64 b = (u64)(b0 + min(c, nc - 1));
-        qs[c] = xq + b * cols;
-        ds[c] = xd + b * units;
-        acc[c] = 0.0f;
+    for (int i = 0; i < 8; ++i) {
+        v[i] = src[i];
+        amax = fmaxf(amax, fabsf(v[i]));  // fmaxf passes over NaN, as the CPU's `>` does
     }
-    row_dots_q8_0(w + (u64)r * row_bytes, cols, qs, ds, nc, acc);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    }
+    i8* dst = q + block * 256 + lane * 8;
+    if (amax == 0.0f) {  // warp-uniform
 #pragma unroll
-    for (int c = 0; c < MM_COLS; ++c) {
-        if (c < nc) {
-            const float total = warp_sum(acc[c]);
-            if (lane == 0) {
-                out[(u64)(b0 + c) * rows + r] = total;
+        for (int i = 0; i < 8; ++i) {
+            dst[i] = 0;
+        }
+        if ((lane & 3) == 0) {
+            sums[block * 8 + (lane >> 2)] = 0;
+        }
+        if (lane == 0) {
+            d[block] = 0.0f;
+        }
+        return;
+    }
+    // The first index holding that magnitude, and its signed value.
+    int first = 256;
+    float max = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (first == 256 && fabsf(v[i]) == amax) {
+            first = lane * 8 + i;
+            max = v[i];
+        }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const int other_first = __shfl_xor_sync(0xffffffffu, first, offset);
+        const float other_max = __shfl_xor_sync(0xffffffffu, max, offset);
+        if (other_first < first) {
+            first = other_first;
+            max = other_max;
+        }
+    }
+    const float iscale = __fdiv_rn(-127.0f, max);
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int level = min(127, __float2int_rn(__fmul_rn(iscale, v[i])));
+        dst[i] = (i8)level;
+        sum += level;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if ((lane & 3) == 0) {
+        sums[block * 8 + (lane >> 2)] = sum;
+    }
+    if (lane == 0) {
+        d[block] = __fdiv_rn(1.0f, iscale);
+    }
+}
+
+// ---- quantised weights: integer dot products with quantised activations ---------------------
+//
+// Q8_0 and Q4_0 weights multiply Q8_0 activations; Q4_K, Q5_K and Q6_K weights multiply Q8_K
+// activations (as the CPU backend and ggml do). A decoder turns unit u of a row (32 values)
+// into its 32 integer weight levels, packed as 8 words of 4 signed bytes in value order, plus
+// the integer scales of its two halves of 16, its integer min (Q4_K / Q5_K) and the block's
+// f32 scales d and dmin. The unit's dot with 32 activation quants is then exact (dp4a), and
+// becomes f32 once per unit and activation row, in this order:
+//
+//   t = (d_x * d) * (float)(sc_lo * dot(values 0..15) + sc_hi * dot(values 16..31))
+//   t = t - (d_x * dmin) * (float)(m * sum of the unit's activation quants)   [with mins]
+//   acc += t
+//
+// with d_x the activation block's scale (one per 32 values for Q8_0, per 256 for Q8_K). The
+// float operations are written as rounding intrinsics, so the compiler cannot fuse or reorder
+// them differently for different activation rows of a launch (and the emulator computes the
+// same bits). The f32 result differs from the CPU kernels only in the order of the f32 sums.
+//
+// Memory: weight quants are read in 16-byte vector loads where the format keeps them 16-byte
+// aligned (Q4_K, Q5_K) and in 16-bit loads where it does not (Q8_0, Q4_0, Q6_K); activation
+// quants in 16-byte loads.
+
+struct QuantUnit {
+    u32 q[8];
+    int sc_lo, sc_hi, m;
+    float d, dmin;
+};
+
+// Q8_0 block (34 bytes, 32 values): d (f16), 32 int8 quants.
+struct QuantQ80 {
+    static const int DX_SHIFT = 0;
+    static const bool MINS = false;
+    static __device__ __forceinline__ void decode(const u8* row, int u, QuantUnit* w) {
+        const u8* b = row + (u64)u * 34;
+        w->d = f16_to_f32(load_u16(b));
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            w->q[k] = load_u32_from_u16s(b + 2 + 4 * k);
+        }
+        w->sc_lo = w->sc_hi = 1;
+        w->m = 0;
+        w->dmin = 0.0f;
+    }
+};
+
+// Q4_0 block (18 bytes, 32 values): d (f16), 16 bytes of 4-bit quants; value i is
+// d * ((qs[i] & 0xF) - 8) for i < 16 and d * ((qs[i - 16] >> 4) - 8) for the upper half.
+struct QuantQ40 {
+    static const int DX_SHIFT = 0;
+    static const bool MINS = false;
+    static __device__ __forceinline__ void decode(const u8* row, int u, QuantUnit* w) {
+        const u8* b = row + (u64)u * 18;
+        w->d = f16_to_f32(load_u16(b));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 packed = load_u32_from_u16s(b + 2 + 4 * k);
+            w->q[k] = sub_bytes(packed & 0x0F0F0F0Fu, 8);
+            w->q[k + 4] = sub_bytes((packed >> 4) & 0x0F0F0F0Fu, 8);
+        }
+        w->sc_lo = w->sc_hi = 1;
+        w->m = 0;
+        w->dmin = 0.0f;
+    }
+};
+
+// The first 16 bytes of a Q4_K / Q5_K super-block (16-byte aligned in both formats, so one
+// vector load): d (f16) and dmin (f16) in word x, then 12 bytes packing the 6-bit scales and
+// mins of its 8 sub-blocks (bytes 0..3 in y, 4..7 in z, 8..11 in w). Fills sub-block j's
+// integer scale and min and the f32 d and dmin.
+__device__ __forceinline__ void k4_header(const u8* b, int j, QuantUnit* w) {
+    const U32x4 h = load_16(b);
+    const int shift = 8 * (j & 3);
+    const u32 lo = (h.y >> shift) & 0xFF;   // byte j & 3
+    const u32 mid = (h.z >> shift) & 0xFF;  // byte 4 + (j & 3)
+    if (j < 4) {
+        w->sc_lo = lo & 63;
+        w->m = mid & 63;
+    } else {
+        const u32 hi = (h.w >> shift) & 0xFF;  // byte 8 + (j & 3)
+        w->sc_lo = (hi & 0xF) | ((lo >> 6) << 4);
+        w->m = (hi >> 4) | ((mid >> 6) << 4);
+    }
+    w->sc_hi = w->sc_lo;
+    w->d = f16_to_f32((u16)(h.x & 0xFFFF));
+    w->dmin = f16_to_f32((u16)(h.x >> 16));
+}
+
+// Q4_K super-block (144 bytes, 256 values): d (f16), dmin (f16), 12 bytes of packed 6-bit
+// scales and mins, 128 bytes of 4-bit quants. Sub-block j uses scale/min pair j; its quants are
+// the low (j even) or high (j odd) nibbles of bytes (j/2)*32 ..; value = d*sc*q - dmin*m.
+struct QuantQ4K {
+    static const int DX_SHIFT = 3;
+    static const bool MINS = true;
+    static __device__ __forceinline__ void decode(const u8* row, int u, QuantUnit* w) {
+        const u8* b = row + (u64)(u >> 3) * 144;
+        const int j = u & 7;
+        k4_header(b, j, w);
+        const u8* q = b + 16 + (j >> 1) * 32;
+        const int shift = (j & 1) * 4;
+        const U32x4 lo = load_16(q);
+        const U32x4 hi = load_16(q + 16);
+        const u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            w->q[k] = (words[k] >> shift) & 0x0F0F0F0Fu;
+        }
+    }
+};
+
+// Q5_K super-block (176 bytes, 256 values): d (f16), dmin (f16), 12 bytes of scales and mins
+// packed as Q4_K's, qh (32 bytes, the fifth bits), qs (128 bytes, the low 4 bits). Sub-block j
+// takes low bits as Q4_K does and its fifth bit from bit j of qh[i]; value = d*sc*q - dmin*m.
+struct QuantQ5K {
+    static const int DX_SHIFT = 3;
+    static const bool MINS = true;
+    static __device__ __forceinline__ void decode(const u8* row, int u, QuantUnit* w) {
+        const u8* b = row + (u64)(u >> 3) * 176;
+        const int j = u & 7;
+        k4_header(b, j, w);
+        const U32x4 h0 = load_16(b + 16);
+        const U32x4 h1 = load_16(b + 32);
+        const u8* q = b + 48 + (j >> 1) * 32;
+        const U32x4 l0 = load_16(q);
+        const U32x4 l1 = load_16(q + 16);
+        const u32 high[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const u32 low[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+        const int shift = (j & 1) * 4;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            w->q[k] = ((low[k] >> shift) & 0x0F0F0F0Fu) | (((high[k] >> j) & 0x01010101u) << 4);
+        }
+    }
+};
+
+// Q6_K super-block (210 bytes, 256 values): ql (128 bytes, low 4 bits), qh (64 bytes, high 2
+// bits), 16 int8 scales, d (f16). Sub-block j = 4*h + qq (h = 128-value half, qq = quarter):
+// low bits from ql[h*64 + (qq&1)*32 + l] (low nibble for qq < 2, high nibble otherwise), high
+// bits from qh[h*32 + l] >> 2*qq, scale sc[h*8 + l/16 + 2*qq]; value = d * sc * (q - 32).
+struct QuantQ6K {
+    static const int DX_SHIFT = 3;
+    static const bool MINS = false;
+    static __device__ __forceinline__ void decode(const u8* row, int u, QuantUnit* w) {
+        const u8* b = row + (u64)(u >> 3) * 210;
+        const int j = u & 7;
+        const int h = j >> 2;
+        const int qq = j & 3;
+        const u8* ql = b + h * 64 + (qq & 1) * 32;
+        const u8* qh = b + 128 + h * 32;
+        const int lshift = (qq >> 1) * 4;
+        const int hshift = 2 * qq;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 low = (load_u32_from_u16s(ql + 4 * k) >> lshift) & 0x0F0F0F0Fu;
+            const u32 high = (load_u32_from_u16s(qh + 4 * k) >> hshift) & 0x03030303u;
+            w->q[k] = sub_bytes(low | (high << 4), 32);
+        }
+        const i8* sc = (const i8*)(b + 192) + h * 8 + 2 * qq;
+        w->sc_lo = sc[0];
+        w->sc_hi = sc[1];
+        w->m = 0;
+        w->d = f16_to_f32(load_u16(b + 208));
+        w->dmin = 0.0f;
+    }
+};
+
+// acc[c] += dot(row, activation row c) for c < nc <= COLS, lane's share (units lane, lane + 32, ...).
+// Activation row c: quants xq + c * cols, scales xd + c * (cols >> (5 + DX_SHIFT)), unit sums
+// xsums + c * (cols / 32).
+template <class D, int COLS>
+__device__ __forceinline__ void row_dots_quant(const u8* row, int cols, const i8* xq,
+                                               const float* xd, const int* xsums, int nc,
+                                               float* acc) {
+    const int lane = threadIdx.x & 31;
+    const int units = cols / 32;
+    const int scales_per_row = units >> D::DX_SHIFT;
+    for (int u = lane; u < units; u += 32) {
+        QuantUnit w;
+        D::decode(row, u, &w);
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            if (c < nc) {
+                const i8* qx = xq + (u64)c * cols + (u64)u * 32;
+                const U32x4 lo = load_16(qx);
+                const U32x4 hi = load_16(qx + 16);
+                int dot_lo = dp4a(w.q[0], lo.x, 0);
+                dot_lo = dp4a(w.q[1], lo.y, dot_lo);
+                dot_lo = dp4a(w.q[2], lo.z, dot_lo);
+                dot_lo = dp4a(w.q[3], lo.w, dot_lo);
+                int dot_hi = dp4a(w.q[4], hi.x, 0);
+                dot_hi = dp4a(w.q[5], hi.y, dot_hi);
+                dot_hi = dp4a(w.q[6], hi.z, dot_hi);
+                dot_hi = dp4a(w.q[7], hi.w, dot_hi);
+                const float dx = xd[(u64)c * scales_per_row + (u >> D::DX_SHIFT)];
+                const int isum = w.sc_lo * dot_lo + w.sc_hi * dot_hi;
+                float t = __fmul_rn(__fmul_rn(dx, w.d), (float)isum);
+                if (D::MINS) {
+                    const int imin = w.m * xsums[(u64)c * units + u];
+                    t = __fmaf_rn(-__fmul_rn(dx, w.dmin), (float)imin, t);
+                }
+                acc[c] = __fadd_rn(acc[c], t);
             }
         }
     }
 }
 
-// matmul_ids for Q8_0 weights (see the top of the file); activations quantised.
-extern "C" __global__ void matmul_ids_q8_0(const u8* __restrict__ w, u64 row_bytes,
-                                           u64 matrix_bytes, int rows, int cols,
-                                           const int* __restrict__ ids,
-                                           const i8* __restrict__ xq,
-                                           const float* __restrict__ xd, int x_div,
-                                           float* __restrict__ out) {
-    const int lane = threadIdx.x & 31;
+template <class D, int COLS>
+__device__ __forceinline__ void matmul_quant_body(const u8* __restrict__ w, u64 row_bytes,
+                                                  int rows, int cols, const i8* __restrict__ xq,
+                                                  const float* __restrict__ xd,
+                                                  const int* __restrict__ xsums, int n,
+                                                  float* __restrict__ out) {
+    const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
+    const int b0 = blockIdx.y * COLS;
+    if (r >= rows || b0 >= n) {
+        return;  // warp-uniform
+    }
+    const int nc = min(COLS, n - b0);
+    const int units = cols / 32;
+    float acc[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        acc[c] = 0.0f;
+    }
+    row_dots_quant<D, COLS>(w + (u64)r * row_bytes, cols, xq + (u64)b0 * cols,
+                            xd + (u64)b0 * (units >> D::DX_SHIFT), xsums + (u64)b0 * units, nc,
+                            acc);
+    store_rows<COLS>(acc, nc, b0, rows, r, out);
+}
+
+template <class D>
+__device__ __forceinline__ void matmul_ids_quant_body(const u8* __restrict__ w, u64 row_bytes,
+                                                      u64 matrix_bytes, int rows, int cols,
+                                                      const int* __restrict__ ids,
+                                                      const i8* __restrict__ xq,
+                                                      const float* __restrict__ xd,
+                                                      const int* __restrict__ xsums, int x_div,
+                                                      float* __restrict__ out) {
     const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
     const int p = blockIdx.y;
     if (r >= rows) {
@@ -369,19 +520,38 @@ extern "C" __global__ void matmul_ids_q8_0(const u8* __restrict__ w, u64 row_byt
     }
     const int units = cols / 32;
     const u64 b = (u64)(p / x_div);
-    const i8* qs[MM_COLS];
-    const float* ds[MM_COLS];
-    float acc[MM_COLS];
-#pragma unroll
-    for (int c = 0; c < MM_COLS; ++c) {
-        qs[c] = xq + b * cols;
-        ds[c] = xd + b * units;
-        acc[c] = 0.0f;
-    }
+    float acc[1] = {0.0f};
     const u8* matrix = w + (u64)ids[p] * matrix_bytes;
-    row_dots_q8_0(matrix + (u64)r * row_bytes, cols, qs, ds, 1, acc);
-    const float total = warp_sum(acc[0]);
-    if (lane == 0) {
-        out[(u64)p * rows + r] = total;
-    }
+    row_dots_quant<D, 1>(matrix + (u64)r * row_bytes, cols, xq + b * cols,
+                         xd + b * (units >> D::DX_SHIFT), xsums + b * units, 1, acc);
+    store_rows<1>(acc, 1, p, rows, r, out);
 }
+
+#define DEFINE_MATMUL_QUANT(NAME, DEC)                                                          \
+    extern "C" __global__ void matvec_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
+                                             int cols, const i8* __restrict__ xq,               \
+                                             const float* __restrict__ xd,                      \
+                                             const int* __restrict__ xsums, int n,              \
+                                             float* __restrict__ out) {                         \
+        matmul_quant_body<DEC, 1>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);             \
+    }                                                                                           \
+    extern "C" __global__ void matmul_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
+                                             int cols, const i8* __restrict__ xq,               \
+                                             const float* __restrict__ xd,                      \
+                                             const int* __restrict__ xsums, int n,              \
+                                             float* __restrict__ out) {                         \
+        matmul_quant_body<DEC, MM_COLS>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);       \
+    }                                                                                           \
+    extern "C" __global__ void matmul_ids_##NAME(                                               \
+        const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \
+        const int* __restrict__ ids, const i8* __restrict__ xq, const float* __restrict__ xd,   \
+        const int* __restrict__ xsums, int x_div, float* __restrict__ out) {                    \
+        matmul_ids_quant_body<DEC>(w, row_bytes, matrix_bytes, rows, cols, ids, xq, xd, xsums,  \
+                                   x_div, out);                                                 \
+    }
+
+DEFINE_MATMUL_QUANT(q8_0, QuantQ80)
+DEFINE_MATMUL_QUANT(q4_0, QuantQ40)
+DEFINE_MATMUL_QUANT(q4_k, QuantQ4K)
+DEFINE_MATMUL_QUANT(q5_k, QuantQ5K)
+DEFINE_MATMUL_QUANT(q6_k, QuantQ6K)

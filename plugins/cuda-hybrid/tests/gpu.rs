@@ -166,6 +166,8 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
     let (rows, n) = (37, 11);
     for (ty, cols) in cases {
         let (bytes, w) = random_matrix(ty, rows, cols, &mut rng);
+        let weight_type = specula_kernels::WeightType::from_ggml(ty).unwrap();
+        let quantised = weight_type.activation() != specula_kernels::ActivationFormat::F32;
         let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
         let dev_w = gpu.upload(&bytes).unwrap();
         let m = dev_matrix(ty, rows, cols, &dev_w);
@@ -182,8 +184,8 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
                 let magnitude: f64 = (0..cols)
                     .map(|i| (f64::from(w[r * cols + i]) * f64::from(x[b * cols + i])).abs())
                     .sum();
-                // Q8_0 quantises the activations too (about 1/254 relative per value).
-                let tol = if ty == GgmlType::Q8_0 {
+                // The quantised types quantise the activations too (to 8 bits per value).
+                let tol = if quantised {
                     0.01 * magnitude + 1e-4
                 } else {
                     1e-5 * magnitude + 1e-6
@@ -205,19 +207,108 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
                 "{ty:?}: activation row {b}"
             );
         }
-        if ty == GgmlType::Q8_0 {
-            // The same activation quantisation as the CPU kernel: close to its result.
-            let view = specula_kernels::WeightMatrix::new(
-                specula_kernels::WeightType::Q8_0,
-                rows,
-                cols,
-                &bytes,
-            )
-            .unwrap();
+        if quantised {
+            // The same activation quantisation and integer dots as the CPU kernels: their
+            // results up to the order of the f32 sums.
+            let view = specula_kernels::WeightMatrix::new(weight_type, rows, cols, &bytes).unwrap();
             let mut cpu = vec![0.0; n * rows];
             specula_kernels::matmul(&view, &x, &mut cpu, &mut Default::default());
-            let d = max_diff(&cpu, &got);
-            assert!(d < 1e-4, "Q8_0: GPU and CPU differ by {d}");
+            for (i, (&c, &g)) in cpu.iter().zip(&got).enumerate() {
+                let (b, r) = (i / rows, i % rows);
+                let magnitude: f32 = (0..cols)
+                    .map(|k| (w[r * cols + k] * x[b * cols + k]).abs())
+                    .sum();
+                assert!(
+                    (c - g).abs() <= 1e-5 * magnitude,
+                    "{ty:?}: row {r} of activation {b}: GPU {g}, CPU {c}"
+                );
+            }
+        }
+    }
+}
+
+/// Activation rows quantised on the device are the CPU's bytes: Q8_K (for the K-quants) and
+/// Q8_0 (for Q8_0 and Q4_0 weights), on blocks built to hit the corner cases — the largest
+/// magnitude twice with opposite signs (the first one wins), products exactly halfway between
+/// two levels (ties to even for Q8_K, away from zero for Q8_0), an all-zero block, tiny values.
+#[test]
+fn activation_quantisation_matches_the_cpu_bytes() {
+    let Some(device) = device_or_skip("activation_quantisation_matches_the_cpu_bytes") else {
+        return;
+    };
+    let gpu = open_device(&device);
+    let mut rng = Rng::new(17);
+    let mut x: Vec<f32> = (0..6 * 256).map(|_| 3.0 * rng.unit()).collect();
+    // Block 0: max magnitude 127 at index 40 (negative) and 200 (positive): iscale = 1, so
+    // halves are exact ties.
+    for (i, v) in x[..256].iter_mut().enumerate() {
+        *v = (i % 97) as f32 * 0.5 - 24.0;
+    }
+    x[40] = -127.0;
+    x[200] = 127.0;
+    // Block 1: the positive one first.
+    x[256 + 3] = 9.0;
+    x[256 + 250] = -9.0;
+    // Block 2: zero. Block 3: tiny values.
+    x[512..768].fill(0.0);
+    for v in &mut x[768..1024] {
+        *v *= 1e-30;
+    }
+    let dev_x = gpu.upload(&x).unwrap();
+    let q8 = Q8Scratch::new(&gpu, x.len()).unwrap();
+
+    q8.quantize_for(&gpu, GgmlType::Q4K, dev_x.ptr(), x.len())
+        .unwrap();
+    gpu.sync().unwrap();
+    let (q, d, sums) = (
+        gpu.download(&q8.q).unwrap(),
+        gpu.download(&q8.d).unwrap(),
+        gpu.download(&q8.sums).unwrap(),
+    );
+    let mut cpu = vec![0u8; x.len() / 256 * specula_kernels::q8_k::BLOCK_BYTES];
+    specula_kernels::q8_k::quantize_row_scalar(&x, &mut cpu);
+    for (b, block) in cpu
+        .chunks_exact(specula_kernels::q8_k::BLOCK_BYTES)
+        .enumerate()
+    {
+        let want_d = f32::from_le_bytes(block[..4].try_into().unwrap());
+        assert_eq!(d[b].to_bits(), want_d.to_bits(), "Q8_K block {b}: scale");
+        for i in 0..256 {
+            assert_eq!(
+                q[b * 256 + i] as u8,
+                block[4 + i],
+                "Q8_K block {b}: quant {i}"
+            );
+        }
+        for unit in 0..8 {
+            let group =
+                |g: usize| i32::from(i16::from_le_bytes([block[260 + 2 * g], block[261 + 2 * g]]));
+            assert_eq!(
+                sums[b * 8 + unit],
+                group(2 * unit) + group(2 * unit + 1),
+                "Q8_K block {b}: sum of unit {unit}"
+            );
+        }
+    }
+
+    q8.quantize_for(&gpu, GgmlType::Q4_0, dev_x.ptr(), x.len())
+        .unwrap();
+    gpu.sync().unwrap();
+    let (q, d) = (gpu.download(&q8.q).unwrap(), gpu.download(&q8.d).unwrap());
+    let mut cpu = vec![0u8; x.len() / 32 * specula_kernels::q8_0::BLOCK_BYTES];
+    specula_kernels::q8_0::quantize_row(&x, &mut cpu);
+    for (b, block) in cpu
+        .chunks_exact(specula_kernels::q8_0::BLOCK_BYTES)
+        .enumerate()
+    {
+        let want_d = f16::to_f32(u16::from_le_bytes([block[0], block[1]]));
+        assert_eq!(d[b].to_bits(), want_d.to_bits(), "Q8_0 block {b}: scale");
+        for i in 0..32 {
+            assert_eq!(
+                q[b * 32 + i] as u8,
+                block[2 + i],
+                "Q8_0 block {b}: quant {i}"
+            );
         }
     }
 }
@@ -630,63 +721,47 @@ fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
     }
 }
 
-/// The values of [`RandomWeights`] as a model of `ty` stores them: matrices whose rows are
-/// whole blocks of `ty` go through `ty` and back, everything else is left as it is. Written as
-/// F32, this is the quantised model's exact weights in a form every kernel multiplies
-/// without quantising its activations.
-struct Dequantised {
-    random: specula_host::genmodel::RandomWeights,
-    ty: GgmlType,
-}
-
-impl specula_host::genmodel::WeightSource for Dequantised {
-    fn tensor(&mut self, name: &str, n_in: usize, n_out: usize) -> Vec<f32> {
-        let values = self.random.tensor(name, n_in, n_out);
-        if n_out == 1 || self.ty.row_bytes(n_in).is_none() {
-            return values;
-        }
-        let bytes = specula_kernels::quantize(self.ty, &values);
-        specula_kernels::dequantize(self.ty, &bytes, values.len())
-    }
-}
-
-/// Models in each block type the GPU decodes itself (written here with rows of 256 values,
-/// so the projections, FFNs and the tied LM head all take the type), through the whole device
-/// path: logits equal, up to f32 rounding, cpu-simd's on the same weights stored as F32 (the
-/// GPU multiplies these types with f32 activations; cpu-simd quantises activations for them,
-/// so it is compared on the F32 copy), and verify rows bit-identical to single-token evals.
+/// Models in each quantised type (written here with rows of 256 values, so the projections,
+/// FFNs and the tied LM head all take the type), through the whole device path: logits close
+/// to cpu-simd's on the same file, and verify rows bit-identical to single-token evals.
+///
+/// Both backends quantise activations by the same rules and take exact integer dots (the
+/// kernel test above holds them to f32 rounding), but the f32 sums around them run in
+/// different orders, so now and then an activation lands on the other side of a rounding
+/// boundary and one quant differs by a level; from there on, through the caches and the
+/// recurrent state, the logits differ by up to ~1.4% of their scale here (Q5_K, from the
+/// fourth position on; the other types agree to 8e-6). Multiplying f32 activations instead, as
+/// the GPU did before, put them 12-27% apart — which the bound below rules out.
 #[test]
-fn quantised_models_follow_their_dequantised_weights() {
-    let Some(device) = device_or_skip("quantised_models_follow_their_dequantised_weights") else {
+fn quantised_models_follow_cpu_simd() {
+    let Some(device) = device_or_skip("quantised_models_follow_cpu_simd") else {
         return;
     };
     use specula_host::genmodel::{preset, write_model, RandomWeights, SpmVocab, Vocab};
     let dir = tempfile::tempdir().unwrap();
     let vocab = Vocab::Spm(SpmVocab::synthetic(VOCAB));
-    for ty in [GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ] {
         let mut spec = preset("tiny-qwen35").unwrap();
         (spec.hidden, spec.ffn, spec.weight_type) = (256, 512, ty);
-        let quantised = dir.path().join(format!("tiny-qwen35-{}.gguf", ty.name()));
-        write_model(&spec, &vocab, &mut RandomWeights::new(3), &quantised).unwrap();
-        spec.weight_type = GgmlType::F32;
-        let dequantised = dir
-            .path()
-            .join(format!("tiny-qwen35-{}-f32.gguf", ty.name()));
-        let mut weights = Dequantised {
-            random: RandomWeights::new(3),
-            ty,
-        };
-        write_model(&spec, &vocab, &mut weights, &dequantised).unwrap();
+        let path = dir.path().join(format!("tiny-qwen35-{}.gguf", ty.name()));
+        write_model(&spec, &vocab, &mut RandomWeights::new(3), &path).unwrap();
 
-        let mut cpu = cpu_simd(&params(&dequantised, 64, &[]));
-        let mut gpu = cuda(&device, &quantised, &[]);
-        let mut single = cuda(&device, &quantised, &[]);
+        let mut cpu = cpu_simd(&params(&path, 64, &[]));
+        let mut gpu = cuda(&device, &path, &[]);
+        let mut single = cuda(&device, &path, &[]);
         let a = eval(&mut cpu, &PROMPT, LogitRows::All);
         let b = eval(&mut gpu, &PROMPT, LogitRows::All);
         let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
         let d = max_diff(&a, &b);
+        eprintln!("{ty:?}: GPU and cpu-simd logits differ by {d} (scale {scale})");
         assert!(
-            d <= 1e-4 * scale,
+            d <= 0.05 * scale,
             "{ty:?}: logits differ by {d} (scale {scale})"
         );
         for (i, &t) in PROMPT.iter().enumerate() {

@@ -79,6 +79,7 @@ pub fn build(cxx: &str, dir: &Path) -> Result<PathBuf, String> {
         .args([
             "-std=c++17",
             "-O2",
+            "-ffp-contract=off",
             "-U_FORTIFY_SOURCE",
             "-shared",
             "-fPIC",

@@ -289,7 +289,7 @@ impl Shapes {
         ]
     }
 
-    /// Largest activation row a matmul reads, times the rows (for the Q8_0 scratch).
+    /// Largest activation row a matmul reads, times the rows (for the quantisation scratch).
     fn q8_values(&self, rows: usize) -> usize {
         let a = &self.attention;
         let vd = self.gdn.map_or(0, |g| g.value_dim());
@@ -305,8 +305,7 @@ impl Shapes {
         let floats: usize = self.scratch_lens(rows, n_ctx).iter().sum::<usize>()
             + rows * self.n_vocab
             + 2 * rows * self.moe().map_or(0, |m| m.n_used);
-        let q8 = self.q8_values(rows);
-        4 * floats as u64 + (q8 + 4 * q8.div_ceil(32)) as u64
+        4 * floats as u64 + Q8Scratch::bytes(self.q8_values(rows))
     }
 }
 

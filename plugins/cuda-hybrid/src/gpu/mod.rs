@@ -54,8 +54,9 @@ pub fn int(v: usize) -> Arg {
 enum Storage<T> {
     /// Device memory.
     Cuda(CudaSlice<T>),
-    /// Host memory standing in for device memory on the [`emulator`] (8-byte aligned).
-    Host(#[allow(dead_code)] Vec<u64>), // owns the memory behind `DevBuf::ptr`
+    /// Host memory standing in for device memory on the [`emulator`] (16-byte aligned, as the
+    /// kernels' vector loads need; device allocations are aligned further).
+    Host(#[allow(dead_code)] Vec<u128>), // owns the memory behind `DevBuf::ptr`
 }
 
 /// A device allocation with its raw address.
@@ -321,8 +322,9 @@ impl Gpu {
     }
 
     fn host_buf<T>(len: usize) -> DevBuf<T> {
-        let words = (len.max(1) * std::mem::size_of::<T>()).div_ceil(8);
-        let storage = vec![0u64; words];
+        const _: () = assert!(std::mem::align_of::<u128>() == 16);
+        let words = (len.max(1) * std::mem::size_of::<T>()).div_ceil(16);
+        let storage = vec![0u128; words];
         let ptr = storage.as_ptr() as u64;
         DevBuf {
             storage: Storage::Host(storage),
@@ -363,7 +365,7 @@ impl Gpu {
             Backing::Cuda(cuda) => cuda,
             Backing::Emulated(_) => {
                 let buf = Self::host_buf::<T>(data.len());
-                // SAFETY: the buffer holds at least `data.len()` elements of T, 8-byte aligned.
+                // SAFETY: the buffer holds at least `data.len()` elements of T, 16-byte aligned.
                 unsafe {
                     std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr as *mut T, data.len())
                 };

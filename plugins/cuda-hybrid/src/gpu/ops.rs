@@ -31,11 +31,34 @@ fn block_for(n: usize) -> u32 {
     n.next_power_of_two().clamp(32, 1024) as u32
 }
 
-/// Q8_0-quantised activations for Q8_0 weights (quantize_q8_0's outputs).
+/// How a weight type's kernels take their activation rows (as cpu-simd's kernels do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Activations {
+    F32,
+    /// quantize_q8_0's output: quants and one scale per 32 values.
+    Q8_0,
+    /// quantize_q8_k's output: quants, one scale per 256 values, sums per 32.
+    Q8K,
+}
+
+fn activations(ty: GgmlType) -> Activations {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 => Activations::Q8_0,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Activations::Q8K,
+        _ => Activations::F32,
+    }
+}
+
+/// Quantised activation rows for the quantised weight types (quantize_q8_0's or
+/// quantize_q8_k's outputs).
 #[derive(Debug)]
 pub struct Q8Scratch {
+    /// The quants, row-major like the f32 rows.
     pub q: DevBuf<i8>,
+    /// Block scales: one per 32 values (Q8_0) or per 256 (Q8_K).
     pub d: DevBuf<f32>,
+    /// Q8_K only: the sum of each 32 quants.
+    pub sums: DevBuf<i32>,
 }
 
 impl Q8Scratch {
@@ -44,28 +67,58 @@ impl Q8Scratch {
         Ok(Self {
             q: gpu.zeros(values)?,
             d: gpu.zeros(values.div_ceil(32))?,
+            sums: gpu.zeros(values.div_ceil(32))?,
         })
     }
 
-    fn quantize(&self, gpu: &Gpu, x: u64, values: usize) -> Result<(), PluginError> {
-        if values > self.q.len() || !values.is_multiple_of(32) {
+    /// Device bytes of a scratch for `values` values.
+    pub fn bytes(values: usize) -> u64 {
+        (values + 8 * values.div_ceil(32)) as u64
+    }
+
+    /// Quantises the `values` f32 activations at `x` as the kernels of weight type `ty` take
+    /// them (nothing to do for the float types).
+    pub fn quantize_for(
+        &self,
+        gpu: &Gpu,
+        ty: GgmlType,
+        x: u64,
+        values: usize,
+    ) -> Result<(), PluginError> {
+        let format = activations(ty);
+        if format == Activations::F32 {
+            return Ok(());
+        }
+        let block = if format == Activations::Q8K { 256 } else { 32 };
+        if values > self.q.len() || !values.is_multiple_of(block) {
             return Err(internal(format!(
-                "cuda-hybrid: {values} activations do not fit the Q8_0 scratch of {}",
+                "cuda-hybrid: {values} activations are not whole {block}-value blocks within the quantisation scratch of {}",
                 self.q.len()
             )));
         }
-        let n_blocks = values / 32;
-        gpu.launch(
-            "quantize_q8_0",
-            (blocks(n_blocks, 4), 1, 1),
-            128,
-            &[
-                Arg::Ptr(x),
-                Arg::U64(n_blocks as u64),
-                Arg::Ptr(self.q.ptr()),
-                Arg::Ptr(self.d.ptr()),
-            ],
-        )
+        let n_blocks = values / block;
+        let mut args = vec![
+            Arg::Ptr(x),
+            Arg::U64(n_blocks as u64),
+            Arg::Ptr(self.q.ptr()),
+            Arg::Ptr(self.d.ptr()),
+        ];
+        let name = if format == Activations::Q8K {
+            args.push(Arg::Ptr(self.sums.ptr()));
+            "quantize_q8_k"
+        } else {
+            "quantize_q8_0"
+        };
+        gpu.launch(name, (blocks(n_blocks, 4), 1, 1), 128, &args)
+    }
+
+    /// The activation arguments of a quantised matmul kernel: quants, scales, sums.
+    fn args(&self) -> [Arg; 3] {
+        [
+            Arg::Ptr(self.q.ptr()),
+            Arg::Ptr(self.d.ptr()),
+            Arg::Ptr(self.sums.ptr()),
+        ]
     }
 }
 
@@ -78,8 +131,26 @@ fn suffix(ty: GgmlType) -> Result<&'static str, PluginError> {
     })
 }
 
+/// The activation arguments of a matmul of `ty` over `x_rows` rows of `cols` at `x`:
+/// the f32 rows themselves, or (quantised into `q8` first) their quantised form.
+fn activation_args(
+    gpu: &Gpu,
+    ty: GgmlType,
+    x: u64,
+    x_rows: usize,
+    cols: usize,
+    q8: &Q8Scratch,
+) -> Result<Vec<Arg>, PluginError> {
+    if activations(ty) == Activations::F32 {
+        return Ok(vec![Arg::Ptr(x)]);
+    }
+    q8.quantize_for(gpu, ty, x, x_rows * cols)?;
+    Ok(q8.args().to_vec())
+}
+
 /// `out[b * rows + r] = dot(w row r, x row b)` for the `n` activation rows at `x`
-/// (`n × w.cols` f32) into `out` (`n × w.rows`).
+/// (`n × w.cols` f32) into `out` (`n × w.rows`). Quantised weight types quantise the rows into
+/// `q8` first.
 pub fn matmul(
     gpu: &Gpu,
     w: &DevMatrix,
@@ -91,41 +162,20 @@ pub fn matmul(
     if n == 0 {
         return Ok(());
     }
+    // One row (a plain decoding step) takes the one-row kernel: the same bits, fewer
+    // registers.
+    let kind = if n == 1 { "matvec" } else { "matmul" };
+    let name = format!("{kind}_{}", suffix(w.ty)?);
+    let mut args = vec![
+        Arg::Ptr(w.ptr),
+        Arg::U64(w.row_bytes as u64),
+        int(w.rows),
+        int(w.cols),
+    ];
+    args.extend(activation_args(gpu, w.ty, x, n, w.cols, q8)?);
+    args.extend([int(n), Arg::Ptr(out)]);
     let grid = (blocks(w.rows, MM_WARPS), blocks(n, MM_COLS), 1);
-    let block = (32 * MM_WARPS) as u32;
-    if w.ty == GgmlType::Q8_0 {
-        q8.quantize(gpu, x, n * w.cols)?;
-        return gpu.launch(
-            "matmul_q8_0",
-            grid,
-            block,
-            &[
-                Arg::Ptr(w.ptr),
-                Arg::U64(w.row_bytes as u64),
-                int(w.rows),
-                int(w.cols),
-                Arg::Ptr(q8.q.ptr()),
-                Arg::Ptr(q8.d.ptr()),
-                int(n),
-                Arg::Ptr(out),
-            ],
-        );
-    }
-    let name = format!("matmul_{}", suffix(w.ty)?);
-    gpu.launch(
-        &name,
-        grid,
-        block,
-        &[
-            Arg::Ptr(w.ptr),
-            Arg::U64(w.row_bytes as u64),
-            int(w.rows),
-            int(w.cols),
-            Arg::Ptr(x),
-            int(n),
-            Arg::Ptr(out),
-        ],
-    )
+    gpu.launch(&name, grid, (32 * MM_WARPS) as u32, &args)
 }
 
 /// Expert mat-vecs: for pair p < `pairs`, `out[p] = experts[ids[p]] · x[p / x_div]`
@@ -145,45 +195,19 @@ pub fn matmul_ids(
     if pairs == 0 {
         return Ok(());
     }
-    let grid = (blocks(w.rows, MM_WARPS), blocks(pairs, 1), 1);
-    let block = (32 * MM_WARPS) as u32;
-    if w.ty == GgmlType::Q8_0 {
-        q8.quantize(gpu, x, x_rows * w.cols)?;
-        return gpu.launch(
-            "matmul_ids_q8_0",
-            grid,
-            block,
-            &[
-                Arg::Ptr(w.ptr),
-                Arg::U64(w.row_bytes as u64),
-                Arg::U64(w.matrix_bytes as u64),
-                int(w.rows),
-                int(w.cols),
-                Arg::Ptr(ids),
-                Arg::Ptr(q8.q.ptr()),
-                Arg::Ptr(q8.d.ptr()),
-                int(x_div),
-                Arg::Ptr(out),
-            ],
-        );
-    }
     let name = format!("matmul_ids_{}", suffix(w.ty)?);
-    gpu.launch(
-        &name,
-        grid,
-        block,
-        &[
-            Arg::Ptr(w.ptr),
-            Arg::U64(w.row_bytes as u64),
-            Arg::U64(w.matrix_bytes as u64),
-            int(w.rows),
-            int(w.cols),
-            Arg::Ptr(ids),
-            Arg::Ptr(x),
-            int(x_div),
-            Arg::Ptr(out),
-        ],
-    )
+    let mut args = vec![
+        Arg::Ptr(w.ptr),
+        Arg::U64(w.row_bytes as u64),
+        Arg::U64(w.matrix_bytes as u64),
+        int(w.rows),
+        int(w.cols),
+        Arg::Ptr(ids),
+    ];
+    args.extend(activation_args(gpu, w.ty, x, x_rows, w.cols, q8)?);
+    args.extend([int(x_div), Arg::Ptr(out)]);
+    let grid = (blocks(w.rows, MM_WARPS), blocks(pairs, 1), 1);
+    gpu.launch(&name, grid, (32 * MM_WARPS) as u32, &args)
 }
 
 /// RMSNorm of `rows` rows of `n` values (`x + r * x_stride`) with weight `w` into
