@@ -2,8 +2,9 @@
 //! message saying why, where there is none (no driver, no NVRTC, no device).
 //!
 //! Kernel level: every mat-vec type against a dequantising reference (Q4_K / Q6_K against
-//! straight transcriptions of ggml's dequantisers), row b of a k-row launch bit-identical to
-//! a one-row launch, expert mat-vecs, RMSNorm, the three RoPE variants and attention against
+//! straight transcriptions of ggml's dequantisers) and the quantised ones against the CPU
+//! kernels, row b of a k-row launch bit-identical to a one-row launch, activation quantisation
+//! byte-equal to the CPU's, shared quantisation across matrices, expert mat-vecs, RMSNorm, the three RoPE variants and attention against
 //! the CPU code. Model level (every architecture, several placements): verify rows
 //! bit-identical to single-token evals, the rollback oracle (truncating inside the window
 //! equals a run that never saw the rejected tokens), logits close to cpu-simd and greedy output
@@ -224,6 +225,57 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
                 );
             }
         }
+    }
+}
+
+/// Matrices sharing activation rows (mixed types, as in a Q4_K_M file) give, through
+/// `matmul_many` with its shared quantisation, the bits of one `matmul` each.
+#[test]
+fn matmul_many_equals_one_matmul_per_matrix() {
+    let Some(device) = device_or_skip("matmul_many_equals_one_matmul_per_matrix") else {
+        return;
+    };
+    let gpu = open_device(&device);
+    let mut rng = Rng::new(23);
+    let (cols, n) = (512, 3);
+    let types = [
+        (GgmlType::Q4K, 20),
+        (GgmlType::Q6K, 12),
+        (GgmlType::Q8_0, 9),
+        (GgmlType::Q4K, 7),
+        (GgmlType::F16, 5),
+        (GgmlType::Q5K, 16),
+    ];
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+    let dev_x = gpu.upload(&x).unwrap();
+    let q8 = Q8Scratch::new(&gpu, n * cols).unwrap();
+    let mut weights = Vec::new();
+    let mut outs = Vec::new();
+    for &(ty, rows) in &types {
+        let (bytes, _) = random_matrix(ty, rows, cols, &mut rng);
+        weights.push(gpu.upload(&bytes).unwrap());
+        outs.push(gpu.zeros::<f32>(n * rows).unwrap());
+    }
+    let matrices: Vec<DevMatrix> = types
+        .iter()
+        .zip(&weights)
+        .map(|(&(ty, rows), bytes)| dev_matrix(ty, rows, cols, bytes))
+        .collect();
+    let jobs: Vec<(&DevMatrix, u64)> = matrices
+        .iter()
+        .zip(&outs)
+        .map(|(m, o)| (m, o.ptr()))
+        .collect();
+    ops::matmul_many(&gpu, dev_x.ptr(), n, &jobs, &q8).unwrap();
+    for (i, m) in matrices.iter().enumerate() {
+        let one = gpu.zeros::<f32>(n * m.rows).unwrap();
+        ops::matmul(&gpu, m, dev_x.ptr(), n, one.ptr(), &q8).unwrap();
+        assert_eq!(
+            bits(&download(&gpu, &one)),
+            bits(&download(&gpu, &outs[i])),
+            "matrix {i} ({:?})",
+            m.ty
+        );
     }
 }
 

@@ -748,9 +748,12 @@ impl GpuModel {
         let a = &self.shapes.attention;
         let (hd, qw, kw, vw) = (a.head_dim, a.q_width(), a.k_width(), a.v_width());
         let q8 = &s.q8;
-        ops::matmul(gpu, &w.q, s.xn.ptr(), m, s.q_full.ptr(), q8)?;
-        ops::matmul(gpu, &w.k, s.xn.ptr(), m, k_cache.at(pos0 * kw), q8)?;
-        ops::matmul(gpu, &w.v, s.xn.ptr(), m, v_cache.at(pos0 * vw), q8)?;
+        let projections = [
+            (&w.q, s.q_full.ptr()),
+            (&w.k, k_cache.at(pos0 * kw)),
+            (&w.v, v_cache.at(pos0 * vw)),
+        ];
+        ops::matmul_many(gpu, s.xn.ptr(), m, &projections, q8)?;
         let q_in = if w.gated {
             Heads {
                 ptr: s.q_full.ptr(),
@@ -846,19 +849,18 @@ impl GpuModel {
             shape.head_dim,
         );
         let q8 = &s.q8;
-        ops::matmul(gpu, &w.qkv, s.xn.ptr(), m, s.mixed.ptr(), q8)?;
-        ops::matmul(gpu, &w.gate, s.xn.ptr(), m, s.z.ptr(), q8)?;
+        let mut projections = vec![(&w.qkv, s.mixed.ptr()), (&w.gate, s.z.ptr())];
         let (beta, alpha, grouped, per_row) = match &w.beta_alpha {
             GpuBetaAlpha::Separate { beta, alpha } => {
-                ops::matmul(gpu, beta, s.xn.ptr(), m, s.beta.ptr(), q8)?;
-                ops::matmul(gpu, alpha, s.xn.ptr(), m, s.alpha.ptr(), q8)?;
+                projections.extend([(beta, s.beta.ptr()), (alpha, s.alpha.ptr())]);
                 (&s.beta, &s.alpha, false, hv)
             }
             GpuBetaAlpha::Grouped(ba) => {
-                ops::matmul(gpu, ba, s.xn.ptr(), m, s.beta.ptr(), q8)?;
+                projections.push((ba, s.beta.ptr()));
                 (&s.beta, &s.beta, true, 2 * hv)
             }
         };
+        ops::matmul_many(gpu, s.xn.ptr(), m, &projections, q8)?;
         let ring_slot = ring.slot(slot);
         let dims = GdnDims {
             channels: c,
@@ -933,8 +935,7 @@ impl GpuModel {
         let xn = s.xn.ptr();
         match ffn {
             GpuFfn::Dense { gate, up, down } => {
-                ops::matmul(gpu, gate, xn, m, s.gate.ptr(), q8)?;
-                ops::matmul(gpu, up, xn, m, s.up.ptr(), q8)?;
+                ops::matmul_many(gpu, xn, m, &[(gate, s.gate.ptr()), (up, s.up.ptr())], q8)?;
                 ops::swiglu(gpu, s.gate.ptr(), s.up.ptr(), m * gate.rows)?;
                 ops::matmul(gpu, down, s.gate.ptr(), m, out, q8)
             }
@@ -974,8 +975,8 @@ impl GpuModel {
                 )?;
                 ops::moe_combine(gpu, s.expert_out.ptr(), s.route_weights.ptr(), m, k, e, out)?;
                 if let Some(sh) = &w.shared {
-                    ops::matmul(gpu, &sh.gate, xn, m, s.gate.ptr(), q8)?;
-                    ops::matmul(gpu, &sh.up, xn, m, s.up.ptr(), q8)?;
+                    let jobs = [(&sh.gate, s.gate.ptr()), (&sh.up, s.up.ptr())];
+                    ops::matmul_many(gpu, xn, m, &jobs, q8)?;
                     ops::swiglu(gpu, s.gate.ptr(), s.up.ptr(), m * sh.gate.rows)?;
                     ops::matmul(gpu, &sh.down, s.gate.ptr(), m, s.shared_out.ptr(), q8)?;
                     ops::matmul(gpu, &sh.gate_inp, xn, m, s.shared_gate.ptr(), q8)?;

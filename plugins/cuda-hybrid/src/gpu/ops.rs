@@ -131,20 +131,21 @@ fn suffix(ty: GgmlType) -> Result<&'static str, PluginError> {
     })
 }
 
-/// The activation arguments of a matmul of `ty` over `x_rows` rows of `cols` at `x`:
-/// the f32 rows themselves, or (quantised into `q8` first) their quantised form.
+/// The activation arguments of a matmul of `ty` over `x_rows` rows of `cols` at `x`: the f32
+/// rows themselves, or their quantised form in `q8` (quantised there first unless `quantised`).
 fn activation_args(
     gpu: &Gpu,
     ty: GgmlType,
-    x: u64,
-    x_rows: usize,
-    cols: usize,
+    (x, x_rows, cols): (u64, usize, usize),
     q8: &Q8Scratch,
+    quantised: bool,
 ) -> Result<Vec<Arg>, PluginError> {
     if activations(ty) == Activations::F32 {
         return Ok(vec![Arg::Ptr(x)]);
     }
-    q8.quantize_for(gpu, ty, x, x_rows * cols)?;
+    if !quantised {
+        q8.quantize_for(gpu, ty, x, x_rows * cols)?;
+    }
     Ok(q8.args().to_vec())
 }
 
@@ -159,23 +160,52 @@ pub fn matmul(
     out: u64,
     q8: &Q8Scratch,
 ) -> Result<(), PluginError> {
+    matmul_many(gpu, x, n, &[(w, out)], q8)
+}
+
+/// [`matmul`] of several matrices with the same `n` activation rows at `x` (a layer's q, k
+/// and v projections, an FFN's gate and up): the rows are quantised once for consecutive
+/// matrices that take the same activation format, not once per matrix. No output may overlap
+/// `x`.
+pub fn matmul_many(
+    gpu: &Gpu,
+    x: u64,
+    n: usize,
+    jobs: &[(&DevMatrix, u64)],
+    q8: &Q8Scratch,
+) -> Result<(), PluginError> {
     if n == 0 {
         return Ok(());
     }
-    // One row (a plain decoding step) takes the one-row kernel: the same bits, fewer
-    // registers.
-    let kind = if n == 1 { "matvec" } else { "matmul" };
-    let name = format!("{kind}_{}", suffix(w.ty)?);
-    let mut args = vec![
-        Arg::Ptr(w.ptr),
-        Arg::U64(w.row_bytes as u64),
-        int(w.rows),
-        int(w.cols),
-    ];
-    args.extend(activation_args(gpu, w.ty, x, n, w.cols, q8)?);
-    args.extend([int(n), Arg::Ptr(out)]);
-    let grid = (blocks(w.rows, MM_WARPS), blocks(n, MM_COLS), 1);
-    gpu.launch(&name, grid, (32 * MM_WARPS) as u32, &args)
+    let mut quantised_for = None;
+    for &(w, out) in jobs {
+        if w.cols != jobs[0].0.cols {
+            return Err(internal(format!(
+                "cuda-hybrid: matrices of {} and {} columns share activation rows",
+                jobs[0].0.cols, w.cols
+            )));
+        }
+        let format = activations(w.ty);
+        let quantised = quantised_for == Some(format);
+        // One row (a plain decoding step) takes the one-row kernel: the same bits, fewer
+        // registers.
+        let kind = if n == 1 { "matvec" } else { "matmul" };
+        let name = format!("{kind}_{}", suffix(w.ty)?);
+        let mut args = vec![
+            Arg::Ptr(w.ptr),
+            Arg::U64(w.row_bytes as u64),
+            int(w.rows),
+            int(w.cols),
+        ];
+        args.extend(activation_args(gpu, w.ty, (x, n, w.cols), q8, quantised)?);
+        args.extend([int(n), Arg::Ptr(out)]);
+        if format != Activations::F32 {
+            quantised_for = Some(format);
+        }
+        let grid = (blocks(w.rows, MM_WARPS), blocks(n, MM_COLS), 1);
+        gpu.launch(&name, grid, (32 * MM_WARPS) as u32, &args)?;
+    }
+    Ok(())
 }
 
 /// Expert mat-vecs: for pair p < `pairs`, `out[p] = experts[ids[p]] · x[p / x_div]`
@@ -204,7 +234,7 @@ pub fn matmul_ids(
         int(w.cols),
         Arg::Ptr(ids),
     ];
-    args.extend(activation_args(gpu, w.ty, x, x_rows, w.cols, q8)?);
+    args.extend(activation_args(gpu, w.ty, (x, x_rows, w.cols), q8, false)?);
     args.extend([int(x_div), Arg::Ptr(out)]);
     let grid = (blocks(w.rows, MM_WARPS), blocks(pairs, 1), 1);
     gpu.launch(&name, grid, (32 * MM_WARPS) as u32, &args)
