@@ -2,7 +2,8 @@
 # Packs what cuda-hybrid's GPU checks need into .gpu-kit/ (ignored by git), for a GPU machine
 # with neither a Rust toolchain nor a network: the release `specula` binary and plugin
 # libraries, the test executables that need a GPU (cuda-hybrid's `gpu` and `ptx`, the
-# end-to-end `cuda`), all stripped, and the shared models those tests read. About 32 MB.
+# end-to-end `cuda`), the kernel benchmark (`benches/matmul.rs`), all stripped, and the shared
+# models those tests read. About 33 MB.
 #
 # Run it here, from anywhere in the checkout; then on the GPU machine, from the repository
 # root: plugins/cuda-hybrid/gpu-check/run.sh (see that file).
@@ -23,6 +24,16 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ')
 
+kernel_bench=$(cargo bench -p specula-cuda-hybrid --bench matmul --no-run \
+    --message-format=json | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
+        print(m["executable"])
+')
+[ -n "$kernel_bench" ] || { echo "pack.sh: no kernel benchmark executable" >&2; exit 1; }
+
 [ -d "$kit" ] && chmod -R u+w "$kit"
 rm -rf "$kit"
 mkdir -p "$kit/target/release/deps" "$kit/shared/models"
@@ -38,6 +49,7 @@ for name in gpu ptx cuda; do
     [ -n "$exe" ] || { echo "pack.sh: no test executable named $name" >&2; exit 1; }
     strip -o "$release/deps/$name" "$exe"
 done
+strip -o "$release/deps/kernel-bench" "$kernel_bench"
 cp -r "$shared/models/fixtures" "$shared/models/trained" "$shared/models/stories260K.gguf" \
     "$kit/shared/models/"
 chmod -R u+w "$kit/shared"

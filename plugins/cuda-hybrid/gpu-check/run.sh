@@ -5,10 +5,12 @@
 #   plugins/cuda-hybrid/gpu-check/run.sh tests   # the GPU tests: kernels against references,
 #                                                # verify rows == single-token evals, rollback
 #                                                # oracle, greedy == cpu-simd, MTP == plain
+#   plugins/cuda-hybrid/gpu-check/run.sh kernels # the mat-vec / mat-mul kernels alone: time
+#                                                # and weight GB/s per type, shape, k = 1..8
 #   plugins/cuda-hybrid/gpu-check/run.sh bench   # a Qwen3.5-2B-shaped Q4_K model: plain and
 #                                                # MTP decode, verify cost ratios k = 1..8;
 #                                                # the trained qwen35 with its MTP head
-#   plugins/cuda-hybrid/gpu-check/run.sh all     # both (the default)
+#   plugins/cuda-hybrid/gpu-check/run.sh all     # all three (the default)
 #
 # Logs go to $OUT (the device tool's output folder) or ./gpu-check-out/. The exit status is
 # the number of failed steps.
@@ -69,6 +71,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     step ptx env CI=true "$deps/ptx" --nocapture  # CI set: NVRTC must load
     step gpu "$deps/gpu" --test-threads=1 --nocapture
     step cuda "$deps/cuda" --test-threads=1 --nocapture
+fi
+
+if [ "$what" = kernels ] || [ "$what" = all ]; then
+    # Criterion keeps its history out of $OUT.
+    step kernels env CRITERION_HOME=/tmp/specula-criterion "$deps/kernel-bench" --bench \
+        --warm-up-time 0.5 --measurement-time 1
+    grep -E "^[a-z0-9_]+/[a-z_]+/rows|thrpt" "$out/kernels.log"
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
