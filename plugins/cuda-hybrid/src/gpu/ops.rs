@@ -2,7 +2,7 @@
 //! order of the kernel's C signature and picks the launch shape its comment documents.
 
 use specula_gguf::GgmlType;
-use specula_kernels::{Rope, RopeMode};
+use specula_kernels::{ActivationFormat, Rope, RopeMode, WeightType};
 use specula_plugin_api::{ErrorKind, PluginError};
 
 use super::weights::{kernel_suffix, DevExperts, DevMatrix, DevVec, GPU_TYPES};
@@ -31,22 +31,10 @@ fn block_for(n: usize) -> u32 {
     n.next_power_of_two().clamp(32, 1024) as u32
 }
 
-/// How a weight type's kernels take their activation rows (as cpu-simd's kernels do).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Activations {
-    F32,
-    /// quantize_q8_0's output: quants and one scale per 32 values.
-    Q8_0,
-    /// quantize_q8_k's output: quants, one scale per 256 values, sums per 32.
-    Q8K,
-}
-
-fn activations(ty: GgmlType) -> Activations {
-    match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 => Activations::Q8_0,
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Activations::Q8K,
-        _ => Activations::F32,
-    }
+/// How the kernels of weight type `ty` take their activation rows: exactly as cpu-simd's
+/// kernels do (f32, or quantised to Q8_0 / Q8_K on the device first).
+fn activations(ty: GgmlType) -> ActivationFormat {
+    WeightType::from_ggml(ty).map_or(ActivationFormat::F32, WeightType::activation)
 }
 
 /// Quantised activation rows for the quantised weight types (quantize_q8_0's or
@@ -86,10 +74,14 @@ impl Q8Scratch {
         values: usize,
     ) -> Result<(), PluginError> {
         let format = activations(ty);
-        if format == Activations::F32 {
+        if format == ActivationFormat::F32 {
             return Ok(());
         }
-        let block = if format == Activations::Q8K { 256 } else { 32 };
+        let block = if format == ActivationFormat::Q8K {
+            256
+        } else {
+            32
+        };
         if values > self.q.len() || !values.is_multiple_of(block) {
             return Err(internal(format!(
                 "cuda-hybrid: {values} activations are not whole {block}-value blocks within the quantisation scratch of {}",
@@ -103,7 +95,7 @@ impl Q8Scratch {
             Arg::Ptr(self.q.ptr()),
             Arg::Ptr(self.d.ptr()),
         ];
-        let name = if format == Activations::Q8K {
+        let name = if format == ActivationFormat::Q8K {
             args.push(Arg::Ptr(self.sums.ptr()));
             "quantize_q8_k"
         } else {
@@ -140,7 +132,7 @@ fn activation_args(
     q8: &Q8Scratch,
     quantised: bool,
 ) -> Result<Vec<Arg>, PluginError> {
-    if activations(ty) == Activations::F32 {
+    if activations(ty) == ActivationFormat::F32 {
         return Ok(vec![Arg::Ptr(x)]);
     }
     if !quantised {
@@ -199,7 +191,7 @@ pub fn matmul_many(
         ];
         args.extend(activation_args(gpu, w.ty, (x, n, w.cols), q8, quantised)?);
         args.extend([int(n), Arg::Ptr(out)]);
-        if format != Activations::F32 {
+        if format != ActivationFormat::F32 {
             quantised_for = Some(format);
         }
         let grid = (blocks(w.rows, MM_WARPS), blocks(n, MM_COLS), 1);
