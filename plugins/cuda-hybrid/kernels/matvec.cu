@@ -304,6 +304,20 @@ struct QuantUnit {
     float d, dmin;
 };
 
+// The 32 bytes at p (16-byte aligned) as 8 little-endian words, in two vector loads.
+__device__ __forceinline__ void load_32(const void* p, u32* words) {
+    const U32x4 lo = load_16(p);
+    const U32x4 hi = load_16((const u8*)p + 16);
+    words[0] = lo.x;
+    words[1] = lo.y;
+    words[2] = lo.z;
+    words[3] = lo.w;
+    words[4] = hi.x;
+    words[5] = hi.y;
+    words[6] = hi.z;
+    words[7] = hi.w;
+}
+
 // Q8_0 block (34 bytes, 32 values): d (f16), 32 int8 quants.
 struct QuantQ80 {
     static const int DX_SHIFT = 0;
@@ -373,11 +387,9 @@ struct QuantQ4K {
         const u8* b = row + (u64)(u >> 3) * 144;
         const int j = u & 7;
         k4_header(b, j, w);
-        const u8* q = b + 16 + (j >> 1) * 32;
         const int shift = (j & 1) * 4;
-        const U32x4 lo = load_16(q);
-        const U32x4 hi = load_16(q + 16);
-        const u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        u32 words[8];
+        load_32(b + 16 + (j >> 1) * 32, words);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             w->q[k] = (words[k] >> shift) & 0x0F0F0F0Fu;
@@ -395,13 +407,9 @@ struct QuantQ5K {
         const u8* b = row + (u64)(u >> 3) * 176;
         const int j = u & 7;
         k4_header(b, j, w);
-        const U32x4 h0 = load_16(b + 16);
-        const U32x4 h1 = load_16(b + 32);
-        const u8* q = b + 48 + (j >> 1) * 32;
-        const U32x4 l0 = load_16(q);
-        const U32x4 l1 = load_16(q + 16);
-        const u32 high[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-        const u32 low[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+        u32 high[8], low[8];
+        load_32(b + 16, high);
+        load_32(b + 48 + (j >> 1) * 32, low);
         const int shift = (j & 1) * 4;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
@@ -457,17 +465,14 @@ __device__ __forceinline__ void row_dots_quant(const u8* row, int cols, const i8
 #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             if (c < nc) {
-                const i8* qx = xq + (u64)c * cols + (u64)u * 32;
-                const U32x4 lo = load_16(qx);
-                const U32x4 hi = load_16(qx + 16);
-                int dot_lo = dp4a(w.q[0], lo.x, 0);
-                dot_lo = dp4a(w.q[1], lo.y, dot_lo);
-                dot_lo = dp4a(w.q[2], lo.z, dot_lo);
-                dot_lo = dp4a(w.q[3], lo.w, dot_lo);
-                int dot_hi = dp4a(w.q[4], hi.x, 0);
-                dot_hi = dp4a(w.q[5], hi.y, dot_hi);
-                dot_hi = dp4a(w.q[6], hi.z, dot_hi);
-                dot_hi = dp4a(w.q[7], hi.w, dot_hi);
+                u32 qx[8];
+                load_32(xq + (u64)c * cols + (u64)u * 32, qx);
+                int dot_lo = 0, dot_hi = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    dot_lo = dp4a(w.q[k], qx[k], dot_lo);
+                    dot_hi = dp4a(w.q[k + 4], qx[k + 4], dot_hi);
+                }
                 const float dx = xd[(u64)c * scales_per_row + (u >> D::DX_SHIFT)];
                 const int isum = w.sc_lo * dot_lo + w.sc_hi * dot_hi;
                 float t = __fmul_rn(__fmul_rn(dx, w.d), (float)isum);
