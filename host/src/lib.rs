@@ -10,9 +10,11 @@
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`, the default model);
 //! * [`bench`](mod@bench): `specula bench`, speed figures measured side by side;
 //! * [`serve`]: `specula serve`, the OpenAI-compatible daemon with hot-reloaded profiles;
-//! * [`cli`]: the `specula` command line.
+//! * [`cli`]: the `specula` command line;
+//! * [`bounded`]: reading user-named files with a size cap.
 
 pub mod bench;
+pub mod bounded;
 pub mod cli;
 pub mod genmodel;
 pub mod pipeline;

@@ -8,7 +8,7 @@ use anyhow::Context;
 use specula_gguf::GgufFile;
 use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInfo, PluginKind};
 
-use crate::plugins::{backend_params, SearchPath};
+use crate::plugins::{backend_params, PluginProvenance, SearchPath};
 use crate::profile::{options_as_text, DrafterSection, Profile};
 use crate::tokenizer::Tokenizer;
 
@@ -27,6 +27,8 @@ pub struct Pipeline {
     pub tokenizer: Tokenizer,
     pub info: ModelInfo,
     pub drafter: Option<DrafterSlot>,
+    /// The plugin builds this pipeline runs (target backend, drafter, draft-model backend).
+    pub plugins: Vec<PluginProvenance>,
 }
 
 impl Pipeline {
@@ -44,6 +46,7 @@ impl Pipeline {
         let tokenizer = load_tokenizer(&target.model)?;
         let verify_tokens = profile.speculation.draft_max + 1;
         let plugin = search.load(&target.backend, PluginKind::Backend)?;
+        let mut plugins = vec![plugin.provenance()];
         let params = backend_params(
             &target.model,
             target.threads,
@@ -62,8 +65,16 @@ impl Pipeline {
         }
         let drafter = match &profile.drafter {
             Some(section) if profile.speculation.enabled => Some(
-                open_drafter(profile, section, &search, &tokenizer, &info, corpus)
-                    .with_context(|| format!("cannot set up the '{}' drafter", section.plugin))?,
+                open_drafter(
+                    profile,
+                    section,
+                    &search,
+                    &tokenizer,
+                    &info,
+                    corpus,
+                    &mut plugins,
+                )
+                .with_context(|| format!("cannot set up the '{}' drafter", section.plugin))?,
             ),
             _ => None,
         };
@@ -72,6 +83,7 @@ impl Pipeline {
             tokenizer,
             info,
             drafter,
+            plugins,
         })
     }
 }
@@ -83,6 +95,7 @@ fn open_drafter(
     tokenizer: &Tokenizer,
     target_info: &ModelInfo,
     corpus_tokens: Option<Vec<u32>>,
+    plugins: &mut Vec<PluginProvenance>,
 ) -> anyhow::Result<DrafterSlot> {
     let draft_model = match &section.model {
         Some(model) => {
@@ -93,6 +106,7 @@ fn open_drafter(
                 .as_deref()
                 .unwrap_or(&profile.target.backend);
             let plugin = search.load(backend_name, PluginKind::Backend)?;
+            plugins.push(plugin.provenance());
             let threads = if section.threads > 0 {
                 section.threads
             } else {
@@ -116,8 +130,8 @@ fn open_drafter(
     let corpus = match (corpus_tokens, &section.corpus) {
         (Some(tokens), _) => tokens,
         (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read drafter.corpus {}", path.display()))?;
+            let text = crate::bounded::read_to_string(path, section.corpus_max_bytes)
+                .context("drafter.corpus (raise drafter.corpus_max_bytes for a larger corpus)")?;
             tokenizer.encode(&text, false, false)
         }
         (None, None) => Vec::new(),
@@ -132,6 +146,7 @@ fn open_drafter(
         corpus: corpus.into(),
     };
     let plugin = search.load(&section.plugin, PluginKind::Drafter)?;
+    plugins.push(plugin.provenance());
     let drafter = plugin.create_drafter(&params)?;
     Ok(DrafterSlot {
         name: section.plugin.clone(),

@@ -30,11 +30,11 @@ use serde::{Deserialize, Serialize};
 /// A profile error: the file, the key path and what was expected.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
-    #[error("cannot read profile {path}: {source}")]
+    #[error("cannot read profile: {source}")]
     Io {
         path: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: crate::bounded::BoundedReadError,
     },
     #[error("profile {path}: key `{key}`: {message}")]
     Invalid {
@@ -42,6 +42,16 @@ pub enum ProfileError {
         key: String,
         message: String,
     },
+}
+
+/// Largest profile file read (a profile is a few hundred bytes).
+pub const MAX_PROFILE_BYTES: u64 = 1 << 20;
+
+/// Default of `drafter.corpus_max_bytes`: the largest corpus file read.
+pub const DEFAULT_CORPUS_MAX_BYTES: u64 = 64 << 20;
+
+fn default_corpus_max_bytes() -> u64 {
+    DEFAULT_CORPUS_MAX_BYTES
 }
 
 /// A validated profile, with every path resolved against the profile's directory.
@@ -102,6 +112,9 @@ pub struct DrafterSection {
     /// A text file whose tokens the drafter may draft from (prompt lookup's static corpus).
     #[serde(default)]
     pub corpus: Option<PathBuf>,
+    /// The largest corpus file read, in bytes (default 64 MiB); a larger one is refused.
+    #[serde(default = "default_corpus_max_bytes")]
+    pub corpus_max_bytes: u64,
     /// Drafter-specific settings, passed to the plugin as text.
     #[serde(default)]
     pub options: BTreeMap<String, toml::Value>,
@@ -116,6 +129,7 @@ impl DrafterSection {
             backend: None,
             threads: 0,
             corpus: None,
+            corpus_max_bytes: DEFAULT_CORPUS_MAX_BYTES,
             options: BTreeMap::new(),
         }
     }
@@ -240,9 +254,11 @@ impl Profile {
     /// directory. Does not touch models or plugins.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ProfileError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Io {
-            path: path.to_path_buf(),
-            source,
+        let text = crate::bounded::read_to_string(path, MAX_PROFILE_BYTES).map_err(|source| {
+            ProfileError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
         })?;
         let mut profile = Self::parse(&text, path)?;
         let base = path
@@ -378,6 +394,12 @@ impl Profile {
                 return bad(
                     "drafter.plugin",
                     "must name a drafter plugin, e.g. \"lookup\"".into(),
+                );
+            }
+            if d.corpus_max_bytes == 0 {
+                return bad(
+                    "drafter.corpus_max_bytes",
+                    "must be at least 1 (bytes)".into(),
                 );
             }
         }

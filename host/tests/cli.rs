@@ -1,6 +1,8 @@
 //! `specula` end to end: the real binary loading the real cpu-simd plugin through profiles.
 
-use specula_tests::*;
+mod common;
+
+use common::*;
 
 const LILY: &str = "Once upon a time, there was a little girl named Lily";
 
@@ -611,4 +613,113 @@ fn bench_reports_every_figure_as_json() {
     assert!(ratio > 0.0 && ideal > 0.0, "{oracle}");
     let efficiency = oracle["efficiency"].as_f64().unwrap();
     assert!((efficiency - speedup / ideal).abs() < 1e-9, "{oracle}");
+}
+
+/// `specula` with `args`, killed if it runs longer than `limit` (then `None`): for inputs that
+/// used to be read without end.
+fn specula_within(
+    args: &[&str],
+    home: &std::path::Path,
+    limit: std::time::Duration,
+) -> Option<std::process::Output> {
+    let mut child = std::process::Command::new(specula_bin())
+        .args(args)
+        .env("SPECULA_HOME", home)
+        .env("SPECULA_PLUGIN_PATH", plugin_dir())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+/// A corpus or profile that is a device, or larger than its cap, is refused at once with the
+/// setting named, instead of being read until memory runs out.
+#[test]
+fn unbounded_and_oversized_inputs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = std::time::Duration::from_secs(30);
+    let stories = shared("models/stories260K.gguf");
+    let device = write_profile(
+        dir.path(),
+        "device.toml",
+        &stories,
+        "[drafter]\nplugin = \"lookup\"\ncorpus = \"/dev/zero\"\n",
+    );
+    let out = specula_within(
+        &["run", "--profile", device.to_str().unwrap(), "-n", "4"],
+        dir.path(),
+        limit,
+    )
+    .expect("a /dev/zero corpus is read without end");
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("drafter.corpus")
+            && err.contains("/dev/zero")
+            && err.contains("not a regular file"),
+        "{err}"
+    );
+
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, "Once upon a time there was a girl. ".repeat(100)).unwrap();
+    let capped = write_profile(
+        dir.path(),
+        "capped.toml",
+        &stories,
+        &format!(
+            "[drafter]\nplugin = \"lookup\"\ncorpus = {:?}\ncorpus_max_bytes = 1000\n",
+            corpus.to_str().unwrap()
+        ),
+    );
+    let out = specula(
+        &["run", "--profile", capped.to_str().unwrap(), "-n", "4"],
+        dir.path(),
+    );
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("3500 bytes")
+            && err.contains("limit of 1000")
+            && err.contains("corpus_max_bytes"),
+        "{err}"
+    );
+    // Raised, the same corpus drafts.
+    let raised = write_profile(
+        dir.path(),
+        "raised.toml",
+        &stories,
+        &format!(
+            "[drafter]\nplugin = \"lookup\"\ncorpus = {:?}\ncorpus_max_bytes = 4000\n",
+            corpus.to_str().unwrap()
+        ),
+    );
+    specula_ok(
+        &["run", "--profile", raised.to_str().unwrap(), "-n", "4"],
+        dir.path(),
+    );
+
+    for args in [
+        &["run", "--profile", "/dev/zero", "-n", "1"][..],
+        &["profile", "check", "/dev/zero"],
+    ] {
+        let out = specula_within(args, dir.path(), limit)
+            .expect("a /dev/zero profile is read without end");
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains("/dev/zero") && err.contains("not a regular file"),
+            "{args:?}: {err}"
+        );
+    }
 }

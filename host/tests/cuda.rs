@@ -5,7 +5,9 @@
 
 use std::path::Path;
 
-use specula_tests::*;
+mod common;
+
+use common::*;
 
 const LILY: &str = "Once upon a time, there was a little girl named Lily";
 

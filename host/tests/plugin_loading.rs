@@ -2,9 +2,13 @@
 //! against another ABI, libraries that are not plugins, and files that are not libraries.
 
 use abi_stable::std_types::{RSlice, RVec};
-use specula_host::plugins::{backend_params, load_library, PluginError, SearchPath};
+use specula_host::plugins::{
+    backend_params, library_file_name, load_library, PluginError, SearchPath,
+};
 use specula_plugin_api::{ErrorKind, LogitRows, PluginKind, ABI_VERSION};
-use specula_tests::*;
+mod common;
+
+use common::*;
 
 #[test]
 fn cpu_simd_loads_and_evaluates_across_the_abi() {
@@ -168,12 +172,74 @@ fn a_file_that_is_not_a_library_is_refused() {
     ));
     std::fs::write(&fake, b"this is text, not ELF").unwrap();
     let err = load_library(&fake).unwrap_err();
-    assert!(matches!(err, PluginError::NotALibrary { .. }), "{err}");
+    assert!(matches!(err, PluginError::BadImage { .. }), "{err}");
     assert!(err.to_string().contains(fake.to_str().unwrap()), "{err}");
+    assert!(
+        err.to_string().contains("not an ELF shared library"),
+        "{err}"
+    );
 
     let search = SearchPath::from_dirs([dir.path().to_path_buf()]);
     let err = search.load("fake", PluginKind::Backend).unwrap_err();
-    assert!(err.to_string().contains("cannot load library"), "{err}");
+    assert!(err.to_string().contains("refused before loading"), "{err}");
+}
+
+/// A library cut short maps segments past the end of its file: the system loader would take
+/// it, and the process would die of SIGBUS. It must be refused before the loader sees it,
+/// in-process and in `specula plugins` (listed as rejected, with the reason).
+#[test]
+fn a_truncated_library_is_refused_before_the_loader_sees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = std::fs::read(plugin_library("drafter-lookup")).unwrap();
+    let cut = dir.path().join(library_file_name("trunc"));
+    std::fs::write(&cut, &whole[..4096]).unwrap();
+    let err = load_library(&cut).unwrap_err();
+    assert!(matches!(err, PluginError::BadImage { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains(cut.to_str().unwrap()), "{text}");
+    assert!(text.contains("runs past the end of the file"), "{text}");
+
+    let home = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(specula_bin())
+        .arg("plugins")
+        .env("SPECULA_HOME", home.path())
+        .env("SPECULA_PLUGIN_PATH", dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listing = stdout(&out);
+    let rejected = listing
+        .lines()
+        .skip_while(|l| !l.starts_with("rejected"))
+        .find(|l| l.contains("libspecula_trunc"))
+        .unwrap_or_else(|| panic!("the truncated library is not listed as rejected:\n{listing}"));
+    assert!(rejected.contains("truncated?"), "{rejected}");
+}
+
+/// A new build copied over an old one at the same path (in place, as `cp` does) is a new
+/// library: loading the path again gives the new code, not the cached old one.
+#[test]
+fn a_library_replaced_at_the_same_path_is_loaded_afresh() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(library_file_name("swapped"));
+    std::fs::copy(plugin_library("drafter-lookup"), &path).unwrap();
+    let first = load_library(&path).unwrap();
+    assert_eq!(first.info().name.as_str(), "lookup");
+    assert_eq!(load_library(&path).unwrap().identity(), first.identity());
+
+    // Rewrite the same inode with another plugin's bytes.
+    std::fs::write(&path, std::fs::read(plugin_library("drafter-mtp")).unwrap()).unwrap();
+    let second = load_library(&path).unwrap();
+    assert_eq!(second.info().name.as_str(), "mtp");
+    assert_ne!(second.identity(), first.identity());
+    let provenance = second.provenance();
+    assert_eq!(provenance.size, std::fs::metadata(&path).unwrap().len());
+    assert!(
+        provenance.to_string().starts_with("mtp 0.1.0 ("),
+        "{provenance}"
+    );
+    // The library loaded first still works: its code was loaded from a private copy.
+    assert_eq!(first.info().name.as_str(), "lookup");
 }
 
 #[test]

@@ -13,7 +13,9 @@ use specula_host::spec::{generate, SpecSettings};
 use specula_plugin_api::{
     box_drafter, Draft, DraftRequest, Drafter, DrafterModels, LogitRows, PluginResult,
 };
-use specula_tests::*;
+mod common;
+
+use common::*;
 
 const STORY_PROMPTS: &[&str] = &[
     "",
@@ -48,7 +50,7 @@ fn request(prompt: &str, max_tokens: u32, sampling: SamplingParams, spec: bool) 
 fn run(pipeline: &mut Pipeline, request: &Request) -> (Outcome, usize) {
     let outcome = generate(pipeline, request, |_| {}).unwrap();
     check_accounting(&outcome);
-    (outcome, pipeline.target.seq_len())
+    (outcome, pipeline.target.seq_len().unwrap())
 }
 
 fn check_accounting(o: &Outcome) {

@@ -103,8 +103,9 @@ pub trait ForwardPass: Send + Sync {
     /// What this backend instance can do.
     fn capabilities(&self) -> Capabilities;
 
-    /// Number of tokens in the sequence state.
-    fn seq_len(&self) -> usize;
+    /// Number of tokens in the sequence state; an error once the instance is unusable (an
+    /// earlier call panicked).
+    fn seq_len(&self) -> PluginResult<usize>;
 
     /// Evaluates `tokens` at positions `seq_len() ..`, in one pass, and writes the logits of
     /// the requested rows into `logits` (row-major, `vocab_size` per row; resized).

@@ -89,9 +89,82 @@ pub fn guard<T>(body: impl FnOnce() -> Result<T, PluginError>) -> PluginResult<T
     }
 }
 
+/// Makes a plugin instance refuse every call once one of its calls has panicked.
+///
+/// A panic can leave an instance half-updated (a KV cache advanced without its recurrent
+/// state, a ring slot half written); answering later calls from that state would compute
+/// silently wrong results. So the first panic is remembered and every later call through
+/// [`PanicFence::guard`] fails with [`ErrorKind::Panic`], naming the first panic, without
+/// running: the host must open a new instance. Clones share one fence (so a `&mut self`
+/// method can run its body through a clone of its own fence).
+#[derive(Debug, Default, Clone)]
+pub struct PanicFence(std::sync::Arc<std::sync::OnceLock<String>>);
+
+impl PanicFence {
+    /// Runs `body` like [`guard`], unless an earlier call panicked.
+    pub fn guard<T>(
+        &self,
+        plugin: &str,
+        body: impl FnOnce() -> Result<T, PluginError>,
+    ) -> PluginResult<T> {
+        if let Some(first) = self.0.get() {
+            return RResult::RErr(PluginError::new(
+                ErrorKind::Panic,
+                format!(
+                    "{plugin}: this instance refuses every call since an earlier one panicked ({first}); open a new instance"
+                ),
+            ));
+        }
+        let result = guard(body);
+        if let RResult::RErr(e) = &result {
+            if e.kind == ErrorKind::Panic {
+                let _ = self.0.set(e.message.to_string());
+            }
+        }
+        result
+    }
+
+    /// Whether a call has panicked.
+    pub fn has_panicked(&self) -> bool {
+        self.0.get().is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fence_refuses_every_call_after_a_panic() {
+        let fence = PanicFence::default();
+        assert_eq!(fence.guard("p", || Ok(1)).into_result(), Ok(1));
+        let err = fence
+            .guard("p", || Err::<u32, _>(PluginError::invalid_input("bad")))
+            .into_result()
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidInput);
+        assert!(!fence.has_panicked(), "an error is not a panic");
+        let err = fence
+            .guard::<u32>("p", || panic!("boom"))
+            .into_result()
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Panic);
+        let mut ran = false;
+        let err = fence
+            .guard("p", || {
+                ran = true;
+                Ok(2)
+            })
+            .into_result()
+            .unwrap_err();
+        assert!(!ran && fence.has_panicked());
+        assert_eq!(err.kind, ErrorKind::Panic);
+        assert!(
+            err.message.contains("boom") && err.message.contains("refuses"),
+            "{}",
+            err.message
+        );
+    }
 
     #[test]
     fn guard_turns_panics_into_errors() {

@@ -11,6 +11,8 @@ pub enum GgufError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path} is not a regular file (a directory, device or pipe); expected a GGUF file")]
+    NotAFile { path: PathBuf },
     #[error("{path} is not a GGUF file (magic bytes {found:?}, expected \"GGUF\")")]
     BadMagic { path: PathBuf, found: [u8; 4] },
     #[error("{path}: unsupported GGUF version {version} (Specula reads versions 2 and 3)")]

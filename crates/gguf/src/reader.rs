@@ -45,10 +45,27 @@ pub struct TensorView<'a> {
     pub data: &'a [u8],
 }
 
+/// The bytes of a file: memory-mapped from disk, or owned (a file image parsed from memory).
+enum Bytes {
+    Map(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Map(map) => map,
+            Bytes::Owned(bytes) => bytes,
+        }
+    }
+}
+
 /// An opened GGUF file: parsed metadata and tensor records, with tensor data left in the map.
 pub struct GgufFile {
     path: PathBuf,
-    map: Mmap,
+    map: Bytes,
     version: u32,
     metadata: Vec<(String, Value)>,
     index: HashMap<String, usize>,
@@ -70,7 +87,8 @@ impl std::fmt::Debug for GgufFile {
 
 impl GgufFile {
     /// Opens and validates `path`: header, metadata, tensor records, and that every tensor's
-    /// data lies inside the file. Tensor data is not read.
+    /// data lies inside the file's data section, aligned, sized by its type and shape, and
+    /// overlapping no other tensor. Tensor data is not read.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let io = |source| GgufError::Io {
@@ -78,13 +96,23 @@ impl GgufFile {
             source,
         };
         let file = File::open(&path).map_err(io)?;
+        // A device or pipe (`/dev/zero`, a FIFO) has no length to map and may never end.
+        if !file.metadata().map_err(io)?.is_file() {
+            return Err(GgufError::NotAFile { path });
+        }
         // SAFETY: the map is read-only and private to this process; we accept that another
         // process truncating the file under us is undefined behaviour, as every mmap user does.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(path, map)
+        Self::parse(path, Bytes::Map(map))
     }
 
-    fn parse(path: PathBuf, map: Mmap) -> Result<Self> {
+    /// Parses a GGUF image held in memory, with the checks of [`GgufFile::open`]; `label`
+    /// names it in errors (a path, or any description).
+    pub fn from_bytes(label: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
+        Self::parse(label.into(), Bytes::Owned(bytes))
+    }
+
+    fn parse(path: PathBuf, map: Bytes) -> Result<Self> {
         let mut cur = Cursor {
             bytes: &map,
             pos: 0,
@@ -140,11 +168,19 @@ impl GgufFile {
                 type_id,
             })?;
             let offset = cur.u64(&format!("offset of tensor '{name}'"))?;
-            let n_elements = dims
+            if dims.contains(&0) {
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!("tensor '{name}' has a dimension of 0 in its shape {dims:?}"),
+                });
+            }
+            // The element count must not overflow (the byte size is checked against the file
+            // once the data section's start is known).
+            if dims
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .filter(|&n| n <= limit * 8);
-            if n_elements.is_none() {
+                .is_none()
+            {
                 return Err(GgufError::Corrupt {
                     path: path.clone(),
                     what: format!("tensor '{name}' has an impossible shape {dims:?}"),
@@ -186,28 +222,9 @@ impl GgufFile {
                 }
             },
         };
-        let data_offset = (cur.pos as u64).div_ceil(alignment) * alignment;
         let file_len = map.len() as u64;
-        for t in &tensors {
-            if t.offset % alignment != 0 {
-                return Err(GgufError::Corrupt {
-                    path: path.clone(),
-                    what: format!(
-                        "tensor '{}' data offset {} is not aligned to {alignment}",
-                        t.name, t.offset
-                    ),
-                });
-            }
-            let start = data_offset + t.offset;
-            if start + t.n_bytes() > file_len {
-                return Err(GgufError::Truncated {
-                    path: path.clone(),
-                    what: format!("data of tensor '{}' ({} bytes)", t.name, t.n_bytes()),
-                    offset: start,
-                    file_len,
-                });
-            }
-        }
+        let data_offset = (cur.pos as u64).div_ceil(alignment) * alignment;
+        check_tensor_ranges(&path, &tensors, data_offset, alignment, file_len)?;
 
         Ok(Self {
             path,
@@ -228,6 +245,16 @@ impl GgufFile {
 
     pub fn version(&self) -> u32 {
         self.version
+    }
+
+    /// Where the data section starts: the byte every tensor offset is relative to.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    /// The file's length in bytes.
+    pub fn file_len(&self) -> u64 {
+        self.map.len() as u64
     }
 
     /// All metadata entries, in file order.
@@ -401,6 +428,72 @@ impl GgufFile {
     pub fn tensor_bytes(&self) -> u64 {
         self.tensors.iter().map(TensorInfo::n_bytes).sum()
     }
+}
+
+/// Checks that every tensor's bytes lie inside the data section `[data_offset, file_len)`, at
+/// an aligned offset, with a byte size its type and shape give, and that no two tensors
+/// overlap. All arithmetic is checked: an offset near 2^64 is an error, never a wrap-around.
+fn check_tensor_ranges(
+    path: &Path,
+    tensors: &[TensorInfo],
+    data_offset: u64,
+    alignment: u64,
+    file_len: u64,
+) -> Result<()> {
+    let corrupt = |what: String| GgufError::Corrupt {
+        path: path.to_path_buf(),
+        what,
+    };
+    let mut ranges = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        if t.offset % alignment != 0 {
+            return Err(corrupt(format!(
+                "tensor '{}' data offset {} is not aligned to {alignment}",
+                t.name, t.offset
+            )));
+        }
+        // Rows are whole blocks (checked when the record was read), so this division is exact.
+        let n_bytes = t
+            .dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .map(|n| n / t.ty.block_size() as u64)
+            .and_then(|blocks| blocks.checked_mul(t.ty.block_bytes() as u64));
+        let Some(n_bytes) = n_bytes else {
+            return Err(corrupt(format!(
+                "tensor '{}' of type {} and shape {:?} has a byte size beyond 2^64",
+                t.name, t.ty, t.dims
+            )));
+        };
+        let end = data_offset
+            .checked_add(t.offset)
+            .and_then(|start| start.checked_add(n_bytes));
+        match end {
+            Some(end) if end <= file_len => ranges.push((t.offset, t.offset + n_bytes, i)),
+            _ => {
+                return Err(GgufError::Truncated {
+                    path: path.to_path_buf(),
+                    what: format!(
+                        "data of tensor '{}' ({n_bytes} bytes at data offset {})",
+                        t.name, t.offset
+                    ),
+                    offset: data_offset.saturating_add(t.offset),
+                    file_len,
+                })
+            }
+        }
+    }
+    ranges.sort_unstable();
+    for pair in ranges.windows(2) {
+        let ((a_start, a_end, a), (b_start, b_end, b)) = (pair[0], pair[1]);
+        if b_start < a_end {
+            return Err(corrupt(format!(
+                "tensors '{}' (data bytes {a_start}..{a_end}) and '{}' (data bytes {b_start}..{b_end}) overlap",
+                tensors[a].name, tensors[b].name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A bounds-checked little-endian reader over the header.

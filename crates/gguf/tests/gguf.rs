@@ -212,6 +212,25 @@ fn truncated_file_is_reported_with_its_path() {
 }
 
 #[test]
+fn devices_and_directories_are_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    for path in [Path::new("/dev/zero"), dir.path()] {
+        if !path.exists() {
+            continue;
+        }
+        let err = GgufFile::open(path).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, GgufError::NotAFile { .. } | GgufError::Io { .. }),
+            "{text}"
+        );
+        assert!(text.contains(path.to_str().unwrap()), "{text}");
+    }
+    let err = GgufFile::open("/dev/zero").unwrap_err();
+    assert!(matches!(err, GgufError::NotAFile { .. }), "{err}");
+}
+
+#[test]
 fn bad_magic_and_version_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("x.gguf");

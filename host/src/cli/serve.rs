@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::serve::auth::ApiKeys;
+use crate::serve::listener::HttpLimits;
 use crate::serve::{run, ServeOptions};
 
 /// `specula serve --help`.
@@ -25,7 +27,17 @@ running finish on the old one; a profile that fails to load leaves the old one s
 reports why in /health, the log and the reload response. Each profile serves `[serve] slots`
 requests at once (default 2, each slot its own backend instance) with up to `[serve] queue`
 more waiting (default 16; beyond that: 503). SIGTERM or Ctrl-C stops accepting connections
-and waits for requests in flight (up to --drain-timeout) before exiting with status 0.";
+and waits for requests in flight (up to --drain-timeout) before exiting with status 0.
+
+Connections: a request's head must arrive within --header-timeout of its first byte (or of
+the connection opening), its body within --body-timeout, and an idle keep-alive connection
+closes after --keep-alive-timeout; beyond --max-connections open ones, a new connection is
+answered 503. A client may half-close its side after sending a request and still get the
+answer.
+
+API keys: with --api-key, SPECULA_API_KEY or --api-key-file, every /v1/* and /admin/*
+request needs `Authorization: Bearer KEY` (else 401); /health and /metrics stay open unless
+--protect-metrics. Listening on a non-loopback address without a key prints a warning.";
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -44,15 +56,73 @@ pub struct ServeArgs {
     /// Do not watch profile files (reload with SIGHUP or POST /admin/reload only).
     #[arg(long)]
     no_watch: bool,
+    /// Longest time for a request head, from its first byte (or the connection opening).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
+    header_timeout: f64,
+    /// Longest time to receive a request body once its head has arrived.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
+    body_timeout: f64,
+    /// How long an idle keep-alive connection stays open between requests.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
+    keep_alive_timeout: f64,
+    /// Most connections open at once; more are answered 503 and closed.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_connections: u32,
+    /// Require `Authorization: Bearer KEY` on /v1/* and /admin/* (also SPECULA_API_KEY).
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "SPECULA_API_KEY",
+        hide_env_values = true
+    )]
+    api_key: Option<String>,
+    /// A file of API keys, one per line (# comments and blank lines skipped); with --api-key,
+    /// both are accepted.
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Require the API key on /health and /metrics too.
+    #[arg(long)]
+    protect_metrics: bool,
+}
+
+/// A timeout in seconds: a finite number above 0.
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Ok(s),
+        _ => Err(format!(
+            "{text:?} is not a number of seconds between 0 (exclusive) and 86400"
+        )),
+    }
 }
 
 pub fn run_cli(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let mut keys = ApiKeys::none();
+    if let Some(key) = &args.api_key {
+        keys.add(key, "--api-key / SPECULA_API_KEY")?;
+    }
+    if let Some(file) = &args.api_key_file {
+        keys.add_file(file)?;
+    }
+    if args.protect_metrics && keys.is_empty() {
+        anyhow::bail!(
+            "--protect-metrics needs an API key (--api-key, SPECULA_API_KEY or --api-key-file)"
+        );
+    }
+    let limits = HttpLimits {
+        header_timeout: Duration::from_secs_f64(args.header_timeout),
+        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        keep_alive_timeout: Duration::from_secs_f64(args.keep_alive_timeout),
+        max_connections: args.max_connections as usize,
+        ..HttpLimits::default()
+    };
     run(ServeOptions {
         profiles: args.profiles,
         listen: args.listen,
         debounce: Duration::from_millis(args.debounce_ms),
         drain_timeout: Duration::from_secs(args.drain_timeout),
         watch: !args.no_watch,
+        limits,
+        keys: keys.protect_metrics(args.protect_metrics),
     })?;
     Ok(ExitCode::SUCCESS)
 }

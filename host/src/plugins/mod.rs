@@ -5,10 +5,16 @@
 //! entries, the directories in `SPECULA_PLUGIN_PATH`, and the directory of the `specula`
 //! executable. A profile may also name a library by path.
 //!
-//! Loading checks, in order: that the file is a loadable library, that it exports
-//! `specula_plugin_abi_version`, that the version equals the host's [`ABI_VERSION`], and that
-//! abi_stable's layout check of the root module passes. Every failure names the file. Loaded
-//! libraries are never unloaded, so each is loaded once and cached.
+//! Loading checks, in order: that the file is a shared library of this machine whose
+//! segments lie inside the file ([`image::check`], before the system loader sees it), that
+//! it exports `specula_plugin_abi_version`, that the version equals the host's
+//! [`ABI_VERSION`], and that abi_stable's layout check of the root module passes. Every
+//! failure names the file. What is loaded is a private copy of the bytes checked; loaded
+//! libraries are never unloaded, so each file *as it is on disk* (path plus
+//! [`FileIdentity`]) is loaded once and cached, and a new build copied over an old one is
+//! loaded afresh.
+
+mod image;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -20,6 +26,8 @@ use specula_plugin_api::{
     BackendParams, BoxedDrafter, BoxedForwardPass, DrafterParams, PluginInfo, PluginKind,
     PluginModuleRef, ABI_VERSION, ABI_VERSION_SYMBOL,
 };
+
+pub use image::FileIdentity;
 
 /// Environment variable with extra plugin directories (`:`-separated, `;` on Windows).
 pub const PLUGIN_PATH_ENV: &str = "SPECULA_PLUGIN_PATH";
@@ -36,6 +44,8 @@ pub enum PluginError {
     },
     #[error("{path}: cannot load library: {reason}")]
     NotALibrary { path: PathBuf, reason: String },
+    #[error("{path}: refused before loading: {reason}")]
+    BadImage { path: PathBuf, reason: String },
     #[error("{path}: not a Specula plugin (it does not export `{ABI_VERSION_SYMBOL}`)")]
     NotAPlugin { path: PathBuf },
     #[error("{path}: plugin was built against Specula plugin ABI version {plugin}, but this host speaks ABI version {host}; rebuild the plugin against this host's specula-plugin-api")]
@@ -76,12 +86,14 @@ fn display_dirs(dirs: &[PathBuf]) -> String {
 pub struct LoadedPlugin {
     module: PluginModuleRef,
     path: &'static Path,
+    identity: FileIdentity,
 }
 
 impl std::fmt::Debug for LoadedPlugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoadedPlugin")
             .field("path", &self.path)
+            .field("identity", &self.identity)
             .finish_non_exhaustive()
     }
 }
@@ -91,8 +103,26 @@ impl LoadedPlugin {
         (self.module.info())()
     }
 
+    /// The file it was loaded from (the private copy actually mapped is gone).
     pub fn path(&self) -> &Path {
         self.path
+    }
+
+    /// Size, modification time and inode of the file when it was loaded.
+    pub fn identity(&self) -> FileIdentity {
+        self.identity
+    }
+
+    /// Which build serves: name, version, file, size and modification time.
+    pub fn provenance(&self) -> PluginProvenance {
+        let info = self.info();
+        PluginProvenance {
+            name: info.name.into(),
+            version: info.version.into(),
+            path: self.path.to_path_buf(),
+            size: self.identity.size,
+            modified: self.identity.modified_unix(),
+        }
     }
 
     fn expect_kind(&self, expected: PluginKind) -> Result<(), PluginError> {
@@ -248,36 +278,91 @@ impl SearchPath {
     }
 }
 
-fn cache() -> &'static Mutex<HashMap<PathBuf, LoadedPlugin>> {
-    static CACHE: OnceLock<Mutex<HashMap<PathBuf, LoadedPlugin>>> = OnceLock::new();
+/// Which build of a plugin a pipeline runs, for logs and reload reports.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PluginProvenance {
+    pub name: String,
+    pub version: String,
+    pub path: PathBuf,
+    pub size: u64,
+    /// Modification time of the file, seconds since the Unix epoch.
+    pub modified: Option<u64>,
+}
+
+impl std::fmt::Display for PluginProvenance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} ({}, {} bytes",
+            self.name,
+            self.version,
+            self.path.display(),
+            self.size
+        )?;
+        if let Some(t) = self.modified {
+            write!(f, ", modified at unix time {t}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// A file's identity, plus its path where the platform has no inode numbers (with them,
+/// hard links to one file share an entry).
+type CacheKey = (FileIdentity, Option<PathBuf>);
+
+fn cache() -> &'static Mutex<HashMap<CacheKey, LoadedPlugin>> {
+    static CACHE: OnceLock<Mutex<HashMap<CacheKey, LoadedPlugin>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
-/// Loads and checks the plugin library at `path`. Successful loads are cached (a library is
-/// never loaded twice); failures are not, so a fixed file can be tried again.
+/// Loads and checks the plugin library at `path`. Successful loads are cached by file
+/// identity (a file is never loaded twice, a changed file is loaded again); failures
+/// are not, so a fixed file can be tried again.
 pub fn load_library(path: &Path) -> Result<LoadedPlugin, PluginError> {
+    let not_a_library = |reason: String| PluginError::NotALibrary {
+        path: path.to_path_buf(),
+        reason,
+    };
     if !path.is_file() {
-        return Err(PluginError::NotALibrary {
-            path: path.to_path_buf(),
-            reason: "no such file".into(),
-        });
+        return Err(not_a_library("no such file".into()));
     }
-    let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let identity = FileIdentity::of(path).map_err(|e| not_a_library(e.to_string()))?;
+    let key = (identity, identity.inode.is_none().then_some(canonical));
     let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(plugin) = cache.get(&key) {
         return Ok(*plugin);
     }
-    let plugin = load_uncached(path)?;
+    let bytes = std::fs::read(path).map_err(|e| not_a_library(e.to_string()))?;
+    image::check(&bytes).map_err(|reason| PluginError::BadImage {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    let copy = image::private_copy(path, &bytes).map_err(|e| {
+        not_a_library(format!(
+            "cannot write a private copy to load (temporary directory {}): {e}",
+            std::env::temp_dir().display()
+        ))
+    })?;
+    let loaded = load_uncached(path, &copy, identity);
+    image::discard(&copy);
+    let plugin = loaded?;
     cache.insert(key, plugin);
     Ok(plugin)
 }
 
-fn load_uncached(path: &Path) -> Result<LoadedPlugin, PluginError> {
+/// Loads the checked private `copy` of `path`; errors name `path`.
+fn load_uncached(
+    path: &Path,
+    copy: &Path,
+    identity: FileIdentity,
+) -> Result<LoadedPlugin, PluginError> {
     let owned = path.to_path_buf();
     // SAFETY: loading a library runs its initialisers; we only load files the user pointed
-    // us at (profile, plugin path) that are named like Specula plugins.
+    // us at (profile, plugin path) that are named like Specula plugins and that passed
+    // `image::check`, from a private copy nobody else writes.
     let library =
-        unsafe { libloading::Library::new(path) }.map_err(|e| PluginError::NotALibrary {
+        unsafe { libloading::Library::new(copy) }.map_err(|e| PluginError::NotALibrary {
             path: owned.clone(),
             reason: e.to_string(),
         })?;
@@ -301,7 +386,7 @@ fn load_uncached(path: &Path) -> Result<LoadedPlugin, PluginError> {
         path: owned.clone(),
         reason,
     };
-    let module = lib_header_from_path(path)
+    let module = lib_header_from_path(copy)
         .and_then(|header| header.init_root_module::<PluginModuleRef>())
         .map_err(|e| layout(e.to_string()))?;
     if module.abi_version() != ABI_VERSION {
@@ -314,7 +399,11 @@ fn load_uncached(path: &Path) -> Result<LoadedPlugin, PluginError> {
     // Plugins are never unloaded (abi_stable leaks its handle too).
     std::mem::forget(library);
     let path: &'static Path = Box::leak(owned.into_boxed_path());
-    Ok(LoadedPlugin { module, path })
+    Ok(LoadedPlugin {
+        module,
+        path,
+        identity,
+    })
 }
 
 /// One row of `specula plugins`.

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::request::{Outcome, StopReason};
@@ -42,6 +42,12 @@ pub struct Metrics {
     pub ready: IntGaugeVec,
     /// Profile loads, by result (`ok` / `failed`).
     pub loads: IntCounterVec,
+    /// Open HTTP connections.
+    pub http_connections: IntGauge,
+    /// Connections answered 503 because too many were open.
+    pub http_refused: IntCounter,
+    /// Connections closed over a time limit, by phase (`header`, `keep_alive`).
+    pub http_timeouts: IntCounterVec,
     spec_steps: IntCounterVec,
     spec_target_passes: IntCounterVec,
     spec_drafted: IntCounterVec,
@@ -104,7 +110,27 @@ impl Metrics {
         registry
             .register(Box::new(acceptance.clone()))
             .expect("unique metric");
+        let http_connections = IntGauge::new("specula_http_connections", "Open HTTP connections")
+            .expect("valid metric");
+        registry
+            .register(Box::new(http_connections.clone()))
+            .expect("unique metric");
+        let http_refused = IntCounter::new(
+            "specula_http_refused_connections_total",
+            "Connections answered 503 because --max-connections were open",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(http_refused.clone()))
+            .expect("unique metric");
         Self {
+            http_connections,
+            http_refused,
+            http_timeouts: counter(
+                "specula_http_timed_out_connections_total",
+                "Connections closed for exceeding a time limit, by phase (header, keep_alive)",
+                &["phase"],
+            ),
             requests: counter(
                 "specula_requests_total",
                 "Requests answered, by model, endpoint and HTTP status",

@@ -8,7 +8,10 @@
 //! * [`worker`]: running one request on a slot in a blocking task;
 //! * [`chat`]: chat templates (the GGUF's Jinja template through minijinja, or a fallback);
 //! * [`metrics`]: Prometheus metrics;
-//! * [`watch`]: reload triggers — debounced file events and SIGHUP.
+//! * [`watch`]: reload triggers — debounced file events and SIGHUP;
+//! * [`listener`]: the accept loop, with connection limits and header / body / keep-alive
+//!   timeouts;
+//! * [`auth`]: API keys.
 //!
 //! Life cycle: signal handlers and the file watcher are set up, the listener is bound (its
 //! address is printed on stdout, so `--listen 127.0.0.1:0` works), and the profiles load in
@@ -17,7 +20,9 @@
 //! (a second signal stops waiting), and returns `Ok`.
 
 pub mod api;
+pub mod auth;
 pub mod chat;
+pub mod listener;
 pub mod metrics;
 pub mod registry;
 pub mod routes;
@@ -33,6 +38,8 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use auth::ApiKeys;
+use listener::HttpLimits;
 use metrics::Metrics;
 use registry::Registry;
 use routes::AppState;
@@ -49,6 +56,10 @@ pub struct ServeOptions {
     pub drain_timeout: Duration,
     /// Watch the profile files for changes.
     pub watch: bool,
+    /// Connection limits and timeouts.
+    pub limits: HttpLimits,
+    /// Keys required on `/v1/*` and `/admin/*` (none: open).
+    pub keys: ApiKeys,
 }
 
 /// Why the daemon could not start (or stopped abnormally).
@@ -123,27 +134,32 @@ async fn serve(options: ServeOptions) -> Result<(), ServeError> {
         let _ = out.flush();
     }
     tracing::info!(%addr, "listening");
+    if options.keys.is_empty() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "listening beyond this machine without an API key: anyone who can reach {addr} can use and reload the models; set --api-key, SPECULA_API_KEY or --api-key-file"
+        );
+    }
 
     let startup = registry.clone();
     tokio::spawn(async move {
         startup.reload("startup", None, false).await;
     });
 
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let app = routes::router(state.clone());
-    let mut server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.await;
-            })
-            .await
-    });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let app = routes::router(state.clone(), Arc::new(options.keys.clone()));
+    let mut server = tokio::spawn(listener::serve(
+        listener,
+        app,
+        options.limits,
+        state.metrics.clone(),
+        stop_rx,
+    ));
 
     let signal = tokio::select! {
         ended = &mut server => {
             return match ended {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(ServeError::Server(e)),
+                Ok(()) => Ok(()),
                 Err(e) => Err(ServeError::Server(std::io::Error::other(e))),
             };
         }
@@ -157,7 +173,7 @@ async fn serve(options: ServeOptions) -> Result<(), ServeError> {
         "shutting down: no new connections; waiting up to {:?} for requests in flight",
         options.drain_timeout
     );
-    let _ = stop_tx.send(());
+    let _ = stop_tx.send(true);
     tokio::select! {
         _ = &mut server => tracing::info!("drained; bye"),
         _ = tokio::time::sleep(options.drain_timeout) => {

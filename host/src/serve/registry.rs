@@ -31,6 +31,7 @@ use serde_json::{json, Value};
 use specula_gguf::GgufFile;
 
 use crate::pipeline::Pipeline;
+use crate::plugins::PluginProvenance;
 use crate::profile::{Profile, ProfileError};
 use crate::tokenizer::Tokenizer;
 
@@ -89,6 +90,8 @@ pub struct Model {
     fingerprint: Fingerprint,
     /// The drafter plugin when speculating.
     pub drafter: Option<String>,
+    /// The plugin builds this revision runs.
+    pub plugins: Vec<PluginProvenance>,
     pub context_size: usize,
     /// For counting prompt tokens before a request is admitted.
     pub tokenizer: Tokenizer,
@@ -150,6 +153,7 @@ impl Model {
         }
         let first = &pipelines[0];
         let drafter = first.drafter.as_ref().map(|d| d.name.clone());
+        let plugins = first.plugins.clone();
         let context_size = first.info.context_size as usize;
         let gauges = PoolGauges {
             queued: metrics.queue_depth.with_label_values(&[name]),
@@ -161,6 +165,7 @@ impl Model {
             revision,
             path: path.to_path_buf(),
             drafter,
+            plugins,
             context_size,
             tokenizer,
             chat,
@@ -261,6 +266,7 @@ impl Entry {
         if let (Some(m), Some(map)) = (serving, v.as_object_mut()) {
             map.insert("revision".into(), json!(m.revision));
             map.insert("drafter".into(), json!(m.drafter));
+            map.insert("plugins".into(), json!(m.plugins));
             map.insert("slots".into(), json!(m.pool.slots()));
             map.insert("busy".into(), json!(m.pool.active()));
             map.insert("queued".into(), json!(m.pool.queued()));
@@ -307,6 +313,8 @@ pub struct Loaded {
     pub model: String,
     pub revision: u64,
     pub drafter: Option<String>,
+    /// The plugin builds that serve it (name, version, file, size, modification time).
+    pub plugins: Vec<PluginProvenance>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -517,11 +525,13 @@ impl Registry {
         match loaded {
             Ok(model) => {
                 let model = Arc::new(model);
+                let plugins: Vec<String> = model.plugins.iter().map(|p| p.to_string()).collect();
                 tracing::info!(
                     model = name,
                     revision,
                     drafter = model.drafter.as_deref().unwrap_or("none"),
                     slots = model.pool.slots(),
+                    plugins = %plugins.join("; "),
                     "ready"
                 );
                 self.metrics.loads.with_label_values(&[name, "ok"]).inc();
@@ -534,6 +544,7 @@ impl Registry {
                     model: name.to_string(),
                     revision,
                     drafter: model.drafter.clone(),
+                    plugins: model.plugins.clone(),
                 });
                 entry.swap_in(model);
                 entry.status().last_error = None;

@@ -34,6 +34,7 @@ use crate::request::{CancelFlag, Request};
 use crate::spec::SpecSettings;
 
 use super::api::{parse_body, ApiError, Endpoint, GenerateBody, ResponseMeta};
+use super::auth::{require_key, ApiKeys};
 use super::metrics::{Metrics, NO_MODEL};
 use super::registry::{Lookup, Model, Registry};
 use super::slots::SlotError;
@@ -61,8 +62,12 @@ impl AppState {
 
 type Shared = State<Arc<AppState>>;
 
-/// The daemon's routes; panics in handlers become 500s in OpenAI's error format.
-pub fn router(state: Arc<AppState>) -> Router {
+/// Interval of SSE keep-alive comments while a stream waits (queued, or between tokens).
+const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The daemon's routes; panics in handlers become 500s in OpenAI's error format, and with
+/// `keys`, guarded paths need one of them ([`super::auth`]).
+pub fn router(state: Arc<AppState>, keys: Arc<ApiKeys>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -72,6 +77,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/reload", post(admin_reload))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
         .layer(panics_to_500s())
+        .layer(axum::middleware::from_fn_with_state(keys, require_key))
         .with_state(state)
 }
 
@@ -219,8 +225,11 @@ async fn prepare_and_start(
     );
     let response = if stream {
         let stream = ChunkStream::new(rx, meta, guard);
+        // Frequent keep-alive comments: a write is how a client that left is noticed (its
+        // half-closed connection looks like one that only stopped sending), so a departed
+        // streaming client stops generating, or leaves the queue, within a few seconds.
         Sse::new(stream)
-            .keep_alive(KeepAlive::default())
+            .keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE))
             .into_response()
     } else {
         collect(rx, &meta, guard).await.map_err(labelled)?

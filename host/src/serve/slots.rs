@@ -106,10 +106,17 @@ pub struct Ticket<T> {
 }
 
 impl<T> Ticket<T> {
-    /// Waits for a free slot.
+    /// Waits for a free slot. Dropping the future while it waits leaves the queue (the
+    /// ticket, owned by the future, is dropped with it).
     pub async fn wait(mut self) -> Result<Lease<T>, SlotError> {
+        let permits = self
+            .pool
+            .as_ref()
+            .expect("a ticket is used once")
+            .permits
+            .clone();
+        let permit = permits.acquire_owned().await;
         let pool = self.pool.take().expect("a ticket is used once");
-        let permit = pool.permits.clone().acquire_owned().await;
         pool.waiting.fetch_sub(1, Ordering::AcqRel);
         pool.gauges.queued.dec();
         let permit = permit.map_err(|_| SlotError::Closed)?;
@@ -253,6 +260,25 @@ mod tests {
             drop(ticket);
             assert_eq!(pool.queued(), 0);
             assert!(pool.admit().is_ok());
+        });
+    }
+
+    /// A request whose client leaves while it waits drops its `wait` future mid-wait: that
+    /// must leave the queue as dropping the ticket does.
+    #[test]
+    fn a_wait_abandoned_midway_leaves_the_queue() {
+        block_on(async {
+            let g = gauges();
+            let pool = SlotPool::new(vec![()], 1, g.clone());
+            let held = pool.admit().unwrap().wait().await.unwrap();
+            let waiting = pool.admit().unwrap().wait();
+            let gave_up = tokio::time::timeout(Duration::from_millis(20), waiting).await;
+            assert!(gave_up.is_err(), "the slot is held");
+            assert_eq!((pool.queued(), g.queued.get()), (0, 0));
+            drop(held);
+            let next = pool.admit().unwrap().wait().await.unwrap();
+            assert_eq!((pool.active(), pool.queued()), (1, 0));
+            drop(next);
         });
     }
 

@@ -42,7 +42,17 @@ pub fn start(
 ) -> mpsc::UnboundedReceiver<Event> {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
-        let lease = match ticket.wait().await {
+        // A client that leaves while queued (its response dropped, so `rx` with it) leaves
+        // the queue at once instead of waiting for a slot it will not use.
+        let waited = tokio::select! {
+            waited = ticket.wait() => waited,
+            _ = tx.closed() => {
+                metrics.cancelled.with_label_values(&[&model.name]).inc();
+                tracing::debug!(model = %model.name, "the client left while queued");
+                return;
+            }
+        };
+        let lease = match waited {
             Ok(lease) => lease,
             Err(e @ SlotError::Closed) => {
                 let _ = tx.send(Event::Failed(ApiError::unavailable(
@@ -63,8 +73,9 @@ pub fn start(
             .queue_seconds
             .with_label_values(&[&model.name])
             .observe(arrived.elapsed().as_secs_f64());
-        if request.cancel.is_cancelled() {
-            return; // the client left while queued
+        if request.cancel.is_cancelled() || tx.is_closed() {
+            metrics.cancelled.with_label_values(&[&model.name]).inc();
+            return; // the client left as the slot came free; dropping the lease returns it
         }
         let job_model = model.clone();
         let job_tx = tx.clone();

@@ -117,6 +117,7 @@ pub fn generate(
         tokenizer,
         info,
         drafter,
+        ..
     } = pipeline;
     let vocab = info.vocab_size as usize;
     let context = info.context_size as usize;
@@ -322,7 +323,10 @@ pub fn generate(
             }
             let emitted_drafts = stop.map_or(accepted, |(n, _)| n);
             stats.clamped += (accepted - emitted_drafts) as u64;
-            let len_before = target.seq_len();
+            let len_before = target
+                .seq_len()
+                .into_result()
+                .context("the target cannot report its length")?;
             if keep < len_before {
                 target
                     .truncate(keep)

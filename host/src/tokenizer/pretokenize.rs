@@ -350,6 +350,27 @@ mod tests {
         assert_eq!(split("qwen2", "x=123"), ["x", "=", "1", "2", "3"]);
     }
 
+    /// Qwen 3.5 keeps combining marks inside words (decomposed accents, Indic vowel signs and
+    /// viramas); Qwen 2's split leaves each mark to the punctuation rule.
+    #[test]
+    fn qwen35_keeps_combining_marks_inside_words() {
+        let text = "cafe\u{301} na\u{308}ive \u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947}";
+        assert_eq!(
+            split("qwen35", text),
+            [
+                "cafe\u{301}",
+                " na\u{308}ive",
+                " \u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947}"
+            ]
+        );
+        assert_eq!(
+            split("qwen2", "cafe\u{301} na\u{308}ive"),
+            ["cafe", "\u{301}", " na", "\u{308}ive"]
+        );
+        // A mark after a non-letter is not pulled into a word.
+        assert_eq!(split("qwen35", "1\u{301}x"), ["1", "\u{301}x"]);
+    }
+
     #[test]
     fn sequenced_sets() {
         assert_eq!(split("starcoder", "abc 123"), ["abc", " ", "1", "2", "3"]);

@@ -1,5 +1,7 @@
-//! Helpers for the end-to-end tests in `tests/tests/`: where the built `specula` binary and
-//! plugin libraries are, the shared models, and small profile and plugin fixtures.
+//! Helpers for the end-to-end tests in `host/tests/`: the `specula` binary and plugin
+//! libraries cargo built for this test run, the shared models, and small profile and plugin
+//! fixtures. (Each test file uses some of them.)
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -12,14 +14,14 @@ pub fn build_dir() -> PathBuf {
     deps.parent().expect("profile dir").to_path_buf()
 }
 
-/// The `specula` binary built by this `cargo test` run.
+/// The `specula` binary cargo built for this test run, from the same sources as the test
+/// (never an older binary that happens to be in `target/`). `$SPECULA_BIN` overrides it for
+/// test executables run away from their checkout (the GPU kit, `plugins/cuda-hybrid/gpu-check/`).
 pub fn specula_bin() -> PathBuf {
-    let bin = build_dir().join(format!("specula{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.is_file(),
-        "{} is missing: run the tests with `cargo test --workspace` so the binary is built",
-        bin.display()
-    );
+    let bin = std::env::var_os("SPECULA_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_specula")));
+    assert!(bin.is_file(), "{} is missing", bin.display());
     bin
 }
 
@@ -134,3 +136,4 @@ pub fn json_of(out: &Output) -> serde_json::Value {
     serde_json::from_str(stdout(out).trim())
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(out)))
 }
+pub mod daemon;

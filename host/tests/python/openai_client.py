@@ -1,9 +1,10 @@
 """The official `openai` Python client against `specula serve`.
 
-Usage: python3 openai_client.py BASE_URL MODEL
+Usage: python3 openai_client.py BASE_URL MODEL [API_KEY]
 
 BASE_URL is the daemon's address (http://127.0.0.1:PORT); MODEL a profile it serves whose
-sampling defaults to greedy. Completes, chats and streams (both endpoints), checks that the
+sampling defaults to greedy; API_KEY the key the daemon requires, if any (then a wrong key
+must fail with the client's AuthenticationError). Completes, chats and streams (both endpoints), checks that the
 streamed text equals the non-streamed text, that `usage` and the `speculative` statistics
 arrive, and that errors surface as the client's typed exceptions. Exits non-zero on failure.
 """
@@ -16,7 +17,16 @@ from openai import OpenAI
 
 def main() -> None:
     base_url, model = sys.argv[1], sys.argv[2]
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=60)
+    api_key = sys.argv[3] if len(sys.argv) > 3 else "not-needed"
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    if len(sys.argv) > 3:
+        wrong = OpenAI(base_url=f"{base_url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+        try:
+            wrong.models.list()
+            raise AssertionError("a wrong API key was accepted")
+        except openai.AuthenticationError as e:
+            assert e.status_code == 401 and e.code == "invalid_api_key", e
 
     ids = [m.id for m in client.models.list().data]
     assert model in ids, ids

@@ -34,9 +34,12 @@ use abi_stable::std_types::{ROption, RSlice, RVec};
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use specula_kernels::{matmul, ops};
 use specula_plugin_api::{
-    guard, BackendParams, Capabilities, ErrorKind, ForwardPass, LogitRows, ModelInfo, PluginError,
-    PluginResult,
+    guard, BackendParams, Capabilities, ErrorKind, ForwardPass, LogitRows, ModelInfo, PanicFence,
+    PluginError, PluginResult,
 };
+
+/// The plugin's name in error messages.
+const PLUGIN: &str = "cpu-simd";
 
 use crate::arch::forward_dense_layer;
 use crate::arch::hybrid::{self, HybridScratch, TrunkState};
@@ -156,6 +159,8 @@ pub struct CpuBackend {
     engine: Engine,
     info: ModelInfo,
     capabilities: Capabilities,
+    /// Set by the first panic of a call: every later call is refused.
+    fence: PanicFence,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -367,6 +372,7 @@ impl CpuBackend {
             },
             info,
             capabilities,
+            fence: PanicFence::default(),
         })
     }
 
@@ -726,8 +732,8 @@ impl ForwardPass for CpuBackend {
         guarded(|| self.capabilities, || self.capabilities)
     }
 
-    fn seq_len(&self) -> usize {
-        guarded(|| 0, || self.engine.kv.len())
+    fn seq_len(&self) -> PluginResult<usize> {
+        self.fence.guard(PLUGIN, || Ok(self.engine.kv.len()))
     }
 
     fn eval(
@@ -736,15 +742,17 @@ impl ForwardPass for CpuBackend {
         rows: LogitRows,
         logits: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        guard(|| self.eval_tokens(tokens.as_slice(), rows, logits))
+        self.fence
+            .clone()
+            .guard(PLUGIN, || self.eval_tokens(tokens.as_slice(), rows, logits))
     }
 
     fn truncate(&mut self, len: usize) -> PluginResult<()> {
-        guard(|| self.truncate_to(len))
+        self.fence.clone().guard(PLUGIN, || self.truncate_to(len))
     }
 
     fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()> {
-        guard(|| {
+        self.fence.guard(PLUGIN, || {
             out.clear();
             out.extend_from_slice(self.last_hidden_states());
             Ok(())
@@ -760,7 +768,7 @@ impl ForwardPass for CpuBackend {
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard(PLUGIN, || {
             self.mtp_eval_into(
                 hidden.as_slice(),
                 tokens.as_slice(),
@@ -770,5 +778,74 @@ impl ForwardPass for CpuBackend {
                 hidden_out,
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use abi_stable::std_types::{RSlice, RString};
+
+    /// Once a call has panicked, every call that touches the sequence is refused, saying why,
+    /// instead of answering from a state the panic may have left half-updated.
+    #[test]
+    fn after_a_panic_every_call_is_refused() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/models/stories260K.gguf");
+        let params = BackendParams {
+            model_path: RString::from(path.to_str().unwrap()),
+            threads: 1,
+            context_size: 64,
+            max_verify_tokens: 4,
+            options: RVec::new(),
+        };
+        let mut backend = CpuBackend::open(&params).unwrap();
+        let mut logits = RVec::new();
+        backend
+            .eval(RSlice::from_slice(&[1, 2]), LogitRows::Last, &mut logits)
+            .unwrap();
+        assert_eq!(backend.seq_len().unwrap(), 2);
+
+        let panicked = backend
+            .fence
+            .clone()
+            .guard(PLUGIN, || -> Result<(), PluginError> {
+                panic!("injected for the test")
+            })
+            .unwrap_err();
+        assert_eq!(panicked.kind, ErrorKind::Panic);
+
+        let refused = |e: PluginError| {
+            assert_eq!(e.kind, ErrorKind::Panic, "{e}");
+            assert!(
+                e.message.contains("cpu-simd") && e.message.contains("injected for the test"),
+                "{e}"
+            );
+        };
+        refused(backend.seq_len().unwrap_err());
+        refused(
+            backend
+                .eval(RSlice::from_slice(&[3]), LogitRows::Last, &mut logits)
+                .unwrap_err(),
+        );
+        refused(backend.truncate(1).unwrap_err());
+        let mut hidden = RVec::new();
+        refused(backend.hidden_states(&mut hidden).unwrap_err());
+        let e = backend.info.hidden_size as usize;
+        refused(
+            backend
+                .mtp_eval(
+                    RSlice::from_slice(&vec![0.0; e]),
+                    RSlice::from_slice(&[1]),
+                    0,
+                    LogitRows::All,
+                    &mut logits,
+                    &mut hidden,
+                )
+                .unwrap_err(),
+        );
+        // What it is does not change.
+        assert_eq!(backend.model_info().vocab_size, backend.info.vocab_size);
+        let _ = CpuBackend::capabilities(&backend);
     }
 }

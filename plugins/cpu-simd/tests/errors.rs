@@ -351,7 +351,7 @@ fn bad_inputs_are_invalid_input_errors() {
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
     assert!(err.message.contains("512"), "{}", err.message);
-    assert_eq!(backend.seq_len(), 0);
+    assert_eq!(backend.seq_len().unwrap(), 0);
 
     let err = backend.truncate(1).into_result().unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);

@@ -316,7 +316,7 @@ fn hybrid_through_the_plugin_module_and_trait_object() {
     assert_eq!((mtp_logits.len(), mtp_hidden.len()), (512, 64));
     let kept = logits[512..1024].to_vec();
     backend.truncate(1).into_result().unwrap();
-    assert_eq!(backend.seq_len(), 1);
+    assert_eq!(backend.seq_len().unwrap(), 1);
     backend
         .eval(RSlice::from_slice(&[403]), LogitRows::Last, &mut logits)
         .into_result()
@@ -332,7 +332,7 @@ fn hybrid_through_the_plugin_module_and_trait_object() {
         .into_result()
         .unwrap();
     backend.truncate(1).into_result().unwrap();
-    assert_eq!(backend.seq_len(), 1);
+    assert_eq!(backend.seq_len().unwrap(), 1);
 }
 
 #[test]

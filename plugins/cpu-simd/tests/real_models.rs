@@ -91,12 +91,12 @@ fn through_the_plugin_module_and_trait_object() {
         .into_result()
         .unwrap();
     assert_eq!(logits.len(), 2 * 512);
-    assert_eq!(backend.seq_len(), 2);
+    assert_eq!(backend.seq_len().unwrap(), 2);
     let mut hidden = RVec::new();
     backend.hidden_states(&mut hidden).into_result().unwrap();
     assert_eq!(hidden.len(), 2 * 64);
     backend.truncate(1).into_result().unwrap();
-    assert_eq!(backend.seq_len(), 1);
+    assert_eq!(backend.seq_len().unwrap(), 1);
 
     // Errors come back as values, never as panics.
     let err = open_backend(&params(std::path::Path::new("/no/such/model.gguf"), 1, 0))

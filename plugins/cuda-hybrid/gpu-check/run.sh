@@ -31,6 +31,8 @@ fi
 # the GPU cannot be used, and share one PTX cache.
 export SPECULA_SHARED="$kit/shared"
 export SPECULA_REQUIRE_GPU=1
+# The end-to-end tests run the kit's binary (their compiled-in path is the build machine's).
+export SPECULA_BIN="$bin"
 export SPECULA_HOME="${SPECULA_HOME:-/tmp/specula-home}"
 # NVRTC: the loader's path first (cudarc looks there), else the CUDA toolkit's or a Python
 # wheel's copy, CUDA 13's or 12's.

@@ -39,9 +39,12 @@ use specula_cpu_engine::model::{Graph, MatrixSite, Model};
 use specula_cpu_engine::recurrent::SnapshotRing;
 use specula_kernels::{matmul, ops, MatmulScratch, WeightMatrix};
 use specula_plugin_api::{
-    guard, BackendParams, Capabilities, ErrorKind, ForwardPass, LogitRows, ModelInfo, PluginError,
-    PluginResult,
+    guard, BackendParams, Capabilities, ErrorKind, ForwardPass, LogitRows, ModelInfo, PanicFence,
+    PluginError, PluginResult,
 };
+
+/// The plugin's name in error messages.
+const PLUGIN: &str = "cuda-hybrid";
 
 use crate::driver;
 use crate::gpu::emulator::Emulator;
@@ -127,6 +130,8 @@ pub struct CudaBackend {
     model: Model,
     info: ModelInfo,
     capabilities: Capabilities,
+    /// Set by the first panic of a call: every later call is refused.
+    fence: PanicFence,
     placement: Placement,
     host: HostState,
     device: Option<DeviceState>,
@@ -529,6 +534,7 @@ impl CudaBackend {
             pool,
             info,
             capabilities,
+            fence: PanicFence::default(),
             placement,
             host,
             device,
@@ -1018,8 +1024,8 @@ impl ForwardPass for CudaBackend {
         guarded(|| self.capabilities, || self.capabilities)
     }
 
-    fn seq_len(&self) -> usize {
-        guarded(|| 0, || self.seq_len)
+    fn seq_len(&self) -> PluginResult<usize> {
+        self.fence.guard(PLUGIN, || Ok(self.seq_len))
     }
 
     fn eval(
@@ -1028,15 +1034,17 @@ impl ForwardPass for CudaBackend {
         rows: LogitRows,
         logits: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        guard(|| self.eval_tokens(tokens.as_slice(), rows, logits))
+        self.fence
+            .clone()
+            .guard(PLUGIN, || self.eval_tokens(tokens.as_slice(), rows, logits))
     }
 
     fn truncate(&mut self, len: usize) -> PluginResult<()> {
-        guard(|| self.truncate_to(len))
+        self.fence.clone().guard(PLUGIN, || self.truncate_to(len))
     }
 
     fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()> {
-        guard(|| {
+        self.fence.guard(PLUGIN, || {
             out.clear();
             out.extend_from_slice(self.last_hidden_states());
             Ok(())
@@ -1052,7 +1060,7 @@ impl ForwardPass for CudaBackend {
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard(PLUGIN, || {
             self.mtp_eval_into(
                 hidden.as_slice(),
                 tokens.as_slice(),
@@ -1062,5 +1070,74 @@ impl ForwardPass for CudaBackend {
                 hidden_out,
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use abi_stable::std_types::{RSlice, RString};
+
+    /// Once a call has panicked, every call that touches the sequence is refused, saying why,
+    /// instead of answering from a state the panic may have left half-updated.
+    #[test]
+    fn after_a_panic_every_call_is_refused() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/models/fixtures/tiny-qwen35-mtp.gguf");
+        let params = BackendParams {
+            model_path: RString::from(path.to_str().unwrap()),
+            threads: 1,
+            context_size: 64,
+            max_verify_tokens: 4,
+            options: RVec::new(),
+        };
+        let mut backend = CudaBackend::open_host_only(&params).unwrap();
+        let mut logits = RVec::new();
+        backend
+            .eval(RSlice::from_slice(&[1, 2]), LogitRows::Last, &mut logits)
+            .unwrap();
+        assert_eq!(backend.seq_len().unwrap(), 2);
+
+        let panicked = backend
+            .fence
+            .clone()
+            .guard(PLUGIN, || -> Result<(), PluginError> {
+                panic!("injected for the test")
+            })
+            .unwrap_err();
+        assert_eq!(panicked.kind, ErrorKind::Panic);
+
+        let refused = |e: PluginError| {
+            assert_eq!(e.kind, ErrorKind::Panic, "{e}");
+            assert!(
+                e.message.contains("cuda-hybrid") && e.message.contains("injected for the test"),
+                "{e}"
+            );
+        };
+        refused(backend.seq_len().unwrap_err());
+        refused(
+            backend
+                .eval(RSlice::from_slice(&[3]), LogitRows::Last, &mut logits)
+                .unwrap_err(),
+        );
+        refused(backend.truncate(1).unwrap_err());
+        let mut hidden = RVec::new();
+        refused(backend.hidden_states(&mut hidden).unwrap_err());
+        let e = backend.info.hidden_size as usize;
+        refused(
+            backend
+                .mtp_eval(
+                    RSlice::from_slice(&vec![0.0; e]),
+                    RSlice::from_slice(&[1]),
+                    0,
+                    LogitRows::All,
+                    &mut logits,
+                    &mut hidden,
+                )
+                .unwrap_err(),
+        );
+        // What it is does not change.
+        assert_eq!(backend.model_info().vocab_size, backend.info.vocab_size);
+        let _ = CudaBackend::capabilities(&backend);
     }
 }

@@ -13,7 +13,7 @@ use abi_stable::std_types::RSlice;
 use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
     export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
-    PluginError, PluginInfo, PluginKind, PluginModule, PluginModuleRef, PluginResult,
+    PanicFence, PluginError, PluginInfo, PluginKind, PluginModule, PluginModuleRef, PluginResult,
 };
 
 pub use ngram::{Match, NgramIndex};
@@ -21,6 +21,8 @@ pub use ngram::{Match, NgramIndex};
 /// The prompt-lookup drafter.
 #[derive(Debug)]
 pub struct LookupDrafter {
+    /// Set by the first panic of a call: every later call is refused.
+    fence: PanicFence,
     n_min: usize,
     n_max: usize,
     context: NgramIndex,
@@ -40,6 +42,7 @@ impl LookupDrafter {
         let mut corpus = NgramIndex::new(n_min);
         corpus.extend(&params.corpus);
         Ok(Self {
+            fence: PanicFence::default(),
             n_min,
             n_max,
             context: NgramIndex::new(n_min),
@@ -88,7 +91,7 @@ impl LookupDrafter {
 
 impl Drafter for LookupDrafter {
     fn begin(&mut self, prompt: RSlice<'_, u32>, _models: DrafterModels<'_>) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("lookup", || {
             self.context.clear();
             self.context.extend(&prompt);
             Ok(())
@@ -101,7 +104,7 @@ impl Drafter for LookupDrafter {
         _models: DrafterModels<'_>,
         out: &mut Draft,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("lookup", || {
             out.clear();
             let tokens = self.draft(&request.context, request.max_tokens as usize);
             out.tokens.extend(tokens);
@@ -111,7 +114,7 @@ impl Drafter for LookupDrafter {
 
     fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
         // Accepted tokens arrive with the next context.
-        guard(|| Ok(()))
+        self.fence.clone().guard("lookup", || Ok(()))
     }
 }
 

@@ -13,13 +13,15 @@ use specula_drafting::DraftPicker;
 use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
     export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
-    ErrorKind, ForwardPassMut, LogitRows, PluginError, PluginInfo, PluginKind, PluginModule,
-    PluginModuleRef, PluginResult,
+    ErrorKind, ForwardPassMut, LogitRows, PanicFence, PluginError, PluginInfo, PluginKind,
+    PluginModule, PluginModuleRef, PluginResult,
 };
 
 /// The draft-model drafter.
 #[derive(Debug)]
 pub struct ModelDrafter {
+    /// Set by the first panic of a call: every later call is refused.
+    fence: PanicFence,
     vocab: usize,
     /// Tokens the draft model has evaluated, in order (its cache).
     cached: Vec<u32>,
@@ -41,6 +43,7 @@ impl ModelDrafter {
             )));
         }
         Ok(Self {
+            fence: PanicFence::default(),
             vocab: draft.vocab_size as usize,
             cached: Vec::new(),
             logits: RVec::new(),
@@ -61,7 +64,7 @@ impl ModelDrafter {
             .take_while(|(a, b)| a == b)
             .count()
             .min(context.len() - 1)
-            .min(model.seq_len());
+            .min(model.seq_len().into_result()?);
         if model.truncate(common).into_result().is_err() {
             // Beyond a recurrent model's rollback window: start over.
             model.truncate(0).into_result()?;
@@ -120,7 +123,7 @@ impl Drafter for ModelDrafter {
         prompt: RSlice<'_, u32>,
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("model", || {
             let model = models.draft_model()?;
             model.truncate(0).into_result()?;
             self.cached.clear();
@@ -142,7 +145,7 @@ impl Drafter for ModelDrafter {
         mut models: DrafterModels<'_>,
         out: &mut Draft,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("model", || {
             let model = models.draft_model()?;
             self.draft(model, &request, out)
         })
@@ -150,7 +153,7 @@ impl Drafter for ModelDrafter {
 
     fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
         // The next `propose` cuts the cache back to what its context shares with it.
-        guard(|| Ok(()))
+        self.fence.clone().guard("model", || Ok(()))
     }
 }
 

@@ -14,13 +14,15 @@ use abi_stable::std_types::{RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
     box_drafter, export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels,
-    DrafterParams, ForwardPassMut, LogitRows, PluginError, PluginInfo, PluginKind, PluginModule,
-    PluginModuleRef, PluginResult,
+    DrafterParams, ForwardPassMut, LogitRows, PanicFence, PluginError, PluginInfo, PluginKind,
+    PluginModule, PluginModuleRef, PluginResult,
 };
 
 /// The MTP self-speculation drafter.
 #[derive(Debug)]
 pub struct MtpDrafter {
+    /// Set by the first panic of a call: every later call is refused.
+    fence: PanicFence,
     hidden_size: usize,
     vocab: usize,
     /// Head KV entries `[0, real)` come from real trunk hidden states.
@@ -48,6 +50,7 @@ impl MtpDrafter {
             )));
         }
         Ok(Self {
+            fence: PanicFence::default(),
             hidden_size: target.hidden_size as usize,
             vocab: target.vocab_size as usize,
             real: 0,
@@ -163,7 +166,7 @@ impl Drafter for MtpDrafter {
         prompt: RSlice<'_, u32>,
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("mtp", || {
             let target = models.target_model()?;
             self.real = 0;
             self.pending.clear();
@@ -180,21 +183,25 @@ impl Drafter for MtpDrafter {
         mut models: DrafterModels<'_>,
         out: &mut Draft,
     ) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("mtp", || {
             let target = models.target_model()?;
             self.draft(target, &request, out)
         })
     }
 
     fn accept(&mut self, n_accepted: u32, mut models: DrafterModels<'_>) -> PluginResult<()> {
-        guard(|| {
+        self.fence.clone().guard("mtp", || {
             let target = models.target_model()?;
             // The pass evaluated the certain token and the drafts; the target now ends after
             // the certain token and the accepted drafts.
             let kept = 1 + n_accepted as usize;
-            let position = target.seq_len().checked_sub(kept).ok_or_else(|| {
-                PluginError::invalid_input("the target is shorter than the accepted tokens")
-            })?;
+            let position = target
+                .seq_len()
+                .into_result()?
+                .checked_sub(kept)
+                .ok_or_else(|| {
+                    PluginError::invalid_input("the target is shorter than the accepted tokens")
+                })?;
             self.keep_rows(target, position, kept)
         })
     }
