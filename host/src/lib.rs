@@ -1,13 +1,15 @@
 //! The Specula host: everything between the user and the plugins.
 //!
 //! * [`profile`]: TOML profiles, validated with key paths in every error;
+//! * [`check`]: `specula profile check`, a profile's problems found without loading weights;
 //! * [`plugins`]: discovery and loading of backend and drafter plugins through the stable ABI;
 //! * [`tokenizer`]: SentencePiece and byte-level BPE tokenizers read from GGUF metadata;
 //! * [`sampling`]: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds;
 //! * [`pipeline`]: opening what a profile names (target, tokenizer, drafter, draft model);
 //! * [`request`]: generation requests, outcomes, stop strings;
 //! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
-//! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`, the default model);
+//! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`);
+//! * [`builtin`]: the built-in default model and profile of `specula run`;
 //! * [`bench`](mod@bench): `specula bench`, speed figures measured side by side;
 //! * [`serve`]: `specula serve`, the OpenAI-compatible daemon with hot-reloaded profiles;
 //! * [`cli`]: the `specula` command line;
@@ -15,6 +17,8 @@
 
 pub mod bench;
 pub mod bounded;
+pub mod builtin;
+pub mod check;
 pub mod cli;
 pub mod genmodel;
 pub mod pipeline;

@@ -156,7 +156,7 @@ fn open_drafter(
 }
 
 /// Model drafting needs the two models to speak the same token ids.
-fn check_same_vocabulary(
+pub(crate) fn check_same_vocabulary(
     target: &Tokenizer,
     draft: &Tokenizer,
     target_path: &Path,

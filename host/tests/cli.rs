@@ -222,23 +222,111 @@ fn hybrid_models_generate() {
     assert!(text.starts_with(LILY), "{text:?}");
 }
 
+/// With no profile, `specula run` runs the built-in trained qwen35 + MTP model (embedded in
+/// the binary, written to SPECULA_HOME), speculates, and checks the output against plain
+/// decoding.
 #[test]
-fn default_run_works_without_a_profile() {
+fn default_run_tells_a_story_speculating_with_plain_output() {
     let dir = tempfile::tempdir().unwrap();
-    let out = specula_ok(
-        &["run", "-n", "24", "--seed", "3", "The prince said"],
-        dir.path(),
-    );
-    assert!(dir.path().join("default-model.gguf").is_file());
+    let out = specula_ok(&["run", "Once upon a time"], dir.path());
+    let model = dir.path().join("stories-qwen35-mtp-q8_0.gguf");
+    assert!(model.is_file());
     let text = stdout(&out);
-    let words = text.split_whitespace().count();
-    assert!(words >= 5, "{text:?}");
-    // Second run reuses the model and, with the same seed, says the same.
-    let again = specula(
-        &["run", "-n", "24", "--seed", "3", "The prince said"],
+    assert!(
+        text.starts_with(", there was a little girl named Lily"),
+        "{text:?}"
+    );
+    let err = stderr(&out);
+    assert!(err.contains("the built-in default"), "{err}");
+    assert!(err.contains("drafter: mtp"), "{err}");
+    let acceptance: f64 = err
+        .split_once("accepted (")
+        .and_then(|(_, rest)| rest.split_once('%'))
+        .map(|(n, _)| n.parse().unwrap())
+        .unwrap_or_else(|| panic!("no acceptance in {err}"));
+    assert!(acceptance > 75.0, "{err}");
+    assert!(
+        err.contains("check: plain decoding (no drafts) gives the same 128 tokens"),
+        "{err}"
+    );
+    // A second run reuses the model file and says the same.
+    let again = specula_ok(&["run", "Once upon a time"], dir.path());
+    assert_eq!(stdout(&again), text);
+    // A damaged copy in the cache is replaced by the embedded bytes.
+    std::fs::write(&model, b"GGUF broken").unwrap();
+    let repaired = specula_ok(&["run", "-n", "8", "Once upon a time"], dir.path());
+    assert!(stdout(&repaired).starts_with(", there was"));
+}
+
+/// `-m FILE` runs a model without a profile, with the flags a llama.cpp user knows; a model
+/// path given as the prompt is caught.
+#[test]
+fn models_run_without_a_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let stories = shared("models/stories260K.gguf");
+    let out = specula_ok(
+        &[
+            "run",
+            "-m",
+            stories.to_str().unwrap(),
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "-t",
+            "1",
+            "-c",
+            "128",
+            "Once upon a time",
+        ],
         dir.path(),
     );
-    assert_eq!(stdout(&again), text);
+    assert!(
+        stdout(&out).starts_with(", there was a little girl named Lily"),
+        "{}",
+        stdout(&out)
+    );
+    // With a drafter and a draft model, flags only.
+    let out = specula_ok(
+        &[
+            "run",
+            "-m",
+            stories.to_str().unwrap(),
+            "--draft-model",
+            shared("models/llama2xs-281K.gguf").to_str().unwrap(),
+            "-n",
+            "24",
+            "--temp",
+            "0",
+            "--check-plain",
+            "Once upon a time",
+        ],
+        dir.path(),
+    );
+    assert!(stdout(&out).starts_with(", there was a little girl named Lily"));
+    let err = stderr(&out);
+    assert!(
+        err.contains("drafter: model") && err.contains("check: plain decoding"),
+        "{err}"
+    );
+
+    let out = specula(&["run", stories.to_str().unwrap()], dir.path());
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("is a model file") && err.contains("specula run -m"),
+        "{err}"
+    );
+
+    let out = specula(
+        &["run", "-m", stories.to_str().unwrap(), "--temp", "-1", "x"],
+        dir.path(),
+    );
+    assert!(
+        stderr(&out).contains("--temp -1: must be"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -282,6 +370,128 @@ fn profile_check_reports_misspelt_keys_with_their_path() {
     specula_ok(&["profile", "check", good.to_str().unwrap()], dir.path());
 }
 
+/// `profile check` finds, without loading weights, every problem `run` would hit, lists them
+/// all, and exits non-zero; a sound profile is `ok`.
+#[test]
+fn profile_check_finds_every_problem_run_would_hit() {
+    let dir = tempfile::tempdir().unwrap();
+    let stories = shared("models/stories260K.gguf");
+    let mtp_model = shared("models/trained/stories-qwen35-mtp-q8_0.gguf");
+    let text = dir.path().join("notes.gguf");
+    std::fs::write(&text, "these are notes, not a model").unwrap();
+    let check = |name: &str, model: &std::path::Path, extra: &str| {
+        let path = write_profile(dir.path(), name, model, extra);
+        let out = specula(&["profile", "check", path.to_str().unwrap()], dir.path());
+        (out.status.success(), stdout(&out), stderr(&out))
+    };
+    // (profile, model, extra TOML, what each problem line must say)
+    let cases: &[(&str, &std::path::Path, &str, &[&str])] = &[
+        ("unknown-backend.toml", &stories, "", &[]),
+        (
+            "missing.toml",
+            std::path::Path::new("/nowhere/m.gguf"),
+            "",
+            &["target.model", "/nowhere/m.gguf"],
+        ),
+        ("text.toml", &text, "", &["target.model", "not a GGUF file"]),
+        (
+            "options.toml",
+            &stories,
+            "[target.options]\nkv_type = \"f8\"\ncolour = \"blue\"\n",
+            &["kv_type' = 'f8'", "unknown option 'colour'"],
+        ),
+        (
+            "draft-max.toml",
+            &mtp_model,
+            "[drafter]\nplugin = \"mtp\"\n[speculation]\ndraft_max = 0\n",
+            &["speculation.draft_max = 0"],
+        ),
+        (
+            "no-head.toml",
+            &stories,
+            "[drafter]\nplugin = \"mtp\"\n",
+            &["needs a target with an MTP"],
+        ),
+        (
+            "drafter-options.toml",
+            &stories,
+            "[drafter]\nplugin = \"lookup\"\n[drafter.options]\nn_mni = 2\n",
+            &["drafter.options.n_mni: unknown option"],
+        ),
+        (
+            "unknown-drafter.toml",
+            &stories,
+            "[drafter]\nplugin = \"telepathy\"\n",
+            &["drafter.plugin", "'telepathy' not found"],
+        ),
+    ];
+    for (name, model, extra, needles) in cases {
+        let extra = if *name == "unknown-backend.toml" {
+            // write_profile names cpu-simd; this one names a backend that does not exist.
+            let path = dir.path().join(name);
+            std::fs::write(
+                &path,
+                format!(
+                    "[target]\nbackend = \"warp-drive\"\nmodel = {:?}\n",
+                    stories.to_str().unwrap()
+                ),
+            )
+            .unwrap();
+            let out = specula(&["profile", "check", path.to_str().unwrap()], dir.path());
+            assert!(!out.status.success());
+            let err = stderr(&out);
+            assert!(
+                err.contains("target.backend") && err.contains("'warp-drive' not found"),
+                "{err}"
+            );
+            continue;
+        } else {
+            extra
+        };
+        let (ok, _, err) = check(name, model, extra);
+        assert!(!ok, "{name} passed the check");
+        for needle in *needles {
+            assert!(err.contains(needle), "{name}: no {needle:?} in\n{err}");
+        }
+    }
+    // Several problems at once are all listed.
+    let (ok, _, err) = check(
+        "many.toml",
+        &stories,
+        "[target.options]\nkv_type = \"f8\"\n[drafter]\nplugin = \"model\"\nmodel = \"/nowhere/draft.gguf\"\n[speculation]\ndraft_max = 0\n",
+    );
+    assert!(!ok);
+    assert!(err.contains("3 problems"), "{err}");
+    // A draft model speaking another vocabulary.
+    let (ok, _, err) = check(
+        "vocab.toml",
+        &stories,
+        &format!(
+            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            shared("vocab/ggml-vocab-llama-spm.gguf").to_str().unwrap()
+        ),
+    );
+    assert!(!ok);
+    assert!(err.contains("vocabularies differ"), "{err}");
+    // Sound profiles.
+    for (name, model, extra) in [
+        ("plain.toml", &stories, ""),
+        ("mtp.toml", &mtp_model, "[drafter]\nplugin = \"mtp\"\n"),
+        (
+            "draft.toml",
+            &stories,
+            &format!(
+                "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+                shared("models/llama2xs-281K.gguf").to_str().unwrap()
+            )[..],
+        ),
+    ] {
+        let (ok, out, err) = check(name, model, extra);
+        assert!(ok, "{name}: {err}");
+        assert!(out.contains(": ok"), "{out}");
+    }
+}
+
 #[test]
 fn missing_model_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -297,6 +507,18 @@ fn missing_model_file_is_named() {
         err.contains("nowhere.gguf") && !err.contains("panicked"),
         "{err}"
     );
+    // The OS error is said once, not once per layer of context.
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+}
+
+#[test]
+fn gen_model_lists_presets_without_an_output_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = specula_ok(&["gen-model", "--list-presets"], dir.path());
+    assert!(stdout(&out).contains("qwen35-2b"), "{}", stdout(&out));
+    let out = specula(&["gen-model", "--preset", "tiny-llama"], dir.path());
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--out"), "{}", stderr(&out));
 }
 
 #[test]

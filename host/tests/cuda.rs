@@ -84,9 +84,14 @@ fn a_cuda_hybrid_profile_fails_clearly_without_a_driver() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
-    // The profile itself is valid: only opening the backend fails.
+    // `profile check` says so too, as the one problem of an otherwise sound profile.
     let out = specula(&["profile", "check", &p], dir.path());
-    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("1 problem") && err.contains("no CUDA driver found"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -755,3 +755,57 @@ fn serve_help_explains_endpoints_and_reloading() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("/no/such/dir"), "{}", stderr(&out));
 }
+
+/// `serve -m FILE --alias NAME` serves a model with no profile file; llama-server's
+/// `/tokenize` and `/detokenize` and OpenAI's `GET /v1/models/{id}` answer.
+#[test]
+fn a_model_served_without_a_profile_and_its_tokenizer_endpoints() {
+    let stories = shared("models/stories260K.gguf");
+    let d = Daemon::start_with(
+        &[],
+        None,
+        &["-m", stories.to_str().unwrap(), "--alias", "tiny"],
+        &[],
+    );
+    d.wait_healthy();
+    let (status, models) = d.get_json("/v1/models");
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+    let (status, model) = d.get_json("/v1/models/tiny");
+    assert_eq!(
+        (status, model["id"].as_str()),
+        (200, Some("tiny")),
+        "{model}"
+    );
+    let (status, missing) = d.get_json("/v1/models/other");
+    assert_eq!(status, 404, "{missing}");
+    assert_eq!(missing["error"]["code"], "model_not_found");
+    let body =
+        json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0});
+    let (status, c) = d.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{c}");
+    assert!(text_of(&c).starts_with(", there was"), "{c}");
+
+    // Tokens, as llama-server answers them (the one model is the default).
+    let (status, t) = d.post("/tokenize", &json!({"content": "Once upon a time"}));
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["tokens"], json!([403, 407, 261, 378]), "{t}");
+    let (_, t) = d.post(
+        "/tokenize",
+        &json!({"model": "tiny", "content": "Once upon", "add_special": true, "with_pieces": true}),
+    );
+    assert_eq!(
+        t["tokens"],
+        json!([{"id": 1, "piece": "<s>"}, {"id": 403, "piece": " Once"}, {"id": 407, "piece": " upon"}]),
+        "{t}"
+    );
+    let (status, t) = d.post("/detokenize", &json!({"tokens": [1, 403, 407, 261, 378]}));
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["content"], "Once upon a time");
+    let (status, e) = d.post("/detokenize", &json!({"tokens": [1, 99999]}));
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "tokens[1]", "{e}");
+    let (status, e) = d.post("/tokenize", &json!({"content": 5}));
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "content", "{e}");
+}

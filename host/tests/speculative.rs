@@ -389,6 +389,16 @@ fn an_always_wrong_drafter_costs_almost_nothing() {
     // Speculation pauses itself: only a few probing steps draft at all.
     assert!(s.steps_with_drafts * 20 < s.steps, "{s:?}");
     assert!(s.paused_steps > 0, "{s:?}");
+    // The summary says so, and why: its drafts were never accepted.
+    assert!(s.paused_low_acceptance > s.paused_steps / 2, "{s:?}");
+    let report = s.report();
+    assert!(
+        report.contains(&format!(
+            "speculation paused on {} of {} steps: drafts were rarely accepted",
+            s.paused_steps, s.steps
+        )),
+        "{report}"
+    );
 }
 
 /// The joint distribution of the first two sampled tokens, computed from the target.

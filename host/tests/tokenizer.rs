@@ -935,3 +935,40 @@ fn minimal_spm_without_byte_tokens_uses_unk() {
     assert_eq!(t.encode("abc", false, false), [8, 0]);
     assert_eq!(t.encode("a a", false, false), [6, 6]);
 }
+
+/// llama.cpp's own tokenization (its `llama-tokenize`, commit 34af94cd) of tricky strings —
+/// spaces at either end, newlines, tabs and CRLF, digits, accents and combining marks,
+/// scripts without spaces, emoji sequences, byte fallback, special-token texts with and
+/// without special parsing — for every vocabulary here, with BOS as the vocabulary says.
+/// `tests/data/make_llama_cpp_tokens.py` wrote the file; the ids must match exactly.
+#[test]
+fn tokenization_equals_llama_cpp_on_every_vocabulary() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/llama-cpp-tokens.json");
+    let data: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let cases = data["cases"].as_array().unwrap();
+    let mut failures = Vec::new();
+    let mut vocabs = std::collections::BTreeSet::new();
+    for case in cases {
+        let vocab = case["vocab"].as_str().unwrap();
+        vocabs.insert(vocab);
+        let text = case["text"].as_str().unwrap();
+        let parse_special = case["parse_special"].as_bool().unwrap();
+        let expected: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        let got = tok(vocab).encode(text, true, parse_special);
+        if got != expected {
+            failures.push(format!(
+                "{vocab}, parse_special {parse_special}, {text:?}:\n  llama.cpp {expected:?}\n  specula   {got:?}"
+            ));
+        }
+    }
+    assert_eq!(vocabs.len(), VOCABS.len() + 1, "{vocabs:?}");
+    assert!(cases.len() >= 400, "{} cases", cases.len());
+    assert!(
+        failures.is_empty(),
+        "{} of {} differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}

@@ -57,6 +57,27 @@ impl PluginError {
     }
 }
 
+impl PluginError {
+    /// `Ok` when every check passed, else one error carrying every message (joined by `; `)
+    /// and the first error's kind: a check reports all it found, not only the first.
+    pub fn all(
+        checks: impl IntoIterator<Item = Result<(), PluginError>>,
+    ) -> Result<(), PluginError> {
+        let errors: Vec<PluginError> = checks.into_iter().filter_map(Result::err).collect();
+        match errors.first() {
+            None => Ok(()),
+            Some(first) => Err(PluginError::new(
+                first.kind,
+                errors
+                    .iter()
+                    .map(|e| e.message.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            )),
+        }
+    }
+}
+
 impl fmt::Display for PluginError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)

@@ -39,11 +39,23 @@ pub const ABI_VERSION: u32 = 2;
 /// Name of the plain `extern "C" fn() -> u32` every plugin exports, returning its [`ABI_VERSION`].
 pub const ABI_VERSION_SYMBOL: &str = "specula_plugin_abi_version";
 
-/// Exports a plugin's root module and its ABI-version symbol.
+/// The symbol abi_stable's loader looks up (`abi_stable::library::ROOT_MODULE_LOADER_NAME`,
+/// spelt out because `#[export_name]` takes a literal; a test keeps the two equal).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __root_module_loader_symbol {
+    () => {
+        "_1as_0lib_1header_0root_bmodule_bloader"
+    };
+}
+
+/// Exports a plugin's root module and its ABI-version symbol. Needs no dependency but this
+/// crate (abi_stable is reached through it). Most plugins use [`export_backend!`] or
+/// [`export_drafter!`] instead.
 ///
 /// ```ignore
-/// specula_plugin_api::export_plugin!(my_module());
-/// // where `fn my_module() -> PluginModuleRef` builds the module with `leak_into_prefix()`.
+/// specula_plugin_api::export_plugin!(PluginModule::drafter(info, create, check));
+/// // defines `pub fn plugin_module() -> PluginModuleRef` returning it.
 /// ```
 #[macro_export]
 macro_rules! export_plugin {
@@ -54,9 +66,131 @@ macro_rules! export_plugin {
             $crate::ABI_VERSION
         }
 
-        #[$crate::abi_stable::export_root_module]
-        fn specula_plugin_root_module() -> $crate::PluginModuleRef {
+        /// This plugin's root module, as the host loads it (tests may call it directly).
+        pub fn plugin_module() -> $crate::PluginModuleRef {
             $module
         }
+
+        /// The header abi_stable's loader reads: it checks the layout of every type reachable
+        /// from the root module against the host's before calling the constructor.
+        #[export_name = $crate::__root_module_loader_symbol!()]
+        pub static SPECULA_PLUGIN_LIB_HEADER: $crate::abi_stable::library::LibHeader = {
+            extern "C" fn construct() -> $crate::abi_stable::library::RootModuleResult {
+                $crate::abi_stable::library::__call_root_module_loader(plugin_module)
+            }
+            // SAFETY: `construct` returns this crate's `PluginModuleRef`, the type the header
+            // is declared for, as `#[abi_stable::export_root_module]` would generate.
+            unsafe {
+                $crate::abi_stable::library::LibHeader::from_constructor::<$crate::PluginModuleRef>(
+                    construct,
+                    $crate::abi_stable::library::CheckTypeLayout::Yes,
+                )
+            }
+        };
     };
+}
+
+/// Exports a backend plugin named `name`, whose version is the crate's.
+///
+/// `open` is a `fn(&BackendParams) -> Result<B, PluginError>` for a `B:` [`ForwardPass`]
+/// (`+ 'static`) and `probe` a `fn(&BackendParams) -> Result<ModelInfo, PluginError>` that
+/// checks the options and the model's header without loading weights. Both run inside
+/// [`guard`], so a panic becomes an error.
+///
+/// ```ignore
+/// specula_plugin_api::export_backend! {
+///     name: "my-backend",
+///     description: "what it runs, on what",
+///     open: MyBackend::open,
+///     probe: MyBackend::probe,
+/// }
+/// ```
+#[macro_export]
+macro_rules! export_backend {
+    (name: $name:expr, description: $description:expr, open: $open:expr, probe: $probe:expr $(,)?) => {
+        extern "C" fn specula_plugin_info() -> $crate::PluginInfo {
+            $crate::PluginInfo::new(
+                $name,
+                env!("CARGO_PKG_VERSION"),
+                $crate::PluginKind::Backend,
+                $description,
+            )
+        }
+
+        extern "C" fn specula_open_backend(
+            params: &$crate::BackendParams,
+        ) -> $crate::PluginResult<$crate::BoxedForwardPass> {
+            $crate::guard(|| ($open)(params).map($crate::box_forward_pass))
+        }
+
+        extern "C" fn specula_probe_backend(
+            params: &$crate::BackendParams,
+        ) -> $crate::PluginResult<$crate::ModelInfo> {
+            $crate::guard(|| ($probe)(params))
+        }
+
+        $crate::export_plugin!($crate::PluginModule::backend(
+            specula_plugin_info,
+            specula_open_backend,
+            specula_probe_backend
+        ));
+    };
+}
+
+/// Exports a drafter plugin named `name`, whose version is the crate's.
+///
+/// `create` is a `fn(&DrafterParams) -> Result<D, PluginError>` for a `D:` [`Drafter`]
+/// (`+ 'static`) and `check` a `fn(&DrafterParams) -> Result<(), PluginError>` that checks the
+/// options and what the drafter needs of the models without creating it. Both run inside
+/// [`guard`], so a panic becomes an error.
+///
+/// ```ignore
+/// specula_plugin_api::export_drafter! {
+///     name: "my-drafter",
+///     description: "what it drafts from",
+///     create: MyDrafter::new,
+///     check: MyDrafter::check,
+/// }
+/// ```
+#[macro_export]
+macro_rules! export_drafter {
+    (name: $name:expr, description: $description:expr, create: $create:expr, check: $check:expr $(,)?) => {
+        extern "C" fn specula_plugin_info() -> $crate::PluginInfo {
+            $crate::PluginInfo::new(
+                $name,
+                env!("CARGO_PKG_VERSION"),
+                $crate::PluginKind::Drafter,
+                $description,
+            )
+        }
+
+        extern "C" fn specula_create_drafter(
+            params: &$crate::DrafterParams,
+        ) -> $crate::PluginResult<$crate::BoxedDrafter> {
+            $crate::guard(|| ($create)(params).map($crate::box_drafter))
+        }
+
+        extern "C" fn specula_check_drafter(
+            params: &$crate::DrafterParams,
+        ) -> $crate::PluginResult<()> {
+            $crate::guard(|| ($check)(params))
+        }
+
+        $crate::export_plugin!($crate::PluginModule::drafter(
+            specula_plugin_info,
+            specula_create_drafter,
+            specula_check_drafter
+        ));
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_loader_symbol_is_abi_stables() {
+        assert_eq!(
+            crate::__root_module_loader_symbol!(),
+            abi_stable::library::ROOT_MODULE_LOADER_NAME
+        );
+    }
 }

@@ -6,7 +6,7 @@ use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{ROption, RString};
 use abi_stable::StableAbi;
 
-use crate::backend::{BackendParams, BoxedForwardPass};
+use crate::backend::{BackendParams, BoxedForwardPass, ModelInfo};
 use crate::drafter::{BoxedDrafter, DrafterParams};
 use crate::error::PluginResult;
 
@@ -58,6 +58,13 @@ pub struct PluginModule {
     /// Creates a drafter; present on drafters.
     #[sabi(last_prefix_field)]
     pub create_drafter: ROption<extern "C" fn(&DrafterParams) -> PluginResult<BoxedDrafter>>,
+    /// Checks a backend's parameters without loading weights or allocating caches: every
+    /// option's name and value, and the model file's header (architecture, shapes). Answers
+    /// the [`ModelInfo`] `open_backend` would; `specula profile check` calls it.
+    pub probe_backend: ROption<extern "C" fn(&BackendParams) -> PluginResult<ModelInfo>>,
+    /// Checks a drafter's parameters without creating it: its options, and what it needs of
+    /// the target and draft models (`params.target`, `params.draft_model`).
+    pub check_drafter: ROption<extern "C" fn(&DrafterParams) -> PluginResult<()>>,
 }
 
 impl RootModule for PluginModuleRef {
@@ -72,6 +79,7 @@ impl PluginModule {
     pub fn backend(
         info: extern "C" fn() -> PluginInfo,
         open: extern "C" fn(&BackendParams) -> PluginResult<BoxedForwardPass>,
+        probe: extern "C" fn(&BackendParams) -> PluginResult<ModelInfo>,
     ) -> PluginModuleRef {
         use abi_stable::prefix_type::PrefixTypeTrait;
         PluginModule {
@@ -79,6 +87,8 @@ impl PluginModule {
             info,
             open_backend: ROption::RSome(open),
             create_drafter: ROption::RNone,
+            probe_backend: ROption::RSome(probe),
+            check_drafter: ROption::RNone,
         }
         .leak_into_prefix()
     }
@@ -87,6 +97,7 @@ impl PluginModule {
     pub fn drafter(
         info: extern "C" fn() -> PluginInfo,
         create: extern "C" fn(&DrafterParams) -> PluginResult<BoxedDrafter>,
+        check: extern "C" fn(&DrafterParams) -> PluginResult<()>,
     ) -> PluginModuleRef {
         use abi_stable::prefix_type::PrefixTypeTrait;
         PluginModule {
@@ -94,6 +105,8 @@ impl PluginModule {
             info,
             open_backend: ROption::RNone,
             create_drafter: ROption::RSome(create),
+            probe_backend: ROption::RNone,
+            check_drafter: ROption::RSome(check),
         }
         .leak_into_prefix()
     }

@@ -391,7 +391,8 @@ fn verify_seconds(
     Ok(times.into_iter().map(median).collect())
 }
 
-/// The drafter section and settings for one named drafter, `None` to skip silently.
+/// The drafter section and settings for one named drafter; `None` when it is measured
+/// already (as `profile`), an error saying why when it cannot run on this model.
 fn drafter_setup(
     profile: &Profile,
     name: &str,
@@ -401,7 +402,10 @@ fn drafter_setup(
     let settings = SpecSettings::from(&profile.speculation);
     Ok(match name {
         "profile" => profile.drafter.clone().map(|d| (settings, d)),
-        "mtp" if !info.has_mtp_head => None,
+        "mtp" if !info.has_mtp_head => anyhow::bail!(
+            "{} has no MTP head (nextn_predict_layers is 0), so there is nothing to draft with",
+            profile.target.model.display()
+        ),
         "oracle" => {
             let mut s = DrafterSection::named("lookup");
             // The corpus holds the whole run, so its match is the longest: a long n_max lets

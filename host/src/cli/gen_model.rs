@@ -13,8 +13,13 @@ use crate::genmodel::{
 #[derive(Debug, clap::Args)]
 pub struct GenModelArgs {
     /// Output GGUF file.
-    #[arg(short, long, value_name = "FILE")]
-    out: PathBuf,
+    #[arg(
+        short,
+        long,
+        value_name = "FILE",
+        required_unless_present = "list_presets"
+    )]
+    out: Option<PathBuf>,
     /// Named shape (see --list-presets); the flags below override it.
     #[arg(long, default_value = "tiny-llama")]
     preset: String,
@@ -68,9 +73,13 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    let out = args
+        .out
+        .clone()
+        .context("--out FILE is required (the GGUF file to write)")?;
     if args.preset == "demo" {
-        write_demo_model(&args.out)?;
-        println!("wrote {} (demo bigram model)", args.out.display());
+        write_demo_model(&out)?;
+        println!("wrote {} (demo bigram model)", out.display());
         return Ok(ExitCode::SUCCESS);
     }
     let mut spec = preset(&args.preset)?;
@@ -101,10 +110,10 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let vocab = Vocab::Spm(SpmVocab::synthetic(vocab_size as usize));
-    write_model(&spec, &vocab, &mut RandomWeights::new(args.seed), &args.out)?;
+    write_model(&spec, &vocab, &mut RandomWeights::new(args.seed), &out)?;
     println!(
         "wrote {}: {} dim {} layers {} heads {}/{} ffn {} vocab {} ({})",
-        args.out.display(),
+        out.display(),
         spec.arch.gguf_name(),
         spec.hidden,
         spec.layers,

@@ -6,6 +6,7 @@ mod plugins;
 mod profile;
 mod run;
 mod serve;
+mod tokens;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -39,6 +40,10 @@ pub enum Command {
     /// Serve profiles over an OpenAI-compatible HTTP API, reloading them when they change.
     #[command(long_about = serve::LONG_ABOUT)]
     Serve(serve::ServeArgs),
+    /// Split text into a model's tokens (ids and pieces).
+    Tokenize(tokens::TokenizeArgs),
+    /// Turn token ids back into text.
+    Detokenize(tokens::DetokenizeArgs),
 }
 
 /// Parses the command line, runs it, and turns errors into a message and exit code 1.
@@ -57,14 +62,33 @@ pub fn main() -> ExitCode {
         Command::GenModel(args) => gen_model::run(args),
         Command::Bench(args) => bench::run_cli(args),
         Command::Serve(args) => serve::run_cli(args),
+        Command::Tokenize(args) => tokens::tokenize(args),
+        Command::Detokenize(args) => tokens::detokenize(args),
     };
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_chain(&err));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes joined by `: `, leaving out a cause whose text the message so far
+/// already carries (errors that print their source *and* expose it would say it twice).
+fn error_chain(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 fn init_logging(filter: Option<&str>, default_filter: &str) {
@@ -79,6 +103,25 @@ fn init_logging(filter: Option<&str>, default_filter: &str) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causes_already_in_the_message_are_not_repeated() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        let gguf = specula_gguf::GgufError::Io {
+            path: "m.gguf".into(),
+            source: io,
+        };
+        let err = anyhow::Error::new(gguf).context("cannot open the model");
+        assert_eq!(
+            error_chain(&err),
+            "cannot open the model: cannot read m.gguf: No such file or directory"
+        );
+    }
 }
 
 /// `--profile FILE`, shared by several commands.

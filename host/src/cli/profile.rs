@@ -5,11 +5,12 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
-use crate::profile::Profile;
+use crate::check::check_profile;
 
 #[derive(Debug, Subcommand)]
 pub enum ProfileCommand {
-    /// Validate a profile without loading models or plugins.
+    /// Find every problem of a profile without loading weights: keys and values, plugins,
+    /// model headers, backend options, what the drafter needs; exit status 1 if any.
     Check {
         /// The profile file.
         file: PathBuf,
@@ -19,18 +20,25 @@ pub enum ProfileCommand {
 pub fn run(cmd: ProfileCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         ProfileCommand::Check { file } => {
-            let profile = Profile::load(&file)?;
-            println!("{}: ok", file.display());
-            println!("  backend: {}", profile.target.backend);
-            println!("  model:   {}", profile.target.model.display());
-            if !profile.target.model.is_file() {
-                println!("  warning: the model file does not exist (yet)");
+            let report = check_profile(&file);
+            if report.problems.is_empty() {
+                println!("{}: ok", file.display());
+                for (what, value) in &report.facts {
+                    println!("  {what}: {value}");
+                }
+                Ok(ExitCode::SUCCESS)
+            } else {
+                let n = report.problems.len();
+                eprintln!(
+                    "{}: {n} problem{}",
+                    file.display(),
+                    if n == 1 { "" } else { "s" }
+                );
+                for problem in &report.problems {
+                    eprintln!("  - {problem}");
+                }
+                Ok(ExitCode::FAILURE)
             }
-            match &profile.drafter {
-                Some(d) => println!("  drafter: {}", d.plugin),
-                None => println!("  drafter: none (plain decoding)"),
-            }
-            Ok(ExitCode::SUCCESS)
         }
     }
 }

@@ -6,11 +6,11 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use super::ProfileArg;
-use crate::genmodel::{default_model_path, write_demo_model, DEMO_DESCRIPTION};
+use crate::builtin;
 use crate::pipeline::Pipeline;
 use crate::profile::DrafterSection;
 use crate::profile::Profile;
-use crate::request::{summary, Request};
+use crate::request::{summary, Outcome, Request};
 use crate::sampling::SamplingParams;
 use crate::spec::{generate, SpecSettings};
 
@@ -21,32 +21,49 @@ pub struct RunArgs {
     prompt: Option<String>,
     #[command(flatten)]
     profile: ProfileArg,
+    /// A GGUF model to run, without a profile (or instead of the profile's model).
+    #[arg(short = 'm', long = "model", value_name = "FILE")]
+    model: Option<std::path::PathBuf>,
+    /// Backend plugin (name or library path) for the model; default cpu-simd.
+    #[arg(long, value_name = "NAME")]
+    backend: Option<String>,
     /// Tokens to generate.
     #[arg(short = 'n', long = "max-tokens", value_name = "N")]
     max_tokens: Option<u32>,
     /// Stop when this string appears (repeatable).
     #[arg(long = "stop", value_name = "TEXT")]
     stop: Vec<String>,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long = "temp", alias = "temperature")]
+    /// Sampling temperature; 0 = greedy [profile's, else 0.8].
+    #[arg(
+        long = "temp",
+        alias = "temperature",
+        value_name = "T",
+        allow_negative_numbers = true
+    )]
     temperature: Option<f32>,
-    #[arg(long)]
+    /// Sample from the K most likely tokens; 0 = all [profile's, else 40].
+    #[arg(long, value_name = "K")]
     top_k: Option<u32>,
-    #[arg(long)]
+    /// Sample from the smallest set of tokens whose probabilities reach P; 1 = off [else 0.95].
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
     top_p: Option<f32>,
-    #[arg(long)]
+    /// Drop tokens less likely than P times the most likely one; 0 = off [else 0.05].
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
     min_p: Option<f32>,
-    #[arg(long)]
+    /// Divide the logits of recently seen tokens by R; 1 = off [else 1.0].
+    #[arg(long, value_name = "R", allow_negative_numbers = true)]
     repeat_penalty: Option<f32>,
-    #[arg(long)]
+    /// How many recent tokens the repetition penalty looks at [else 64].
+    #[arg(long, value_name = "N")]
     repeat_last_n: Option<u32>,
-    #[arg(long)]
+    /// Seed of the sampler, for reproducible sampling [else random].
+    #[arg(long, value_name = "S")]
     seed: Option<u64>,
     /// Worker threads of the backend (0 = one per core).
-    #[arg(short, long)]
+    #[arg(short, long, value_name = "N")]
     threads: Option<u32>,
     /// Context size in tokens (0 = the model's).
-    #[arg(long = "ctx-size")]
+    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
     context_size: Option<u32>,
     /// Do not prepend BOS to the prompt.
     #[arg(long)]
@@ -74,18 +91,31 @@ pub struct RunArgs {
     /// streaming text.
     #[arg(long)]
     json: bool,
+    /// Greedy speculative runs: decode again without drafts and report whether the tokens are
+    /// identical (the built-in default always does).
+    #[arg(long)]
+    check_plain: bool,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    let mut profile = match &args.profile.profile {
-        Some(path) => Profile::load(path)?,
-        None => default_profile()?,
+    refuse_a_model_as_prompt(args.prompt.as_deref())?;
+    let builtin = args.profile.profile.is_none() && args.model.is_none();
+    let mut profile = match (&args.profile.profile, &args.model) {
+        (Some(path), _) => Profile::load(path)?,
+        (None, Some(model)) => Profile::builtin_default(model.clone()),
+        (None, None) => builtin::profile(builtin::model_path()?),
     };
+    if builtin {
+        eprintln!(
+            "no --profile or -m given: the built-in default, {} ({})",
+            builtin::DESCRIPTION,
+            profile.target.model.display()
+        );
+    }
     apply_overrides(&mut profile, &args)?;
     let prompt = read_prompt(args.prompt.clone())?;
 
-    let mut pipeline = Pipeline::open(&profile)
-        .with_context(|| format!("cannot open the model {}", profile.target.model.display()))?;
+    let mut pipeline = Pipeline::open(&profile)?;
     let request = Request {
         prompt,
         max_tokens: profile.generation.max_tokens,
@@ -127,20 +157,69 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             eprintln!("{}", outcome.speculative.report());
         }
     }
+    let speculated = request.speculation.is_some() && outcome.speculative.drafted > 0;
+    if (args.check_plain || builtin) && speculated && request.sampling.temperature <= 0.0 {
+        return check_plain(&mut pipeline, &request, &outcome);
+    }
     Ok(ExitCode::SUCCESS)
 }
 
-/// The built-in profile: cpu-simd on the demo model, written on first use.
-fn default_profile() -> anyhow::Result<Profile> {
-    let model = default_model_path();
-    if !model.is_file() {
-        eprintln!(
-            "no --profile given: writing the built-in default model to {} ({DEMO_DESCRIPTION})",
-            model.display()
-        );
-        write_demo_model(&model)?;
+/// Decodes `request` again without drafts and says whether the tokens equal `speculative`'s
+/// (greedy speculation must give exactly plain decoding's output); exit status 1 if not.
+fn check_plain(
+    pipeline: &mut Pipeline,
+    request: &Request,
+    speculative: &Outcome,
+) -> anyhow::Result<ExitCode> {
+    let plain_request = Request {
+        speculation: None,
+        ..request.clone()
+    };
+    let plain = generate(pipeline, &plain_request, |_| {})?;
+    let speculative_passes = speculative.speculative.target_passes;
+    let speculative = &speculative.tokens;
+    match plain
+        .tokens
+        .iter()
+        .zip(speculative)
+        .position(|(a, b)| a != b)
+    {
+        None if plain.tokens.len() == speculative.len() => {
+            eprintln!(
+                "check: plain decoding (no drafts) gives the same {} tokens: the output is exactly plain decoding's, in {} target passes instead of {}",
+                speculative.len(),
+                speculative_passes,
+                plain.speculative.target_passes,
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        first => {
+            let at = first.unwrap_or(plain.tokens.len().min(speculative.len()));
+            eprintln!(
+                "check FAILED: plain decoding differs from the speculative output at token {at} ({} vs {} tokens); please report this",
+                plain.tokens.len(),
+                speculative.len()
+            );
+            Ok(ExitCode::FAILURE)
+        }
     }
-    Ok(Profile::builtin_default(model))
+}
+
+/// `specula run model.gguf` is a common slip: the model goes after `-m`.
+fn refuse_a_model_as_prompt(prompt: Option<&str>) -> anyhow::Result<()> {
+    if let Some(p) = prompt {
+        let path = std::path::Path::new(p);
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            && path.is_file()
+        {
+            anyhow::bail!(
+                "the prompt {p:?} is a model file; to run it, write `specula run -m {p} \"your prompt\"`"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn apply_overrides(profile: &mut Profile, args: &RunArgs) -> anyhow::Result<()> {
@@ -188,6 +267,12 @@ fn apply_overrides(profile: &mut Profile, args: &RunArgs) -> anyhow::Result<()> 
     }
     if args.no_bos {
         profile.generation.add_bos = false;
+    }
+    if let Some(model) = &args.model {
+        profile.target.model = model.clone();
+    }
+    if let Some(backend) = &args.backend {
+        profile.target.backend = backend.clone();
     }
     if let Some(v) = args.threads {
         profile.target.threads = v;

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context;
+
 use crate::serve::auth::ApiKeys;
 use crate::serve::listener::HttpLimits;
 use crate::serve::{run, ServeOptions};
@@ -42,8 +44,14 @@ request needs `Authorization: Bearer KEY` (else 401); /health and /metrics stay 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// Profile directories (every *.toml file in them) and profile files.
-    #[arg(long, value_name = "DIR|FILE", num_args = 1.., required = true)]
+    #[arg(long, value_name = "DIR|FILE", num_args = 1.., required_unless_present = "model")]
     profiles: Vec<PathBuf>,
+    /// Serve this GGUF model without a profile (cpu-simd, the profile defaults).
+    #[arg(short = 'm', long = "model", value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// The name clients use for the -m model (default: its file stem).
+    #[arg(long, value_name = "NAME", requires = "model")]
+    alias: Option<String>,
     /// Address to listen on; port 0 picks a free port. The address is printed on stdout.
     #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -115,8 +123,28 @@ pub fn run_cli(args: ServeArgs) -> anyhow::Result<ExitCode> {
         max_connections: args.max_connections as usize,
         ..HttpLimits::default()
     };
+    let mut inline = std::collections::BTreeMap::new();
+    if let Some(model) = &args.model {
+        anyhow::ensure!(
+            model.is_file(),
+            "-m {}: no such file (expected a GGUF model)",
+            model.display()
+        );
+        let name = match &args.alias {
+            Some(alias) => alias.clone(),
+            None => crate::serve::registry::profile_name(model)
+                .with_context(|| format!("-m {}: give it a name with --alias", model.display()))?,
+        };
+        anyhow::ensure!(
+            !name.is_empty() && !name.contains('/'),
+            "--alias {name:?}: a model name must be non-empty and without '/'"
+        );
+        let model = std::path::absolute(model).unwrap_or_else(|_| model.clone());
+        inline.insert(name, crate::profile::Profile::builtin_default(model));
+    }
     run(ServeOptions {
         profiles: args.profiles,
+        inline,
         listen: args.listen,
         debounce: Duration::from_millis(args.debounce_ms),
         drain_timeout: Duration::from_secs(args.drain_timeout),

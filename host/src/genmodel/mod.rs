@@ -1,4 +1,4 @@
-//! `specula gen-model`: named model shapes (benchmark presets) and the built-in demo model,
+//! `specula gen-model`: named model shapes (benchmark presets) and the `demo` bigram model,
 //! written with the shared writer in `specula-modelgen`.
 
 mod demo;
@@ -9,7 +9,7 @@ pub use specula_modelgen::{
     write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, Vocab, WeightSource,
 };
 
-pub use demo::{default_model_path, write_demo_model, CORPUS as DEFAULT_CORPUS, DEMO_DESCRIPTION};
+pub use demo::{write_demo_model, CORPUS as DEFAULT_CORPUS};
 
 /// Named shapes for `specula gen-model --preset`.
 pub const PRESETS: &[(&str, &str)] = &[
@@ -20,7 +20,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qwen3-0.6b", "Qwen3-0.6B's shape: qwen3, dim 1024, 28 layers, 16/8 heads of 128, FFN 3072, vocab 151936, tied"),
     ("qwen35-0.8b", "Qwen3.5-0.8B's shape: qwen35, dim 1024, 24 layers (6 × (3 GDN + 1 attention)), 8/2 heads of 256, FFN 3584, GDN 16/16 heads of 128, MTP block, vocab 151936, tied"),
     ("qwen35-2b", "Qwen3.5-2B's shape: qwen35, dim 2048, 24 layers (6 × (3 GDN + 1 attention)), 8/2 heads of 256, FFN 6144, GDN 16/16 heads of 128, MTP block, vocab 248320, tied, Q4_K"),
-    ("demo", "the built-in default: a word-bigram model of an embedded public-domain text"),
+    ("demo", "a word-bigram model of an embedded public-domain text (English-like word salad, no download)"),
 ];
 
 /// A preset shape (see [`PRESETS`]); `demo` is written by [`write_demo_model`] instead.

@@ -159,6 +159,41 @@ impl LoadedPlugin {
             .map_err(|e| self.plugin_error(e.message.to_string()))
     }
 
+    /// Checks backend parameters without loading weights (options, the model's header), with
+    /// this backend plugin; `None` when the plugin has no probe.
+    pub fn probe_backend(
+        &self,
+        params: &BackendParams,
+    ) -> Option<Result<specula_plugin_api::ModelInfo, PluginError>> {
+        self.expect_kind(PluginKind::Backend)
+            .err()
+            .map(Err)
+            .or_else(|| {
+                let probe = self.module.probe_backend()?.into_option()?;
+                Some(
+                    probe(params)
+                        .into_result()
+                        .map_err(|e| self.plugin_error(e.message.to_string())),
+                )
+            })
+    }
+
+    /// Checks drafter parameters without creating the drafter, with this drafter plugin;
+    /// `None` when the plugin has no check.
+    pub fn check_drafter(&self, params: &DrafterParams) -> Option<Result<(), PluginError>> {
+        self.expect_kind(PluginKind::Drafter)
+            .err()
+            .map(Err)
+            .or_else(|| {
+                let check = self.module.check_drafter()?.into_option()?;
+                Some(
+                    check(params)
+                        .into_result()
+                        .map_err(|e| self.plugin_error(e.message.to_string())),
+                )
+            })
+    }
+
     /// Creates a drafter with this drafter plugin.
     pub fn create_drafter(&self, params: &DrafterParams) -> Result<BoxedDrafter, PluginError> {
         self.expect_kind(PluginKind::Drafter)?;

@@ -49,6 +49,8 @@ use routes::AppState;
 pub struct ServeOptions {
     /// Profile directories (every `*.toml` in them) and profile files.
     pub profiles: Vec<PathBuf>,
+    /// Profiles without a file, by name (`serve -m FILE --alias NAME`).
+    pub inline: std::collections::BTreeMap<String, crate::profile::Profile>,
     pub listen: SocketAddr,
     /// Quiet time after the last file event before a reload.
     pub debounce: Duration,
@@ -108,7 +110,11 @@ async fn serve(options: ServeOptions) -> Result<(), ServeError> {
         .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
         .collect();
     let metrics = Arc::new(Metrics::new());
-    let registry = Arc::new(Registry::new(sources, metrics.clone()));
+    let registry = Arc::new(Registry::with_inline(
+        sources,
+        options.inline.clone(),
+        metrics.clone(),
+    ));
     let state = Arc::new(AppState::new(registry.clone(), metrics));
 
     // Signals before anything else: a SIGTERM right after start is a clean shutdown.

@@ -83,7 +83,7 @@ impl Fingerprint {
 pub struct Model {
     /// The profile name (file stem) clients use as `model`.
     pub name: String,
-    /// Unique across the daemon's life; grows with every load.
+    /// Counts this profile's loads: 1 for the first, growing with every reload.
     pub revision: u64,
     pub path: PathBuf,
     pub profile: Profile,
@@ -205,6 +205,8 @@ pub struct Entry {
     pub name: String,
     serving: ArcSwapOption<Model>,
     status: Mutex<EntryStatus>,
+    /// Revisions loaded for this profile so far (each load takes the next number).
+    revisions: AtomicU64,
 }
 
 impl Entry {
@@ -216,6 +218,7 @@ impl Entry {
                 path: path.to_path_buf(),
                 ..Default::default()
             }),
+            revisions: AtomicU64::new(0),
         }
     }
 
@@ -334,9 +337,10 @@ impl ReloadReport {
 /// Every served profile.
 pub struct Registry {
     sources: Vec<PathBuf>,
+    /// Profiles given on the command line (`serve -m FILE --alias NAME`), by name.
+    inline: BTreeMap<String, Profile>,
     entries: ArcSwap<BTreeMap<String, Arc<Entry>>>,
     reload_lock: tokio::sync::Mutex<()>,
-    revisions: AtomicU64,
     metrics: Arc<Metrics>,
 }
 
@@ -344,11 +348,21 @@ impl Registry {
     /// Profiles from `sources` (directories of `*.toml`, or files); nothing is loaded until
     /// the first [`Registry::reload`].
     pub fn new(sources: Vec<PathBuf>, metrics: Arc<Metrics>) -> Self {
+        Self::with_inline(sources, BTreeMap::new(), metrics)
+    }
+
+    /// Profiles from `sources` plus `inline` ones that have no file (a model given with
+    /// `serve -m`); an inline profile's entry shows its model file as its path.
+    pub fn with_inline(
+        sources: Vec<PathBuf>,
+        inline: BTreeMap<String, Profile>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             sources,
+            inline,
             entries: ArcSwap::from_pointee(BTreeMap::new()),
             reload_lock: tokio::sync::Mutex::new(()),
-            revisions: AtomicU64::new(0),
             metrics,
         }
     }
@@ -403,8 +417,18 @@ impl Registry {
             trigger: trigger.to_string(),
             ..Default::default()
         };
-        let (found, problems, complete) = discover(&self.sources);
+        let (mut found, problems, complete) = discover(&self.sources);
         report.problems = problems;
+        for (name, profile) in &self.inline {
+            if let Some(file) = found.get(name) {
+                report.problems.push(format!(
+                    "profile name `{name}` is used by both -m {} and {}; serving the model",
+                    profile.target.model.display(),
+                    file.display()
+                ));
+            }
+            found.insert(name.clone(), profile.target.model.clone());
+        }
 
         let current = self.entries.load_full();
         let mut next: BTreeMap<String, Arc<Entry>> = BTreeMap::new();
@@ -489,7 +513,11 @@ impl Registry {
                 still_serving: serving.as_ref().map(|m| m.revision),
             });
         };
-        let profile = match Profile::load(&path) {
+        let loaded = match self.inline.get(name) {
+            Some(profile) => Ok(profile.clone()),
+            None => Profile::load(&path),
+        };
+        let profile = match loaded {
             Ok(p) => p,
             Err(e) => return fail(report, e.to_string()),
         };
@@ -502,7 +530,7 @@ impl Registry {
             }
         }
         entry.status().loading = true;
-        let revision = self.revisions.fetch_add(1, Ordering::Relaxed) + 1;
+        let revision = entry.revisions.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!(model = name, revision, "loading {}", path.display());
         let (task_name, task_path, metrics) =
             (name.to_string(), path.clone(), self.metrics.clone());

@@ -72,6 +72,9 @@ pub fn router(state: Arc<AppState>, keys: Arc<ApiKeys>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/admin/reload", post(admin_reload))
@@ -379,24 +382,164 @@ impl Stream for ChunkStream {
     }
 }
 
+/// One model in OpenAI's `model` object shape (plus what Specula knows of it).
+fn model_object(m: &Model) -> Value {
+    json!({
+        "id": m.name,
+        "object": "model",
+        "created": m.created,
+        "owned_by": "specula",
+        "revision": m.revision,
+        "drafter": m.drafter,
+        "context_size": m.context_size,
+    })
+}
+
 async fn models(State(state): Shared) -> Json<Value> {
     let data: Vec<Value> = state
         .registry
         .ready()
         .iter()
-        .map(|m| {
-            json!({
-                "id": m.name,
-                "object": "model",
-                "created": m.created,
-                "owned_by": "specula",
-                "revision": m.revision,
-                "drafter": m.drafter,
-                "context_size": m.context_size,
-            })
-        })
+        .map(|m| model_object(m))
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{id}` (the `openai` client's `models.retrieve`).
+async fn model_by_id(
+    State(state): Shared,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    match state.registry.lookup(&id) {
+        Lookup::Ready(model) => Json(model_object(&model)).into_response(),
+        _ => ApiError::unknown_model(&id, &state.registry.names()).into_response(),
+    }
+}
+
+/// The ready model a tokenizer request names, or the only one when it names none.
+fn tokenizer_model(state: &AppState, name: Option<&str>) -> Result<Arc<Model>, ApiError> {
+    let name = match name {
+        Some(name) => name.to_string(),
+        None => {
+            let ready = state.registry.ready();
+            match ready.as_slice() {
+                [only] => return Ok(only.clone()),
+                _ => {
+                    return Err(ApiError::bad_request(
+                        format!(
+                            "This server has {} ready models; say which with \"model\"",
+                            ready.len()
+                        ),
+                        Some("model"),
+                    ))
+                }
+            }
+        }
+    };
+    match state.registry.lookup(&name) {
+        Lookup::Ready(model) => Ok(model),
+        _ => Err(ApiError::unknown_model(&name, &state.registry.names())),
+    }
+}
+
+fn json_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let param = e.path().to_string();
+        ApiError::bad_request(
+            e.inner().to_string(),
+            (param != ".").then_some(param.as_str()),
+        )
+    })
+}
+
+#[derive(Deserialize)]
+struct TokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    content: String,
+    /// Add BOS / EOS as the model does for prompts (llama-server's default: no).
+    #[serde(default)]
+    add_special: bool,
+    /// Control-token texts (`<s>`, `<|im_start|>`) become their tokens (default: yes).
+    #[serde(default = "yes")]
+    parse_special: bool,
+    /// Answer `{"id", "piece"}` objects instead of bare ids.
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `POST /tokenize`, as llama-server: `{"content", "add_special", "parse_special",
+/// "with_pieces", "model"}` → `{"tokens": [...]}`.
+async fn tokenize(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+    let answer = async {
+        let bytes = body.map_err(|e| ApiError::bad_request(e.body_text(), None))?;
+        let body: TokenizeBody = json_body(&bytes)?;
+        let model = tokenizer_model(&state, body.model.as_deref())?;
+        tokio::task::spawn_blocking(move || {
+            let t = &model.tokenizer;
+            let ids = t.encode(&body.content, body.add_special, body.parse_special);
+            let tokens: Vec<Value> = if body.with_pieces {
+                ids.iter()
+                    .map(|&id| {
+                        let bytes = t.token_to_piece_special(id);
+                        let piece = match String::from_utf8(bytes) {
+                            Ok(text) => json!(text),
+                            Err(e) => json!(e.into_bytes()),
+                        };
+                        json!({"id": id, "piece": piece})
+                    })
+                    .collect()
+            } else {
+                ids.iter().map(|&id| json!(id)).collect()
+            };
+            json!({"tokens": tokens})
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
+    };
+    match answer.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct DetokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// `POST /detokenize`, as llama-server: `{"tokens": [...], "model"}` → `{"content"}`.
+async fn detokenize(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+    let answer = (|| {
+        let bytes = body.map_err(|e| ApiError::bad_request(e.body_text(), None))?;
+        let body: DetokenizeBody = json_body(&bytes)?;
+        let model = tokenizer_model(&state, body.model.as_deref())?;
+        let vocab = model.tokenizer.vocab_size();
+        if let Some((i, id)) = body
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab)
+        {
+            return Err(ApiError::bad_request(
+                format!("token id {id} is out of range (vocabulary size {vocab})"),
+                Some(&format!("tokens[{i}]")),
+            ));
+        }
+        let content = String::from_utf8_lossy(&model.tokenizer.decode(&body.tokens)).into_owned();
+        Ok(json!({"content": content}))
+    })();
+    match answer {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn health(State(state): Shared) -> Response {

@@ -20,6 +20,30 @@ const SMOOTHING: f64 = 0.3;
 /// Drafts whose drafter confidence falls below this are not verified (greedy only).
 pub const MIN_CONFIDENCE: f32 = 0.05;
 
+/// Why speculation is paused on a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseReason {
+    /// The first steps decode plainly to measure what a plain token costs.
+    Calibrating,
+    /// Recent drafts were rarely accepted.
+    LowAcceptance,
+    /// Speculative steps cost more time per emitted token than plain ones.
+    TooSlow,
+}
+
+impl PauseReason {
+    /// Why, in words, for the run summary.
+    pub fn explanation(self) -> &'static str {
+        match self {
+            PauseReason::Calibrating => {
+                "the first steps decode plainly to measure a plain token's cost"
+            }
+            PauseReason::LowAcceptance => "drafts were rarely accepted",
+            PauseReason::TooSlow => "a verify pass cost more time than it saved",
+        }
+    }
+}
+
 /// The adaptive draft-length controller.
 #[derive(Debug, Clone)]
 pub struct DraftLength {
@@ -34,6 +58,8 @@ pub struct DraftLength {
     evidence: u32,
     paused_for: u32,
     next_pause: u32,
+    /// Why the current (or last) pause began.
+    pause_reason: PauseReason,
     last_was_paused: bool,
 }
 
@@ -57,6 +83,7 @@ impl DraftLength {
             evidence: 0,
             paused_for: if adaptive { CALIBRATION_STEPS } else { 0 },
             next_pause: FIRST_PAUSE,
+            pause_reason: PauseReason::Calibrating,
             last_was_paused: false,
         }
     }
@@ -71,9 +98,9 @@ impl DraftLength {
         self.current
     }
 
-    /// Whether the last call to [`next_len`](Self::next_len) was a paused step.
-    pub fn is_paused(&self) -> bool {
-        self.last_was_paused
+    /// Why the last call to [`next_len`](Self::next_len) was a paused step, if it was.
+    pub fn pause_reason(&self) -> Option<PauseReason> {
+        self.last_was_paused.then_some(self.pause_reason)
     }
 
     /// Learns from a step: the drafter was `asked` for drafts (or not, on a plain step) and
@@ -100,26 +127,30 @@ impl DraftLength {
                 (accepted + 1).clamp(self.min.max(1), self.max)
             };
         }
-        if self.evidence >= MIN_EVIDENCE && !self.pays() {
-            self.pause();
+        let not_paying = self
+            .why_not_paying()
+            .filter(|_| self.evidence >= MIN_EVIDENCE);
+        if let Some(reason) = not_paying {
+            self.pause(reason);
         } else if accepted > 0 && self.evidence >= MIN_EVIDENCE {
             self.next_pause = FIRST_PAUSE;
         }
     }
 
-    /// Whether speculation currently pays: drafts get accepted and a token costs less time
-    /// than plain decoding's.
-    fn pays(&self) -> bool {
+    /// Why speculation does not pay now, if it does not: drafts are rarely accepted, or a
+    /// token costs more time than plain decoding's.
+    fn why_not_paying(&self) -> Option<PauseReason> {
         if self.acceptance < USELESS_ACCEPTANCE {
-            return false;
+            return Some(PauseReason::LowAcceptance);
         }
         match (self.plain_cost, self.spec_cost) {
-            (Some(plain), Some(spec)) => spec <= plain * ALLOWED_COST,
-            _ => true,
+            (Some(plain), Some(spec)) if spec > plain * ALLOWED_COST => Some(PauseReason::TooSlow),
+            _ => None,
         }
     }
 
-    fn pause(&mut self) {
+    fn pause(&mut self, reason: PauseReason) {
+        self.pause_reason = reason;
         self.paused_for = self.next_pause;
         self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
         // Probe with one cheap draft, judged on that step alone: it starts at the acceptance
@@ -194,6 +225,30 @@ mod tests {
         let mut c = DraftLength::new(0, 4, true);
         let drafting = simulate(&mut c, 2000, 4.0, |n| n / 2);
         assert!(drafting < 2000 / 20, "{drafting}");
+    }
+
+    #[test]
+    fn pauses_say_why() {
+        let mut c = DraftLength::new(0, 4, true);
+        c.next_len();
+        assert_eq!(c.pause_reason(), Some(PauseReason::Calibrating));
+        // The reason of the first pause after calibration.
+        let first_pause = |spec_step: f64, accept: fn(u32) -> u32| {
+            let mut c = DraftLength::new(0, 4, true);
+            for _ in 0..50 {
+                simulate(&mut c, 1, spec_step, accept);
+                match c.pause_reason() {
+                    None | Some(PauseReason::Calibrating) => {}
+                    reason => return reason,
+                }
+            }
+            None
+        };
+        assert_eq!(first_pause(1.0, |_| 0), Some(PauseReason::LowAcceptance));
+        assert_eq!(first_pause(4.0, |n| n / 2), Some(PauseReason::TooSlow));
+        let mut fixed = DraftLength::new(0, 4, false);
+        fixed.next_len();
+        assert_eq!(fixed.pause_reason(), None);
     }
 
     #[test]

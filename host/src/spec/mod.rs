@@ -226,8 +226,8 @@ pub fn generate(
                 let room =
                     (request.max_tokens as usize - out.tokens.len()).min(context - history.len());
                 let n = (length.next_len() as usize).min(room);
-                if length.is_paused() {
-                    stats.paused_steps += 1;
+                if let Some(reason) = length.pause_reason() {
+                    stats.record_pause(reason);
                 }
                 if n > 0 {
                     asked = true;

@@ -2,6 +2,8 @@
 
 use serde::Serialize;
 
+use super::adaptive::PauseReason;
+
 /// What speculation did during one request (or, merged, many).
 ///
 /// Invariants, checked by the tests on every run: `accepted <= drafted`, per position too;
@@ -26,6 +28,12 @@ pub struct SpecStats {
     pub steps_with_drafts: u64,
     /// Steps the adaptive controller kept speculation paused.
     pub paused_steps: u64,
+    /// Of those: the first steps, decoded plainly to measure a plain token's cost.
+    pub paused_calibrating: u64,
+    /// Of those: paused because drafts were rarely accepted.
+    pub paused_low_acceptance: u64,
+    /// Of those: paused because speculative steps cost more time per token than plain ones.
+    pub paused_too_slow: u64,
     /// `drafted_by_position[i]`: drafts verified at position `i` (0 = first draft).
     pub drafted_by_position: Vec<u64>,
     /// `accepted_by_position[i]`: drafts accepted at position `i`.
@@ -88,6 +96,9 @@ impl SpecStats {
         self.emitted += other.emitted;
         self.steps_with_drafts += other.steps_with_drafts;
         self.paused_steps += other.paused_steps;
+        self.paused_calibrating += other.paused_calibrating;
+        self.paused_low_acceptance += other.paused_low_acceptance;
+        self.paused_too_slow += other.paused_too_slow;
         let n = other.drafted_by_position.len();
         grow(&mut self.drafted_by_position, n);
         grow(&mut self.accepted_by_position, n);
@@ -98,6 +109,44 @@ impl SpecStats {
         self.draft_seconds += other.draft_seconds;
         self.verify_seconds += other.verify_seconds;
         self.sample_seconds += other.sample_seconds;
+    }
+
+    /// Counts a step on which speculation was paused, and why.
+    pub fn record_pause(&mut self, reason: PauseReason) {
+        self.paused_steps += 1;
+        *match reason {
+            PauseReason::Calibrating => &mut self.paused_calibrating,
+            PauseReason::LowAcceptance => &mut self.paused_low_acceptance,
+            PauseReason::TooSlow => &mut self.paused_too_slow,
+        } += 1;
+    }
+
+    /// "speculation paused on 112 of 200 steps: …", or `None` when it never paused.
+    pub fn pause_report(&self) -> Option<String> {
+        if self.paused_steps == 0 {
+            return None;
+        }
+        let mut reasons: Vec<(u64, PauseReason)> = [
+            (self.paused_too_slow, PauseReason::TooSlow),
+            (self.paused_low_acceptance, PauseReason::LowAcceptance),
+            (self.paused_calibrating, PauseReason::Calibrating),
+        ]
+        .into_iter()
+        .filter(|(n, _)| *n > 0)
+        .collect();
+        reasons.sort_by_key(|r| std::cmp::Reverse(r.0));
+        let why = reasons
+            .iter()
+            .map(|(n, r)| {
+                let plural = if *n == 1 { "" } else { "s" };
+                format!("{} ({n} step{plural})", r.explanation())
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        Some(format!(
+            "speculation paused on {} of {} steps: {why}",
+            self.paused_steps, self.steps
+        ))
     }
 
     /// A few lines for `specula run`.
@@ -111,7 +160,7 @@ impl SpecStats {
         format!(
             "speculation: {} steps, {} drafted, {} accepted ({:.1}%), mean accepted length {:.2}, {:.3} target passes/token\n\
              acceptance by draft position: [{by_position}]\n\
-             time: draft {:.3}s, verify {:.3}s, sampling {:.3}s",
+             time: draft {:.3}s, verify {:.3}s, sampling {:.3}s{}",
             self.steps,
             self.drafted,
             self.accepted + self.clamped,
@@ -121,6 +170,9 @@ impl SpecStats {
             self.draft_seconds,
             self.verify_seconds,
             self.sample_seconds,
+            self.pause_report()
+                .map(|p| format!("\n{p}"))
+                .unwrap_or_default(),
         )
     }
 }
@@ -142,6 +194,24 @@ fn ratio(a: u64, b: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pause_report_says_why_largest_first() {
+        let mut s = SpecStats {
+            steps: 200,
+            ..Default::default()
+        };
+        assert_eq!(s.pause_report(), None);
+        s.record_pause(PauseReason::Calibrating);
+        for _ in 0..3 {
+            s.record_pause(PauseReason::TooSlow);
+        }
+        assert_eq!(
+            s.pause_report().unwrap(),
+            "speculation paused on 4 of 200 steps: a verify pass cost more time than it saved (3 steps); the first steps decode plainly to measure a plain token's cost (1 step)"
+        );
+        assert!(s.report().ends_with(&s.pause_report().unwrap()));
+    }
 
     #[test]
     fn verdicts_count_by_position() {

@@ -41,8 +41,10 @@ impl Daemon {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("daemon.log");
         let mut cmd = Command::new(specula_bin());
-        cmd.arg("serve").arg("--profiles");
-        cmd.args(sources);
+        cmd.arg("serve");
+        if !sources.is_empty() {
+            cmd.arg("--profiles").args(sources);
+        }
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }

@@ -30,6 +30,12 @@ def main() -> None:
 
     ids = [m.id for m in client.models.list().data]
     assert model in ids, ids
+    assert client.models.retrieve(model).id == model
+    try:
+        client.models.retrieve("no-such-model")
+        raise AssertionError("an unknown model was retrieved")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404, e
 
     # Completion.
     c = client.completions.create(

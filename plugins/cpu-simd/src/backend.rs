@@ -26,11 +26,12 @@
 //! its memory and the attention's memory traffic) and `weight_layout` (`interleaved`, the
 //! default: Q8_0 / Q4_0 / Q4_K matrices are repacked at load into interleaved 16-row groups where the
 //! CPU has AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every
-//! matrix is read from the mapped file as stored). Unknown options are ignored with a warning.
+//! matrix is read from the mapped file as stored). An unknown option is an error naming the
+//! known ones.
 
 use std::path::Path;
 
-use abi_stable::std_types::{ROption, RSlice, RVec};
+use abi_stable::std_types::{RSlice, RVec};
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use specula_kernels::{matmul, ops};
 use specula_plugin_api::{
@@ -99,6 +100,7 @@ struct Options {
 }
 
 impl Options {
+    /// Parses the options, reporting every bad one (not only the first) in one error.
     fn parse(params: &BackendParams) -> Result<Self, PluginError> {
         let mut options = Options {
             ring_budget_bytes: None,
@@ -106,50 +108,63 @@ impl Options {
             kv_type: KvType::default(),
             weight_layout: WeightLayout::Interleaved,
         };
+        let mut problems = Vec::new();
         for option in params.options.iter() {
             let (key, value) = (option.0.as_str(), option.1.as_str().trim());
-            match key {
-                OPTION_RING_BUDGET_BYTES => {
-                    let bytes = value.parse::<u64>().map_err(|_| {
-                        PluginError::invalid_input(format!(
-                            "cpu-simd: option '{key}' = '{value}': expected a number of bytes"
-                        ))
-                    })?;
-                    options.ring_budget_bytes = Some(bytes);
+            let expected = match key {
+                OPTION_RING_BUDGET_BYTES => match value.parse::<u64>() {
+                    Ok(bytes) => {
+                        options.ring_budget_bytes = Some(bytes);
+                        continue;
+                    }
+                    Err(_) => "a number of bytes",
+                },
+                OPTION_DEEP_ROLLBACK => match value {
+                    "redecode" => {
+                        options.deep_rollback = DeepRollback::Redecode;
+                        continue;
+                    }
+                    "refuse" => {
+                        options.deep_rollback = DeepRollback::Refuse;
+                        continue;
+                    }
+                    _ => "'redecode' or 'refuse'",
+                },
+                OPTION_KV_TYPE => match KvType::from_name(value) {
+                    Some(kv_type) => {
+                        options.kv_type = kv_type;
+                        continue;
+                    }
+                    None => "'f32' or 'f16'",
+                },
+                OPTION_WEIGHT_LAYOUT => match value {
+                    "interleaved" => {
+                        options.weight_layout = WeightLayout::Interleaved;
+                        continue;
+                    }
+                    "file" => {
+                        options.weight_layout = WeightLayout::File;
+                        continue;
+                    }
+                    _ => "'interleaved' or 'file'",
+                },
+                _ => {
+                    problems.push(format!(
+                        "unknown option '{key}' (known: {OPTION_RING_BUDGET_BYTES}, {OPTION_DEEP_ROLLBACK}, {OPTION_KV_TYPE}, {OPTION_WEIGHT_LAYOUT})"
+                    ));
+                    continue;
                 }
-                OPTION_DEEP_ROLLBACK => {
-                    options.deep_rollback = match value {
-                        "redecode" => DeepRollback::Redecode,
-                        "refuse" => DeepRollback::Refuse,
-                        _ => {
-                            return Err(PluginError::invalid_input(format!(
-                            "cpu-simd: option '{key}' = '{value}': expected 'redecode' or 'refuse'"
-                        )))
-                        }
-                    };
-                }
-                OPTION_KV_TYPE => {
-                    options.kv_type = KvType::from_name(value).ok_or_else(|| {
-                        PluginError::invalid_input(format!(
-                            "cpu-simd: option '{key}' = '{value}': expected 'f32' or 'f16'"
-                        ))
-                    })?;
-                }
-                OPTION_WEIGHT_LAYOUT => {
-                    options.weight_layout = match value {
-                        "interleaved" => WeightLayout::Interleaved,
-                        "file" => WeightLayout::File,
-                        _ => {
-                            return Err(PluginError::invalid_input(format!(
-                                "cpu-simd: option '{key}' = '{value}': expected 'interleaved' or 'file'"
-                            )))
-                        }
-                    };
-                }
-                _ => tracing::warn!("cpu-simd: ignoring unknown option '{key}' = '{value}'"),
-            }
+            };
+            problems.push(format!("option '{key}' = '{value}': expected {expected}"));
         }
-        Ok(options)
+        if problems.is_empty() {
+            Ok(options)
+        } else {
+            Err(PluginError::invalid_input(format!(
+                "{PLUGIN}: {}",
+                problems.join("; ")
+            )))
+        }
     }
 }
 
@@ -208,25 +223,35 @@ fn internal(what: &str) -> PluginError {
     PluginError::new(ErrorKind::Internal, format!("cpu-simd: {what}"))
 }
 
+/// The context size in effect for `params`, warning when the asked one is capped.
+fn context_size(model: &Model, params: &BackendParams, path: &Path) -> u32 {
+    let n_ctx = model.context_size(params.context_size);
+    if params.context_size > n_ctx {
+        tracing::warn!(
+            "{PLUGIN}: context size {} exceeds the {n_ctx} tokens {} was trained for; using {n_ctx}",
+            params.context_size,
+            path.display()
+        );
+    }
+    n_ctx
+}
+
 impl CpuBackend {
+    /// Checks `params` as [`open`](Self::open) does — the options and the model file's
+    /// header, tensor records and shapes — without reading weights or allocating caches.
+    pub fn probe(params: &BackendParams) -> Result<ModelInfo, PluginError> {
+        Options::parse(params)?;
+        let path = Path::new(params.model_path.as_str());
+        let model = Model::load(path)?;
+        Ok(model.info(context_size(&model, params, path)))
+    }
+
     /// Opens the model named by `params` and sets up an empty sequence.
     pub fn open(params: &BackendParams) -> Result<Self, PluginError> {
+        let options = Options::parse(params)?;
         let path = Path::new(params.model_path.as_str());
         let mut model = Model::load(path)?;
-        let hp = model.hparams.clone();
-        let train_ctx = hp.context_length;
-        let n_ctx = match params.context_size {
-            0 => train_ctx,
-            asked if asked > train_ctx => {
-                tracing::warn!(
-                    "cpu-simd: context size {asked} exceeds the {train_ctx} tokens {} was trained for; using {train_ctx}",
-                    path.display()
-                );
-                train_ctx
-            }
-            asked => asked,
-        };
-        let options = Options::parse(params)?;
+        let n_ctx = context_size(&model, params, path);
         let threads = match params.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n as usize,
@@ -336,25 +361,13 @@ impl CpuBackend {
             }
         };
         let batch_rows = MIN_BATCH_ROWS.max(capabilities.max_verify_tokens as usize);
-        let info = ModelInfo {
-            architecture: model.arch.name().into(),
-            name: model.name.as_str().into(),
-            vocab_size: hp.vocab_size,
-            context_size: n_ctx,
-            train_context_length: train_ctx,
-            hidden_size: hp.embedding_length,
-            n_layers: hp.block_count,
-            bos_token: ROption::from(model.bos_token),
-            eos_token: ROption::from(model.eos_token),
-            has_mtp_head,
-            n_params: model.n_params,
-            weight_bytes: model.graph.bytes_per_token(),
-        };
+        let info = model.info(n_ctx);
+        debug_assert_eq!(info.has_mtp_head, has_mtp_head);
         tracing::debug!(
             "cpu-simd: opened {} ({}, {} layers, {} threads, context {n_ctx}, KV cache {} bytes, {} snapshot bytes per slot × {})",
             path.display(),
             model.arch.name(),
-            hp.block_count,
+            model.hparams.block_count,
             threads,
             kv.n_bytes(),
             capabilities.snapshot_bytes_per_slot,

@@ -25,7 +25,7 @@
 
 use std::path::Path;
 
-use abi_stable::std_types::{ROption, RSlice, RVec};
+use abi_stable::std_types::{RSlice, RVec};
 use std::sync::Arc;
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
@@ -271,6 +271,17 @@ impl CudaBackend {
         Self::open_with(params, &options, Mode::Gpu)
     }
 
+    /// Checks `params` as [`open`](Self::open) does — the options, that the CUDA driver
+    /// loads, and the model file's header, tensor records and shapes — without touching the
+    /// GPU, reading weights or allocating caches.
+    pub fn probe(params: &BackendParams) -> Result<ModelInfo, PluginError> {
+        Options::parse(params)?;
+        driver::probe_driver()?;
+        let path = Path::new(params.model_path.as_str());
+        let model = Model::load(path).map_err(|e| rebrand(e.into()))?;
+        Ok(model.info(model.context_size(params.context_size)))
+    }
+
     /// Opens the model with every layer on the host, without looking for a GPU: the
     /// host-side machinery of this backend (placement suffix of zero, host ring, rollback,
     /// the MTP step) on machines without CUDA. For tests; profiles always get [`open`].
@@ -303,18 +314,15 @@ impl CudaBackend {
         let path = Path::new(params.model_path.as_str());
         let mut model = Model::load(path).map_err(|e| rebrand(e.into()))?;
         let hp = model.hparams.clone();
-        let train_ctx = hp.context_length;
-        let n_ctx = match params.context_size {
-            0 => train_ctx,
-            asked if asked > train_ctx => {
-                tracing::warn!(
-                    "cuda-hybrid: context size {asked} exceeds the {train_ctx} tokens {} was trained for; using {train_ctx}",
-                    path.display()
-                );
-                train_ctx
-            }
-            asked => asked,
-        } as usize;
+        let n_ctx = model.context_size(params.context_size);
+        if params.context_size > n_ctx {
+            tracing::warn!(
+                "cuda-hybrid: context size {} exceeds the {n_ctx} tokens {} was trained for; using {n_ctx}",
+                params.context_size,
+                path.display()
+            );
+        }
+        let n_ctx = n_ctx as usize;
         let threads = match params.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n as usize,
@@ -509,20 +517,7 @@ impl CudaBackend {
             mtp_head: has_mtp_head,
             snapshot_bytes_per_slot: snapshot_bytes,
         };
-        let info = ModelInfo {
-            architecture: model.arch.name().into(),
-            name: model.name.as_str().into(),
-            vocab_size: hp.vocab_size,
-            context_size: n_ctx as u32,
-            train_context_length: train_ctx,
-            hidden_size: hp.embedding_length,
-            n_layers: hp.block_count,
-            bos_token: ROption::from(model.bos_token),
-            eos_token: ROption::from(model.eos_token),
-            has_mtp_head,
-            n_params: model.n_params,
-            weight_bytes: model.graph.bytes_per_token(),
-        };
+        let info = model.info(n_ctx as u32);
         tracing::info!(
             "cuda-hybrid: {}: {} of {n_layers} layers on the GPU{} ({} MiB of device memory), the rest on {threads} CPU threads; GPU: {device_description}",
             path.display(),

@@ -29,40 +29,12 @@ pub mod placement;
 
 pub use backend::CudaBackend;
 
-use specula_plugin_api::backend::box_forward_pass;
-use specula_plugin_api::{
-    guard, BackendParams, BoxedForwardPass, PluginInfo, PluginKind, PluginModule, PluginModuleRef,
-    PluginResult,
-};
-
 /// The name profiles select this plugin by.
 pub const PLUGIN_NAME: &str = "cuda-hybrid";
 
-const DESCRIPTION: &str =
-    "GGUF models on an NVIDIA GPU via CUDA (driver + NVRTC loaded at run time), layers that do not fit on the CPU";
-
-fn describe() -> PluginInfo {
-    PluginInfo::new(
-        PLUGIN_NAME,
-        env!("CARGO_PKG_VERSION"),
-        PluginKind::Backend,
-        DESCRIPTION,
-    )
+specula_plugin_api::export_backend! {
+    name: PLUGIN_NAME,
+    description: "GGUF models on an NVIDIA GPU via CUDA (driver + NVRTC loaded at run time), layers that do not fit on the CPU",
+    open: CudaBackend::open,
+    probe: CudaBackend::probe,
 }
-
-extern "C" fn plugin_info() -> PluginInfo {
-    guard(|| Ok(describe()))
-        .into_result()
-        .unwrap_or_else(|_| describe())
-}
-
-extern "C" fn open_backend(params: &BackendParams) -> PluginResult<BoxedForwardPass> {
-    guard(|| CudaBackend::open(params).map(box_forward_pass))
-}
-
-/// The plugin's root module (what the host loads).
-pub fn plugin_module() -> PluginModuleRef {
-    PluginModule::backend(plugin_info, open_backend)
-}
-
-specula_plugin_api::export_plugin!(plugin_module());

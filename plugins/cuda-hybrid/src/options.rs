@@ -10,7 +10,7 @@
 //! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.13` or `.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
 //! | `kernel_cache` | directory for compiled PTX, or `off` | `$SPECULA_HOME/cuda-kernels`, else `$XDG_CACHE_HOME/specula/cuda-kernels`, else `~/.cache/specula/cuda-kernels` |
 //!
-//! Unknown options are ignored with a warning; malformed values are `InvalidInput` errors
+//! Unknown options and malformed values are `InvalidInput` errors
 //! naming the option.
 
 use std::path::PathBuf;
@@ -24,6 +24,17 @@ pub const OPTION_RING_BUDGET_BYTES: &str = "ring_budget_bytes";
 pub const OPTION_DEEP_ROLLBACK: &str = "deep_rollback";
 pub const OPTION_NVRTC_PATH: &str = "nvrtc_path";
 pub const OPTION_KERNEL_CACHE: &str = "kernel_cache";
+
+/// Every option name, for the error an unknown one gets.
+const KNOWN_OPTIONS: [&str; 7] = [
+    OPTION_GPU_LAYERS,
+    OPTION_VRAM_BUDGET,
+    OPTION_DEVICE,
+    OPTION_RING_BUDGET_BYTES,
+    OPTION_DEEP_ROLLBACK,
+    OPTION_NVRTC_PATH,
+    OPTION_KERNEL_CACHE,
+];
 
 /// How many trunk layers go on the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +169,12 @@ impl Options {
                         dir => Some(PathBuf::from(dir)),
                     }
                 }
-                _ => tracing::warn!("cuda-hybrid: ignoring unknown option '{key}' = '{value}'"),
+                _ => {
+                    return Err(PluginError::invalid_input(format!(
+                        "cuda-hybrid: unknown option '{key}' (known: {})",
+                        KNOWN_OPTIONS.join(", ")
+                    )))
+                }
             }
         }
         Ok(options)
@@ -205,9 +221,14 @@ mod tests {
             ("deep_rollback", "refuse"),
             ("nvrtc_path", "/opt/nvrtc/lib"),
             ("kernel_cache", "off"),
-            ("something_else", "x"),
         ]))
         .unwrap();
+        let unknown = Options::parse(&params(&[("gpu_layer", "3")])).unwrap_err();
+        assert!(
+            unknown.message.contains("unknown option 'gpu_layer'")
+                && unknown.message.contains("gpu_layers"),
+            "{unknown}"
+        );
         assert_eq!(o.gpu_layers, GpuLayers::Count(12));
         assert_eq!(o.vram_budget, Some(6 << 30));
         assert_eq!(o.device, 1);

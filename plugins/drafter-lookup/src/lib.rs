@@ -10,10 +10,9 @@
 mod ngram;
 
 use abi_stable::std_types::RSlice;
-use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
-    export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
-    PanicFence, PluginError, PluginInfo, PluginKind, PluginModule, PluginModuleRef, PluginResult,
+    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, PanicFence, PluginError,
+    PluginResult,
 };
 
 pub use ngram::{Match, NgramIndex};
@@ -30,7 +29,12 @@ pub struct LookupDrafter {
 }
 
 impl LookupDrafter {
-    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+    /// Checks `params`' options: `n_min` and `n_max`, with 1 <= n_min <= n_max.
+    pub fn check(params: &DrafterParams) -> Result<(), PluginError> {
+        Self::lengths(params).map(|_| ())
+    }
+
+    fn lengths(params: &DrafterParams) -> Result<(usize, usize), PluginError> {
         params.check_options(&["n_min", "n_max"])?;
         let n_min: usize = params.parse_option("n_min", 2)?;
         let n_max: usize = params.parse_option("n_max", 5)?;
@@ -39,6 +43,11 @@ impl LookupDrafter {
                 "drafter.options: need 1 <= n_min <= n_max, got n_min = {n_min}, n_max = {n_max}"
             )));
         }
+        Ok((n_min, n_max))
+    }
+
+    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+        let (n_min, n_max) = Self::lengths(params)?;
         let mut corpus = NgramIndex::new(n_min);
         corpus.extend(&params.corpus);
         Ok(Self {
@@ -118,25 +127,12 @@ impl Drafter for LookupDrafter {
     }
 }
 
-extern "C" fn info() -> PluginInfo {
-    PluginInfo::new(
-        "lookup",
-        env!("CARGO_PKG_VERSION"),
-        PluginKind::Drafter,
-        "prompt-lookup (n-gram) drafting, optionally from a static corpus",
-    )
+specula_plugin_api::export_drafter! {
+    name: "lookup",
+    description: "prompt-lookup (n-gram) drafting, optionally from a static corpus",
+    create: LookupDrafter::new,
+    check: LookupDrafter::check,
 }
-
-extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
-    guard(|| LookupDrafter::new(params).map(box_drafter))
-}
-
-/// The plugin's root module.
-pub fn plugin_module() -> PluginModuleRef {
-    PluginModule::drafter(info, create)
-}
-
-export_plugin!(plugin_module());
 
 #[cfg(test)]
 mod tests {

@@ -10,11 +10,9 @@
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
 use specula_drafting::DraftPicker;
-use specula_plugin_api::drafter::box_drafter;
 use specula_plugin_api::{
-    export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
-    ErrorKind, ForwardPassMut, LogitRows, PanicFence, PluginError, PluginInfo, PluginKind,
-    PluginModule, PluginModuleRef, PluginResult,
+    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ErrorKind, ForwardPassMut,
+    LogitRows, PanicFence, PluginError, PluginResult,
 };
 
 /// The draft-model drafter.
@@ -29,22 +27,29 @@ pub struct ModelDrafter {
 }
 
 impl ModelDrafter {
-    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
-        params.check_options(&[])?;
-        let ROption::RSome(draft) = &params.draft_model else {
-            return Err(PluginError::invalid_input(
+    /// Checks that `params` can make a drafter: no options, and a draft model whose
+    /// vocabulary is the target's size.
+    pub fn check(params: &DrafterParams) -> Result<(), PluginError> {
+        let draft = match &params.draft_model {
+            ROption::RNone => Err(PluginError::invalid_input(
                 "the model drafter needs a draft model: set `[drafter] model = FILE` in the profile (or --draft-model)",
-            ));
+            )),
+            ROption::RSome(draft) if draft.vocab_size != params.target.vocab_size => {
+                Err(PluginError::invalid_input(format!(
+                    "target and draft vocabularies differ: {} has {} tokens, {} has {}",
+                    params.target.name, params.target.vocab_size, draft.name, draft.vocab_size
+                )))
+            }
+            ROption::RSome(_) => Ok(()),
         };
-        if draft.vocab_size != params.target.vocab_size {
-            return Err(PluginError::invalid_input(format!(
-                "target and draft vocabularies differ: {} has {} tokens, {} has {}",
-                params.target.name, params.target.vocab_size, draft.name, draft.vocab_size
-            )));
-        }
+        PluginError::all([draft, params.check_options(&[])])
+    }
+
+    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+        Self::check(params)?;
         Ok(Self {
             fence: PanicFence::default(),
-            vocab: draft.vocab_size as usize,
+            vocab: params.target.vocab_size as usize,
             cached: Vec::new(),
             logits: RVec::new(),
         })
@@ -157,22 +162,9 @@ impl Drafter for ModelDrafter {
     }
 }
 
-extern "C" fn info() -> PluginInfo {
-    PluginInfo::new(
-        "model",
-        env!("CARGO_PKG_VERSION"),
-        PluginKind::Drafter,
-        "drafting with a small draft model that shares the target's vocabulary",
-    )
+specula_plugin_api::export_drafter! {
+    name: "model",
+    description: "drafting with a small draft model that shares the target's vocabulary",
+    create: ModelDrafter::new,
+    check: ModelDrafter::check,
 }
-
-extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
-    guard(|| ModelDrafter::new(params).map(box_drafter))
-}
-
-/// The plugin's root module.
-pub fn plugin_module() -> PluginModuleRef {
-    PluginModule::drafter(info, create)
-}
-
-export_plugin!(plugin_module());

@@ -13,9 +13,8 @@
 use abi_stable::std_types::{RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
-    box_drafter, export_plugin, guard, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels,
-    DrafterParams, ForwardPassMut, LogitRows, PanicFence, PluginError, PluginInfo, PluginKind,
-    PluginModule, PluginModuleRef, PluginResult,
+    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ForwardPassMut, LogitRows,
+    PanicFence, PluginError, PluginResult,
 };
 
 /// The MTP self-speculation drafter.
@@ -40,15 +39,23 @@ pub struct MtpDrafter {
 }
 
 impl MtpDrafter {
-    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
-        params.check_options(&[])?;
+    /// Checks that `params` can make a drafter: no options, and a target with an MTP head.
+    pub fn check(params: &DrafterParams) -> Result<(), PluginError> {
         let target = &params.target;
-        if !target.has_mtp_head {
-            return Err(PluginError::unsupported(format!(
+        let head = if target.has_mtp_head {
+            Ok(())
+        } else {
+            Err(PluginError::unsupported(format!(
                 "the mtp drafter needs a target with an MTP (NextN) head; {} ({}) has none",
                 target.name, target.architecture
-            )));
-        }
+            )))
+        };
+        PluginError::all([head, params.check_options(&[])])
+    }
+
+    pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
+        Self::check(params)?;
+        let target = &params.target;
         Ok(Self {
             fence: PanicFence::default(),
             hidden_size: target.hidden_size as usize,
@@ -207,22 +214,9 @@ impl Drafter for MtpDrafter {
     }
 }
 
-extern "C" fn info() -> PluginInfo {
-    PluginInfo::new(
-        "mtp",
-        env!("CARGO_PKG_VERSION"),
-        PluginKind::Drafter,
-        "self-speculation through the target's MTP (NextN) head",
-    )
+specula_plugin_api::export_drafter! {
+    name: "mtp",
+    description: "self-speculation through the target's MTP (NextN) head",
+    create: MtpDrafter::new,
+    check: MtpDrafter::check,
 }
-
-extern "C" fn create(params: &DrafterParams) -> PluginResult<BoxedDrafter> {
-    guard(|| MtpDrafter::new(params).map(box_drafter))
-}
-
-/// The plugin's root module.
-pub fn plugin_module() -> PluginModuleRef {
-    PluginModule::drafter(info, create)
-}
-
-export_plugin!(plugin_module());

@@ -6,7 +6,7 @@ pub mod weights;
 use std::path::Path;
 
 use specula_gguf::{GgmlType, GgufError, GgufFile, HParams};
-use specula_plugin_api::{ErrorKind, PluginError};
+use specula_plugin_api::{ErrorKind, ModelInfo, PluginError};
 
 use crate::arch::hybrid::{HybridModel, Mixer};
 use crate::arch::{Architecture, DenseConfig};
@@ -199,6 +199,41 @@ impl std::fmt::Debug for Model {
 }
 
 impl Model {
+    /// The context size in effect for a request of `asked` tokens: the trained length for 0,
+    /// and at most the trained length otherwise.
+    pub fn context_size(&self, asked: u32) -> u32 {
+        let trained = self.hparams.context_length;
+        if asked == 0 {
+            trained
+        } else {
+            asked.min(trained)
+        }
+    }
+
+    /// Whether the model has an MTP / NextN head.
+    pub fn has_mtp_head(&self) -> bool {
+        matches!(&self.graph, Graph::Hybrid(h) if h.weights.mtp.is_some())
+    }
+
+    /// What the host is told about the model, with `n_ctx` the context size in effect.
+    pub fn info(&self, n_ctx: u32) -> ModelInfo {
+        let hp = &self.hparams;
+        ModelInfo {
+            architecture: self.arch.name().into(),
+            name: self.name.as_str().into(),
+            vocab_size: hp.vocab_size,
+            context_size: n_ctx,
+            train_context_length: hp.context_length,
+            hidden_size: hp.embedding_length,
+            n_layers: hp.block_count,
+            bos_token: self.bos_token.into(),
+            eos_token: self.eos_token.into(),
+            has_mtp_head: self.has_mtp_head(),
+            n_params: self.n_params,
+            weight_bytes: self.graph.bytes_per_token(),
+        }
+    }
+
     /// Repacks the weight matrices at the sites `select` picks into the interleaved layout the
     /// multi-row kernels read fastest, where the SIMD level and the weight type have one
     /// ([`weights::interleave_matrices`], run on the current rayon pool). Returns the bytes of
