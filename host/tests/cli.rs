@@ -798,12 +798,20 @@ fn bench_reports_every_figure_as_json() {
             "--prompt-tokens",
             "16",
             "--drafters",
-            "oracle",
+            "oracle,mtp",
             "--json",
+            "--plot",
+            dir.path().join("bench.svg").to_str().unwrap(),
         ],
         dir.path(),
     );
     let report = json_of(&out);
+    // mtp cannot run on stories260K: skipped, saying why.
+    let skipped = report["skipped"].to_string();
+    assert!(
+        skipped.contains("mtp") && skipped.contains("no MTP head"),
+        "{skipped}"
+    );
     let verify = report["verify"].as_array().expect("verify costs");
     assert!(verify.len() >= 8, "{verify:?}");
     assert_eq!(verify[0]["k"], 1);
@@ -835,6 +843,24 @@ fn bench_reports_every_figure_as_json() {
     assert!(ratio > 0.0 && ideal > 0.0, "{oracle}");
     let efficiency = oracle["efficiency"].as_f64().unwrap();
     assert!((efficiency - speedup / ideal).abs() < 1e-9, "{oracle}");
+
+    // The plot: valid SVG whose text carries the figures.
+    let svg = std::fs::read_to_string(dir.path().join("bench.svg")).unwrap();
+    let doc = roxmltree::Document::parse(&svg).expect("the plot is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let texts: Vec<&str> = doc
+        .descendants()
+        .filter(|n| n.is_text())
+        .filter_map(|n| n.text())
+        .collect();
+    let has = |needle: &str| texts.iter().any(|t| t.contains(needle));
+    assert!(has("verify cost"), "{texts:?}");
+    assert!(has(&format!("oracle {speedup:.2}x")), "{texts:?}");
+    assert!(has("ideal: k / cost(k)"), "{texts:?}");
+    for v in verify {
+        let ratio = format!("{:.2}", v["ratio"].as_f64().unwrap());
+        assert!(has(&ratio), "no {ratio} in {texts:?}");
+    }
 }
 
 /// `specula` with `args`, killed if it runs longer than `limit` (then `None`): for inputs that
@@ -944,4 +970,41 @@ fn unbounded_and_oversized_inputs_are_refused() {
             "{args:?}: {err}"
         );
     }
+}
+
+#[test]
+fn tokenize_and_detokenize_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let stories = shared("models/stories260K.gguf");
+    let m = stories.to_str().unwrap();
+    let out = specula_ok(&["tokenize", "-m", m, "Once upon a time"], dir.path());
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    assert!(
+        lines[0].contains("1 -> \"<s>\"") && lines[1].contains("403 -> \" Once\""),
+        "{lines:?}"
+    );
+    let out = specula_ok(
+        &["tokenize", "-m", m, "--no-bos", "--ids", "Once upon a time"],
+        dir.path(),
+    );
+    assert_eq!(stdout(&out).trim(), "[403, 407, 261, 378]");
+    let out = specula_ok(&["tokenize", "-m", m, "--json", "Once"], dir.path());
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!([{"id": 1, "piece": "<s>"}, {"id": 403, "piece": " Once"}])
+    );
+    let out = specula_ok(
+        &["detokenize", "-m", m, "1", "403", "407,261", "[378]"],
+        dir.path(),
+    );
+    assert_eq!(stdout(&out), "Once upon a time\n");
+    let out = specula(&["detokenize", "-m", m, "1", "512"], dir.path());
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("token id 512 is out of range"),
+        "{}",
+        stderr(&out)
+    );
 }

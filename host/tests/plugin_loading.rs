@@ -249,3 +249,66 @@ fn a_backend_is_refused_where_a_drafter_is_expected() {
     assert!(matches!(err, PluginError::WrongKind { .. }), "{err}");
     assert!(err.to_string().contains("is a backend plugin"), "{err}");
 }
+
+/// A plugin is selected by its file name, and listed by it: a copy of the lookup drafter saved
+/// as `libspecula_lookup_copy.so` is `lookup-copy` (also `lookup_copy`) in the listing and in
+/// profiles, with a note that it calls itself `lookup`; two libraries answering to one name
+/// get a warning naming the one profiles get.
+#[test]
+fn a_plugin_is_listed_and_selected_by_one_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join(library_file_name("lookup_copy"));
+    std::fs::copy(plugin_library("drafter-lookup"), &copy).unwrap();
+    // A second library answering to `lookup`, in a directory searched first.
+    let first = tempfile::tempdir().unwrap();
+    let shadow = first.path().join(library_file_name("lookup"));
+    std::fs::copy(plugin_library("drafter-lookup"), &shadow).unwrap();
+    let search = SearchPath::from_dirs([
+        first.path().to_path_buf(),
+        dir.path().to_path_buf(),
+        plugin_dir(),
+    ]);
+    for name in ["lookup-copy", "lookup_copy"] {
+        let plugin = search.load(name, PluginKind::Drafter).unwrap();
+        assert_eq!(plugin.path(), copy.as_path());
+    }
+    assert_eq!(
+        search.load("lookup", PluginKind::Drafter).unwrap().path(),
+        shadow.as_path()
+    );
+
+    let home = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(specula_bin())
+        .arg("plugins")
+        .env("SPECULA_HOME", home.path())
+        .env(
+            "SPECULA_PLUGIN_PATH",
+            std::env::join_paths([first.path(), dir.path(), plugin_dir().as_path()]).unwrap(),
+        )
+        .output()
+        .unwrap();
+    let listing = stdout(&out);
+    let row = listing
+        .lines()
+        .find(|l| l.contains("libspecula_lookup_copy"))
+        .unwrap_or_else(|| panic!("the copy is not listed:\n{listing}"));
+    assert!(row.starts_with("lookup-copy "), "{row}");
+    assert!(
+        listing.contains(
+            "calls itself 'lookup'; profiles select it by its file name, as 'lookup-copy'"
+        ),
+        "{listing}"
+    );
+    let warning = listing
+        .lines()
+        .find(|l| l.starts_with("warning:"))
+        .unwrap_or_else(|| panic!("no warning about the two 'lookup's:\n{listing}"));
+    assert!(
+        warning.contains("answer to the drafter name 'lookup'")
+            && warning.ends_with(&format!("get {}", shadow.display())),
+        "{warning}"
+    );
+    // The same library reached through hard links (target/*/ and target/*/deps/) is one
+    // library, not a conflict.
+    assert!(!listing.contains("name 'cpu-simd'"), "{listing}");
+}

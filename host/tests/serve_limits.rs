@@ -356,9 +356,9 @@ fn a_plugin_rebuilt_at_the_same_path_serves_after_a_forced_reload() {
     std::fs::write(
         &profile,
         format!(
-            "plugin_dir = {:?}\n[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 1\n[drafter]\nplugin = \"mine\"\n[sampling]\ntemperature = 0.0\n[serve]\nslots = 1\n",
-            plugins.to_str().unwrap(),
-            shared("models/trained/stories-qwen35-mtp-q8_0.gguf").to_str().unwrap()
+            "[target]\nbackend = \"cpu-simd\"\nmodel = {:?}\nthreads = 1\n[drafter]\nplugin = {:?}\n[sampling]\ntemperature = 0.0\n[serve]\nslots = 1\n",
+            shared("models/trained/stories-qwen35-mtp-q8_0.gguf").to_str().unwrap(),
+            drafter.to_str().unwrap()
         ),
     )
     .unwrap();

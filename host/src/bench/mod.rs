@@ -14,6 +14,9 @@
 //! runs taking turns), and the oracle's ideal against the verify cost measured there too.
 
 mod bandwidth;
+mod plot;
+
+pub use plot::write_svg;
 
 use std::time::Instant;
 
@@ -423,8 +426,10 @@ fn drafter_setup(
             ))
         }
         other => {
-            if profile.drafter.as_ref().is_some_and(|d| d.plugin == other) {
-                None // Already measured as "profile".
+            let measured_as_profile = options.drafters.iter().any(|d| d == "profile")
+                && profile.drafter.as_ref().is_some_and(|d| d.plugin == other);
+            if measured_as_profile {
+                None
             } else {
                 Some((settings, DrafterSection::named(other)))
             }

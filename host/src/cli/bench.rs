@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use crate::bench::{render, run, BenchOptions};
+use crate::bench::{render, run, write_svg, BenchOptions};
 use crate::profile::Profile;
 
 #[derive(Debug, clap::Args)]
@@ -35,6 +35,10 @@ pub struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Also draw the verify cost against k and each drafter's speedup (with the ideal
+    /// k / cost(k)) as an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
 }
 
 pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -51,6 +55,10 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
         ..BenchOptions::default()
     };
     let report = run(&profile, &options)?;
+    if let Some(path) = &args.plot {
+        write_svg(&report, path)?;
+        eprintln!("plot written to {}", path.display());
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

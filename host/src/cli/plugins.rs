@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use specula_plugin_api::ABI_VERSION;
 
 use super::ProfileArg;
-use crate::plugins::{list, SearchPath};
+use crate::plugins::{duplicate_names, list, SearchPath};
 use crate::profile::Profile;
 
 #[derive(Debug, clap::Args)]
@@ -36,15 +36,42 @@ pub fn run(args: PluginsArgs) -> anyhow::Result<ExitCode> {
         );
         for l in &ok {
             let info = l.result.as_ref().expect("partitioned");
+            let name = l.name.as_deref().unwrap_or(info.name.as_str());
             println!(
                 "{:<16} {:<8} {:<8} {:<4} {}",
-                info.name,
+                name,
                 info.kind.as_str(),
                 info.version,
                 ABI_VERSION,
                 l.path.display()
             );
         }
+    }
+    for l in &ok {
+        let info = l.result.as_ref().expect("partitioned");
+        if let Some(name) = l.name.as_deref().filter(|n| *n != info.name.as_str()) {
+            println!(
+                "note: {} calls itself '{}'; profiles select it by its file name, as '{name}'",
+                l.path.display(),
+                info.name
+            );
+        }
+    }
+    for (name, kind, paths) in duplicate_names(&listings) {
+        let chosen = search
+            .load(&name, kind)
+            .map(|p| p.path().display().to_string())
+            .unwrap_or_else(|e| format!("none ({e})"));
+        println!(
+            "warning: {} libraries answer to the {} name '{name}' ({}); profiles naming '{name}' get {chosen}",
+            paths.len(),
+            kind.as_str(),
+            paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
     if !rejected.is_empty() {
         println!("rejected:");

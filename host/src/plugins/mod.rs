@@ -266,19 +266,10 @@ impl SearchPath {
         let mut seen = Vec::new();
         let mut found = Vec::new();
         for dir in &self.dirs {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            let mut names: Vec<_> = entries
-                .filter_map(Result::ok)
-                .filter(|e| e.path().is_file())
-                .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|n| is_plugin_file_name(n))
-                .collect();
-            names.sort();
-            for name in names {
+            for path in plugin_files_in(dir) {
+                let name = path.file_name().map(|n| n.to_os_string());
                 if !seen.contains(&name) {
-                    found.push(dir.join(&name));
+                    found.push(path);
                     seen.push(name);
                 }
             }
@@ -286,7 +277,9 @@ impl SearchPath {
         found
     }
 
-    /// Finds and loads the plugin `reference` (a name, or a library path), which must be of `kind`.
+    /// Finds and loads the plugin `reference` (a name, or a library path), which must be of
+    /// `kind`. A name selects the first file named for it in search order:
+    /// `libspecula_NAME.so` or `libspecula_KIND_NAME.so` (see [`plugin_name_of`]).
     pub fn load(&self, reference: &str, kind: PluginKind) -> Result<LoadedPlugin, PluginError> {
         let path = if crate::profile::looks_like_path(reference) {
             PathBuf::from(reference)
@@ -311,6 +304,71 @@ impl SearchPath {
         plugin.expect_kind(kind)?;
         Ok(plugin)
     }
+}
+
+/// The name profiles select the library at `path` by, from its file name:
+/// `libspecula_cpu_simd.so` is `cpu-simd`, and a kind prefix is dropped for that kind
+/// (`libspecula_drafter_lookup.so` is the drafter `lookup`).
+pub fn plugin_name_of(path: &Path, kind: PluginKind) -> Option<String> {
+    let file = path.file_name()?.to_str()?;
+    let stem = file
+        .strip_prefix(&format!("{}specula_", std::env::consts::DLL_PREFIX))?
+        .strip_suffix(std::env::consts::DLL_SUFFIX)?;
+    let name = stem.replace('_', "-");
+    let kind_prefix = format!("{}-", kind.as_str());
+    Some(match name.strip_prefix(&kind_prefix) {
+        Some(rest) if !rest.is_empty() => rest.to_string(),
+        _ => name,
+    })
+}
+
+/// The plugin-named files of `dir`, sorted (none when it cannot be read).
+fn plugin_files_in(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.path().is_file())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| is_plugin_file_name(n))
+        .collect();
+    names.sort();
+    names.into_iter().map(|n| dir.join(n)).collect()
+}
+
+/// Whether two paths are the same file (the same inode where the platform says, so hard
+/// links such as cargo's `target/release/` and `target/release/deps/` copies count as one).
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (FileIdentity::of(a), FileIdentity::of(b)) {
+        (Ok(x), Ok(y)) if x.inode.is_some() => x.inode == y.inode,
+        _ => a.canonicalize().ok() == b.canonicalize().ok(),
+    }
+}
+
+/// Names that more than one library answers to (`libspecula_lookup.so` and
+/// `libspecula_drafter_lookup.so` are both `lookup`; hard links count once), with their
+/// paths: `(name, kind, paths)`.
+pub fn duplicate_names(listings: &[Listing]) -> Vec<(String, PluginKind, Vec<PathBuf>)> {
+    let mut by_name: Vec<(String, PluginKind, Vec<PathBuf>)> = Vec::new();
+    for l in listings {
+        let (Ok(info), Some(name)) = (&l.result, &l.name) else {
+            continue;
+        };
+        match by_name
+            .iter_mut()
+            .find(|(n, k, _)| n == name && *k == info.kind)
+        {
+            Some((_, _, paths)) => {
+                if !paths.iter().any(|p| same_file(p, &l.path)) {
+                    paths.push(l.path.clone());
+                }
+            }
+            None => by_name.push((name.clone(), info.kind, vec![l.path.clone()])),
+        }
+    }
+    by_name.retain(|(_, _, paths)| paths.len() > 1);
+    by_name
 }
 
 /// Which build of a plugin a pipeline runs, for logs and reload reports.
@@ -445,6 +503,8 @@ fn load_uncached(
 #[derive(Debug)]
 pub struct Listing {
     pub path: PathBuf,
+    /// The name profiles select it by ([`plugin_name_of`]), once it loaded.
+    pub name: Option<String>,
     pub result: Result<PluginInfo, PluginError>,
 }
 
@@ -455,7 +515,11 @@ pub fn list(search: &SearchPath) -> Vec<Listing> {
         .into_iter()
         .map(|path| {
             let result = load_library(&path).map(|p| p.info());
-            Listing { path, result }
+            let name = result
+                .as_ref()
+                .ok()
+                .and_then(|info| plugin_name_of(&path, info.kind));
+            Listing { path, name, result }
         })
         .collect()
 }
