@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+use abi_stable::abi_stability::abi_checking::{check_layout_compatibility, AbiInstabilityErrors};
 use abi_stable::library::lib_header_from_path;
 use abi_stable::std_types::{RString, RVec, Tuple2};
 use specula_plugin_api::{
@@ -479,8 +480,18 @@ fn load_uncached(
         path: owned.clone(),
         reason,
     };
-    let module = lib_header_from_path(copy)
-        .and_then(|header| header.init_root_module::<PluginModuleRef>())
+    let header = lib_header_from_path(copy).map_err(|e| layout(e.to_string()))?;
+    // The layout check abi_stable runs in `init_root_module` reports pages of formatted
+    // text; run it first here to say in a line where the mismatch is.
+    if let Some(plugin_layout) = header.layout() {
+        let host_layout = <PluginModuleRef as abi_stable::StableAbi>::LAYOUT;
+        if let Err(errors) = check_layout_compatibility(host_layout, plugin_layout) {
+            tracing::debug!("{}: abi_stable's layout report:\n{errors}", owned.display());
+            return Err(layout(layout_summary(&errors)));
+        }
+    }
+    let module = header
+        .init_root_module::<PluginModuleRef>()
         .map_err(|e| layout(e.to_string()))?;
     if module.abi_version() != ABI_VERSION {
         return Err(PluginError::AbiMismatch {
@@ -497,6 +508,75 @@ fn load_uncached(
         path,
         identity,
     })
+}
+
+/// A line for abi_stable's layout report (which runs to pages): where the first mismatch is
+/// and what differs. The whole report is logged at debug level.
+fn layout_summary(report: &AbiInstabilityErrors) -> String {
+    use abi_stable::abi_stability::abi_checking::AbiInstability as AI;
+    use abi_stable::type_layout::TLFieldOrFunction;
+    const REBUILD: &str = "rebuild the plugin against this host's specula-plugin-api";
+    // The report lists every type on the path to the mismatch; the mismatch is the first
+    // entry with errors.
+    let Some(first) = report.errors.iter().find(|e| !e.errs.is_empty()) else {
+        return format!("the root module's layout differs; {REBUILD}");
+    };
+    let fields: Vec<&TLFieldOrFunction> = first.stack_trace.iter().map(|s| &s.expected).collect();
+    // abi_stable's own plumbing on the path (trait objects, vtables, tuple fields) says
+    // nothing to a plugin author.
+    let plumbing = |name: &str| {
+        name.starts_with('_')
+            || name.starts_with("field_")
+            || matches!(name, "0" | "obj" | "vtable")
+    };
+    let path: Vec<String> = fields
+        .iter()
+        .filter_map(|f| match f {
+            TLFieldOrFunction::Field(f) if !plumbing(f.name()) => Some(f.name().to_string()),
+            _ => None,
+        })
+        .collect();
+    // The mismatched type and where it sits, e.g. `DraftRequest<'a>, argument 1 of
+    // create_drafter > propose`.
+    let place = match fields.last() {
+        Some(TLFieldOrFunction::Field(f)) => {
+            let (name, rest) = path
+                .split_last()
+                .map_or(("", &[][..]), |(n, r)| (n.as_str(), r));
+            let role = match name.strip_prefix("param_") {
+                Some(i) => format!("argument {i} of {}", rest.join(" > ")),
+                None if rest.is_empty() => format!("field `{name}`"),
+                None => format!("field `{name}` of {}", rest.join(" > ")),
+            };
+            format!("{}, {role}", f.full_type())
+        }
+        Some(TLFieldOrFunction::Function(f)) => format!("function {}", f.name),
+        None => "the root module".to_string(),
+    };
+    let differs = first
+        .errs
+        .iter()
+        .map(|e| match e {
+            AI::Size(v) => format!("size {} here, {} in the plugin", v.expected, v.found),
+            AI::Alignment(v) => format!("alignment {} here, {} in the plugin", v.expected, v.found),
+            AI::FieldCountMismatch(v) => {
+                format!("{} fields here, {} in the plugin", v.expected, v.found)
+            }
+            AI::UnexpectedField(v) => format!(
+                "field `{}` here, `{}` in the plugin",
+                v.expected.name(),
+                v.found.name()
+            ),
+            AI::Name(v) => format!("type {} here, {} in the plugin", v.expected, v.found),
+            AI::PackageVersion(v) => format!(
+                "package version {} here, {} in the plugin",
+                v.expected.version, v.found.version
+            ),
+            other => format!("{other:?}").chars().take(120).collect(),
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    format!("{place}: {differs}; {REBUILD}")
 }
 
 /// One row of `specula plugins`.
