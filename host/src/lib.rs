@@ -10,6 +10,7 @@
 //! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`);
 //! * [`builtin`]: the built-in default model and profile of `specula run`;
+//! * [`chat_template`]: rendering conversations with a model's GGUF chat template;
 //! * [`bench`](mod@bench): `specula bench`, speed figures measured side by side;
 //! * [`serve`]: `specula serve`, the OpenAI-compatible daemon with hot-reloaded profiles;
 //! * [`cli`]: the `specula` command line;
@@ -18,6 +19,7 @@
 pub mod bench;
 pub mod bounded;
 pub mod builtin;
+pub mod chat_template;
 pub mod check;
 pub mod cli;
 pub mod genmodel;

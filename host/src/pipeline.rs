@@ -29,6 +29,9 @@ pub struct Pipeline {
     pub drafter: Option<DrafterSlot>,
     /// The plugin builds this pipeline runs (target backend, drafter, draft-model backend).
     pub plugins: Vec<PluginProvenance>,
+    /// The tokens the target's sequence holds after the last generation (empty when unknown),
+    /// so a continuing one can keep them ([`crate::spec::generate_continuing`]).
+    pub cached: Vec<u32>,
 }
 
 impl Pipeline {
@@ -84,6 +87,7 @@ impl Pipeline {
             info,
             drafter,
             plugins,
+            cached: Vec::new(),
         })
     }
 }

@@ -29,6 +29,11 @@ pub struct Request {
 pub struct CancelFlag(Arc<AtomicBool>);
 
 impl CancelFlag {
+    /// A flag that is `shared`'s: whoever sets it (a signal handler, say) cancels.
+    pub fn shared(flag: Arc<AtomicBool>) -> Self {
+        Self(flag)
+    }
+
     /// Asks every holder of this flag to stop.
     pub fn cancel(&self) {
         self.0.store(true, Ordering::Relaxed);
@@ -59,14 +64,21 @@ pub enum StopReason {
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Timings {
     pub prompt_tokens: usize,
+    /// Of those, how many the target already held (a conversation's earlier turns) and did
+    /// not evaluate again.
+    pub reused_tokens: usize,
     pub prefill_seconds: f64,
     pub generated_tokens: usize,
     pub decode_seconds: f64,
 }
 
 impl Timings {
+    /// Prompt tokens evaluated per second (the reused ones cost nothing).
     pub fn prefill_tokens_per_second(&self) -> f64 {
-        rate(self.prompt_tokens, self.prefill_seconds)
+        rate(
+            self.prompt_tokens - self.reused_tokens,
+            self.prefill_seconds,
+        )
     }
 
     pub fn decode_tokens_per_second(&self) -> f64 {
@@ -153,8 +165,15 @@ fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
 
 /// Formats the closing summary of a run.
 pub fn summary(timings: &Timings) -> String {
+    let reused = match timings.reused_tokens {
+        0 => String::new(),
+        n => format!(
+            " ({n} kept from before, {} evaluated)",
+            timings.prompt_tokens - n
+        ),
+    };
     format!(
-        "prompt: {} tokens, prefill {:.1} t/s | generated: {} tokens, decode {:.1} t/s",
+        "prompt: {} tokens{reused}, prefill {:.1} t/s | generated: {} tokens, decode {:.1} t/s",
         timings.prompt_tokens,
         timings.prefill_tokens_per_second(),
         timings.generated_tokens,

@@ -324,7 +324,12 @@ struct BadDrafter {
 }
 
 impl Drafter for BadDrafter {
-    fn begin(&mut self, _prompt: RSlice<'_, u32>, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn begin(
+        &mut self,
+        _prompt: RSlice<'_, u32>,
+        _reused: u32,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         Ok(()).into()
     }
 

@@ -76,8 +76,16 @@ impl Draft {
 /// Proposes draft tokens continuing a context.
 #[sabi_trait]
 pub trait Drafter: Send + Sync {
-    /// Starts a new sequence with `prompt`.
-    fn begin(&mut self, prompt: RSlice<'_, u32>, models: DrafterModels<'_>) -> PluginResult<()>;
+    /// Starts a new sequence with `prompt`. The target kept the first `reused` tokens of
+    /// `prompt` from its previous sequence (a conversation's earlier turns), so the prompt
+    /// pass just before this call evaluated only `prompt[reused..]` (the rows
+    /// `hidden_states` returns); `reused` is 0 for a fresh sequence.
+    fn begin(
+        &mut self,
+        prompt: RSlice<'_, u32>,
+        reused: u32,
+        models: DrafterModels<'_>,
+    ) -> PluginResult<()>;
 
     /// Proposes up to `request.max_tokens` tokens continuing `request.context`. Writes into
     /// `out` (cleared first); proposing nothing is always allowed.

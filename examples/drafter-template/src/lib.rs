@@ -113,7 +113,12 @@ impl BigramDrafter {
 }
 
 impl Drafter for BigramDrafter {
-    fn begin(&mut self, prompt: RSlice<'_, u32>, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn begin(
+        &mut self,
+        prompt: RSlice<'_, u32>,
+        _reused: u32,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         self.fence.clone().guard(NAME, || {
             self.follows.clear();
             self.counted = 0;

@@ -1,11 +1,13 @@
 //! The `specula` command line.
 
 mod bench;
+mod chat;
 mod gen_model;
 mod plugins;
 mod profile;
 mod run;
 mod serve;
+mod setup;
 mod tokens;
 
 use std::path::PathBuf;
@@ -28,6 +30,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt (argument or stdin).
     Run(run::RunArgs),
+    /// Talk with a model, turn by turn, through its chat template.
+    Chat(chat::ChatArgs),
     /// List the plugins found in the plugin search path, and why any library was rejected.
     Plugins(plugins::PluginsArgs),
     /// Work with profiles.
@@ -57,6 +61,7 @@ pub fn main() -> ExitCode {
     init_logging(cli.log.as_deref(), default_filter);
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Chat(args) => chat::run(args),
         Command::Plugins(args) => plugins::run(args),
         Command::Profile(cmd) => profile::run(cmd),
         Command::GenModel(args) => gen_model::run(args),

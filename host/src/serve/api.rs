@@ -17,7 +17,7 @@ use crate::request::{Outcome, StopReason};
 use crate::sampling::SamplingParams;
 use crate::spec::SpecStats;
 
-use super::chat::ChatMessage;
+use crate::chat_template::ChatMessage;
 
 /// An error answer in OpenAI's format.
 #[derive(Debug, Clone, PartialEq)]

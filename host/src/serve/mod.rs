@@ -6,7 +6,7 @@
 //! * [`registry`]: the profiles, their loaded revisions, and reloading;
 //! * [`slots`]: per-profile slots (one pipeline each) and the bounded queue;
 //! * [`worker`]: running one request on a slot in a blocking task;
-//! * [`chat`]: chat templates (the GGUF's Jinja template through minijinja, or a fallback);
+//! * chat templates are [`crate::chat_template`] (shared with `specula chat`);
 //! * [`metrics`]: Prometheus metrics;
 //! * [`watch`]: reload triggers — debounced file events and SIGHUP;
 //! * [`listener`]: the accept loop, with connection limits and header / body / keep-alive
@@ -21,7 +21,6 @@
 
 pub mod api;
 pub mod auth;
-pub mod chat;
 pub mod listener;
 pub mod metrics;
 pub mod registry;

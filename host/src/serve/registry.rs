@@ -35,10 +35,10 @@ use crate::plugins::PluginProvenance;
 use crate::profile::{Profile, ProfileError};
 use crate::tokenizer::Tokenizer;
 
-use super::chat::ChatTemplate;
 use super::metrics::Metrics;
 use super::slots::{PoolGauges, SlotPool};
 use super::worker::panic_message;
+use crate::chat_template::ChatTemplate;
 
 /// Why a profile could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -122,30 +122,13 @@ impl Model {
                 profile.target.model.display()
             ))
         })?;
-        let token = |id: Option<u32>| {
-            id.and_then(|id| tokenizer.token_text(id))
-                .unwrap_or_default()
-                .to_string()
-        };
-        let (chat, chat_note) = match file.get_str("tokenizer.chat_template").ok().flatten() {
-            Some(source) => {
-                match ChatTemplate::new(
-                    Some(source),
-                    &token(tokenizer.bos()),
-                    &token(tokenizer.eos()),
-                ) {
-                    Ok(t) => (t, None),
-                    Err(e) => {
-                        tracing::warn!(
-                            model = name,
-                            "{e}; chat requests use the plain fallback format"
-                        );
-                        (ChatTemplate::fallback(), Some(e.to_string()))
-                    }
-                }
-            }
-            None => (ChatTemplate::fallback(), None),
-        };
+        let (chat, chat_note) = ChatTemplate::of_model(&file, &tokenizer);
+        if let Some(note) = &chat_note {
+            tracing::warn!(
+                model = name,
+                "{note}; chat requests use the plain fallback format"
+            );
+        }
         drop(file);
         let mut pipelines = Vec::new();
         for _ in 0..profile.serve.slots.max(1) {

@@ -254,22 +254,11 @@ fn build_request(
         Endpoint::Completions => body.prompt.clone().unwrap_or_default(),
         Endpoint::Chat => {
             let messages = body.chat_messages()?;
-            let mut text = model
+            let (text, bos) = model
                 .chat
-                .render(&messages, true)
+                .prompt(&messages, &model.tokenizer, add_bos)
                 .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-            // Templates write BOS themselves; the tokenizer must not add a second one.
-            let bos = model
-                .tokenizer
-                .bos()
-                .and_then(|b| model.tokenizer.token_text(b));
-            if let Some(bos) = bos.filter(|b| !b.is_empty() && text.starts_with(*b)) {
-                if add_bos && model.tokenizer.add_bos() {
-                    text.drain(..bos.len());
-                } else {
-                    add_bos = false;
-                }
-            }
+            add_bos = bos;
             stop.extend(model.chat.stops().iter().map(|s| s.to_string()));
             text
         }

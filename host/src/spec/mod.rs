@@ -106,10 +106,32 @@ impl<F: FnMut(&str)> Emitter<'_, F> {
 }
 
 /// Generates text for `request` with `pipeline`'s target, speculating with its drafter when
-/// the request asks for it. `on_text` receives text as soon as it is certain.
+/// the request asks for it. `on_text` receives text as soon as it is certain. The target
+/// starts from an empty sequence.
 pub fn generate(
     pipeline: &mut Pipeline,
     request: &Request,
+    on_text: impl FnMut(&str),
+) -> anyhow::Result<Outcome> {
+    run(pipeline, request, false, on_text)
+}
+
+/// Like [`generate`], but keeps the longest start of the prompt that the target still holds
+/// from the previous generation (a conversation's earlier turns) and evaluates only the rest.
+/// The output is the same: every row of a pass is bit-identical to that token evaluated
+/// alone, so how the prompt is split between passes changes nothing.
+pub fn generate_continuing(
+    pipeline: &mut Pipeline,
+    request: &Request,
+    on_text: impl FnMut(&str),
+) -> anyhow::Result<Outcome> {
+    run(pipeline, request, true, on_text)
+}
+
+fn run(
+    pipeline: &mut Pipeline,
+    request: &Request,
+    reuse: bool,
     on_text: impl FnMut(&str),
 ) -> anyhow::Result<Outcome> {
     let Pipeline {
@@ -117,6 +139,7 @@ pub fn generate(
         tokenizer,
         info,
         drafter,
+        cached,
         ..
     } = pipeline;
     let vocab = info.vocab_size as usize;
@@ -139,9 +162,27 @@ pub fn generate(
     let mut stats = SpecStats::default();
     let mut logits = RVec::new();
     let started = Instant::now();
-    target.truncate(0).into_result()?;
+    // What the target holds is known again only once this generation ends well.
+    let held = std::mem::take(cached);
+    let mut reused = if reuse {
+        // The last prompt token is always evaluated: its logits start the decoding.
+        let common = prompt.iter().zip(&held).take_while(|(a, b)| a == b).count();
+        common.min(prompt.len() - 1)
+    } else {
+        0
+    };
+    if reused > 0 && target.truncate(reused).into_result().is_err() {
+        reused = 0; // Beyond what the backend can roll back to: start afresh.
+    }
+    if reused == 0 {
+        target.truncate(0).into_result()?;
+    }
     target
-        .eval(RSlice::from_slice(&prompt), LogitRows::Last, &mut logits)
+        .eval(
+            RSlice::from_slice(&prompt[reused..]),
+            LogitRows::Last,
+            &mut logits,
+        )
         .into_result()
         .context("prompt evaluation failed")?;
     stats.target_passes += 1;
@@ -157,7 +198,7 @@ pub fn generate(
             let t = Instant::now();
             let models = lend(target, &mut slot.draft_model);
             slot.drafter
-                .begin(RSlice::from_slice(&prompt), models)
+                .begin(RSlice::from_slice(&prompt), reused as u32, models)
                 .into_result()
                 .with_context(|| format!("drafter '{}' failed to start", slot.name))?;
             stats.draft_seconds += t.elapsed().as_secs_f64();
@@ -358,9 +399,13 @@ pub fn generate(
     };
     out.finish(stop_reason);
     let decode_seconds = decode_started.elapsed().as_secs_f64();
+    let held = target.seq_len().into_result()?;
+    *cached = history;
+    cached.truncate(held);
     Ok(Outcome {
         timings: Timings {
             prompt_tokens: prompt.len(),
+            reused_tokens: reused,
             prefill_seconds,
             generated_tokens: out.tokens.len(),
             decode_seconds,

@@ -99,7 +99,12 @@ impl LookupDrafter {
 }
 
 impl Drafter for LookupDrafter {
-    fn begin(&mut self, prompt: RSlice<'_, u32>, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn begin(
+        &mut self,
+        prompt: RSlice<'_, u32>,
+        _reused: u32,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         self.fence.clone().guard("lookup", || {
             self.context.clear();
             self.context.extend(&prompt);

@@ -126,21 +126,22 @@ impl Drafter for ModelDrafter {
     fn begin(
         &mut self,
         prompt: RSlice<'_, u32>,
+        _reused: u32,
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         self.fence.clone().guard("model", || {
             let model = models.draft_model()?;
-            model.truncate(0).into_result()?;
-            self.cached.clear();
-            // Fill the cache now (all but the last token: `propose` evaluates that one).
-            if prompt.len() > 1 {
-                let head = &prompt[..prompt.len() - 1];
-                model
-                    .eval(RSlice::from_slice(head), LogitRows::None, &mut self.logits)
-                    .into_result()?;
-                self.cached.extend_from_slice(head);
+            // Fill the cache now with all but the last token (`propose` evaluates that one),
+            // keeping what the draft model already holds of it (a conversation's earlier
+            // turns: the cache is a function of its tokens alone).
+            match prompt.len() {
+                0 | 1 => {
+                    model.truncate(0).into_result()?;
+                    self.cached.clear();
+                    Ok(())
+                }
+                n => self.catch_up(model, &prompt[..n - 1]),
             }
-            Ok(())
         })
     }
 

@@ -171,16 +171,42 @@ impl Drafter for MtpDrafter {
     fn begin(
         &mut self,
         prompt: RSlice<'_, u32>,
+        reused: u32,
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         self.fence.clone().guard("mtp", || {
             let target = models.target_model()?;
-            self.real = 0;
-            self.pending.clear();
-            self.pending_from = 0;
-            self.in_step = true;
-            // The prompt pass evaluated positions 0..len.
-            self.keep_rows(target, 0, prompt.len())
+            let reused = reused as usize;
+            // The head's cache (entries [0, real), cut with the trunk's) and the trunk rows
+            // kept from the previous sequence stay valid for the reused positions.
+            let continues = reused > 0
+                && self.in_step
+                && (reused <= self.real
+                    || (self.pending_from <= self.real
+                        && reused <= self.pending_from + self.pending_rows()));
+            if continues {
+                if reused <= self.real {
+                    // The head caught up past the kept prefix: it restarts at its end, from
+                    // the rows of the prompt pass.
+                    self.real = reused;
+                    self.pending.clear();
+                    self.pending_from = reused;
+                } else {
+                    self.pending
+                        .truncate((reused - self.pending_from) * self.hidden_size);
+                }
+            } else {
+                self.real = 0;
+                self.pending.clear();
+                self.pending_from = 0;
+                self.in_step = reused == 0;
+                if reused > 0 {
+                    // Nothing to continue from: no drafts until the next fresh sequence.
+                    return Ok(());
+                }
+            }
+            // The prompt pass evaluated positions reused..len.
+            self.keep_rows(target, reused, prompt.len() - reused)
         })
     }
 
@@ -199,17 +225,19 @@ impl Drafter for MtpDrafter {
     fn accept(&mut self, n_accepted: u32, mut models: DrafterModels<'_>) -> PluginResult<()> {
         self.fence.clone().guard("mtp", || {
             let target = models.target_model()?;
-            // The pass evaluated the certain token and the drafts; the target now ends after
-            // the certain token and the accepted drafts.
+            // The pass began at the certain token, right after the rows kept so far, and
+            // evaluated it and the drafts; the target now ends after the certain token and
+            // the accepted drafts — or one token earlier, when a stop inside the accepted run
+            // left the last emitted token unevaluated.
+            let position = self.pending_from + self.pending_rows();
             let kept = 1 + n_accepted as usize;
-            let position = target
-                .seq_len()
-                .into_result()?
-                .checked_sub(kept)
-                .ok_or_else(|| {
-                    PluginError::invalid_input("the target is shorter than the accepted tokens")
-                })?;
-            self.keep_rows(target, position, kept)
+            let held = target.seq_len().into_result()?;
+            if held < position || held > position + kept {
+                // The drafter missed a pass: stop drafting until restarted.
+                self.in_step = false;
+                return Ok(());
+            }
+            self.keep_rows(target, position, held - position)
         })
     }
 }

@@ -11,9 +11,15 @@ fuzz_target!(|bytes: &[u8]| {
     };
     let len = u128::from(file.file_len());
     for t in file.tensors() {
-        let view = file.tensor(&t.name).expect("an accepted tensor is readable");
+        let view = file
+            .tensor(&t.name)
+            .expect("an accepted tensor is readable");
         let start = u128::from(file.data_offset()) + u128::from(t.offset);
-        assert!(start + view.data.len() as u128 <= len, "tensor '{}' outside the file", t.name);
+        assert!(
+            start + view.data.len() as u128 <= len,
+            "tensor '{}' outside the file",
+            t.name
+        );
     }
     if let Ok(hp) = HParams::from_gguf(&file) {
         let _ = HybridParams::from_gguf(&file, &hp);

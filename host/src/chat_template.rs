@@ -50,6 +50,30 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 impl ChatTemplate {
+    /// The template of a model: its GGUF's `tokenizer.chat_template`, or the fallback when it
+    /// has none or it does not compile (then the second value says why).
+    pub fn of_model(
+        file: &specula_gguf::GgufFile,
+        tokenizer: &crate::tokenizer::Tokenizer,
+    ) -> (Self, Option<String>) {
+        let token = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.token_text(id))
+                .unwrap_or_default()
+                .to_string()
+        };
+        match file.get_str("tokenizer.chat_template").ok().flatten() {
+            Some(source) => match Self::new(
+                Some(source),
+                &token(tokenizer.bos()),
+                &token(tokenizer.eos()),
+            ) {
+                Ok(t) => (t, None),
+                Err(e) => (Self::fallback(), Some(e.to_string())),
+            },
+            None => (Self::fallback(), None),
+        }
+    }
+
     /// Compiles `source` (`None` = the fallback format). `bos_token` and `eos_token` are the
     /// texts of the model's special tokens, as templates expect them.
     pub fn new(source: Option<&str>, bos_token: &str, eos_token: &str) -> Result<Self, ChatError> {
@@ -101,6 +125,27 @@ impl ChatTemplate {
 
     /// Renders a conversation; with `add_generation_prompt`, ends where the assistant's reply
     /// begins.
+    /// The prompt for the assistant's next turn after `messages`, and whether the tokenizer
+    /// should still add BOS (`add_bos` asked for it; a template that writes BOS itself keeps
+    /// it from being added twice).
+    pub fn prompt(
+        &self,
+        messages: &[ChatMessage],
+        tokenizer: &crate::tokenizer::Tokenizer,
+        mut add_bos: bool,
+    ) -> Result<(String, bool), ChatError> {
+        let mut text = self.render(messages, true)?;
+        let bos = tokenizer.bos().and_then(|b| tokenizer.token_text(b));
+        if let Some(bos) = bos.filter(|b| !b.is_empty() && text.starts_with(*b)) {
+            if add_bos && tokenizer.add_bos() {
+                text.drain(..bos.len());
+            } else {
+                add_bos = false;
+            }
+        }
+        Ok((text, add_bos))
+    }
+
     pub fn render(
         &self,
         messages: &[ChatMessage],
