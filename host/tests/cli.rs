@@ -318,6 +318,26 @@ fn models_run_without_a_profile() {
         "{err}"
     );
 
+    // A drafter that does not exist is reported as the drafter, not as the model.
+    let out = specula(
+        &[
+            "run",
+            "-m",
+            stories.to_str().unwrap(),
+            "--drafter",
+            "telepathy",
+            "x",
+        ],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("cannot set up the 'telepathy' drafter")
+            && !err.contains("cannot open the model"),
+        "{err}"
+    );
+
     let out = specula(
         &["run", "-m", stories.to_str().unwrap(), "--temp", "-1", "x"],
         dir.path(),

@@ -296,6 +296,13 @@ fn bad_requests_get_clear_errors_and_the_daemon_keeps_serving() {
         &format!("{LONG_CONTEXT}[serve]\nslots = 1\nqueue = 0\n[sampling]\ntemperature = 0.0\n"),
     );
     let d = Daemon::ready(&[&stories, &tight]);
+    d.wait_for("both profiles", |d| {
+        d.health().1["models"]["tight"]["state"] == "ready"
+    });
+    // Revisions count per profile: each profile's first load is its revision 1.
+    let (_, health) = d.health();
+    assert_eq!(health["models"]["stories"]["revision"], 1, "{health}");
+    assert_eq!(health["models"]["tight"]["revision"], 1, "{health}");
     let long_prompt = "Once upon a time there was a little girl. ".repeat(20);
     let cases: &[(&str, &str, u16, Option<&str>, &str)] = &[
         (
