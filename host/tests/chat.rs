@@ -132,17 +132,7 @@ fn ctrl_c_in_a_terminal_stops_the_answer_not_the_program() {
     }
     let dir = tempfile::tempdir().unwrap();
     // A model slow enough (~130 tokens/s) that the answer is still being written at Ctrl-C.
-    let model = dir.path().join("small.gguf");
-    specula_ok(
-        &[
-            "gen-model",
-            "--preset",
-            "small-llama",
-            "--out",
-            model.to_str().unwrap(),
-        ],
-        dir.path(),
-    );
+    let model = small_llama(dir.path());
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/chat_pty.py");
     let out = Command::new("python3")
         .arg(script)

@@ -476,17 +476,7 @@ fn requests_are_served_while_a_changed_profile_loads() {
 fn a_client_leaving_while_queued_gives_its_place_back() {
     let dir = tempfile::tempdir().unwrap();
     // A model slow enough (~130 tokens/s) to hold the slot for seconds.
-    let model = dir.path().join("small.gguf");
-    specula_ok(
-        &[
-            "gen-model",
-            "--preset",
-            "small-llama",
-            "--out",
-            model.to_str().unwrap(),
-        ],
-        dir.path(),
-    );
+    let model = small_llama(dir.path());
     let profile = dir.path().join("small.toml");
     std::fs::write(
         &profile,

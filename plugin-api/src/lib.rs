@@ -19,6 +19,8 @@ pub mod backend;
 pub mod drafter;
 pub mod error;
 pub mod module;
+#[doc(hidden)]
+pub mod testing;
 
 pub use abi_stable;
 pub use backend::{

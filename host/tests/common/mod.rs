@@ -137,3 +137,21 @@ pub fn json_of(out: &Output) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(out)))
 }
 pub mod daemon;
+
+/// Writes `gen-model`'s `small-llama` preset (dim 512, 8 layers, F32) into `dir`: a model
+/// slow enough on the CPU (~130 tokens/s on one thread) for tests that need a generation to
+/// be still running while something else happens.
+pub fn small_llama(dir: &Path) -> PathBuf {
+    let model = dir.join("small.gguf");
+    specula_ok(
+        &[
+            "gen-model",
+            "--preset",
+            "small-llama",
+            "--out",
+            model.to_str().expect("utf-8 path"),
+        ],
+        dir,
+    );
+    model
+}

@@ -1071,7 +1071,7 @@ impl ForwardPass for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use abi_stable::std_types::{RSlice, RString};
+    use abi_stable::std_types::RString;
 
     /// Once a call has panicked, every call that touches the sequence is refused, saying why,
     /// instead of answering from a state the panic may have left half-updated.
@@ -1087,52 +1087,11 @@ mod tests {
             options: RVec::new(),
         };
         let mut backend = CudaBackend::open_host_only(&params).unwrap();
-        let mut logits = RVec::new();
-        backend
-            .eval(RSlice::from_slice(&[1, 2]), LogitRows::Last, &mut logits)
-            .unwrap();
-        assert_eq!(backend.seq_len().unwrap(), 2);
-
-        let panicked = backend
-            .fence
-            .clone()
-            .guard(PLUGIN, || -> Result<(), PluginError> {
-                panic!("injected for the test")
-            })
-            .unwrap_err();
-        assert_eq!(panicked.kind, ErrorKind::Panic);
-
-        let refused = |e: PluginError| {
-            assert_eq!(e.kind, ErrorKind::Panic, "{e}");
-            assert!(
-                e.message.contains("cuda-hybrid") && e.message.contains("injected for the test"),
-                "{e}"
-            );
-        };
-        refused(backend.seq_len().unwrap_err());
-        refused(
-            backend
-                .eval(RSlice::from_slice(&[3]), LogitRows::Last, &mut logits)
-                .unwrap_err(),
+        let fence = backend.fence.clone();
+        specula_plugin_api::testing::assert_refuses_every_call_after_a_panic(
+            &mut backend,
+            &fence,
+            PLUGIN,
         );
-        refused(backend.truncate(1).unwrap_err());
-        let mut hidden = RVec::new();
-        refused(backend.hidden_states(&mut hidden).unwrap_err());
-        let e = backend.info.hidden_size as usize;
-        refused(
-            backend
-                .mtp_eval(
-                    RSlice::from_slice(&vec![0.0; e]),
-                    RSlice::from_slice(&[1]),
-                    0,
-                    LogitRows::All,
-                    &mut logits,
-                    &mut hidden,
-                )
-                .unwrap_err(),
-        );
-        // What it is does not change.
-        assert_eq!(backend.model_info().vocab_size, backend.info.vocab_size);
-        let _ = CudaBackend::capabilities(&backend);
     }
 }
