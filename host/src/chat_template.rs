@@ -54,7 +54,7 @@ impl ChatTemplate {
     /// has none or it does not compile (then the second value says why).
     pub fn of_model(
         file: &specula_gguf::GgufFile,
-        tokenizer: &crate::tokenizer::Tokenizer,
+        tokenizer: &specula_tokenizer::Tokenizer,
     ) -> (Self, Option<String>) {
         let token = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_text(id))
@@ -131,7 +131,7 @@ impl ChatTemplate {
     pub fn prompt(
         &self,
         messages: &[ChatMessage],
-        tokenizer: &crate::tokenizer::Tokenizer,
+        tokenizer: &specula_tokenizer::Tokenizer,
         mut add_bos: bool,
     ) -> Result<(String, bool), ChatError> {
         let mut text = self.render(messages, true)?;

@@ -11,7 +11,7 @@ use specula_plugin_api::{DrafterParams, ModelInfo, PluginKind};
 use crate::pipeline::check_same_vocabulary;
 use crate::plugins::{backend_params, LoadedPlugin, SearchPath};
 use crate::profile::{options_as_text, Profile};
-use crate::tokenizer::Tokenizer;
+use specula_tokenizer::Tokenizer;
 
 /// What a check found.
 #[derive(Debug, Default)]

@@ -3,7 +3,6 @@
 //! * [`profile`]: TOML profiles, validated with key paths in every error;
 //! * [`check`]: `specula profile check`, a profile's problems found without loading weights;
 //! * [`plugins`]: discovery and loading of backend and drafter plugins through the stable ABI;
-//! * [`tokenizer`]: SentencePiece and byte-level BPE tokenizers read from GGUF metadata;
 //! * [`sampling`]: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds;
 //! * [`pipeline`]: opening what a profile names (target, tokenizer, drafter, draft model);
 //! * [`request`]: generation requests, outcomes, stop strings;
@@ -30,4 +29,3 @@ pub mod request;
 pub mod sampling;
 pub mod serve;
 pub mod spec;
-pub mod tokenizer;

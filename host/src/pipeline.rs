@@ -10,7 +10,7 @@ use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInf
 
 use crate::plugins::{backend_params, PluginProvenance, SearchPath};
 use crate::profile::{options_as_text, DrafterSection, Profile};
-use crate::tokenizer::Tokenizer;
+use specula_tokenizer::Tokenizer;
 
 /// A drafter and the draft model the host opened for it.
 pub struct DrafterSlot {

@@ -17,7 +17,7 @@ use anyhow::Context;
 use specula_gguf::{GgmlType, GgufFile, GgufWriter};
 
 use super::{write_model, Arch, ModelSpec, RandomWeights, SpmVocab, Vocab, WeightSource};
-use crate::tokenizer::Tokenizer;
+use specula_tokenizer::Tokenizer;
 
 /// The embedded public-domain text (also the built-in benchmark prompt source).
 pub const CORPUS: &str = include_str!("../../assets/default-corpus.txt");

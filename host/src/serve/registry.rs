@@ -33,7 +33,7 @@ use specula_gguf::GgufFile;
 use crate::pipeline::Pipeline;
 use crate::plugins::PluginProvenance;
 use crate::profile::{Profile, ProfileError};
-use crate::tokenizer::Tokenizer;
+use specula_tokenizer::Tokenizer;
 
 use super::metrics::Metrics;
 use super::slots::{PoolGauges, SlotPool};

@@ -38,7 +38,7 @@ pub use stats::SpecStats;
 use crate::pipeline::Pipeline;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
 use crate::sampling::Sampler;
-use crate::tokenizer::StreamDecoder;
+use specula_tokenizer::StreamDecoder;
 
 /// How much to speculate (from the profile's `[speculation]` section and CLI flags).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 """Writes llama-cpp-tokens.json: how llama.cpp's `llama-tokenize` splits tricky strings with
 every vocabulary in ../shared/vocab and the tok512 model vocabulary, for the tokenizer parity
-test (host/tests/tokenizer.rs). The strings are this project's; the ids are llama.cpp's.
+test (crates/tokenizer/tests/tokenizer.rs). The strings are this project's; the ids are llama.cpp's.
 
 Usage: python3 make_llama_cpp_tokens.py LLAMA_TOKENIZE SHARED_DIR > llama-cpp-tokens.json
 (LLAMA_TOKENIZE: a llama-tokenize binary built from llama.cpp commit 34af94cd with

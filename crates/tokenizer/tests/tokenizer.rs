@@ -13,10 +13,10 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specula_gguf::{GgufFile, GgufWriter, Value};
-use specula_host::tokenizer::{StreamDecoder, TokenType, Tokenizer, TokenizerError, TokenizerKind};
+use specula_tokenizer::{StreamDecoder, TokenType, Tokenizer, TokenizerError, TokenizerKind};
 
 fn shared() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared")
 }
 
 const VOCABS: &[&str] = &[
