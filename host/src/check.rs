@@ -4,12 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use abi_stable::std_types::{RString, RVec, Tuple2};
 use specula_gguf::GgufFile;
-use specula_plugin_api::{DrafterParams, ModelInfo, PluginKind};
+use specula_plugin_api::{ModelInfo, PluginKind};
 
 use crate::pipeline::check_same_vocabulary;
-use crate::plugins::{backend_params, LoadedPlugin, SearchPath};
+use crate::plugins::{backend_params, drafter_params, LoadedPlugin, SearchPath};
 use crate::profile::{options_as_text, Profile};
 use specula_tokenizer::Tokenizer;
 
@@ -161,15 +160,12 @@ pub fn check_profile(path: &Path) -> Report {
     // The drafter judges its models only when they could be read (else it would only say
     // what the problems above already say).
     if let (Some(plugin), Some(target_info), true) = (&drafter, &info, draft_model_ok) {
-        let params = DrafterParams {
-            target: target_info.clone(),
-            draft_model: draft_info.into(),
-            options: options_as_text(&section.options)
-                .into_iter()
-                .map(|(k, v)| Tuple2(RString::from(k), RString::from(v)))
-                .collect::<RVec<_>>(),
-            corpus: RVec::new(),
-        };
+        let params = drafter_params(
+            target_info.clone(),
+            draft_info,
+            options_as_text(&section.options),
+            Vec::new(),
+        );
         match plugin.check_drafter(&params) {
             Some(Err(e)) => report.problem(format!("drafter: {e}")),
             Some(Ok(())) => {}

@@ -3,12 +3,11 @@
 
 use std::path::Path;
 
-use abi_stable::std_types::{RString, RVec, Tuple2};
 use anyhow::Context;
 use specula_gguf::GgufFile;
-use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInfo, PluginKind};
+use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, ModelInfo, PluginKind};
 
-use crate::plugins::{backend_params, PluginProvenance, SearchPath};
+use crate::plugins::{backend_params, drafter_params, PluginProvenance, SearchPath};
 use crate::profile::{options_as_text, DrafterSection, Profile};
 use specula_tokenizer::Tokenizer;
 
@@ -140,15 +139,12 @@ fn open_drafter(
         }
         (None, None) => Vec::new(),
     };
-    let params = DrafterParams {
-        target: target_info.clone(),
-        draft_model: draft_model.as_ref().map(|m| m.model_info()).into(),
-        options: options_as_text(&section.options)
-            .into_iter()
-            .map(|(k, v)| Tuple2(RString::from(k), RString::from(v)))
-            .collect::<RVec<_>>(),
-        corpus: corpus.into(),
-    };
+    let params = drafter_params(
+        target_info.clone(),
+        draft_model.as_ref().map(|m| m.model_info()),
+        options_as_text(&section.options),
+        corpus,
+    );
     let plugin = search.load(&section.plugin, PluginKind::Drafter)?;
     plugins.push(plugin.provenance());
     let drafter = plugin.create_drafter(&params)?;

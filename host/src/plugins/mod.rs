@@ -24,8 +24,8 @@ use abi_stable::abi_stability::abi_checking::{check_layout_compatibility, AbiIns
 use abi_stable::library::lib_header_from_path;
 use abi_stable::std_types::{RString, RVec, Tuple2};
 use specula_plugin_api::{
-    BackendParams, BoxedDrafter, BoxedForwardPass, DrafterParams, PluginInfo, PluginKind,
-    PluginModuleRef, ABI_VERSION, ABI_VERSION_SYMBOL,
+    BackendParams, BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInfo, PluginInfo,
+    PluginKind, PluginModuleRef, PluginResult, ABI_VERSION, ABI_VERSION_SYMBOL,
 };
 
 pub use image::FileIdentity;
@@ -147,6 +147,13 @@ impl LoadedPlugin {
         }
     }
 
+    /// A plugin call's result, its error naming this plugin.
+    fn answer<T>(&self, result: PluginResult<T>) -> Result<T, PluginError> {
+        result
+            .into_result()
+            .map_err(|e| self.plugin_error(e.message.to_string()))
+    }
+
     /// Opens a model with this backend plugin.
     pub fn open_backend(&self, params: &BackendParams) -> Result<BoxedForwardPass, PluginError> {
         self.expect_kind(PluginKind::Backend)?;
@@ -155,44 +162,27 @@ impl LoadedPlugin {
             .open_backend()
             .into_option()
             .ok_or_else(|| self.plugin_error("backend plugin has no open_backend entry"))?;
-        open(params)
-            .into_result()
-            .map_err(|e| self.plugin_error(e.message.to_string()))
+        self.answer(open(params))
     }
 
     /// Checks backend parameters without loading weights (options, the model's header), with
     /// this backend plugin; `None` when the plugin has no probe.
-    pub fn probe_backend(
-        &self,
-        params: &BackendParams,
-    ) -> Option<Result<specula_plugin_api::ModelInfo, PluginError>> {
-        self.expect_kind(PluginKind::Backend)
-            .err()
-            .map(Err)
-            .or_else(|| {
-                let probe = self.module.probe_backend()?.into_option()?;
-                Some(
-                    probe(params)
-                        .into_result()
-                        .map_err(|e| self.plugin_error(e.message.to_string())),
-                )
-            })
+    pub fn probe_backend(&self, params: &BackendParams) -> Option<Result<ModelInfo, PluginError>> {
+        if let Err(e) = self.expect_kind(PluginKind::Backend) {
+            return Some(Err(e));
+        }
+        let probe = self.module.probe_backend()?.into_option()?;
+        Some(self.answer(probe(params)))
     }
 
     /// Checks drafter parameters without creating the drafter, with this drafter plugin;
     /// `None` when the plugin has no check.
     pub fn check_drafter(&self, params: &DrafterParams) -> Option<Result<(), PluginError>> {
-        self.expect_kind(PluginKind::Drafter)
-            .err()
-            .map(Err)
-            .or_else(|| {
-                let check = self.module.check_drafter()?.into_option()?;
-                Some(
-                    check(params)
-                        .into_result()
-                        .map_err(|e| self.plugin_error(e.message.to_string())),
-                )
-            })
+        if let Err(e) = self.expect_kind(PluginKind::Drafter) {
+            return Some(Err(e));
+        }
+        let check = self.module.check_drafter()?.into_option()?;
+        Some(self.answer(check(params)))
     }
 
     /// Creates a drafter with this drafter plugin.
@@ -203,9 +193,7 @@ impl LoadedPlugin {
             .create_drafter()
             .into_option()
             .ok_or_else(|| self.plugin_error("drafter plugin has no create_drafter entry"))?;
-        create(params)
-            .into_result()
-            .map_err(|e| self.plugin_error(e.message.to_string()))
+        self.answer(create(params))
     }
 }
 
@@ -617,9 +605,28 @@ pub fn backend_params(
         threads,
         context_size,
         max_verify_tokens,
-        options: options
-            .into_iter()
-            .map(|(k, v)| Tuple2(RString::from(k), RString::from(v)))
-            .collect::<RVec<_>>(),
+        options: option_pairs(options),
     }
+}
+
+/// Drafter parameters: the models it drafts for (and with), its options, its corpus.
+pub fn drafter_params(
+    target: ModelInfo,
+    draft_model: Option<ModelInfo>,
+    options: Vec<(String, String)>,
+    corpus: Vec<u32>,
+) -> DrafterParams {
+    DrafterParams {
+        target,
+        draft_model: draft_model.into(),
+        options: option_pairs(options),
+        corpus: corpus.into(),
+    }
+}
+
+fn option_pairs(options: Vec<(String, String)>) -> RVec<Tuple2<RString, RString>> {
+    options
+        .into_iter()
+        .map(|(k, v)| Tuple2(RString::from(k), RString::from(v)))
+        .collect()
 }

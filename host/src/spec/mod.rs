@@ -163,10 +163,10 @@ fn run(
     let mut logits = RVec::new();
     let started = Instant::now();
     // What the target holds is known again only once this generation ends well.
-    let held = std::mem::take(cached);
+    let previous = std::mem::take(cached);
     let mut reused = if reuse {
         // The last prompt token is always evaluated: its logits start the decoding.
-        let common = prompt.iter().zip(&held).take_while(|(a, b)| a == b).count();
+        let common = prompt.iter().zip(&previous).take_while(|(a, b)| a == b).count();
         common.min(prompt.len() - 1)
     } else {
         0
