@@ -166,7 +166,11 @@ fn run(
     let previous = std::mem::take(cached);
     let mut reused = if reuse {
         // The last prompt token is always evaluated: its logits start the decoding.
-        let common = prompt.iter().zip(&previous).take_while(|(a, b)| a == b).count();
+        let common = prompt
+            .iter()
+            .zip(&previous)
+            .take_while(|(a, b)| a == b)
+            .count();
         common.min(prompt.len() - 1)
     } else {
         0
