@@ -124,6 +124,7 @@ fn lookup_greedy_parity_on_every_dense_model() {
         "models/stories260K.gguf",
         "models/llama2xs-281K.gguf",
         "models/fixtures/tiny-llama.gguf",
+        "models/next-arch/tiny-qwen2.gguf",
     ] {
         let mut p = open(dir.path(), model, "[drafter]\nplugin = \"lookup\"\n");
         let mut drafted = 0;
@@ -263,7 +264,11 @@ fn model_drafting_real_pair_has_real_acceptance_and_parity() {
 #[test]
 fn self_drafting_accepts_everything() {
     let dir = tempfile::tempdir().unwrap();
-    for model in ["models/fixtures/tiny-llama.gguf", "models/stories260K.gguf"] {
+    for model in [
+        "models/fixtures/tiny-llama.gguf",
+        "models/stories260K.gguf",
+        "models/next-arch/tiny-qwen2.gguf",
+    ] {
         let draft = shared(model);
         let mut p = open(
             dir.path(),

@@ -38,7 +38,7 @@ fn open(path: &std::path::Path) -> CpuBackend {
         max_verify_tokens: 4,
         options: RVec::<Tuple2<_, _>>::new(),
     };
-    CpuBackend::open(&params).unwrap()
+    specula_cpu_simd::open(&params).unwrap()
 }
 
 #[test]

@@ -8,12 +8,11 @@ use std::path::Path;
 
 use abi_stable::std_types::{RSlice, RVec};
 use common::*;
-use specula_cpu_simd::CpuBackend;
 use specula_gguf::GgmlType;
 use specula_plugin_api::{ErrorKind, LogitRows, PluginError};
 
 fn open_err(path: &Path) -> PluginError {
-    CpuBackend::open(&params(path, 1, 0)).expect_err("open must fail")
+    specula_cpu_simd::open(&params(path, 1, 0)).expect_err("open must fail")
 }
 
 fn fixture(name: &str) -> std::path::PathBuf {
@@ -107,7 +106,7 @@ fn bad_backend_options_are_invalid_input() {
         let mut p = params(&fixture("tiny-qwen35.gguf"), 1, 64);
         p.options
             .push(abi_stable::std_types::Tuple2(key.into(), value.into()));
-        let err = CpuBackend::open(&p).expect_err("bad option");
+        let err = specula_cpu_simd::open(&p).expect_err("bad option");
         assert_eq!(err.kind, ErrorKind::InvalidInput, "{key}");
         assert!(
             err.message.contains(key) && err.message.contains(value),
@@ -200,8 +199,9 @@ fn unknown_architecture_lists_the_supported_ones() {
     let err = open_err(&path);
     assert_eq!(err.kind, ErrorKind::Model);
     assert!(
-        err.message
-            .contains("unknown architecture 'gpt2' (supported: llama, qwen3, qwen35, qwen3next)"),
+        err.message.contains(
+            "unknown architecture 'gpt2' (supported: llama, qwen2, qwen3, qwen35, qwen3next)"
+        ),
         "{}",
         err.message
     );

@@ -24,6 +24,7 @@ fn models() -> Models {
     let mut paths = vec![
         ("stories260K f32".to_string(), stories()),
         ("tiny-llama f32".to_string(), tiny_llama()),
+        ("tiny-qwen2 f32".to_string(), tiny_qwen2()),
     ];
     for ty in [
         GgmlType::F16,
@@ -31,7 +32,11 @@ fn models() -> Models {
         GgmlType::Q8_0,
         GgmlType::Q4_0,
     ] {
-        for (name, src) in [("stories260K", stories()), ("tiny-llama", tiny_llama())] {
+        for (name, src) in [
+            ("stories260K", stories()),
+            ("tiny-llama", tiny_llama()),
+            ("tiny-qwen2", tiny_qwen2()),
+        ] {
             let dst = dir.path().join(format!("{name}-{ty}.gguf"));
             rewrite_model(
                 &src,

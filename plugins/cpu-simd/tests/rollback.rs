@@ -434,7 +434,7 @@ fn a_small_ring_budget_lowers_the_advertised_capacity() {
         "ring_budget_bytes".into(),
         slot.to_string().into(),
     ));
-    let err = CpuBackend::open(&p).expect_err("one slot cannot run");
+    let err = specula_cpu_simd::open(&p).expect_err("one slot cannot run");
     assert_eq!(err.kind, ErrorKind::OutOfMemory);
     assert!(err.message.contains("at least 2 slots"), "{}", err.message);
 }

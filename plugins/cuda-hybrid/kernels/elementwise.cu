@@ -17,3 +17,13 @@ extern "C" __global__ void swiglu(float* __restrict__ gate, const float* __restr
         gate[i] = silu_f(gate[i]) * up[i];
     }
 }
+
+// x[r * width + i] += bias[i] for `rows` rows of `width` values (the q/k/v projection biases
+// of qwen2). Launch: blockDim = 256, grid = ceil(rows * width / 256).
+extern "C" __global__ void add_row_bias(float* __restrict__ x, const float* __restrict__ bias,
+                                        u64 rows, u64 width) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows * width) {
+        x[i] += bias[i % width];
+    }
+}

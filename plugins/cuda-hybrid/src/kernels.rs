@@ -96,7 +96,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "elementwise.cu",
         text: include_str!("../kernels/elementwise.cu"),
-        functions: &["add_in_place", "swiglu"],
+        functions: &["add_in_place", "swiglu", "add_row_bias"],
     },
 ];
 

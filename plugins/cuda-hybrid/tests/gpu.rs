@@ -23,11 +23,11 @@
 mod common;
 
 use common::*;
-use specula_cpu_engine::blocks::attention::{self, AttentionShape};
 use specula_cuda_hybrid::gpu::ops::{self, AttentionDims, DevRope, Heads, Q8Scratch};
 use specula_cuda_hybrid::gpu::weights::{DevExperts, DevMatrix, DevVec};
 use specula_cuda_hybrid::gpu::{DevBuf, Gpu};
 use specula_cuda_hybrid::CudaBackend;
+use specula_engine::blocks::attention::{self, AttentionShape};
 use specula_gguf::GgmlType;
 use specula_kernels::{f16, Rope, RopeMode, RopeSections};
 use specula_plugin_api::{ErrorKind, ForwardPass, LogitRows};
@@ -614,10 +614,12 @@ fn gpu_models_with(device: &Device, with_dense: bool) -> Vec<std::path::PathBuf>
         ];
         if with_dense {
             models.push(fixture("tiny-llama.gguf"));
+            models.push(tiny_qwen2());
         }
         return models;
     }
     let mut models: Vec<_> = MODELS.iter().map(|m| fixture(m)).collect();
+    models.push(tiny_qwen2());
     models.push(stories());
     models.push(trained_qwen35("q8_0"));
     models
@@ -647,7 +649,7 @@ fn verify_rows_are_bit_identical_to_single_token_evals() {
             let name = format!("{} {options:?}", path.display());
             let mut batched = cuda(&device, &path, options);
             let mut single = cuda(&device, &path, options);
-            assert!(batched.placement().uses_gpu(), "{name}");
+            assert!(batched.executor().placement().uses_gpu(), "{name}");
             let vocab = batched.info().vocab_size as usize;
             let e = batched.info().hidden_size as usize;
             let prefill = eval(&mut batched, &PROMPT, LogitRows::All);
@@ -682,6 +684,60 @@ fn verify_rows_are_bit_identical_to_single_token_evals() {
                 }
             }
         }
+    }
+}
+
+/// Greedy decoding with speculation: every step verifies a draft of up to four tokens (the
+/// plain continuation with every third token changed, so some drafts are accepted and some
+/// rejected), keeps the accepted prefix plus the correction and rolls the rest back; the
+/// output equals plain greedy decoding token for token, on every architecture.
+#[test]
+fn speculative_greedy_equals_plain_greedy() {
+    let Some(device) = device_or_skip("speculative_greedy_equals_plain_greedy") else {
+        return;
+    };
+    let n = 24;
+    for path in gpu_models_with(&device, true) {
+        let name = path.display().to_string();
+        let plain = greedy(&mut cuda(&device, &path, &[]), &PROMPT, n);
+        let mut b = cuda(&device, &path, &[]);
+        let vocab = b.info().vocab_size;
+        let mut out = vec![argmax(&eval(&mut b, &PROMPT, LogitRows::Last))];
+        let (mut drafted, mut accepted) = (0, 0);
+        while out.len() < n {
+            let at = out.len();
+            let draft: Vec<u32> = (at..(at + 4).min(n))
+                .map(|i| match i % 3 {
+                    2 => (plain[i] + 1) % vocab,
+                    _ => plain[i],
+                })
+                .collect();
+            let base = b.len();
+            let mut rows = vec![*out.last().unwrap()];
+            rows.extend(&draft);
+            let logits = eval(&mut b, &rows, LogitRows::All);
+            let mut kept = 0;
+            for (i, &token) in draft.iter().enumerate() {
+                let want = argmax(row(&logits, i, vocab as usize));
+                out.push(want);
+                if want != token {
+                    break;
+                }
+                kept += 1;
+            }
+            if kept == draft.len() {
+                out.push(argmax(row(&logits, kept, vocab as usize)));
+            }
+            drafted += draft.len();
+            accepted += kept;
+            truncate(&mut b, base + 1 + kept);
+        }
+        out.truncate(n);
+        assert_eq!(out, plain, "{name}");
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{name}: {accepted}/{drafted}"
+        );
     }
 }
 
@@ -960,12 +1016,12 @@ fn placement_follows_the_options() {
     };
     let path = fixture("tiny-qwen35-4l-mtp.gguf");
     let all = cuda(&device, &path, &[]);
-    assert_eq!(all.placement().gpu_layers(), 4);
-    assert!(all.placement().head_on_gpu);
+    assert_eq!(all.executor().placement().gpu_layers(), 4);
+    assert!(all.executor().placement().head_on_gpu);
     let two = cuda(&device, &path, &[("gpu_layers", "2")]);
-    assert_eq!(two.placement().first_gpu_layer, 2);
+    assert_eq!(two.executor().placement().first_gpu_layer, 2);
     let none = cuda(&device, &path, &[("gpu_layers", "0")]);
-    assert!(!none.placement().uses_gpu());
+    assert!(!none.executor().placement().uses_gpu());
     let err = open_backend(
         &device,
         &path,
@@ -975,9 +1031,9 @@ fn placement_follows_the_options() {
     assert_eq!(err.kind, ErrorKind::OutOfMemory);
     assert!(err.message.contains("gpu_layers"), "{}", err.message);
     let tiny = cuda(&device, &path, &[("vram_budget", "1KiB")]);
-    assert!(!tiny.placement().uses_gpu());
+    assert!(!tiny.executor().placement().uses_gpu());
     if matches!(device, Device::Cuda) {
-        let err = CudaBackend::open(&params(&path, 256, &[("device", "99")])).unwrap_err();
+        let err = specula_cuda_hybrid::open(&params(&path, 256, &[("device", "99")])).unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidInput);
     }
 }

@@ -14,7 +14,7 @@ const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 fn pair(path: &std::path::Path, options: &[(&str, &str)]) -> (BoxedForwardPass, CudaBackend) {
     let p = params(path, 256, options);
     let cpu = cpu_simd(&p);
-    let cuda = CudaBackend::open_host_only(&p)
+    let cuda = specula_cuda_hybrid::backend::open_host_only(&p)
         .unwrap_or_else(|e| panic!("cuda-hybrid {}: {e}", path.display()));
     (cpu, cuda)
 }
@@ -29,7 +29,7 @@ fn every_architecture_matches_cpu_simd_bit_for_bit() {
         let (mut cpu, mut cuda) = pair(&path, &[]);
         assert_eq!(cpu.model_info(), cuda.model_info(), "{name}");
         assert_eq!(cpu.capabilities(), cuda.capabilities(), "{name}");
-        assert!(!cuda.placement().uses_gpu(), "{name}");
+        assert!(!cuda.executor().placement().uses_gpu(), "{name}");
         let vocab = cuda.info().vocab_size;
         let mut rng = Rng::new(7);
         let a = eval(&mut cpu, &PROMPT, LogitRows::All);
@@ -146,20 +146,29 @@ fn truncation_beyond_the_ring_re_decodes_or_is_refused() {
 #[test]
 fn the_ring_budget_and_the_verify_capacity_follow_the_options() {
     let path = fixture("tiny-qwen35-4l-mtp.gguf");
-    let full = CudaBackend::open_host_only(&params(&path, 64, &[])).unwrap();
+    let full = specula_cuda_hybrid::backend::open_host_only(&params(&path, 64, &[])).unwrap();
     let plane = full.caps().snapshot_bytes_per_slot;
     assert_eq!(full.caps().max_verify_tokens, 8);
     let budget = (4 * plane).to_string();
-    let small =
-        CudaBackend::open_host_only(&params(&path, 64, &[("ring_budget_bytes", &budget)])).unwrap();
+    let small = specula_cuda_hybrid::backend::open_host_only(&params(
+        &path,
+        64,
+        &[("ring_budget_bytes", &budget)],
+    ))
+    .unwrap();
     assert_eq!(small.caps().max_verify_tokens, 3);
     assert_eq!(small.caps().rollback_depth, 3);
     let too_small = plane.to_string();
-    let err = CudaBackend::open_host_only(&params(&path, 64, &[("ring_budget_bytes", &too_small)]))
-        .unwrap_err();
+    let err = specula_cuda_hybrid::backend::open_host_only(&params(
+        &path,
+        64,
+        &[("ring_budget_bytes", &too_small)],
+    ))
+    .unwrap_err();
     assert_eq!(err.kind, ErrorKind::OutOfMemory);
     let err =
-        CudaBackend::open_host_only(&params(&path, 64, &[("gpu_layers", "lots")])).unwrap_err();
+        specula_cuda_hybrid::backend::open_host_only(&params(&path, 64, &[("gpu_layers", "lots")]))
+            .unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
     assert!(err.message.contains("gpu_layers"), "{}", err.message);
 }
@@ -168,7 +177,7 @@ fn the_ring_budget_and_the_verify_capacity_follow_the_options() {
 fn loader_errors_name_this_backend() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nowhere.gguf");
-    let err = CudaBackend::open_host_only(&params(&missing, 0, &[])).unwrap_err();
+    let err = specula_cuda_hybrid::backend::open_host_only(&params(&missing, 0, &[])).unwrap_err();
     assert_eq!(err.kind, ErrorKind::Io);
     assert!(err.message.contains("nowhere.gguf"), "{}", err.message);
     assert!(!err.message.contains("cpu-simd"), "{}", err.message);

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use specula_cuda_hybrid::{driver, CudaBackend};
+use specula_cuda_hybrid::driver;
 use specula_plugin_api::{ErrorKind, PluginKind};
 
 fn driver_present() -> bool {
@@ -31,10 +31,12 @@ fn opening_without_a_driver_is_a_clear_error() {
     if driver_present() {
         return;
     }
-    let err = CudaBackend::open(&params(&fixture("tiny-qwen35-mtp.gguf"), 0, &[])).unwrap_err();
+    let err =
+        specula_cuda_hybrid::open(&params(&fixture("tiny-qwen35-mtp.gguf"), 0, &[])).unwrap_err();
     assert_no_driver_error(&err);
     // Asked twice (the probe result is cached), same answer.
-    let err = CudaBackend::open(&params(&stories(), 0, &[("gpu_layers", "2")])).unwrap_err();
+    let err =
+        specula_cuda_hybrid::open(&params(&stories(), 0, &[("gpu_layers", "2")])).unwrap_err();
     assert_no_driver_error(&err);
 }
 

@@ -33,6 +33,11 @@ pub fn tiny_llama() -> PathBuf {
     models_dir().join("fixtures/tiny-llama.gguf")
 }
 
+/// The qwen2 fixture (q/k/v biases, NeoX RoPE).
+pub fn tiny_qwen2() -> PathBuf {
+    models_dir().join("next-arch/tiny-qwen2.gguf")
+}
+
 pub fn params(path: &Path, threads: u32, context_size: u32) -> BackendParams {
     BackendParams {
         model_path: RString::from(path.to_str().expect("UTF-8 path")),
@@ -45,7 +50,7 @@ pub fn params(path: &Path, threads: u32, context_size: u32) -> BackendParams {
 
 /// Opens `path` with `threads` workers and a context of `context_size` (0: the model's).
 pub fn open(path: &Path, threads: u32, context_size: u32) -> CpuBackend {
-    CpuBackend::open(&params(path, threads, context_size))
+    specula_cpu_simd::open(&params(path, threads, context_size))
         .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
 }
 
@@ -120,35 +125,8 @@ pub fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
 
-/// A small reproducible generator (SplitMix64).
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[-1, 1)`.
-    pub fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    pub fn below(&mut self, n: u32) -> u32 {
-        (self.next_u64() % u64::from(n)) as u32
-    }
-
-    pub fn tokens(&mut self, n: usize, vocab: u32) -> Vec<u32> {
-        (0..n).map(|_| self.below(vocab)).collect()
-    }
-}
+#[allow(unused_imports)]
+pub use specula_plugin_api::testing::Rng;
 
 /// Copies every `tokenizer.*` key of `src` into `w`.
 pub fn copy_tokenizer(src: &GgufFile, w: &mut GgufWriter) {
@@ -363,7 +341,7 @@ pub fn open_with(
             (*value).into(),
         ));
     }
-    CpuBackend::open(&p).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+    specula_cpu_simd::open(&p).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
 }
 
 /// One MTP step; returns (logits, hidden).

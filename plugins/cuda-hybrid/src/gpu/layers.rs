@@ -2,22 +2,22 @@
 //! norm, LM head) and the MTP block, with their KV caches, the device half of the snapshot
 //! ring and the activation scratch — and the forward pass over them.
 //!
-//! The arithmetic follows the CPU layer code of `specula-cpu-engine` step for step (same
+//! The arithmetic follows the CPU layer code of `specula-engine` step for step (same
 //! residual layout, same norms, same RoPE angles, same routing rules); see each kernel's
 //! comment in `kernels/*.cu` for its exact order of operations. Results are close to the CPU's
 //! but not bit-identical (different reduction orders); what is bit-identical is a row of a
 //! k-row evaluation and a one-row evaluation at the same position on the GPU.
 
-use specula_cpu_engine::arch::hybrid::{HybridConfig, HybridModel, Mixer};
-use specula_cpu_engine::arch::DenseConfig;
-use specula_cpu_engine::blocks::attention::{AttentionShape, GatedAttentionWeights};
-use specula_cpu_engine::blocks::ffn::{FfnBlock, FfnShape};
-use specula_cpu_engine::blocks::gdn::{BetaAlpha, GdnShape, GdnWeights, HeadMap};
-use specula_cpu_engine::blocks::moe::MoeShape;
-use specula_cpu_engine::blocks::mtp::MtpWeights;
-use specula_cpu_engine::model::weights::LayerWeights;
-use specula_cpu_engine::model::{DenseModel, Graph};
-use specula_cpu_engine::recurrent::{RingIndex, StateLayout};
+use specula_engine::arch::hybrid::{HybridConfig, HybridModel, Mixer};
+use specula_engine::arch::DenseConfig;
+use specula_engine::blocks::attention::{AttentionShape, GatedAttentionWeights};
+use specula_engine::blocks::ffn::{FfnBlock, FfnShape};
+use specula_engine::blocks::gdn::{BetaAlpha, GdnShape, GdnWeights, HeadMap};
+use specula_engine::blocks::moe::MoeShape;
+use specula_engine::blocks::mtp::MtpWeights;
+use specula_engine::model::weights::LayerWeights;
+use specula_engine::model::{DenseModel, Graph};
+use specula_engine::recurrent::{RingIndex, StateLayout};
 use specula_gguf::GgufFile;
 use specula_kernels::Rope;
 use specula_plugin_api::PluginError;
@@ -40,6 +40,8 @@ pub struct GpuAttention {
     pub k_norm: Option<DevVec>,
     /// `attn_q` holds query and output gate per head (qwen35 / qwen3next / MTP).
     pub gated: bool,
+    /// Biases of the q, k and v projections (qwen2; never with `gated`).
+    pub qkv_bias: Option<[DevVec; 3]>,
 }
 
 #[derive(Debug, Clone)]
@@ -394,6 +396,7 @@ fn upload_attention(
         q_norm: Some(store.vector(gpu, &w.q_norm)?),
         k_norm: Some(store.vector(gpu, &w.k_norm)?),
         gated: true,
+        qkv_bias: None,
     })
 }
 
@@ -474,6 +477,14 @@ fn upload_dense_layer(
                 q_norm: vector(store, &w.attn_q_norm)?,
                 k_norm: vector(store, &w.attn_k_norm)?,
                 gated: false,
+                qkv_bias: match &w.qkv_bias {
+                    Some(b) => Some([
+                        store.vector(gpu, &b.q)?,
+                        store.vector(gpu, &b.k)?,
+                        store.vector(gpu, &b.v)?,
+                    ]),
+                    None => None,
+                },
             },
         },
         ffn: GpuFfn::Dense {
@@ -754,6 +765,11 @@ impl GpuModel {
             (&w.v, v_cache.at(pos0 * vw)),
         ];
         ops::matmul_many(gpu, s.xn.ptr(), m, &projections, q8)?;
+        if let Some([q_bias, k_bias, v_bias]) = &w.qkv_bias {
+            ops::add_row_bias(gpu, s.q_full.ptr(), q_bias, m)?;
+            ops::add_row_bias(gpu, k_cache.at(pos0 * kw), k_bias, m)?;
+            ops::add_row_bias(gpu, v_cache.at(pos0 * vw), v_bias, m)?;
+        }
         let q_in = if w.gated {
             Heads {
                 ptr: s.q_full.ptr(),

@@ -672,6 +672,22 @@ pub fn add_in_place(gpu: &Gpu, dst: u64, src: u64, n: usize) -> Result<(), Plugi
     )
 }
 
+/// `x[r] += bias` for `rows` rows of `bias.len` values.
+pub fn add_row_bias(gpu: &Gpu, x: u64, bias: &DevVec, rows: usize) -> Result<(), PluginError> {
+    let n = rows * bias.len;
+    gpu.launch(
+        "add_row_bias",
+        (blocks(n, ROW_BLOCK as usize), 1, 1),
+        ROW_BLOCK,
+        &[
+            Arg::Ptr(x),
+            Arg::Ptr(bias.ptr),
+            Arg::U64(rows as u64),
+            Arg::U64(bias.len as u64),
+        ],
+    )
+}
+
 /// `gate = silu(gate) · up` over `n` values.
 pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize) -> Result<(), PluginError> {
     gpu.launch(

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use specula_cpu_engine::model::weights::{ExpertsRef, MatrixRef};
+use specula_engine::model::weights::{ExpertsRef, MatrixRef};
 use specula_gguf::{GgmlType, GgufFile};
 use specula_plugin_api::PluginError;
 

@@ -30,6 +30,11 @@ pub fn fixture(name: &str) -> PathBuf {
     models_dir().join("fixtures").join(name)
 }
 
+/// The qwen2 fixture (dense, q/k/v biases, NeoX RoPE).
+pub fn tiny_qwen2() -> PathBuf {
+    models_dir().join("next-arch/tiny-qwen2.gguf")
+}
+
 pub fn stories() -> PathBuf {
     models_dir().join("stories260K.gguf")
 }
@@ -162,33 +167,8 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// A small reproducible generator (SplitMix64).
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[-1, 1)`.
-    pub fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    pub fn tokens(&mut self, n: usize, vocab: u32) -> Vec<u32> {
-        (0..n)
-            .map(|_| (self.next_u64() % u64::from(vocab)) as u32)
-            .collect()
-    }
-}
+#[allow(unused_imports)]
+pub use specula_plugin_api::testing::Rng;
 
 /// `true` when a CUDA device can be used (driver, NVRTC and at least one device); otherwise
 /// prints why the calling GPU test is skipped and returns `false`.
@@ -287,9 +267,7 @@ pub fn open_backend(
 ) -> Result<specula_cuda_hybrid::CudaBackend, specula_plugin_api::PluginError> {
     let p = params(path, 256, options);
     match device {
-        Device::Cuda => specula_cuda_hybrid::CudaBackend::open(&p),
-        Device::Emulated(e) => {
-            specula_cuda_hybrid::CudaBackend::open_emulated(&p, e.clone(), 1 << 34)
-        }
+        Device::Cuda => specula_cuda_hybrid::open(&p),
+        Device::Emulated(e) => specula_cuda_hybrid::backend::open_emulated(&p, e.clone(), 1 << 34),
     }
 }

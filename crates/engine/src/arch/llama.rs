@@ -14,6 +14,7 @@ use crate::model::LoadError;
 pub const VARIANT: DenseVariant = DenseVariant {
     rope_mode: RopeMode::Normal,
     qk_norm: false,
+    qkv_bias: false,
 };
 
 /// Loads a `llama` model.

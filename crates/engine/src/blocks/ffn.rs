@@ -149,7 +149,7 @@ pub fn forward_block(
         }
         _ => Err(PluginError::new(
             specula_plugin_api::ErrorKind::Internal,
-            "cpu-simd: FFN weights and shape disagree",
+            "FFN weights and shape disagree",
         )),
     }
 }

@@ -13,6 +13,7 @@ use crate::model::LoadError;
 pub const VARIANT: DenseVariant = DenseVariant {
     rope_mode: RopeMode::NeoX,
     qk_norm: true,
+    qkv_bias: false,
 };
 
 /// Loads a `qwen3` model.

@@ -18,7 +18,7 @@ pub enum LoadError {
     /// The GGUF reader's error (it names the file and the key or tensor).
     #[error("{0}")]
     Gguf(GgufError),
-    #[error("{path}: tensor '{tensor}' has type {ty}, which cpu-simd does not support (supported: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K)")]
+    #[error("{path}: tensor '{tensor}' has type {ty}, which is not supported (supported: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K)")]
     UnsupportedTensorType {
         path: String,
         tensor: String,
@@ -30,13 +30,13 @@ pub enum LoadError {
         tensor: String,
         why: String,
     },
-    #[error("cpu-simd: {path}: unknown architecture '{arch}' (supported: {supported})")]
+    #[error("{path}: unknown architecture '{arch}' (supported: {supported})")]
     UnknownArchitecture {
         path: String,
         arch: String,
         supported: &'static str,
     },
-    #[error("cpu-simd: {path}: {what} is not supported yet")]
+    #[error("{path}: {what} is not supported yet")]
     Unsupported { path: String, what: String },
 }
 
@@ -66,7 +66,7 @@ pub struct DenseModel {
 /// The computation graph of a model, by family.
 #[derive(Debug, Clone)]
 pub enum Graph {
-    /// llama, qwen3.
+    /// llama, qwen2, qwen3.
     Dense(Box<DenseModel>),
     /// qwen35, qwen3next: Gated DeltaNet hybrids.
     Hybrid(Box<HybridModel>),

@@ -6,6 +6,7 @@
 
 pub mod hybrid;
 pub mod llama;
+pub mod qwen2;
 pub mod qwen3;
 pub mod qwen35;
 pub mod qwen3next;
@@ -24,12 +25,14 @@ use crate::model::weights::{DenseDims, ModelWeights};
 use crate::model::{DenseModel, Graph, LoadError};
 
 /// Architectures whose `general.architecture` cpu-simd accepts.
-pub const SUPPORTED: &str = "llama, qwen3, qwen35, qwen3next";
+pub const SUPPORTED: &str = "llama, qwen2, qwen3, qwen35, qwen3next";
 
 /// A supported architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
+    /// Qwen2 / Qwen2.5: llama with q/k/v biases and NeoX RoPE.
+    Qwen2,
     Qwen3,
     /// Qwen3.5 / 3.6: Gated DeltaNet hybrid, dense FFN, multi-section RoPE.
     Qwen35,
@@ -42,6 +45,7 @@ impl Architecture {
     pub fn from_name(name: &str, path: &Path) -> Result<Self, LoadError> {
         match name {
             "llama" => Ok(Architecture::Llama),
+            "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
             "qwen35" => Ok(Architecture::Qwen35),
             "qwen3next" => Ok(Architecture::Qwen3Next),
@@ -57,6 +61,7 @@ impl Architecture {
     pub fn name(self) -> &'static str {
         match self {
             Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Qwen35 => "qwen35",
             Architecture::Qwen3Next => "qwen3next",
@@ -68,6 +73,7 @@ impl Architecture {
         let dense = |(config, weights)| Graph::Dense(Box::new(DenseModel { config, weights }));
         match self {
             Architecture::Llama => llama::load(file, hp).map(dense),
+            Architecture::Qwen2 => qwen2::load(file, hp).map(dense),
             Architecture::Qwen3 => qwen3::load(file, hp).map(dense),
             Architecture::Qwen35 => qwen35::load(file, hp).map(|m| Graph::Hybrid(Box::new(m))),
             Architecture::Qwen3Next => {
@@ -87,6 +93,8 @@ pub struct DenseConfig {
     pub rope: Rope,
     /// Per-head RMSNorm of queries and keys before RoPE (qwen3).
     pub qk_norm: bool,
+    /// Biases added to the query, key and value projections (qwen2).
+    pub qkv_bias: bool,
 }
 
 /// The per-architecture choices of a dense decoder.
@@ -94,6 +102,8 @@ pub struct DenseConfig {
 pub struct DenseVariant {
     pub rope_mode: RopeMode,
     pub qk_norm: bool,
+    /// `attn_q.bias`, `attn_k.bias` and `attn_v.bias` (required then, refused otherwise).
+    pub qkv_bias: bool,
 }
 
 /// Loads a dense decoder-only model (llama layout, plus the variant's extras), refusing
@@ -115,10 +125,16 @@ pub fn load_dense(
             keys.key("expert_count")
         )));
     }
+    let allowed_bias = |name: &str| {
+        variant.qkv_bias
+            && [".attn_q.bias", ".attn_k.bias", ".attn_v.bias"]
+                .iter()
+                .any(|suffix| name.ends_with(suffix))
+    };
     if let Some(t) = file
         .tensors()
         .iter()
-        .find(|t| t.name.starts_with("blk.") && t.name.ends_with(".bias"))
+        .find(|t| t.name.starts_with("blk.") && t.name.ends_with(".bias") && !allowed_bias(&t.name))
     {
         return Err(unsupported(format!("bias tensor '{}'", t.name)));
     }
@@ -152,7 +168,7 @@ pub fn load_dense(
         u(hp.vocab_size),
         n_rot,
         &dims,
-        variant.qk_norm,
+        variant,
     )?;
     let config = DenseConfig {
         n_embd: dims.n_embd,
@@ -167,6 +183,7 @@ pub fn load_dense(
             freq_factors: weights.rope_freqs.clone(),
         },
         qk_norm: variant.qk_norm,
+        qkv_bias: variant.qkv_bias,
     };
     Ok((config, weights))
 }
@@ -252,6 +269,11 @@ pub fn forward_dense_layer(
         &mut [&mut s.q[..n * qw], &mut s.k[..n * kw], &mut s.v[..n * vw]],
         &mut s.matmul,
     );
+    if let Some(bias) = &layer.qkv_bias {
+        add_row_bias(&mut s.q[..n * qw], &bias.q);
+        add_row_bias(&mut s.k[..n * kw], &bias.k);
+        add_row_bias(&mut s.v[..n * vw], &bias.v);
+    }
     s.rope_angles.cover(&config.rope, pos0, n);
     let angles = &s.rope_angles;
     let prepare = |(i, (q, k)): (usize, (&mut [f32], &mut [f32]))| {
@@ -308,4 +330,11 @@ pub fn forward_dense_layer(
     );
     ops::add_in_place(&mut s.x[..n * e], &s.proj[..n * e]);
     Ok(())
+}
+
+/// Adds `bias` to every row of `rows` (rows of `bias.len()` values).
+fn add_row_bias(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_exact_mut(bias.len()) {
+        ops::add_in_place(row, bias);
+    }
 }

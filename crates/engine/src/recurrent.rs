@@ -204,7 +204,7 @@ impl SnapshotRing {
             PluginError::new(
                 ErrorKind::OutOfMemory,
                 format!(
-                    "cpu-simd: the recurrent-state ring needs at least 2 slots of {plane_bytes} bytes; {}",
+                    "the recurrent-state ring needs at least 2 slots of {plane_bytes} bytes; {}",
                     match budget_bytes {
                         Some(b) if n < 2 => format!("the budget of {b} bytes holds {n}"),
                         _ => "allocating them failed".to_string(),

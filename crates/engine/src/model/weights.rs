@@ -14,6 +14,7 @@ use specula_kernels::{interleaved, simd, InterleavedMatrix, WeightMatrix, Weight
 use specula_plugin_api::PluginError;
 
 use super::LoadError;
+use crate::arch::DenseVariant;
 
 /// A checked weight matrix of the file: `rows` rows of `cols` values of type `ty`
 /// (GGUF shape `{cols, rows}`).
@@ -269,6 +270,8 @@ pub struct LayerWeights {
     pub attn_q_norm: Option<Vec<f32>>,
     /// Per-head RMSNorm of keys (qwen3), `key_length` values.
     pub attn_k_norm: Option<Vec<f32>>,
+    /// Biases of the q, k and v projections (qwen2).
+    pub qkv_bias: Option<QkvBias>,
     pub ffn_norm: Vec<f32>,
     pub ffn_gate: MatrixRef,
     pub ffn_up: MatrixRef,
@@ -307,9 +310,21 @@ impl LayerWeights {
         let vectors = self.attn_norm.len()
             + self.ffn_norm.len()
             + self.attn_q_norm.as_ref().map_or(0, Vec::len)
-            + self.attn_k_norm.as_ref().map_or(0, Vec::len);
+            + self.attn_k_norm.as_ref().map_or(0, Vec::len)
+            + self
+                .qkv_bias
+                .as_ref()
+                .map_or(0, |b| b.q.len() + b.k.len() + b.v.len());
         self.matrices().iter().map(|m| m.n_bytes()).sum::<u64>() + 4 * vectors as u64
     }
+}
+
+/// Biases added to the query, key and value projections' outputs (one value per output).
+#[derive(Debug, Clone)]
+pub struct QkvBias {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
 }
 
 /// Dimensions a dense decoder block's tensors are checked against.
@@ -325,15 +340,26 @@ pub struct DenseDims {
     pub head_dim: usize,
 }
 
-/// Loads block `layer` of a dense model; `qk_norm` says whether the per-head q/k norms are
-/// part of the architecture (then they are required).
+/// Loads block `layer` of a dense model; `variant` says whether the per-head q/k norms and
+/// the q/k/v biases are part of the architecture (then they are required).
 pub fn load_dense_layer(
     file: &GgufFile,
     layer: usize,
     d: &DenseDims,
-    qk_norm: bool,
+    variant: DenseVariant,
 ) -> Result<LayerWeights, LoadError> {
+    let qk_norm = variant.qk_norm;
     let name = |t: &str| format!("blk.{layer}.{t}.weight");
+    let bias = |t: &str, len| load_vector(file, &format!("blk.{layer}.{t}.bias"), len);
+    let qkv_bias = if variant.qkv_bias {
+        Some(QkvBias {
+            q: bias("attn_q", d.q_width)?,
+            k: bias("attn_k", d.k_width)?,
+            v: bias("attn_v", d.v_width)?,
+        })
+    } else {
+        None
+    };
     let matrix = |t: &str, rows, cols| MatrixRef::load(file, &name(t), rows, cols);
     let head_norm = |t: &str| -> Result<Option<Vec<f32>>, LoadError> {
         if qk_norm {
@@ -350,6 +376,7 @@ pub fn load_dense_layer(
         attn_output: matrix("attn_output", d.n_embd, d.attn_out_width)?,
         attn_q_norm: head_norm("attn_q_norm")?,
         attn_k_norm: head_norm("attn_k_norm")?,
+        qkv_bias,
         ffn_norm: load_vector(file, &name("ffn_norm"), d.n_embd)?,
         ffn_gate: matrix("ffn_gate", d.n_ff, d.n_embd)?,
         ffn_up: matrix("ffn_up", d.n_ff, d.n_embd)?,
@@ -379,7 +406,7 @@ impl ModelWeights {
         n_vocab: usize,
         n_rot: usize,
         dims: &DenseDims,
-        qk_norm: bool,
+        variant: DenseVariant,
     ) -> Result<Self, LoadError> {
         let token_embd = MatrixRef::load(file, "token_embd.weight", n_vocab, dims.n_embd)?;
         let (output, tied_output) = match file.tensor_info("output.weight") {
@@ -390,7 +417,7 @@ impl ModelWeights {
             None => (token_embd.clone(), true),
         };
         let layers = (0..n_layers)
-            .map(|i| load_dense_layer(file, i, dims, qk_norm))
+            .map(|i| load_dense_layer(file, i, dims, variant))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             output_norm: load_vector(file, "output_norm.weight", dims.n_embd)?,

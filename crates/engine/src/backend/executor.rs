@@ -1,0 +1,78 @@
+//! What a backend supplies: where the layers run and where the sequence's caches live.
+
+use std::ops::RangeInclusive;
+
+use crate::model::Model;
+use rayon::ThreadPool;
+use specula_plugin_api::PluginError;
+
+/// One chunk of an evaluation: at most `batch_rows` consecutive tokens of it.
+#[derive(Debug, Clone, Copy)]
+pub struct Chunk<'a> {
+    pub tokens: &'a [u32],
+    /// Position of the first token in the sequence.
+    pub pos0: usize,
+    /// Index of the first token among the evaluation's tokens: the snapshot-ring step of its
+    /// first row (the ring advances only when the whole evaluation is committed).
+    pub first: usize,
+    /// Rows `logit_from ..` of the chunk get logits (`tokens.len()` for none).
+    pub logit_from: usize,
+}
+
+impl Chunk<'_> {
+    /// Rows in the chunk.
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+}
+
+/// Runs a model's layers and owns the sequence's caches (attention KV, recurrent-state ring,
+/// the MTP head's cache); [`Backend`](super::Backend) does the rest.
+///
+/// Every row of a chunk must get exactly the bits a one-row chunk at its position would.
+pub trait Executor: Send + Sync {
+    /// Runs `chunk` through the whole model: its keys, values and recurrent states go into
+    /// the caches at its positions (not yet committed); the final-norm hidden states of its
+    /// rows go to `hidden` (`rows × n_embd`) and the logits of rows `logit_from ..` to
+    /// `logits`.
+    fn forward_chunk(
+        &mut self,
+        model: &Model,
+        pool: &ThreadPool,
+        chunk: &Chunk<'_>,
+        hidden: &mut [f32],
+        logits: &mut [f32],
+    ) -> Result<(), PluginError>;
+
+    /// Makes the `n` tokens evaluated from position `start` part of the sequence.
+    fn commit(&mut self, start: usize, n: usize);
+
+    /// Cuts the sequence to `len` tokens in O(1) and returns true, or returns false (changing
+    /// nothing of the trunk) when the recurrent state of that length is no longer kept. Also
+    /// cuts the MTP head's cache to at most `len` entries.
+    fn rollback(&mut self, len: usize) -> Result<bool, PluginError>;
+
+    /// The lengths [`rollback`](Self::rollback) can restore, for a sequence of `seq_len`.
+    fn window(&self, seq_len: usize) -> RangeInclusive<usize>;
+
+    /// Back to the empty sequence.
+    fn reset(&mut self) -> Result<(), PluginError>;
+
+    /// Runs the MTP head over `tokens` (with the trunk's `hidden` states, `rows × n_embd`)
+    /// at positions `position ..`, in chunks of at most `batch_rows`: its cache is cut to
+    /// `position` entries and extended; `logits` holds the last `logits.len() / vocab` rows'
+    /// logits, `hidden_out` every row's head output. Only called when the capabilities say
+    /// the model has the head.
+    #[allow(clippy::too_many_arguments)]
+    fn mtp(
+        &mut self,
+        model: &Model,
+        pool: &ThreadPool,
+        batch_rows: usize,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        logits: &mut [f32],
+        hidden_out: &mut [f32],
+    ) -> Result<(), PluginError>;
+}

@@ -1,0 +1,91 @@
+//! The steps of opening a backend that every backend takes the same way.
+
+use std::path::Path;
+
+use rayon::{ThreadPool, ThreadPoolBuilder};
+use specula_plugin_api::{BackendParams, ErrorKind, PluginError};
+
+use super::{attribute, options, DEFAULT_MAX_VERIFY_TOKENS};
+use crate::model::Model;
+
+/// Loads the model `params` names and returns it with the context size in effect, warning
+/// when the asked one exceeds what the model was trained for.
+pub fn load_model(plugin: &str, params: &BackendParams) -> Result<(Model, usize), PluginError> {
+    let path = Path::new(params.model_path.as_str());
+    let model = Model::load(path).map_err(|e| attribute(plugin, e.into()))?;
+    let n_ctx = model.context_size(params.context_size);
+    if params.context_size > n_ctx {
+        tracing::warn!(
+            "{plugin}: context size {} exceeds the {n_ctx} tokens {} was trained for; using {n_ctx}",
+            params.context_size,
+            path.display()
+        );
+    }
+    Ok((model, n_ctx as usize))
+}
+
+/// The backend's private worker pool: `params.threads` threads, or one per CPU for 0.
+pub fn thread_pool(plugin: &str, params: &BackendParams) -> Result<ThreadPool, PluginError> {
+    let threads = match params.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n as usize,
+    };
+    ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name({
+            let plugin = plugin.to_string();
+            move |i| format!("{plugin}-{i}")
+        })
+        .build()
+        .map_err(|e| {
+            PluginError::new(
+                ErrorKind::Internal,
+                format!("{plugin}: cannot start {threads} worker threads: {e}"),
+            )
+        })
+}
+
+/// The verify capacity asked for: `params.max_verify_tokens`, or the default for 0.
+pub fn requested_verify(params: &BackendParams) -> usize {
+    match params.max_verify_tokens {
+        0 => DEFAULT_MAX_VERIFY_TOKENS as usize,
+        n => n as usize,
+    }
+}
+
+/// The depth of a snapshot ring of `plane_bytes` per plane: the `requested` verify capacity,
+/// lowered (with a warning) to what `budget` bytes hold. Fewer than two planes cannot run
+/// the recurrence, which is an `OutOfMemory` error.
+pub fn ring_depth(
+    plugin: &str,
+    path: &Path,
+    plane_bytes: u64,
+    requested: usize,
+    budget: Option<u64>,
+) -> Result<usize, PluginError> {
+    let plane = plane_bytes.max(1);
+    let mut n_planes = requested.saturating_add(1);
+    if let Some(budget) = budget {
+        n_planes = n_planes.min(usize::try_from(budget / plane).unwrap_or(usize::MAX));
+    }
+    if n_planes < 2 {
+        return Err(PluginError::new(
+            ErrorKind::OutOfMemory,
+            format!(
+                "{plugin}: the recurrent-state ring needs at least 2 slots of {plane} bytes; the budget {} = {} holds {n_planes}",
+                options::OPTION_RING_BUDGET_BYTES,
+                budget.unwrap_or(0)
+            ),
+        ));
+    }
+    let depth = n_planes - 1;
+    if depth < requested {
+        tracing::warn!(
+            "{plugin}: the recurrent-state ring of {} holds {depth} snapshots of {plane} bytes instead of the {requested} asked for ({} = {}); verify batches and rollback are limited to {depth} tokens",
+            path.display(),
+            options::OPTION_RING_BUDGET_BYTES,
+            budget.unwrap_or(0)
+        );
+    }
+    Ok(depth)
+}
