@@ -203,8 +203,9 @@ pub(super) mod avx512 {
         });
     }
 
-    /// [`block32_rows`] over whole rows (at most [`crate::simd::MAX_ROWS_PER_PASS`] activation rows):
-    /// activation row `b`'s dot product with `w` at `out[b * stride]`, reduced in registers.
+    /// [`block32_rows`] over whole rows (at most [`crate::simd::MAX_ROWS_PER_PASS`] activation
+    /// rows): activation row `b`'s dot product with `w` at `out[b * stride]`, reduced in
+    /// registers.
     ///
     /// # Safety
     ///

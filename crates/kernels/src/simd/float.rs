@@ -395,8 +395,8 @@ mod avx512 {
                 }
             });
             let used = count.div_ceil(16);
-            // SAFETY: lane `l` of register `k` is element `start + 16k + l` of `y` and of every row;
-            // masks cover exactly the elements that exist (a full mask loads plainly).
+            // SAFETY: lane `l` of register `k` is element `start + 16k + l` of `y` and of every
+            // row; masks cover exactly the elements that exist (a full mask loads plainly).
             unsafe {
                 let load = |p: *const f32, mask: u16| {
                     if mask == 0xffff {

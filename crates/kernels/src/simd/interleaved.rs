@@ -52,10 +52,10 @@ mod avx512 {
     ///
     /// # Safety
     ///
-    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 40` group blocks of encoding
-    /// `KIND`, the last of which holds row `valid - 1`; `x` holds at most
-    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many rows, each of
-    /// at least `first + valid` outputs.
+    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 40` group blocks of
+    /// encoding `KIND`, the last of which holds row `valid - 1`; `x` holds at most
+    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
+    /// rows, each of at least `first + valid` outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(crate) unsafe fn interleaved_pass<const KIND: u8>(
         groups: &[u8],
@@ -221,9 +221,10 @@ mod avx512 {
     ///
     /// # Safety
     ///
-    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 276` Q4_K group blocks, the
-    /// last of which holds row `valid - 1`; `x` holds at most [`crate::simd::MAX_ROWS_PER_PASS`] rows of
-    /// whole activation blocks and `out` as many rows, each of at least `first + valid` outputs.
+    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 276` Q4_K group blocks,
+    /// the last of which holds row `valid - 1`; `x` holds at most
+    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
+    /// rows, each of at least `first + valid` outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(crate) unsafe fn interleaved_q4k_pass(
         groups: &[u8],

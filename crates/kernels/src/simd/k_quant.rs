@@ -293,7 +293,8 @@ pub(super) mod avx512 {
     ///
     /// The widened activation block ([`q8_k::widen_row`]) carries `d_x` in 16 lanes and
     /// `d_x · bsum_g` per group of 16, so the row's update is `acc += (d · d_x) · sums` and
-    /// `acc -= group_coefficients · (d_x · bsum)`: no broadcast and no integer bsum product per row.
+    /// `acc -= group_coefficients · (d_x · bsum)`: no broadcast and no integer bsum product per
+    /// row.
     struct WideSuperBlock {
         quants: [__m512i; 4],
         multipliers: [__m512i; 2],
@@ -396,8 +397,9 @@ pub(super) mod avx512 {
             let two_bits = _mm512_set1_epi8(0x30);
             let mut quants = [_mm512_setzero_si512(); 4];
             for half in 0..2 {
-                // ql[64h..64h+64]: low nibbles are values 0..64 of the half, high nibbles 64..128;
-                // qh[32h..32h+32]: bits (0,1), (2,3), (4,5), (6,7) top values 0.., 32.., 64.., 96...
+                // ql[64h..64h+64]: low nibbles are values 0..64 of the half, high nibbles
+                // 64..128; qh[32h..32h+32]: bits (0,1), (2,3), (4,5), (6,7) top values 0..,
+                // 32.., 64.., 96...
                 let ql = _mm512_loadu_si512(block.add(64 * half).cast());
                 let qh =
                     _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
@@ -462,8 +464,9 @@ pub(super) mod avx512 {
         });
     }
 
-    /// [`k_quant_rows`] over whole rows (at most [`crate::simd::MAX_ROWS_PER_PASS`] activation rows):
-    /// activation row `b`'s dot product with `w` at `out[b * stride]`, reduced in registers.
+    /// [`k_quant_rows`] over whole rows (at most [`crate::simd::MAX_ROWS_PER_PASS`] activation
+    /// rows): activation row `b`'s dot product with `w` at `out[b * stride]`, reduced in
+    /// registers.
     ///
     /// # Safety
     ///

@@ -43,7 +43,8 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub(crate) unsafe fn load8<const KIND: u8>(p: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees 8 elements (8 * float_size(KIND) bytes) are readable at `p`.
+        // SAFETY: the caller guarantees 8 elements (8 * float_size(KIND) bytes) are readable at
+        // `p`.
         unsafe {
             match KIND {
                 F32 => _mm256_loadu_ps(p.cast()),
