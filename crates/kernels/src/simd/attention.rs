@@ -1,0 +1,575 @@
+//! Attention over one key / value head ([`crate::attention`]): the scores and the weighted sums
+//! of the values, AVX2 and AVX-512 kernels (cached rows stored as f32 or f16) and their safe
+//! entry points.
+//!
+//! AVX2 runs one query at a time, 8-lane chunks; AVX-512 keeps a tile of queries in registers
+//! for head sizes of 16 · C (C ≤ 8) and loads each cached row once for the tile, other sizes
+//! one query at a time with masked chunks. Per (query, key) score and per output element the
+//! sequence of operations is fixed, whatever the other queries of the call.
+
+#[cfg(target_arch = "x86_64")]
+use super::x86::{F16, F32};
+use super::{Rows, SimdLevel};
+
+/// [`crate::attention::scores`] at a SIMD `level` (sizes checked by the caller).
+pub(crate) fn attention_scores(
+    level: SimdLevel,
+    queries: Rows<'_, f32>,
+    keys: crate::attention::CachedRows<'_>,
+    limits: &[usize],
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(
+        queries.len() == keys.len()
+            && limits.len() == queries.count()
+            && limits
+                .iter()
+                .enumerate()
+                .all(|(q, &l)| l <= keys.count() && l <= stride && q * stride + l <= out.len()),
+        "attention scores: sizes"
+    );
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and every (query, key) pair written lies inside `out`
+    // (checked above); `Rows` views are checked.
+    unsafe {
+        use crate::attention::CacheKind;
+        let rows = keys.rows;
+        match (level, keys.kind) {
+            (SimdLevel::Avx2, CacheKind::F32) => {
+                avx2::attention_scores::<F32>(queries, rows, limits, out, stride)
+            }
+            (SimdLevel::Avx2, CacheKind::F16) => {
+                avx2::attention_scores::<F16>(queries, rows, limits, out, stride)
+            }
+            (_, CacheKind::F32) => {
+                avx512::attention_scores::<F32>(queries, rows, limits, out, stride)
+            }
+            (_, CacheKind::F16) => {
+                avx512::attention_scores::<F16>(queries, rows, limits, out, stride)
+            }
+        }
+    }
+}
+
+/// [`crate::attention::weighted_sums`] at a SIMD `level` (sizes checked by the caller).
+pub(crate) fn attention_weighted_sums(
+    level: SimdLevel,
+    probs: Rows<'_, f32>,
+    values: crate::attention::CachedRows<'_>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    assert!(
+        out.len() == probs.count() * values.len()
+            && limits.len() == probs.count()
+            && limits
+                .iter()
+                .all(|&l| l <= values.count() && l <= probs.len()),
+        "attention weighted sums: sizes"
+    );
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the sizes match (checked above).
+    unsafe {
+        use crate::attention::CacheKind;
+        let rows = values.rows;
+        match (level, values.kind) {
+            (SimdLevel::Avx2, CacheKind::F32) => {
+                avx2::attention_weighted_sums::<F32>(probs, rows, limits, out)
+            }
+            (SimdLevel::Avx2, CacheKind::F16) => {
+                avx2::attention_weighted_sums::<F16>(probs, rows, limits, out)
+            }
+            (_, CacheKind::F32) => avx512::attention_weighted_sums::<F32>(probs, rows, limits, out),
+            (_, CacheKind::F16) => avx512::attention_weighted_sums::<F16>(probs, rows, limits, out),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::simd::x86::avx2::{load8, reduce8};
+    use crate::simd::x86::{float_size, F32};
+    use crate::simd::Rows;
+
+    /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (rows of
+    /// bytes): per (query, key) an 8-lane dot product (two accumulators, a zero-padded f32 copy
+    /// of a ragged tail), reduced by [`reduce8`].
+    ///
+    /// # Safety
+    ///
+    /// AVX2 and FMA must be available; every key row holds `queries.len()` values of `KIND`; every
+    /// limit is at most the key count and `q * stride + limit <= out.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn attention_scores<const KIND: u8>(
+        queries: Rows<'_, f32>,
+        keys: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let dim = queries.len();
+        let size = float_size(KIND);
+        let full = dim / 8;
+        let rest = dim - 8 * full;
+        for (q, &limit) in limits.iter().enumerate() {
+            let query = queries.row(q);
+            let mut query_tail = [0.0f32; 8];
+            query_tail[..rest].copy_from_slice(&query[8 * full..]);
+            for j in 0..limit {
+                let key = keys.row(j);
+                // SAFETY: chunks `c < full` lie inside both rows; the tail goes through buffers.
+                unsafe {
+                    let mut acc = [_mm256_setzero_ps(); 2];
+                    for c in 0..full {
+                        acc[c % 2] = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(query.as_ptr().add(8 * c)),
+                            load8::<KIND>(key.as_ptr().add(8 * c * size)),
+                            acc[c % 2],
+                        );
+                    }
+                    if rest > 0 {
+                        let key_tail = widen_tail::<KIND>(&key[8 * full * size..]);
+                        acc[full % 2] = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(query_tail.as_ptr()),
+                            _mm256_loadu_ps(key_tail.as_ptr()),
+                            acc[full % 2],
+                        );
+                    }
+                    out[q * stride + j] = reduce8(_mm256_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+    }
+
+    /// The last `bytes.len() / size` (< 8) values of a `KIND` row as f32, zero-padded to 8.
+    fn widen_tail<const KIND: u8>(bytes: &[u8]) -> [f32; 8] {
+        let mut tail = [0.0f32; 8];
+        for (t, v) in tail.iter_mut().zip(bytes.chunks_exact(float_size(KIND))) {
+            *t = match KIND {
+                F32 => f32::from_le_bytes([v[0], v[1], v[2], v[3]]),
+                _ => crate::f16::to_f32(u16::from_le_bytes([v[0], v[1]])),
+            };
+        }
+        tail
+    }
+
+    /// Attention weighted sums ([`crate::attention::weighted_sums`]) over cached values stored as
+    /// `KIND`: per query and output element `y = fma(p_j, v_j, y)` for keys `j` in order from
+    /// zero, the output row kept in memory (a ragged tail through a zero-padded buffer).
+    ///
+    /// # Safety
+    ///
+    /// AVX2 and FMA must be available; `out` holds one row of the values' length per query; every
+    /// limit is at most the value count and the probability row length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn attention_weighted_sums<const KIND: u8>(
+        probs: Rows<'_, f32>,
+        values: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+    ) {
+        let size = float_size(KIND);
+        let dim = values.len() / size;
+        let full = dim / 8;
+        for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
+            o.fill(0.0);
+            let mut tail = [0.0f32; 8];
+            for j in 0..limit {
+                let value = values.row(j);
+                // SAFETY: chunks `c < full` lie inside the value row and `o`; the tail goes
+                // through buffers.
+                unsafe {
+                    let p = _mm256_set1_ps(probs.row(q)[j]);
+                    for c in 0..full {
+                        let y = o.as_mut_ptr().add(8 * c);
+                        let v = load8::<KIND>(value.as_ptr().add(8 * c * size));
+                        _mm256_storeu_ps(y, _mm256_fmadd_ps(p, v, _mm256_loadu_ps(y)));
+                    }
+                    if dim > 8 * full {
+                        let v = widen_tail::<KIND>(&value[8 * full * size..]);
+                        let y = _mm256_fmadd_ps(
+                            p,
+                            _mm256_loadu_ps(v.as_ptr()),
+                            _mm256_loadu_ps(tail.as_ptr()),
+                        );
+                        _mm256_storeu_ps(tail.as_mut_ptr(), y);
+                    }
+                }
+            }
+            let rest = dim - 8 * full;
+            o[8 * full..].copy_from_slice(&tail[..rest]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use crate::simd::x86::avx512::{load16, load16_f32, prefetch_block};
+    use crate::simd::x86::float_size;
+    use crate::simd::Rows;
+
+    /// Queries whose registers stay live while the keys stream past ([`attention_scores`]).
+    const SCORE_TILE: usize = 2;
+
+    /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32 or
+    /// F16; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
+    /// registers and load each key once for the tile; other sizes run one query at a time with
+    /// masked chunks. Per (query, key): two accumulators over the chunks (even / odd), then one
+    /// horizontal sum — whatever the other queries.
+    ///
+    /// # Safety
+    ///
+    /// The AVX-512 level must be available; every key row holds `queries.len()` values of `KIND`;
+    /// every limit is at most the key count and `q * stride + limit <= out.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn attention_scores<const KIND: u8>(
+        queries: Rows<'_, f32>,
+        keys: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let dim = queries.len();
+        let size = float_size(KIND);
+        // SAFETY: forwarded contract.
+        unsafe {
+            if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
+                match dim / 16 {
+                    1 => scores_tiled::<KIND, 1>(queries, keys, limits, out, stride),
+                    2 => scores_tiled::<KIND, 2>(queries, keys, limits, out, stride),
+                    3 => scores_tiled::<KIND, 3>(queries, keys, limits, out, stride),
+                    4 => scores_tiled::<KIND, 4>(queries, keys, limits, out, stride),
+                    5 => scores_tiled::<KIND, 5>(queries, keys, limits, out, stride),
+                    6 => scores_tiled::<KIND, 6>(queries, keys, limits, out, stride),
+                    7 => scores_tiled::<KIND, 7>(queries, keys, limits, out, stride),
+                    _ => scores_tiled::<KIND, 8>(queries, keys, limits, out, stride),
+                }
+                return;
+            }
+            let chunks = dim.div_ceil(16);
+            for (q, &limit) in limits.iter().enumerate() {
+                let qp = queries.ptr(q);
+                for j in 0..limit {
+                    let kp = keys.ptr(j);
+                    let mut acc = [_mm512_setzero_ps(); 2];
+                    for c in 0..chunks {
+                        let lanes = (dim - 16 * c).min(16);
+                        acc[c % 2] = _mm512_fmadd_ps(
+                            load16_f32(qp.add(16 * c), lanes),
+                            load16::<KIND>(kp.add(16 * c * size), lanes),
+                            acc[c % 2],
+                        );
+                    }
+                    out[q * stride + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+    }
+
+    /// [`attention_scores`] for head size `16 · C`: queries in tiles of [`SCORE_TILE`] (then
+    /// one) held in registers while the keys stream past, keys in blocks of 16 whose dot products
+    /// with a query are summed across lanes together ([`sum_lanes_16`]) rather than one
+    /// horizontal sum per key. A key's arithmetic is the same wherever it falls in a block and
+    /// whatever the other keys and queries: two accumulators over the chunks (even / odd), their
+    /// sum, then the lane tree of [`sum_lanes_16`].
+    ///
+    /// # Safety
+    ///
+    /// As [`attention_scores`], with `queries.len() == 16 · C`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scores_tiled<const KIND: u8, const C: usize>(
+        queries: Rows<'_, f32>,
+        keys: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let mut first = 0;
+        while first < limits.len() {
+            // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
+            unsafe {
+                first += if limits.len() - first >= SCORE_TILE {
+                    scores_tile::<KIND, C, SCORE_TILE>(queries, keys, limits, out, stride, first)
+                } else {
+                    scores_tile::<KIND, C, 1>(queries, keys, limits, out, stride, first)
+                };
+            }
+        }
+    }
+
+    /// Cached rows ahead of the current one whose lines the attention kernels prefetch: a head's
+    /// rows are contiguous, but each row is only a few lines, too few for the hardware prefetchers
+    /// to run ahead of a pass that starts from memory.
+    const PREFETCH_ROWS: usize = 4;
+
+    /// Prefetches every line of cached row `j + PREFETCH_ROWS` of `rows`, when there is one.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    fn prefetch_row_ahead(rows: Rows<'_, u8>, j: usize) {
+        if j + PREFETCH_ROWS < rows.count() {
+            prefetch_block(rows.ptr(j + PREFETCH_ROWS), rows.len());
+        }
+    }
+
+    /// One tile of `T` queries from `first` for [`scores_tiled`]; returns `T`.
+    ///
+    /// # Safety
+    ///
+    /// As [`scores_tiled`], with queries `first .. first + T` present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scores_tile<const KIND: u8, const C: usize, const T: usize>(
+        queries: Rows<'_, f32>,
+        keys: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+        stride: usize,
+        first: usize,
+    ) -> usize {
+        let size = float_size(KIND);
+        let tile_limits = &limits[first..first + T];
+        let longest = tile_limits.iter().copied().max().unwrap_or(0);
+        let shortest = tile_limits.iter().copied().min().unwrap_or(0);
+        // SAFETY: rows `first .. first + T` exist; key `j < longest` exists; the written scores
+        // lie inside `out` (the caller's contract).
+        unsafe {
+            let q: [[__m512; C]; T] = std::array::from_fn(|t| {
+                let qp = queries.ptr(first + t);
+                std::array::from_fn(|c| _mm512_loadu_ps(qp.add(16 * c)))
+            });
+            // Per query, one vector of lane products per key of a block. Slots of keys past the
+            // block's end or a query's limit keep what they held (zeros, or an earlier block's
+            // products): each lane of a lane sum depends on its own slot only, and those lanes
+            // are never stored.
+            let mut products = [[_mm512_setzero_ps(); 16]; T];
+            for block in (0..longest).step_by(16) {
+                let in_block = 16.min(longest - block);
+                for (j, key) in (block..block + in_block).enumerate() {
+                    prefetch_row_ahead(keys, key);
+                    let kp = keys.ptr(key);
+                    let k: [__m512; C] =
+                        std::array::from_fn(|c| load16::<KIND>(kp.add(16 * c * size), 16));
+                    let every = key < shortest;
+                    for t in 0..T {
+                        if !every && key >= tile_limits[t] {
+                            continue;
+                        }
+                        let mut acc = [_mm512_setzero_ps(); 2];
+                        for c in 0..C {
+                            acc[c % 2] = _mm512_fmadd_ps(q[t][c], k[c], acc[c % 2]);
+                        }
+                        products[t][j] = _mm512_add_ps(acc[0], acc[1]);
+                    }
+                }
+                for (t, &limit) in tile_limits.iter().enumerate() {
+                    if block >= limit {
+                        continue;
+                    }
+                    let keep = (limit - block).min(16);
+                    let mask = if keep == 16 {
+                        0xffff
+                    } else {
+                        (1u16 << keep) - 1
+                    };
+                    let sums = sum_lanes_16(&products[t]);
+                    let dst = out.as_mut_ptr().add((first + t) * stride + block);
+                    _mm512_mask_storeu_ps(dst, mask, sums);
+                }
+            }
+        }
+        T
+    }
+
+    /// The lane sums of 16 vectors, in order: lane `j` of the result is the sum of the 16 lanes of
+    /// `v[j]`, always by the same tree (lanes `i` and `i + 8`, then `+ 4`, then `+ 2`, then
+    /// `+ 1`), whatever the other vectors hold.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn sum_lanes_16(v: &[__m512; 16]) -> __m512 {
+        // Each step adds the two halves of every vector's partial sums and packs two vectors'
+        // halved partials into one.
+        // Lanes 0..8 of `w[i]`: v[2i] lanes i + lanes i + 8; lanes 8..16: the same for v[2i + 1].
+        let w: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        });
+        // 128-bit quarter `r` of `x[i]`: the four partial sums of v[4i + r].
+        let x: [__m512; 4] = std::array::from_fn(|i| {
+            let (a, b) = (w[2 * i], w[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        });
+        // Quarter `r` of `y[i]`: two partials of v[8i + r], then two of v[8i + 4 + r].
+        let y: [__m512; 2] = std::array::from_fn(|i| {
+            let (a, b) = (x[2 * i], x[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        });
+        // Lane `4r + m`: the sum of v[4m + r].
+        let sums = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(y[0], y[1]),
+            _mm512_shuffle_ps::<0b11_01_11_01>(y[0], y[1]),
+        );
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, sums)
+    }
+
+    /// Attention weighted sums ([`crate::attention::weighted_sums`]) over cached values stored as
+    /// `KIND`: per output element `y = fma(p_j, v_j, y)` for keys `j` in order from zero. Head
+    /// sizes of 16 · C (C ≤ 8) keep a tile of outputs in registers and load each value row once
+    /// for the tile; other sizes run one query at a time with masked chunks through memory (the
+    /// same per-element sequence).
+    ///
+    /// # Safety
+    ///
+    /// The AVX-512 level must be available; `out` holds one row of the values' length per query;
+    /// every limit is at most the value count and the probability row length.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn attention_weighted_sums<const KIND: u8>(
+        probs: Rows<'_, f32>,
+        values: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+    ) {
+        let size = float_size(KIND);
+        let dim = values.len() / size;
+        // SAFETY: forwarded contract.
+        unsafe {
+            if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
+                match dim / 16 {
+                    1 => sums_tiled::<KIND, 1>(probs, values, limits, out),
+                    2 => sums_tiled::<KIND, 2>(probs, values, limits, out),
+                    3 => sums_tiled::<KIND, 3>(probs, values, limits, out),
+                    4 => sums_tiled::<KIND, 4>(probs, values, limits, out),
+                    5 => sums_tiled::<KIND, 5>(probs, values, limits, out),
+                    6 => sums_tiled::<KIND, 6>(probs, values, limits, out),
+                    7 => sums_tiled::<KIND, 7>(probs, values, limits, out),
+                    _ => sums_tiled::<KIND, 8>(probs, values, limits, out),
+                }
+                return;
+            }
+            let chunks = dim.div_ceil(16);
+            for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
+                o.fill(0.0);
+                let op = o.as_mut_ptr();
+                for j in 0..limit {
+                    let p = _mm512_set1_ps(*probs.ptr(q).add(j));
+                    let vp = values.ptr(j);
+                    for c in 0..chunks {
+                        let lanes = (dim - 16 * c).min(16);
+                        let mask = if lanes == 16 {
+                            0xffff
+                        } else {
+                            (1u16 << lanes) - 1
+                        };
+                        let y = _mm512_fmadd_ps(
+                            p,
+                            load16::<KIND>(vp.add(16 * c * size), lanes),
+                            _mm512_maskz_loadu_ps(mask, op.add(16 * c)),
+                        );
+                        _mm512_mask_storeu_ps(op.add(16 * c), mask, y);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`attention_weighted_sums`] for head size `16 · C`: queries in tiles of 8, 4, 2 and 1 whose
+    /// outputs for one 16-value chunk stay in registers while that chunk of every value row
+    /// streams past, so each value row is read once per chunk for a whole tile (rather than once
+    /// per query), and each probability is broadcast straight from memory.
+    ///
+    /// # Safety
+    ///
+    /// As [`attention_weighted_sums`], with values of `16 · C` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn sums_tiled<const KIND: u8, const C: usize>(
+        probs: Rows<'_, f32>,
+        values: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+    ) {
+        let mut first = 0;
+        while first < limits.len() {
+            let left = limits.len() - first;
+            // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
+            unsafe {
+                first += match left {
+                    8.. => sums_tile::<KIND, C, 8>(probs, values, limits, out, first),
+                    4..=7 => sums_tile::<KIND, C, 4>(probs, values, limits, out, first),
+                    2 | 3 => sums_tile::<KIND, C, 2>(probs, values, limits, out, first),
+                    _ => sums_tile::<KIND, C, 1>(probs, values, limits, out, first),
+                };
+            }
+        }
+    }
+
+    /// One tile of `T` queries from `first` for [`sums_tiled`]; returns `T`.
+    ///
+    /// # Safety
+    ///
+    /// As [`sums_tiled`], with queries `first .. first + T` present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn sums_tile<const KIND: u8, const C: usize, const T: usize>(
+        probs: Rows<'_, f32>,
+        values: Rows<'_, u8>,
+        limits: &[usize],
+        out: &mut [f32],
+        first: usize,
+    ) -> usize {
+        let (dim, size) = (16 * C, float_size(KIND));
+        let tile_limits = &limits[first..first + T];
+        let longest = tile_limits.iter().copied().max().unwrap_or(0);
+        let shortest = tile_limits.iter().copied().min().unwrap_or(0);
+        // SAFETY: value rows `j < longest` exist; probability rows `first .. first + T` hold at
+        // least their limits; output rows `first + t` lie inside `out`.
+        unsafe {
+            let p: [*const f32; T] = std::array::from_fn(|t| probs.ptr(first + t));
+            for c in 0..C {
+                let mut acc = [_mm512_setzero_ps(); T];
+                // Values every query of the tile sees, then the causal tail checked per query.
+                for j in 0..shortest {
+                    if c == 0 {
+                        prefetch_row_ahead(values, j);
+                    }
+                    let v = load16::<KIND>(values.ptr(j).add(16 * c * size), 16);
+                    for (y, row) in acc.iter_mut().zip(&p) {
+                        *y = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(j)), v, *y);
+                    }
+                }
+                for j in shortest..longest {
+                    let v = load16::<KIND>(values.ptr(j).add(16 * c * size), 16);
+                    for ((y, row), &limit) in acc.iter_mut().zip(&p).zip(tile_limits) {
+                        if j < limit {
+                            *y = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(j)), v, *y);
+                        }
+                    }
+                }
+                for (t, y) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add((first + t) * dim + 16 * c), *y);
+                }
+            }
+        }
+        T
+    }
+}

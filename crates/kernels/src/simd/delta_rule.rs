@@ -1,0 +1,239 @@
+//! The gated delta-rule step ([`crate::delta_rule::step`]): AVX2 and AVX-512 kernels and their
+//! safe entry point. Per state row, one pass scales the row by the decay and dots it with `k`,
+//! a second adds `d_j · k` and dots with `q`; two accumulators per dot (even / odd chunks) and
+//! the same reduction for every row.
+
+use super::SimdLevel;
+
+/// One gated delta-rule step ([`crate::delta_rule::step`]) at a SIMD `level`.
+pub(crate) fn delta_rule_step(
+    level: SimdLevel,
+    x: crate::delta_rule::DeltaInputs<'_>,
+    state_in: &[f32],
+    state_out: &mut [f32],
+    out: &mut [f32],
+) {
+    let dim = x.k.len();
+    assert!(
+        x.q.len() == dim
+            && out.len() == x.v.len()
+            && state_in.len() == x.v.len() * dim
+            && state_out.len() == state_in.len(),
+        "delta rule: sizes"
+    );
+    assert!(
+        level != SimdLevel::Scalar,
+        "SIMD kernels run SIMD levels only"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is supported and the sizes match (checked above).
+    unsafe {
+        match level {
+            SimdLevel::Avx2 => avx2::delta_rule_step(x, state_in, state_out, out),
+            _ => avx512::delta_rule_step(x, state_in, state_out, out),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::simd::x86::avx2::reduce8;
+
+    /// One gated delta-rule step ([`crate::delta_rule::step`]), as the AVX-512 version with
+    /// 8-lane chunks (a scalar-padded copy of a ragged tail).
+    ///
+    /// # Safety
+    ///
+    /// AVX2 and FMA must be available; `q.len() == k.len()`, `out.len() == v.len()` and both
+    /// states hold `v.len() · k.len()` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn delta_rule_step(
+        x: crate::delta_rule::DeltaInputs<'_>,
+        state_in: &[f32],
+        state_out: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let dim = x.k.len();
+        let full = dim / 8;
+        let rest = dim - 8 * full;
+        // The tail through 8-value buffers padded with zeros (zero lanes add nothing).
+        let padded = |src: &[f32]| -> [f32; 8] {
+            let mut buf = [0.0f32; 8];
+            buf[..rest].copy_from_slice(&src[8 * full..]);
+            buf
+        };
+        let (k_tail, q_tail) = (padded(x.k), padded(x.q));
+        let decay = _mm256_set1_ps(x.decay);
+        for (j, o) in out.iter_mut().enumerate() {
+            let row_in = &state_in[j * dim..(j + 1) * dim];
+            let row_out = &mut state_out[j * dim..(j + 1) * dim];
+            // SAFETY: chunk `c < full` covers values `8c .. 8c + 8` of the rows, `k` and `q`; the
+            // tail goes through the 8-value buffers.
+            unsafe {
+                let src = row_in.as_ptr();
+                let dst = row_out.as_mut_ptr();
+                let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
+                let mut acc = [_mm256_setzero_ps(); 2];
+                for c in 0..full {
+                    let row = _mm256_mul_ps(_mm256_loadu_ps(src.add(8 * c)), decay);
+                    _mm256_storeu_ps(dst.add(8 * c), row);
+                    acc[c % 2] = _mm256_fmadd_ps(row, _mm256_loadu_ps(kp.add(8 * c)), acc[c % 2]);
+                }
+                let mut tail = [0.0f32; 8];
+                if rest > 0 {
+                    let row = _mm256_mul_ps(_mm256_loadu_ps(padded(row_in).as_ptr()), decay);
+                    _mm256_storeu_ps(tail.as_mut_ptr(), row);
+                    acc[full % 2] =
+                        _mm256_fmadd_ps(row, _mm256_loadu_ps(k_tail.as_ptr()), acc[full % 2]);
+                }
+                let predicted = reduce8(_mm256_add_ps(acc[0], acc[1]));
+                let delta = _mm256_set1_ps((x.v[j] - predicted) * x.beta);
+                let mut acc = [_mm256_setzero_ps(); 2];
+                for c in 0..full {
+                    let k = _mm256_loadu_ps(kp.add(8 * c));
+                    let row = _mm256_fmadd_ps(delta, k, _mm256_loadu_ps(dst.add(8 * c)));
+                    _mm256_storeu_ps(dst.add(8 * c), row);
+                    acc[c % 2] = _mm256_fmadd_ps(row, _mm256_loadu_ps(qp.add(8 * c)), acc[c % 2]);
+                }
+                if rest > 0 {
+                    let k = _mm256_loadu_ps(k_tail.as_ptr());
+                    let row = _mm256_fmadd_ps(delta, k, _mm256_loadu_ps(tail.as_ptr()));
+                    _mm256_storeu_ps(tail.as_mut_ptr(), row);
+                    acc[full % 2] =
+                        _mm256_fmadd_ps(row, _mm256_loadu_ps(q_tail.as_ptr()), acc[full % 2]);
+                }
+                row_out[8 * full..].copy_from_slice(&tail[..rest]);
+                *o = reduce8(_mm256_add_ps(acc[0], acc[1]));
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// One gated delta-rule step ([`crate::delta_rule::step`]): per state row, one pass that
+    /// scales the row by the decay, stores it and dots it with `k`; then one that adds `d_j · k`,
+    /// stores and dots with `q`. Two accumulators per dot (even / odd 16-lane chunks), a masked
+    /// tail, and the same reduction for every row.
+    ///
+    /// # Safety
+    ///
+    /// The AVX-512 level must be available; `q.len() == k.len()`, `out.len() == v.len()` and both
+    /// states hold `v.len() · k.len()` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn delta_rule_step(
+        x: crate::delta_rule::DeltaInputs<'_>,
+        state_in: &[f32],
+        state_out: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let dim = x.k.len();
+        // Common head sizes keep k, q and the row in registers (one load and one store per
+        // chunk of the row).
+        if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
+            // SAFETY: forwarded contract; `dim` is `16 · CHUNKS`.
+            unsafe {
+                match dim / 16 {
+                    1 => delta_rule_rows::<1>(x, state_in, state_out, out),
+                    2 => delta_rule_rows::<2>(x, state_in, state_out, out),
+                    3 => delta_rule_rows::<3>(x, state_in, state_out, out),
+                    4 => delta_rule_rows::<4>(x, state_in, state_out, out),
+                    5 => delta_rule_rows::<5>(x, state_in, state_out, out),
+                    6 => delta_rule_rows::<6>(x, state_in, state_out, out),
+                    7 => delta_rule_rows::<7>(x, state_in, state_out, out),
+                    _ => delta_rule_rows::<8>(x, state_in, state_out, out),
+                }
+            }
+            return;
+        }
+        let chunks = dim.div_ceil(16);
+        let mask_of = |c: usize| -> u16 {
+            let lanes = (dim - 16 * c).min(16);
+            if lanes == 16 {
+                0xffff
+            } else {
+                (1u16 << lanes) - 1
+            }
+        };
+        let decay = _mm512_set1_ps(x.decay);
+        for (j, o) in out.iter_mut().enumerate() {
+            // SAFETY: row `j` of both states holds `dim` values; chunk `c` covers values
+            // `16c ..` of the row and of `k` / `q`, masked to the ones that exist.
+            unsafe {
+                let src = state_in.as_ptr().add(j * dim);
+                let dst = state_out.as_mut_ptr().add(j * dim);
+                let kp = x.k.as_ptr();
+                let qp = x.q.as_ptr();
+                let mut acc = [_mm512_setzero_ps(); 2];
+                for c in 0..chunks {
+                    let mask = mask_of(c);
+                    let row = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src.add(16 * c)), decay);
+                    _mm512_mask_storeu_ps(dst.add(16 * c), mask, row);
+                    let k = _mm512_maskz_loadu_ps(mask, kp.add(16 * c));
+                    acc[c % 2] = _mm512_fmadd_ps(row, k, acc[c % 2]);
+                }
+                let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                let delta = _mm512_set1_ps((x.v[j] - predicted) * x.beta);
+                let mut acc = [_mm512_setzero_ps(); 2];
+                for c in 0..chunks {
+                    let mask = mask_of(c);
+                    let k = _mm512_maskz_loadu_ps(mask, kp.add(16 * c));
+                    let row =
+                        _mm512_fmadd_ps(delta, k, _mm512_maskz_loadu_ps(mask, dst.add(16 * c)));
+                    _mm512_mask_storeu_ps(dst.add(16 * c), mask, row);
+                    let q = _mm512_maskz_loadu_ps(mask, qp.add(16 * c));
+                    acc[c % 2] = _mm512_fmadd_ps(row, q, acc[c % 2]);
+                }
+                *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            }
+        }
+    }
+
+    /// [`delta_rule_step`] for rows of exactly `16 · CHUNKS` values, with `k`, `q` and the row
+    /// in registers.
+    ///
+    /// # Safety
+    ///
+    /// As [`delta_rule_step`], and `k.len() == 16 · CHUNKS`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn delta_rule_rows<const CHUNKS: usize>(
+        x: crate::delta_rule::DeltaInputs<'_>,
+        state_in: &[f32],
+        state_out: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let dim = 16 * CHUNKS;
+        // SAFETY: `k` and `q` hold `dim` values; row `j` of both states holds `dim` values.
+        unsafe {
+            let k: [__m512; CHUNKS] =
+                std::array::from_fn(|c| _mm512_loadu_ps(x.k.as_ptr().add(16 * c)));
+            let q: [__m512; CHUNKS] =
+                std::array::from_fn(|c| _mm512_loadu_ps(x.q.as_ptr().add(16 * c)));
+            let decay = _mm512_set1_ps(x.decay);
+            for (j, o) in out.iter_mut().enumerate() {
+                let src = state_in.as_ptr().add(j * dim);
+                let dst = state_out.as_mut_ptr().add(j * dim);
+                let mut row = [_mm512_setzero_ps(); CHUNKS];
+                let mut acc = [_mm512_setzero_ps(); 2];
+                for c in 0..CHUNKS {
+                    row[c] = _mm512_mul_ps(_mm512_loadu_ps(src.add(16 * c)), decay);
+                    acc[c % 2] = _mm512_fmadd_ps(row[c], k[c], acc[c % 2]);
+                }
+                let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                let delta = _mm512_set1_ps((x.v[j] - predicted) * x.beta);
+                let mut acc = [_mm512_setzero_ps(); 2];
+                for c in 0..CHUNKS {
+                    row[c] = _mm512_fmadd_ps(delta, k[c], row[c]);
+                    _mm512_storeu_ps(dst.add(16 * c), row[c]);
+                    acc[c % 2] = _mm512_fmadd_ps(row[c], q[c], acc[c % 2]);
+                }
+                *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            }
+        }
+    }
+}

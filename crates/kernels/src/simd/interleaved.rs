@@ -1,0 +1,398 @@
+//! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
+//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K × Q8_K; there are no AVX2 ones) and their safe
+//! entry point. Each block is reduced inside `vpdpbusd` for the 16 weight rows at once.
+
+#[cfg(target_arch = "x86_64")]
+use super::block32::{Q4_0, Q8_0};
+#[cfg(target_arch = "x86_64")]
+use super::Rows;
+use super::{OutRows, SimdLevel};
+
+/// A run of interleaved groups of 16 weight rows times a pass of activation rows at AVX-512
+/// ([`crate::interleaved::groups_pass`]), after checking every size the kernel indexes by.
+pub(crate) fn interleaved_pass(
+    encoding: crate::interleaved::Encoding,
+    groups: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut OutRows<'_>,
+    first: usize,
+    valid: usize,
+) {
+    SimdLevel::Avx512.assert_supported();
+    crate::interleaved::check_pass_sizes(encoding, groups, &x, out, first, valid);
+    if x.count() == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::interleaved::Encoding as E;
+        type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
+        let kernel: Kernel = match encoding {
+            E::Q8_0 => avx512::interleaved_pass::<Q8_0>,
+            E::Q4_0 => avx512::interleaved_pass::<Q4_0>,
+            E::Q4K => avx512::interleaved_q4k_pass,
+        };
+        // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
+        unsafe { kernel(groups, x, out, first, valid) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::Q8_0;
+    use crate::simd::x86::avx512::prefetch_block;
+    use crate::simd::x86::row_ptrs;
+    use crate::simd::{with_row_count, OutRows, Rows};
+
+    /// A run of interleaved Q8_0 / Q4_0 groups of 16 weight rows ([`crate::interleaved`]) times a
+    /// pass of activation rows in the interleaved activation format: the product of the run's
+    /// weight row `i < valid` and activation row `b` at `out.row(b)[first + i]`.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 40` group blocks of
+    /// encoding `KIND`, the last of which holds row `valid - 1`; `x` holds at most
+    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
+    /// rows, each of at least `first + valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn interleaved_pass<const KIND: u8>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            with_row_count!(
+                x.count(),
+                interleaved_groups::<KIND>(groups, x, out, first, valid)
+            )
+        }
+    }
+
+    /// [`interleaved_pass`] for `N` activation rows: the groups one after the other, all in one
+    /// call (no argument round trip through memory between groups).
+    ///
+    /// # Safety
+    ///
+    /// As [`interleaved_pass`], with `x.count() == N`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn interleaved_groups<const KIND: u8, const N: usize>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        use crate::interleaved::{Encoding, GROUP_ROWS};
+        let encoding = match KIND {
+            Q8_0 => Encoding::Q8_0,
+            _ => Encoding::Q4_0,
+        };
+        let blocks = x.len() / encoding.activation_block_bytes();
+        let group_bytes = blocks * encoding.group_block_bytes();
+        let xp = row_ptrs::<u8, N>(&x);
+        let op = out.ptrs::<N>();
+        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+            let offset = first + g * GROUP_ROWS;
+            // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
+            unsafe {
+                interleaved_rows::<KIND, N>(
+                    group.as_ptr(),
+                    blocks,
+                    xp,
+                    op.map(|p| p.add(offset)),
+                    GROUP_ROWS.min(valid - g * GROUP_ROWS),
+                )
+            }
+        }
+    }
+
+    /// How far ahead of the block being multiplied a multi-row Q8_0 / Q4_0 interleaved pass
+    /// prefetches. Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB. (Q4_K has its
+    /// own, [`Q4K_PREFETCH_BYTES`].)
+    const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
+
+    /// Stores lanes `0..valid` of row `r`'s 16 results at `out[r]`.
+    ///
+    /// # Safety
+    ///
+    /// Every `out[r]` holds `valid <= 16` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn store_group_results<const N: usize>(
+        acc: &[__m512; N],
+        out: [*mut f32; N],
+        valid: usize,
+    ) {
+        let mask: __mmask16 = if valid >= 16 {
+            0xffff
+        } else {
+            (1u16 << valid) - 1
+        };
+        for (acc, out) in acc.iter().zip(out) {
+            // SAFETY: the caller guarantees `out` holds `valid` outputs.
+            unsafe { _mm512_mask_storeu_ps(out, mask, *acc) };
+        }
+    }
+
+    /// One Q8_0 / Q4_0 group (`blocks` group blocks at `group`) times `N` activation rows (`xp`):
+    /// lanes `0..valid` of row `r`'s results stored at `out[r]`.
+    ///
+    /// # Safety
+    ///
+    /// The group and every activation row hold `blocks` blocks; every `out[r]` holds `valid`
+    /// outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
+        group: *const u8,
+        blocks: usize,
+        xp: [*const u8; N],
+        out: [*mut f32; N],
+        valid: usize,
+    ) {
+        use crate::interleaved::{Encoding, BLOCK32_VALUES};
+        let encoding = match KIND {
+            Q8_0 => Encoding::Q8_0,
+            _ => Encoding::Q4_0,
+        };
+        let group_block = encoding.group_block_bytes();
+        let act_block = encoding.activation_block_bytes();
+        let mut acc = [_mm512_setzero_ps(); N];
+        let low_nibbles = _mm512_set1_epi8(0x0f);
+        for b in 0..blocks {
+            // SAFETY: block `b` lies inside the group and every activation row (caller's contract):
+            // 32 scale bytes then 8 (Q8_0) or 4 (Q4_0) registers of quants; 40 activation bytes.
+            unsafe {
+                let block = group.add(b * group_block);
+                if N > 1 {
+                    prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+                let quants = block.add(32);
+                let mut w = [_mm512_setzero_si512(); 8];
+                if KIND == Q8_0 {
+                    for (j, w) in w.iter_mut().enumerate() {
+                        *w = _mm512_loadu_si512(quants.add(64 * j).cast());
+                    }
+                } else {
+                    for m in 0..4 {
+                        let packed = _mm512_loadu_si512(quants.add(64 * m).cast());
+                        w[m] = _mm512_and_si512(packed, low_nibbles);
+                        w[m + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles);
+                    }
+                }
+                for r in 0..N {
+                    let xb = xp[r].add(b * act_block);
+                    let words = xb.cast::<i32>();
+                    macro_rules! word {
+                        ($j:expr) => {
+                            _mm512_set1_epi32(words.add($j).read_unaligned())
+                        };
+                    }
+                    let start =
+                        _mm512_set1_epi32(words.add(BLOCK32_VALUES / 4 + 1).read_unaligned());
+                    // Two independent chains (integer sums: the split changes no bit) keep a
+                    // single-row pass from waiting on `vpdpbusd` latency.
+                    let mut even = _mm512_dpbusd_epi32(start, w[0], word!(0));
+                    let mut odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], word!(1));
+                    for j in (2..8).step_by(2) {
+                        even = _mm512_dpbusd_epi32(even, w[j], word!(j));
+                        odd = _mm512_dpbusd_epi32(odd, w[j + 1], word!(j + 1));
+                    }
+                    let sums = _mm512_add_epi32(even, odd);
+                    let dx = _mm512_set1_ps(xb.add(BLOCK32_VALUES).cast::<f32>().read_unaligned());
+                    acc[r] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, dx), acc[r]);
+                }
+            }
+        }
+        // SAFETY: forwarded contract on `out`.
+        unsafe { store_group_results(&acc, out, valid) };
+    }
+
+    /// A run of interleaved Q4_K groups of 16 weight rows ([`crate::interleaved`]) times a pass of
+    /// activation rows in the interleaved Q4_K activation format: the product of the run's weight
+    /// row `i < valid` and activation row `b` at `out.row(b)[first + i]`.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 276` Q4_K group blocks,
+    /// the last of which holds row `valid - 1`; `x` holds at most
+    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
+    /// rows, each of at least `first + valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn interleaved_q4k_pass(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            with_row_count!(
+                x.count(),
+                interleaved_q4k_groups(groups, x, out, first, valid)
+            )
+        }
+    }
+
+    /// [`interleaved_q4k_pass`] for `N` activation rows: every group in one sweep of all the rows.
+    ///
+    /// One sweep of all 8 rows measured best once the prefetches were spread over the sub-blocks
+    /// (see [`Q4K_PREFETCH_BYTES`]): 0.6B Q4_K verify pass, alternating in one process, k = 8 in
+    /// 16.277 / 17.570 ms against 16.885 / 17.537 in sweeps of 4 and 19.331 / 19.917 in sweeps of 3
+    /// (with the prefetches in one burst per block, sweeps of 3 had been best).
+    ///
+    /// # Safety
+    ///
+    /// As [`interleaved_q4k_pass`], with `x.count() == N`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn interleaved_q4k_groups<const N: usize>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        use crate::interleaved::{Encoding, GROUP_ROWS};
+        let blocks = x.len() / Encoding::Q4K.activation_block_bytes();
+        let group_bytes = blocks * Encoding::Q4K.group_block_bytes();
+        let xp = row_ptrs::<u8, N>(&x);
+        let op = out.ptrs::<N>();
+        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+            let offset = first + g * GROUP_ROWS;
+            // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
+            unsafe {
+                interleaved_q4k_rows::<N>(
+                    group.as_ptr(),
+                    blocks,
+                    xp,
+                    op.map(|p| p.add(offset)),
+                    GROUP_ROWS.min(valid - g * GROUP_ROWS),
+                )
+            }
+        }
+    }
+
+    /// How far ahead of the block being multiplied the Q4_K pass prefetches, an eighth of a group
+    /// block before each of the block's 8 sub-blocks rather than the whole of it in one burst.
+    ///
+    /// Spread that way the stream keeps up far better (0.6B Q4_K forward pass, variants alternating
+    /// in one process): k = 1 from 13.299 / 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in three
+    /// runs, k = 4 from 13.189 / 13.109 to 12.114 / 11.979. The distance: k = 8 took
+    /// 14.851 / 13.784 / 13.465 / 13.521 ms prefetching 8 / 12 / 16 / 24 KiB ahead (in sweeps of 3
+    /// rows then), k = 1 the same within noise.
+    const Q4K_PREFETCH_BYTES: usize = 16 << 10;
+
+    /// Prefetches sub-block `j`'s eighth of the group block at `ahead`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    fn prefetch_q4k_sub_block(ahead: *const u8, j: usize) {
+        let lines = crate::interleaved::Encoding::Q4K
+            .group_block_bytes()
+            .div_ceil(64);
+        for line in j * lines / 8..(j + 1) * lines / 8 {
+            // A prefetch never faults, so the address may run past the matrix.
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+        }
+    }
+
+    /// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains) give
+    /// the 16 rows' `Σ q_w · q_x`, times the rows' `sc_j` (`vpmulld`) into `isum`; 4 `vpdpwssd` of
+    /// the rows' min pairs against the activation's sub-block sum pairs give `imin`; then two
+    /// fused multiply-adds (see [`crate::interleaved`]). A sub-block's nibbles are decoded once
+    /// for all the rows; the loop over sub-blocks is outermost so that only one sub-block's 8
+    /// weight registers and each row's `isum` are live.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn interleaved_q4k_rows<const N: usize>(
+        group: *const u8,
+        blocks: usize,
+        xp: [*const u8; N],
+        out: [*mut f32; N],
+        valid: usize,
+    ) {
+        use crate::interleaved::{
+            Encoding, Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES,
+        };
+        let group_block = Encoding::Q4K.group_block_bytes();
+        let act_block = Encoding::Q4K.activation_block_bytes();
+        let mut acc = [_mm512_setzero_ps(); N];
+        let low_nibbles = _mm512_set1_epi8(0x0f);
+        for b in 0..blocks {
+            // SAFETY: super-block `b` lies inside the group (2368 bytes: scales, mins, 4 chunks of
+            // 8 quant registers) and every activation row (276 bytes: 256 quants, the scale, 4
+            // dwords of sums) by the caller's contract.
+            unsafe {
+                let block = group.add(b * group_block);
+                // Unlike Q8_0, a Q4_K single-row pass gains from prefetching too (4096² from DRAM,
+                // criterion, alternating builds: 1 thread 20.8–20.9 GiB/s without, 27.3–28.2 with;
+                // 2 threads 35.5–35.6 without, 36.4–53.0 with): its per-block work is long enough.
+                let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
+                let mut isum = [_mm512_setzero_si512(); N];
+                for j in 0..8 {
+                    prefetch_q4k_sub_block(ahead, j);
+                    // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
+                    let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
+                    let mut w = [_mm512_setzero_si512(); 8];
+                    for (k, w) in w.iter_mut().enumerate() {
+                        let packed = _mm512_loadu_si512(chunk.add(64 * k).cast());
+                        *w = if j % 2 == 0 {
+                            _mm512_and_si512(packed, low_nibbles)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles)
+                        };
+                    }
+                    let scales = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        block.add(Q4K_SCALES + 16 * j).cast(),
+                    ));
+                    for r in 0..N {
+                        let words = xp[r].add(b * act_block + 32 * j).cast::<i32>();
+                        macro_rules! word {
+                            ($k:expr) => {
+                                _mm512_set1_epi32(words.add($k).read_unaligned())
+                            };
+                        }
+                        // Two independent chains (exact integers: the split changes no bit).
+                        let mut even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], word!(0));
+                        let mut odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], word!(1));
+                        for k in (2..8).step_by(2) {
+                            even = _mm512_dpbusd_epi32(even, w[k], word!(k));
+                            odd = _mm512_dpbusd_epi32(odd, w[k + 1], word!(k + 1));
+                        }
+                        let sub = _mm512_add_epi32(even, odd);
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sub, scales));
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(Q4K_DMIN).cast()));
+                let mins: [__m512i; 4] = std::array::from_fn(|p| {
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(block.add(Q4K_MINS + 32 * p).cast()))
+                });
+                for r in 0..N {
+                    let xb = xp[r].add(b * act_block);
+                    let sums = xb.add(Q4K_ACT_SUMS).cast::<i32>();
+                    let pair = |p: usize| _mm512_set1_epi32(sums.add(p).read_unaligned());
+                    let low = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[0], pair(0));
+                    let high = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[1], pair(1));
+                    let low = _mm512_dpwssd_epi32(low, mins[2], pair(2));
+                    let high = _mm512_dpwssd_epi32(high, mins[3], pair(3));
+                    let imin = _mm512_add_epi32(low, high);
+                    let dx = _mm512_set1_ps(xb.add(Q4K_ACT_SCALE).cast::<f32>().read_unaligned());
+                    acc[r] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, dx), acc[r]);
+                    acc[r] =
+                        _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), acc[r]);
+                }
+            }
+        }
+        // SAFETY: forwarded contract on `out`.
+        unsafe { store_group_results(&acc, out, valid) };
+    }
+}
