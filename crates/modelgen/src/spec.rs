@@ -8,6 +8,8 @@ use crate::GenError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
+    /// llama with q/k/v biases and NeoX RoPE (Qwen2 / Qwen2.5).
+    Qwen2,
     Qwen3,
     Qwen35,
     Qwen3Next,
@@ -18,6 +20,7 @@ impl Arch {
     pub fn gguf_name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen35 => "qwen35",
             Arch::Qwen3Next => "qwen3next",
@@ -25,13 +28,24 @@ impl Arch {
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
-        [Arch::Llama, Arch::Qwen3, Arch::Qwen35, Arch::Qwen3Next]
-            .into_iter()
-            .find(|a| a.gguf_name() == name)
+        [
+            Arch::Llama,
+            Arch::Qwen2,
+            Arch::Qwen3,
+            Arch::Qwen35,
+            Arch::Qwen3Next,
+        ]
+        .into_iter()
+        .find(|a| a.gguf_name() == name)
     }
 
     pub fn is_hybrid(self) -> bool {
         matches!(self, Arch::Qwen35 | Arch::Qwen3Next)
+    }
+
+    /// Whether attention has per-head q/k RMSNorm weights (qwen3 and the hybrids).
+    pub fn has_qk_norm(self) -> bool {
+        !matches!(self, Arch::Llama | Arch::Qwen2)
     }
 }
 

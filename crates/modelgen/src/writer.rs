@@ -145,7 +145,12 @@ pub fn write_model(
             t.matrix(&name("attn_k"), e, kv_dim)?;
             t.matrix(&name("attn_v"), e, kv_dim)?;
             t.matrix(&name("attn_output"), q_dim, e)?;
-            if spec.arch != Arch::Llama {
+            if spec.arch == Arch::Qwen2 {
+                t.vector(&format!("blk.{l}.attn_q.bias"), q_dim)?;
+                t.vector(&format!("blk.{l}.attn_k.bias"), kv_dim)?;
+                t.vector(&format!("blk.{l}.attn_v.bias"), kv_dim)?;
+            }
+            if spec.arch.has_qk_norm() {
                 t.vector(&name("attn_q_norm"), hd)?;
                 t.vector(&name("attn_k_norm"), hd)?;
             }

@@ -46,6 +46,7 @@ fn every_architecture_loads_and_generates() {
     let dir = tempfile::tempdir().unwrap();
     let specs = [
         ModelSpec::dense(Arch::Llama, "t", 64, 2, 4, 4, 16, 128),
+        ModelSpec::dense(Arch::Qwen2, "t", 64, 2, 4, 2, 16, 128),
         ModelSpec {
             tied_output: true,
             ..ModelSpec::dense(Arch::Qwen3, "t", 64, 2, 4, 2, 32, 96)

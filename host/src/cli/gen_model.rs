@@ -26,7 +26,7 @@ pub struct GenModelArgs {
     /// List the presets and exit.
     #[arg(long)]
     list_presets: bool,
-    /// Architecture: llama, qwen3 (qwen35 / qwen3next come from presets).
+    /// Architecture: llama, qwen2, qwen3 (qwen35 / qwen3next come from presets).
     #[arg(long, value_parser = parse_dense_arch)]
     arch: Option<Arch>,
     /// Weight type of the matrices: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K (matrices whose
@@ -128,9 +128,9 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
 
 fn parse_dense_arch(name: &str) -> Result<Arch, String> {
     match Arch::from_name(name) {
-        Some(a @ (Arch::Llama | Arch::Qwen3)) => Ok(a),
+        Some(a @ (Arch::Llama | Arch::Qwen2 | Arch::Qwen3)) => Ok(a),
         _ => Err(format!(
-            "'{name}': --arch takes llama or qwen3; use --preset for hybrids"
+            "'{name}': --arch takes llama, qwen2 or qwen3; use --preset for hybrids"
         )),
     }
 }

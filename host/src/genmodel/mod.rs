@@ -17,6 +17,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("tiny-qwen3", "qwen3, dim 64, 2 layers, 4 heads / 2 kv heads, head dim 32, FFN 128 (tests)"),
     ("tiny-qwen35", "qwen35 hybrid, dim 64, 4 layers (3 GDN + 1 attention), MTP block (tests)"),
     ("small-llama", "llama, dim 512, 8 layers, 8 heads / 4 kv heads, FFN 1536"),
+    ("qwen25-0.5b", "Qwen2.5-0.5B's shape: qwen2, dim 896, 24 layers, 14/2 heads of 64, q/k/v biases, FFN 4864, vocab 151936, tied"),
     ("qwen3-0.6b", "Qwen3-0.6B's shape: qwen3, dim 1024, 28 layers, 16/8 heads of 128, FFN 3072, vocab 151936, tied"),
     ("qwen35-0.8b", "Qwen3.5-0.8B's shape: qwen35, dim 1024, 24 layers (6 × (3 GDN + 1 attention)), 8/2 heads of 256, FFN 3584, GDN 16/16 heads of 128, MTP block, vocab 151936, tied"),
     ("qwen35-2b", "Qwen3.5-2B's shape: qwen35, dim 2048, 24 layers (6 × (3 GDN + 1 attention)), 8/2 heads of 256, FFN 6144, GDN 16/16 heads of 128, MTP block, vocab 248320, tied, Q4_K"),
@@ -51,6 +52,17 @@ pub fn preset(name: &str) -> anyhow::Result<ModelSpec> {
             ..dense(Arch::Qwen35, 64, 4, 4, 2, 16, 128)
         },
         "small-llama" => dense(Arch::Llama, 512, 8, 8, 4, 64, 1536),
+        // Qwen2.5-0.5B's published config: hidden 896, 24 layers, 14 query / 2 KV heads of 64,
+        // intermediate 4864, vocab 151936, rope theta 1e6, rms eps 1e-6, tied.
+        "qwen25-0.5b" => ModelSpec {
+            context: 32768,
+            rope_base: 1e6,
+            rms_eps: 1e-6,
+            weight_type: GgmlType::Q8_0,
+            tied_output: true,
+            vocab: Some(151936),
+            ..dense(Arch::Qwen2, 896, 24, 14, 2, 64, 4864)
+        },
         // Qwen3-0.6B's published config: hidden 1024, 28 layers, 16 query / 8 KV heads of
         // 128, intermediate 3072, vocab 151936, rope theta 1e6, rms eps 1e-6, tied.
         "qwen3-0.6b" => ModelSpec {
