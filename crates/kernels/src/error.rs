@@ -7,7 +7,8 @@ use specula_gguf::GgmlType;
 pub enum KernelError {
     /// The tensor type has no kernels here (yet).
     #[error(
-        "tensor type {0} is not supported by the CPU kernels (supported: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K)"
+        "tensor type {0} is not supported by the CPU kernels (supported: {types})",
+        types = crate::WeightType::list()
     )]
     UnsupportedType(GgmlType),
     /// A row length is not a whole number of blocks of the type.

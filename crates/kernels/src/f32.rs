@@ -11,11 +11,31 @@
 //! The float-family dispatch (`float_dot_rows`) lives here and is shared by F16 and BF16.
 
 use crate::simd::{self, Accumulator, Rows, SimdLevel};
+use crate::types::{Kernels, TypeInfo, TypeKernels};
+use crate::ActivationFormat;
 
 /// Values per block (plain type).
 pub const BLOCK_VALUES: usize = 1;
 /// Bytes per block.
 pub const BLOCK_BYTES: usize = 4;
+
+/// The F32 entry of the weight-type table ([`crate::for_each_weight_type`]).
+pub(crate) const INFO: TypeInfo = TypeInfo {
+    ggml: crate::GgmlType::F32,
+    block_values: BLOCK_VALUES,
+    block_bytes: BLOCK_BYTES,
+    activation: ActivationFormat::F32,
+    quantize_row,
+    dequantize_row,
+    kernels: Kernels::Float(TypeKernels {
+        dot_scalar,
+        dot_rows,
+        accumulate,
+        lanes: float_lanes,
+        row_sums: None,
+    }),
+    interleaved: None,
+};
 
 /// Accumulator lanes of the floating-point dot products (one AVX-512 register of f32).
 pub(crate) const LANES: usize = 16;

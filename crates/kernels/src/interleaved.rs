@@ -165,12 +165,7 @@ pub fn pays_off(ty: WeightType, level: SimdLevel) -> bool {
 
 /// The interleaved encoding of a weight type, if it has one.
 pub(crate) fn encoding(ty: WeightType) -> Option<Encoding> {
-    match ty {
-        WeightType::Q8_0 => Some(Encoding::Q8_0),
-        WeightType::Q4_0 => Some(Encoding::Q4_0),
-        WeightType::Q4K => Some(Encoding::Q4K),
-        _ => None,
-    }
+    ty.info().interleaved
 }
 
 /// The unsigned offset the weights of a 32-value encoding are stored with (`q_w + offset` is

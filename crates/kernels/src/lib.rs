@@ -5,7 +5,7 @@
 //! fused gated delta-rule step of Gated DeltaNet ([`delta_rule`]).
 //!
 //! One module per tensor type, as ggml-cpu is organised: weights [`f32`](mod@f32),
-//! [`f16`](mod@f16), [`bf16`],
+//! [`f16`](mod@f16) and [`bf16`] (one module over the 16-bit encoding),
 //! [`q8_0`], [`q4_0`], [`q4_k`], [`q5_k`], [`q6_k`], and the K-quants' activation format
 //! [`q8_k`]. Each has its block layout, `quantize_row` (ggml's reference quantiser),
 //! `dequantize_row`, `dot_scalar` (the reference dot product), and `dot` / `dot_rows` (one or
@@ -14,6 +14,12 @@
 //! runs the same code. Activation rows multiply f32 / f16 / bf16 weights as f32, Q8_0 / Q4_0
 //! weights as Q8_0 and K-quant weights as Q8_K, quantised the way ggml does
 //! ([`WeightType::activation`]).
+//!
+//! The weight types form a table ([`for_each_weight_type`]): each weight type's module holds
+//! its entry (block layout, activation format, reference quantiser, scalar reference dot, SIMD
+//! entry points), the table names the modules, and [`WeightType`], its per-type dispatch and
+//! every list of types (messages, [`WeightType::list`]; GPU kernel names,
+//! [`WeightType::kernel_name`]) derive from it.
 //!
 //! Determinism is a design rule: every output element is computed by one fixed sequential
 //! code path, so results never depend on the thread count or on how many rows are batched
@@ -36,11 +42,10 @@
 pub mod activations;
 pub mod aligned;
 pub mod attention;
-pub mod bf16;
 pub mod delta_rule;
 mod error;
-pub mod f16;
 pub mod f32;
+mod half16;
 pub mod interleaved;
 pub mod k_quants;
 pub mod matvec;
@@ -52,26 +57,77 @@ pub mod q6_k;
 pub mod q8_0;
 pub mod q8_k;
 pub mod simd;
+mod types;
 
 pub use error::KernelError;
+pub use half16::{bf16, f16};
 pub use interleaved::InterleavedMatrix;
 pub use matvec::{matmul, matmul_at, matmul_many, matvec, Layout, MatmulScratch, WeightMatrix};
 pub use ops::{Rope, RopeAngles, RopeMode, RopeSections};
 pub use simd::{Rows, SimdLevel};
 pub use specula_gguf::GgmlType;
+use types::TypeInfo;
 
-/// A tensor type the kernels can multiply with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WeightType {
-    F32,
-    F16,
-    BF16,
-    Q8_0,
-    Q4_0,
-    Q4K,
-    Q5K,
-    Q6K,
+/// The weight-type table: one line per type, giving its [`WeightType`] variant, its module and
+/// its name in the GPU backend's kernel names. The module holds everything else about the type
+/// (its `INFO` entry: block layout, activation format, reference quantiser, scalar reference
+/// dot, SIMD entry points). Everything that lists or dispatches on types derives from this
+/// table: [`WeightType`] and [`WeightType::ALL`], the per-type dispatch of the crate, the
+/// supported-type lists of messages ([`WeightType::list`]), and the GPU kernel names. Adding a
+/// weight type is its module and one line here.
+///
+/// `for_each_weight_type!(callback)` expands to
+/// `callback! { Variant module "kernel_name", … }`, in table order.
+#[macro_export]
+macro_rules! for_each_weight_type {
+    ($callback:ident) => {
+        $callback! {
+            F32 f32 "f32",
+            F16 f16 "f16",
+            BF16 bf16 "bf16",
+            Q8_0 q8_0 "q8_0",
+            Q4_0 q4_0 "q4_0",
+            Q4K q4_k "q4_k",
+            Q5K q5_k "q5_k",
+            Q6K q6_k "q6_k",
+        }
+    };
 }
+
+/// Defines [`WeightType`] and its table dispatch from [`for_each_weight_type`].
+macro_rules! define_weight_types {
+    ($($variant:ident $module:ident $kernel_name:literal,)*) => {
+        /// A tensor type the kernels can multiply with (one line of [`for_each_weight_type`]).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum WeightType {
+            $($variant,)*
+        }
+
+        impl WeightType {
+            /// Every supported type, in table order.
+            pub const ALL: [WeightType; [$(stringify!($variant)),*].len()] =
+                [$(WeightType::$variant),*];
+
+            /// The type's entry of the table: its layout, activation format and kernels.
+            #[inline]
+            pub(crate) fn info(self) -> &'static TypeInfo {
+                match self {
+                    $(WeightType::$variant => &$module::INFO,)*
+                }
+            }
+
+            /// The type's name in GPU kernel names (`matvec_<name>`): its GGUF name in lower
+            /// case.
+            pub fn kernel_name(self) -> &'static str {
+                match self {
+                    $(WeightType::$variant => $kernel_name,)*
+                }
+            }
+        }
+    };
+}
+
+for_each_weight_type!(define_weight_types);
 
 /// How activation rows are encoded for a weight type's dot product (ggml's `vec_dot_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,18 +153,6 @@ impl ActivationFormat {
 }
 
 impl WeightType {
-    /// Every supported type.
-    pub const ALL: [WeightType; 8] = [
-        WeightType::F32,
-        WeightType::F16,
-        WeightType::BF16,
-        WeightType::Q8_0,
-        WeightType::Q4_0,
-        WeightType::Q4K,
-        WeightType::Q5K,
-        WeightType::Q6K,
-    ];
-
     /// The supported type for a GGUF tensor type, if any.
     pub fn from_ggml(ty: GgmlType) -> Option<Self> {
         Self::ALL.into_iter().find(|w| w.ggml() == ty)
@@ -116,59 +160,33 @@ impl WeightType {
 
     /// The GGUF tensor type.
     pub fn ggml(self) -> GgmlType {
-        match self {
-            WeightType::F32 => GgmlType::F32,
-            WeightType::F16 => GgmlType::F16,
-            WeightType::BF16 => GgmlType::BF16,
-            WeightType::Q8_0 => GgmlType::Q8_0,
-            WeightType::Q4_0 => GgmlType::Q4_0,
-            WeightType::Q4K => GgmlType::Q4K,
-            WeightType::Q5K => GgmlType::Q5K,
-            WeightType::Q6K => GgmlType::Q6K,
-        }
+        self.info().ggml
     }
 
     /// How activation rows are encoded to multiply this type.
     pub fn activation(self) -> ActivationFormat {
-        match self {
-            WeightType::F32 | WeightType::F16 | WeightType::BF16 => ActivationFormat::F32,
-            WeightType::Q8_0 | WeightType::Q4_0 => ActivationFormat::Q8_0,
-            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => ActivationFormat::Q8K,
-        }
+        self.info().activation
     }
 
     /// Values per block.
     pub fn block_values(self) -> usize {
-        match self {
-            WeightType::F32 => f32::BLOCK_VALUES,
-            WeightType::F16 => f16::BLOCK_VALUES,
-            WeightType::BF16 => bf16::BLOCK_VALUES,
-            WeightType::Q8_0 => q8_0::BLOCK_VALUES,
-            WeightType::Q4_0 => q4_0::BLOCK_VALUES,
-            WeightType::Q4K => q4_k::BLOCK_VALUES,
-            WeightType::Q5K => q5_k::BLOCK_VALUES,
-            WeightType::Q6K => q6_k::BLOCK_VALUES,
-        }
+        self.info().block_values
     }
 
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
-        match self {
-            WeightType::F32 => f32::BLOCK_BYTES,
-            WeightType::F16 => f16::BLOCK_BYTES,
-            WeightType::BF16 => bf16::BLOCK_BYTES,
-            WeightType::Q8_0 => q8_0::BLOCK_BYTES,
-            WeightType::Q4_0 => q4_0::BLOCK_BYTES,
-            WeightType::Q4K => q4_k::BLOCK_BYTES,
-            WeightType::Q5K => q5_k::BLOCK_BYTES,
-            WeightType::Q6K => q6_k::BLOCK_BYTES,
-        }
+        self.info().block_bytes
     }
 
     /// Bytes of `n` values, or `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
         n.is_multiple_of(self.block_values())
             .then(|| n / self.block_values() * self.block_bytes())
+    }
+
+    /// The GGUF names of every supported type, comma-separated (for messages).
+    pub fn list() -> String {
+        Self::ALL.map(|ty| ty.ggml().name()).join(", ")
     }
 }
 
@@ -185,30 +203,12 @@ fn supported(ty: GgmlType) -> Result<WeightType, KernelError> {
 /// Encodes `x` (`n` values, a whole number of blocks of the type) into row `out`
 /// (`ty.row_bytes(n)` bytes).
 pub fn quantize_row_into(ty: WeightType, x: &[f32], out: &mut [u8]) {
-    match ty {
-        WeightType::F32 => f32::quantize_row(x, out),
-        WeightType::F16 => f16::quantize_row(x, out),
-        WeightType::BF16 => bf16::quantize_row(x, out),
-        WeightType::Q8_0 => q8_0::quantize_row(x, out),
-        WeightType::Q4_0 => q4_0::quantize_row(x, out),
-        WeightType::Q4K => q4_k::quantize_row(x, out),
-        WeightType::Q5K => q5_k::quantize_row(x, out),
-        WeightType::Q6K => q6_k::quantize_row(x, out),
-    }
+    (ty.info().quantize_row)(x, out)
 }
 
 /// Decodes `bytes` of type `ty` into `out`.
 pub fn dequantize_row_into(ty: WeightType, bytes: &[u8], out: &mut [f32]) {
-    match ty {
-        WeightType::F32 => f32::dequantize_row(bytes, out),
-        WeightType::F16 => f16::dequantize_row(bytes, out),
-        WeightType::BF16 => bf16::dequantize_row(bytes, out),
-        WeightType::Q8_0 => q8_0::dequantize_row(bytes, out),
-        WeightType::Q4_0 => q4_0::dequantize_row(bytes, out),
-        WeightType::Q4K => q4_k::dequantize_row(bytes, out),
-        WeightType::Q5K => q5_k::dequantize_row(bytes, out),
-        WeightType::Q6K => q6_k::dequantize_row(bytes, out),
-    }
+    (ty.info().dequantize_row)(bytes, out)
 }
 
 /// Encodes the values `x` as tensor data of type `ty` (any [`WeightType`]), with ggml's
@@ -318,6 +318,13 @@ mod tests {
     fn dispatchers_round_trip_every_supported_type() {
         let x = random_vec(4096 + 256, 2.0, 5);
         for ty in WeightType::ALL {
+            // The table's entries agree with it.
+            assert_eq!(WeightType::from_ggml(ty.ggml()), Some(ty));
+            assert_eq!(ty.kernel_name(), ty.ggml().name().to_ascii_lowercase());
+            assert_eq!(
+                ty.block_bytes(),
+                ty.ggml().row_bytes(ty.block_values()).unwrap()
+            );
             let bytes = quantize(ty.ggml(), &x);
             assert_eq!(bytes.len(), ty.ggml().row_bytes(x.len()).unwrap(), "{ty}");
             let back = dequantize(ty.ggml(), &bytes, x.len());
@@ -360,6 +367,11 @@ mod tests {
 
     #[test]
     fn dispatchers_reject_what_they_cannot_do() {
+        assert_eq!(
+            KernelError::UnsupportedType(GgmlType::Q2K).to_string(),
+            "tensor type q2_K is not supported by the CPU kernels \
+             (supported: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K)"
+        );
         assert_eq!(
             try_quantize(GgmlType::Q2K, &[0.0; 256]),
             Err(KernelError::UnsupportedType(GgmlType::Q2K))

@@ -26,15 +26,11 @@
 
 use rayon::prelude::*;
 
-use crate::k_quants::KEncoding;
-use crate::q8_0::Block32Encoding;
 use crate::simd::{
     self, Accumulator, OutRows, RowSumsEncoding, Rows, SimdLevel, MAX_ROWS_PER_PASS,
 };
-use crate::{
-    bf16, f16, f32, interleaved, q4_0, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, KernelError,
-    WeightType,
-};
+use crate::types::{AccumulateFn, DotRowsFn, Kernels};
+use crate::{interleaved, q8_0, q8_k, ActivationFormat, KernelError, WeightType};
 
 /// Below this many multiply-adds a call runs on the calling thread only (the fork-join costs
 /// more than it saves). Results are the same either way.
@@ -414,22 +410,17 @@ fn matmul_tiled(
         staging.resize(n * rows, 0.0);
         &mut *staging
     };
-    match ty.activation() {
-        ActivationFormat::F32 => {
+    let info = ty.info();
+    match info.kernels {
+        Kernels::Float(kernels) => {
             let acts = Rows::new(x, cols, cols, n);
-            let (dot_rows, accumulate, size): (DotRowsFn<f32>, AccumulateFn<f32>, usize) = match ty
-            {
-                WeightType::F32 => (f32::dot_rows, f32::accumulate, 4),
-                WeightType::F16 => (f16::dot_rows, f16::accumulate, 2),
-                _ => (bf16::dot_rows, bf16::accumulate, 2),
-            };
             let kernel = Kernel {
-                dot_rows,
-                accumulate,
+                dot_rows: kernels.dot_rows,
+                accumulate: kernels.accumulate,
                 row_sums: None,
-                lanes: f32::float_lanes(level),
+                lanes: (kernels.lanes)(level),
                 block_values: 1,
-                weight_block_bytes: size,
+                weight_block_bytes: info.block_bytes,
                 act_block_elems: 1,
                 act_elem_bytes: 4,
                 // Whole 32-value chunks (the AVX-512 step; two AVX2 steps).
@@ -438,38 +429,23 @@ fn matmul_tiled(
             };
             run(&kernel, level, w, acts, dest);
         }
-        format => {
+        Kernels::Quantized(kernels) => {
+            let format = info.activation;
             let (block_values, act_block) = activation_blocks(format, level);
             let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
-            let (dot_rows, accumulate, lanes): (DotRowsFn<u8>, AccumulateFn<u8>, usize) = match ty {
-                WeightType::Q8_0 => (q8_0::dot_rows, q8_0::accumulate, q8_0::block32_lanes(level)),
-                WeightType::Q4_0 => (q4_0::dot_rows, q4_0::accumulate, q8_0::block32_lanes(level)),
-                WeightType::Q4K => (q4_k::dot_rows, q4_k::accumulate, 0),
-                WeightType::Q5K => (q5_k::dot_rows, q5_k::accumulate, 0),
-                _ => (q6_k::dot_rows, q6_k::accumulate, 0),
-            };
             let row_sums: Option<(RowSumsFn<u8>, RowSumsEncoding)> = match level {
-                SimdLevel::Avx512 => Some(match ty {
-                    WeightType::Q8_0 => RowSumsEncoding::Block32(Block32Encoding::Q8_0),
-                    WeightType::Q4_0 => RowSumsEncoding::Block32(Block32Encoding::Q4_0),
-                    WeightType::Q4K => RowSumsEncoding::KQuant(KEncoding::Q4K),
-                    WeightType::Q5K => RowSumsEncoding::KQuant(KEncoding::Q5K),
-                    _ => RowSumsEncoding::KQuant(KEncoding::Q6K),
-                })
-                .map(|encoding| (simd::row_sums as RowSumsFn<u8>, encoding)),
+                SimdLevel::Avx512 => kernels
+                    .row_sums
+                    .map(|encoding| (simd::row_sums as RowSumsFn<u8>, encoding)),
                 _ => None,
             };
             let kernel = Kernel {
-                dot_rows,
-                accumulate,
+                dot_rows: kernels.dot_rows,
+                accumulate: kernels.accumulate,
                 row_sums,
-                lanes: if lanes == 0 {
-                    crate::k_quants::k_quant_lanes(level)
-                } else {
-                    lanes
-                },
+                lanes: (kernels.lanes)(level),
                 block_values,
-                weight_block_bytes: ty.block_bytes(),
+                weight_block_bytes: info.block_bytes,
                 act_block_elems: act_block,
                 act_elem_bytes: 1,
                 // The 32-value block kernels work on pairs of blocks.
@@ -610,14 +586,10 @@ pub fn matvec(w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32], scratch: &mut Ma
     matmul(w, x, out, scratch);
 }
 
-/// A type's whole-row multi-input dot product (`dot_rows`).
-type DotRowsFn<T> = fn(SimdLevel, &[u8], Rows<'_, T>, &mut [f32]);
 /// A type's whole-row SIMD kernel writing finished dot products (`row_sums`): weight rows ×
 /// one pass of activation rows into `out[b * stride + i]`.
 type RowSumsFn<T> =
     fn(RowSumsEncoding, SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [f32], usize, Option<&[u8]>);
-/// A type's accumulating SIMD kernel over a column tile (`accumulate`).
-type AccumulateFn<T> = fn(SimdLevel, Rows<'_, u8>, Rows<'_, T>, &mut [Accumulator], Option<&[u8]>);
 
 /// How a weight type's kernels are driven: whole rows at the scalar level, column tiles at SIMD
 /// levels. Tiles start at multiples of `tile_align_blocks` blocks, the step the kernels keep
@@ -976,43 +948,22 @@ mod tests {
                     );
                     // And equal to the type's untiled whole-row kernel.
                     for (r, s) in single.iter().enumerate() {
-                        let q_row;
-                        let whole = match ty.activation() {
-                            ActivationFormat::F32 => {
-                                let mut o = [0.0];
-                                let dot_rows = match ty {
-                                    WeightType::F32 => f32::dot_rows,
-                                    WeightType::F16 => f16::dot_rows,
-                                    _ => bf16::dot_rows,
-                                };
-                                dot_rows(level, w.row(r), Rows::single(row), &mut o);
-                                o[0]
+                        let mut o = [0.0];
+                        match ty.info().kernels {
+                            Kernels::Float(kernels) => {
+                                (kernels.dot_rows)(level, w.row(r), Rows::single(row), &mut o)
                             }
-                            ActivationFormat::Q8_0 => {
-                                q_row = crate::quantize(crate::GgmlType::Q8_0, row);
-                                let mut o = [0.0];
-                                let dot_rows = if ty == WeightType::Q8_0 {
-                                    q8_0::dot_rows
-                                } else {
-                                    q4_0::dot_rows
-                                };
-                                dot_rows(level, w.row(r), Rows::single(&q_row), &mut o);
-                                o[0]
+                            Kernels::Quantized(kernels) => {
+                                let format = ty.activation();
+                                let mut q = vec![0u8; format.row_bytes(cols).unwrap()];
+                                match format {
+                                    ActivationFormat::Q8_0 => q8_0::quantize_row(row, &mut q),
+                                    _ => q8_k::quantize_row(row, &mut q),
+                                }
+                                (kernels.dot_rows)(level, w.row(r), Rows::single(&q), &mut o)
                             }
-                            ActivationFormat::Q8K => {
-                                let mut q =
-                                    vec![0u8; ActivationFormat::Q8K.row_bytes(cols).unwrap()];
-                                q8_k::quantize_row(row, &mut q);
-                                let mut o = [0.0];
-                                let dot_rows = match ty {
-                                    WeightType::Q4K => q4_k::dot_rows,
-                                    WeightType::Q5K => q5_k::dot_rows,
-                                    _ => q6_k::dot_rows,
-                                };
-                                dot_rows(level, w.row(r), Rows::single(&q), &mut o);
-                                o[0]
-                            }
-                        };
+                        }
+                        let whole = o[0];
                         assert_eq!(s.to_bits(), whole.to_bits(), "{ty} at {level}: {r}, {b}");
                     }
                 }

@@ -16,7 +16,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::simd::{Rows, SimdLevel};
-use crate::{f16, q4_k, q5_k, q6_k, q8_0, q8_k, WeightType};
+use crate::types::Kernels;
+use crate::{f16, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, WeightType};
 
 /// `n` values in blocks of `block`, each block with its own magnitude (one of `scales`), some
 /// blocks zero, some with one outlier.
@@ -151,11 +152,6 @@ fn assert_close(got: f32, exact: &Exact, what: &str) {
     );
 }
 
-/// A type's multi-input dot product over encoded activation rows.
-type DotRows = fn(SimdLevel, &[u8], Rows<'_, u8>, &mut [f32]);
-/// A type's scalar reference dot product over encoded rows.
-type DotScalar = fn(&[u8], &[u8]) -> f32;
-
 /// Block counts tested for every type (the last is a large row).
 const BLOCK_COUNTS: [usize; 4] = [1, 3, 17, 64];
 
@@ -174,48 +170,30 @@ fn every_simd_level_matches_the_exact_dot_product_for_every_type() {
             let x_values = awkward_values(n, block, &ACTIVATION_SCALES, seed + 1);
             let w = crate::quantize(ty.ggml(), &w_values);
             let what = |level: SimdLevel| format!("{ty} with {n} values at {level}");
-            match ty.activation() {
-                crate::ActivationFormat::F32 => {
+            match ty.info().kernels {
+                Kernels::Float(kernels) => {
                     let exact = exact_float(ty, &w, &x_values);
-                    let dot_rows = match ty {
-                        WeightType::F32 => crate::f32::dot_rows,
-                        WeightType::F16 => crate::f16::dot_rows,
-                        _ => crate::bf16::dot_rows,
-                    };
-                    let scalar = match ty {
-                        WeightType::F32 => crate::f32::dot_scalar,
-                        WeightType::F16 => crate::f16::dot_scalar,
-                        _ => crate::bf16::dot_scalar,
-                    };
-                    assert_close(scalar(&w, &x_values), &exact, &what(SimdLevel::Scalar));
+                    let scalar = (kernels.dot_scalar)(&w, &x_values);
+                    assert_close(scalar, &exact, &what(SimdLevel::Scalar));
                     for level in SimdLevel::supported() {
                         let mut out = [0.0];
-                        dot_rows(level, &w, Rows::single(&x_values), &mut out);
+                        (kernels.dot_rows)(level, &w, Rows::single(&x_values), &mut out);
                         assert_close(out[0], &exact, &what(level));
                     }
                 }
-                format => {
-                    let mut x = vec![0u8; format.row_bytes(n).unwrap()];
-                    let (exact, dot_rows, scalar): (Exact, DotRows, DotScalar) = match ty {
-                        WeightType::Q8_0 | WeightType::Q4_0 => {
+                Kernels::Quantized(kernels) => {
+                    let mut x = vec![0u8; ty.activation().row_bytes(n).unwrap()];
+                    let exact = match ty.activation() {
+                        ActivationFormat::Q8_0 => {
                             q8_0::quantize_row(&x_values, &mut x);
-                            let exact = exact_block32(ty, &w, &x);
-                            if ty == WeightType::Q8_0 {
-                                (exact, q8_0::dot_rows, q8_0::dot_scalar)
-                            } else {
-                                (exact, crate::q4_0::dot_rows, crate::q4_0::dot_scalar)
-                            }
+                            exact_block32(ty, &w, &x)
                         }
                         _ => {
                             q8_k::quantize_row(&x_values, &mut x);
-                            let exact = exact_k(ty, &w, &x);
-                            match ty {
-                                WeightType::Q4K => (exact, q4_k::dot_rows, q4_k::dot_scalar),
-                                WeightType::Q5K => (exact, q5_k::dot_rows, q5_k::dot_scalar),
-                                _ => (exact, q6_k::dot_rows, q6_k::dot_scalar),
-                            }
+                            exact_k(ty, &w, &x)
                         }
                     };
+                    let (dot_rows, scalar) = (kernels.dot_rows, kernels.dot_scalar);
                     let reference = scalar(&w, &x);
                     assert_close(reference, &exact, &what(SimdLevel::Scalar));
                     for level in SimdLevel::supported() {

@@ -19,12 +19,32 @@
 
 use crate::f16;
 use crate::q8_0::{block32_dot_rows, scale, Block32Encoding};
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, RowSumsEncoding, Rows, SimdLevel};
+use crate::types::{Kernels, TypeInfo, TypeKernels};
+use crate::ActivationFormat;
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
 /// Bytes per block: the f16 scale and 16 bytes of packed nibbles.
 pub const BLOCK_BYTES: usize = 2 + BLOCK_VALUES / 2;
+
+/// The Q4_0 entry of the weight-type table ([`crate::for_each_weight_type`]).
+pub(crate) const INFO: TypeInfo = TypeInfo {
+    ggml: crate::GgmlType::Q4_0,
+    block_values: BLOCK_VALUES,
+    block_bytes: BLOCK_BYTES,
+    activation: ActivationFormat::Q8_0,
+    quantize_row,
+    dequantize_row,
+    kernels: Kernels::Quantized(TypeKernels {
+        dot_scalar,
+        dot_rows,
+        accumulate,
+        lanes: crate::q8_0::block32_lanes,
+        row_sums: Some(RowSumsEncoding::Block32(Block32Encoding::Q4_0)),
+    }),
+    interleaved: Some(crate::interleaved::Encoding::Q4_0),
+};
 
 /// Quantises `x` (a whole number of blocks) into `out` (`x.len() / 32 * 18` bytes).
 pub fn quantize_row(x: &[f32], out: &mut [u8]) {

@@ -20,12 +20,32 @@
 
 use crate::f16;
 use crate::k_quants::{self, KEncoding, SUPER_BLOCK_VALUES};
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, RowSumsEncoding, Rows, SimdLevel};
+use crate::types::{Kernels, TypeInfo, TypeKernels};
+use crate::ActivationFormat;
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = SUPER_BLOCK_VALUES;
 /// Bytes per block.
 pub const BLOCK_BYTES: usize = 2 + 2 + 12 + BLOCK_VALUES / 2;
+
+/// The Q4_K entry of the weight-type table ([`crate::for_each_weight_type`]).
+pub(crate) const INFO: TypeInfo = TypeInfo {
+    ggml: crate::GgmlType::Q4K,
+    block_values: BLOCK_VALUES,
+    block_bytes: BLOCK_BYTES,
+    activation: ActivationFormat::Q8K,
+    quantize_row,
+    dequantize_row,
+    kernels: Kernels::Quantized(TypeKernels {
+        dot_scalar,
+        dot_rows,
+        accumulate,
+        lanes: crate::k_quants::k_quant_lanes,
+        row_sums: Some(RowSumsEncoding::KQuant(crate::k_quants::KEncoding::Q4K)),
+    }),
+    interleaved: Some(crate::interleaved::Encoding::Q4K),
+};
 
 /// Quantises `x` (a whole number of blocks) into `out` (`x.len() / 256 * 144` bytes).
 pub fn quantize_row(x: &[f32], out: &mut [u8]) {

@@ -18,12 +18,32 @@
 
 use crate::k_quants::{self, KEncoding, SUPER_BLOCK_VALUES};
 use crate::q4_k::dequantize_block_with_mins;
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, RowSumsEncoding, Rows, SimdLevel};
+use crate::types::{Kernels, TypeInfo, TypeKernels};
+use crate::ActivationFormat;
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = SUPER_BLOCK_VALUES;
 /// Bytes per block.
 pub const BLOCK_BYTES: usize = 2 + 2 + 12 + BLOCK_VALUES / 8 + BLOCK_VALUES / 2;
+
+/// The Q5_K entry of the weight-type table ([`crate::for_each_weight_type`]).
+pub(crate) const INFO: TypeInfo = TypeInfo {
+    ggml: crate::GgmlType::Q5K,
+    block_values: BLOCK_VALUES,
+    block_bytes: BLOCK_BYTES,
+    activation: ActivationFormat::Q8K,
+    quantize_row,
+    dequantize_row,
+    kernels: Kernels::Quantized(TypeKernels {
+        dot_scalar,
+        dot_rows,
+        accumulate,
+        lanes: crate::k_quants::k_quant_lanes,
+        row_sums: Some(RowSumsEncoding::KQuant(crate::k_quants::KEncoding::Q5K)),
+    }),
+    interleaved: None,
+};
 
 /// Byte offset of the fifth bits.
 const QH: usize = 16;

@@ -23,13 +23,33 @@
 //! kernels), times `d_x · d`.
 
 use crate::k_quants::{self, nearest_int, KEncoding, SUPER_BLOCK_VALUES};
-use crate::simd::{self, Rows, SimdLevel};
+use crate::simd::{self, RowSumsEncoding, Rows, SimdLevel};
+use crate::types::{Kernels, TypeInfo, TypeKernels};
+use crate::ActivationFormat;
 use crate::{f16, q8_k};
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = SUPER_BLOCK_VALUES;
 /// Bytes per block.
 pub const BLOCK_BYTES: usize = BLOCK_VALUES / 2 + BLOCK_VALUES / 4 + BLOCK_VALUES / 16 + 2;
+
+/// The Q6_K entry of the weight-type table ([`crate::for_each_weight_type`]).
+pub(crate) const INFO: TypeInfo = TypeInfo {
+    ggml: crate::GgmlType::Q6K,
+    block_values: BLOCK_VALUES,
+    block_bytes: BLOCK_BYTES,
+    activation: ActivationFormat::Q8K,
+    quantize_row,
+    dequantize_row,
+    kernels: Kernels::Quantized(TypeKernels {
+        dot_scalar,
+        dot_rows,
+        accumulate,
+        lanes: crate::k_quants::k_quant_lanes,
+        row_sums: Some(RowSumsEncoding::KQuant(crate::k_quants::KEncoding::Q6K)),
+    }),
+    interleaved: None,
+};
 
 /// Byte offset of the high bits.
 const QH: usize = BLOCK_VALUES / 2;

@@ -16,12 +16,32 @@
 //! see `block32_dot_rows`) fuse each block into 8 f32 lanes and sum the lanes at the end.
 
 use crate::f16;
-use crate::simd::{self, Accumulator, Rows, SimdLevel};
+use crate::simd::{self, Accumulator, RowSumsEncoding, Rows, SimdLevel};
+use crate::types::{Kernels, TypeInfo, TypeKernels};
+use crate::ActivationFormat;
 
 /// Values per block.
 pub const BLOCK_VALUES: usize = 32;
 /// Bytes per block: the f16 scale and 32 quants.
 pub const BLOCK_BYTES: usize = 2 + BLOCK_VALUES;
+
+/// The Q8_0 entry of the weight-type table ([`crate::for_each_weight_type`]).
+pub(crate) const INFO: TypeInfo = TypeInfo {
+    ggml: crate::GgmlType::Q8_0,
+    block_values: BLOCK_VALUES,
+    block_bytes: BLOCK_BYTES,
+    activation: ActivationFormat::Q8_0,
+    quantize_row,
+    dequantize_row,
+    kernels: Kernels::Quantized(TypeKernels {
+        dot_scalar,
+        dot_rows,
+        accumulate,
+        lanes: block32_lanes,
+        row_sums: Some(RowSumsEncoding::Block32(Block32Encoding::Q8_0)),
+    }),
+    interleaved: Some(crate::interleaved::Encoding::Q8_0),
+};
 
 /// Quantises `x` (a whole number of blocks) into `out` (`x.len() / 32 * 34` bytes).
 ///

@@ -204,12 +204,12 @@ impl ModelSpec {
                 return bad(format!("bad MoE shape {m:?}"));
             }
         }
-        if !matches!(
-            self.weight_type,
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
-        ) && specula_kernels::try_quantize(self.weight_type, &[0.0; 256]).is_err()
-        {
-            return bad(format!("cannot write {} weights", self.weight_type));
+        if specula_kernels::WeightType::from_ggml(self.weight_type).is_none() {
+            return bad(format!(
+                "cannot write {} weights (writable: {})",
+                self.weight_type,
+                specula_kernels::WeightType::list()
+            ));
         }
         Ok(())
     }

@@ -29,9 +29,8 @@ pub struct GenModelArgs {
     /// Architecture: llama, qwen2, qwen3 (qwen35 / qwen3next come from presets).
     #[arg(long, value_parser = parse_dense_arch)]
     arch: Option<Arch>,
-    /// Weight type of the matrices: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K (matrices whose
-    /// rows are not whole blocks of it stay f32).
-    #[arg(long = "type", value_name = "TYPE")]
+    // Help from the kernels' weight-type table (`type_help`).
+    #[arg(long = "type", value_name = "TYPE", help = type_help())]
     weight_type: Option<String>,
     /// Model width (embedding length).
     #[arg(long)]
@@ -87,14 +86,12 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         spec.arch = a;
     }
     if let Some(t) = &args.weight_type {
-        let writable = specula_kernels::WeightType::ALL.map(|w| w.ggml());
         spec.weight_type = GgmlType::from_name(t)
-            .filter(|ty| writable.contains(ty))
+            .filter(|ty| specula_kernels::WeightType::from_ggml(*ty).is_some())
             .with_context(|| {
-                let names: Vec<&str> = writable.iter().map(|ty| ty.name()).collect();
                 format!(
                     "--type {t}: not a tensor type gen-model writes (use {})",
-                    names.join(", ")
+                    specula_kernels::WeightType::list()
                 )
             })?;
     }
@@ -124,6 +121,15 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         spec.weight_type
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The help of `--type`: every weight type the kernels write.
+fn type_help() -> String {
+    format!(
+        "Weight type of the matrices: {} (matrices whose rows are not whole blocks of it stay \
+         f32)",
+        specula_kernels::WeightType::list()
+    )
 }
 
 fn parse_dense_arch(name: &str) -> Result<Arch, String> {

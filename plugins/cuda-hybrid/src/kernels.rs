@@ -29,39 +29,27 @@ pub struct KernelSource {
     pub functions: &'static [&'static str],
 }
 
+/// The entry points of `matvec.cu`: the activation quantisers, then `matvec_`, `matmul_` and
+/// `matmul_ids_` of every weight type, named from the kernels' weight-type table
+/// ([`specula_kernels::for_each_weight_type`], [`specula_kernels::WeightType::kernel_name`]).
+macro_rules! matvec_functions {
+    ($($variant:ident $module:ident $name:literal,)*) => {
+        &[
+            "quantize_q8_0",
+            "quantize_q8_k",
+            $(concat!("matvec_", $name),)*
+            $(concat!("matmul_", $name),)*
+            $(concat!("matmul_ids_", $name),)*
+        ]
+    };
+}
+
 /// Every kernel source of the plugin.
 pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "matvec.cu",
         text: include_str!("../kernels/matvec.cu"),
-        functions: &[
-            "quantize_q8_0",
-            "quantize_q8_k",
-            "matvec_f32",
-            "matvec_f16",
-            "matvec_bf16",
-            "matvec_q8_0",
-            "matvec_q4_0",
-            "matvec_q4_k",
-            "matvec_q5_k",
-            "matvec_q6_k",
-            "matmul_f32",
-            "matmul_f16",
-            "matmul_bf16",
-            "matmul_q8_0",
-            "matmul_q4_0",
-            "matmul_q4_k",
-            "matmul_q5_k",
-            "matmul_q6_k",
-            "matmul_ids_f32",
-            "matmul_ids_f16",
-            "matmul_ids_bf16",
-            "matmul_ids_q8_0",
-            "matmul_ids_q4_0",
-            "matmul_ids_q4_k",
-            "matmul_ids_q5_k",
-            "matmul_ids_q6_k",
-        ],
+        functions: specula_kernels::for_each_weight_type!(matvec_functions),
     },
     KernelSource {
         file: "norm.cu",
