@@ -6,6 +6,7 @@ pub mod weights;
 use std::path::Path;
 
 use specula_gguf::{GgmlType, GgufError, GgufFile, HParams};
+use specula_kernels::WeightType;
 use specula_plugin_api::{ErrorKind, ModelInfo, PluginError};
 
 use crate::arch::hybrid::{HybridModel, Mixer};
@@ -18,7 +19,10 @@ pub enum LoadError {
     /// The GGUF reader's error (it names the file and the key or tensor).
     #[error("{0}")]
     Gguf(GgufError),
-    #[error("{path}: tensor '{tensor}' has type {ty}, which is not supported (supported: f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K)")]
+    #[error(
+        "{path}: tensor '{tensor}' has type {ty}, which is not supported (supported: {})",
+        WeightType::list()
+    )]
     UnsupportedTensorType {
         path: String,
         tensor: String,

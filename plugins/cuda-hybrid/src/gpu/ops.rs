@@ -5,7 +5,7 @@ use specula_gguf::GgmlType;
 use specula_kernels::{ActivationFormat, Rope, RopeMode, WeightType};
 use specula_plugin_api::{ErrorKind, PluginError};
 
-use super::weights::{kernel_suffix, DevExperts, DevMatrix, DevVec, GPU_TYPES};
+use super::weights::{kernel_suffix, DevExperts, DevMatrix, DevVec};
 use super::{int, Arg, DevBuf, Gpu};
 
 /// Weight rows per matmul block and activation rows per block (MM_WARPS, MM_COLS in
@@ -117,8 +117,9 @@ impl Q8Scratch {
 fn suffix(ty: GgmlType) -> Result<&'static str, PluginError> {
     kernel_suffix(ty).ok_or_else(|| {
         PluginError::unsupported(format!(
-            "cuda-hybrid: no GPU kernel for {} weights (supported: {GPU_TYPES})",
-            ty.name()
+            "cuda-hybrid: no GPU kernel for {} weights (supported: {})",
+            ty.name(),
+            specula_kernels::WeightType::list()
         ))
     })
 }

@@ -5,27 +5,16 @@ use std::collections::HashMap;
 
 use specula_engine::model::weights::{ExpertsRef, MatrixRef};
 use specula_gguf::{GgmlType, GgufFile};
+use specula_kernels::WeightType;
 use specula_plugin_api::PluginError;
 
 use super::{DevBuf, Gpu};
 
-/// Weight types the GPU kernels multiply with, and the suffix of their kernels.
+/// The suffix of the GPU kernels for weights of type `ty` (`matmul_<suffix>`): every type
+/// of the kernels' table ([`WeightType`]) has one.
 pub fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
-    match ty {
-        GgmlType::F32 => Some("f32"),
-        GgmlType::F16 => Some("f16"),
-        GgmlType::BF16 => Some("bf16"),
-        GgmlType::Q8_0 => Some("q8_0"),
-        GgmlType::Q4_0 => Some("q4_0"),
-        GgmlType::Q4K => Some("q4_k"),
-        GgmlType::Q5K => Some("q5_k"),
-        GgmlType::Q6K => Some("q6_k"),
-        _ => None,
-    }
+    WeightType::from_ggml(ty).map(WeightType::kernel_name)
 }
-
-/// The types [`kernel_suffix`] knows, for messages.
-pub const GPU_TYPES: &str = "f32, f16, bf16, q8_0, q4_0, q4_K, q5_K, q6_K";
 
 /// A weight matrix on the device: `rows` rows of `cols` values of `ty`.
 #[derive(Debug, Clone, Copy)]
@@ -80,9 +69,10 @@ impl WeightStore {
             .map_err(|e| PluginError::model(format!("cuda-hybrid: {e}")))?;
         if kernel_suffix(view.info.ty).is_none() {
             return Err(PluginError::model(format!(
-                "cuda-hybrid: {}: tensor '{name}' has type {}, which the GPU kernels do not support (supported: {GPU_TYPES})",
+                "cuda-hybrid: {}: tensor '{name}' has type {}, which the GPU kernels do not support (supported: {})",
                 file.path().display(),
-                view.info.ty.name()
+                view.info.ty.name(),
+                WeightType::list()
             )));
         }
         let buf = gpu.upload(view.data)?;
