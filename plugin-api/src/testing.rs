@@ -116,3 +116,131 @@ pub fn assert_refuses_every_call_after_a_panic<B: ForwardPass>(
     assert!(backend.model_info().vocab_size > 0);
     let _ = backend.capabilities();
 }
+
+/// Evaluates `tokens` and returns the requested logits (panicking, naming the tokens, on an
+/// error).
+pub fn eval<B: ForwardPass>(b: &mut B, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
+    let mut logits = RVec::new();
+    b.eval(RSlice::from(tokens), rows, &mut logits)
+        .into_result()
+        .unwrap_or_else(|e| panic!("eval of {tokens:?}: {e}"));
+    logits.to_vec()
+}
+
+/// The hidden states of the last eval's rows.
+pub fn hidden<B: ForwardPass>(b: &B) -> Vec<f32> {
+    let mut out = RVec::new();
+    b.hidden_states(&mut out)
+        .into_result()
+        .unwrap_or_else(|e| panic!("hidden_states: {e}"));
+    out.to_vec()
+}
+
+/// Truncates the sequence to `len` tokens.
+pub fn truncate<B: ForwardPass>(b: &mut B, len: usize) {
+    b.truncate(len)
+        .into_result()
+        .unwrap_or_else(|e| panic!("truncate to {len}: {e}"));
+}
+
+/// The index of the largest logit (the first of equals).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
+pub fn greedy<B: ForwardPass>(b: &mut B, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut next = argmax(&eval(b, prompt, LogitRows::Last));
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        out.push(next);
+        if out.len() == n {
+            break;
+        }
+        let logits = eval(b, &[next], LogitRows::Last);
+        assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
+        next = argmax(&logits);
+    }
+    out
+}
+
+/// The bit patterns of `values`, for exact comparisons with readable failures.
+pub fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Row `i` of `values` stored as rows of `width`.
+pub fn row(values: &[f32], i: usize, width: usize) -> &[f32] {
+    &values[i * width..(i + 1) * width]
+}
+
+/// Asserts the verify-row contract of a backend (`batched` and `single` fresh instances of
+/// one model): `prompt` evaluated in one call gives every row's logits and hidden states bit
+/// for bit as token-by-token evals, and so does a k-token eval of random tokens (seeded by
+/// `seed`) for every k of `ks`; a k-token `Last` eval gives the last row of an `All` eval.
+pub fn assert_verify_rows_match_single_evals<B: ForwardPass>(
+    batched: &mut B,
+    single: &mut B,
+    prompt: &[u32],
+    ks: &[usize],
+    seed: u64,
+    name: &str,
+) {
+    let info = batched.model_info();
+    let (vocab, e) = (info.vocab_size as usize, info.hidden_size as usize);
+    let prefill = eval(batched, prompt, LogitRows::All);
+    let prefill_hidden = hidden(batched);
+    for (i, &t) in prompt.iter().enumerate() {
+        let r = eval(single, &[t], LogitRows::Last);
+        assert_eq!(
+            bits(row(&prefill, i, vocab)),
+            bits(&r),
+            "{name}: prompt row {i}"
+        );
+        assert_eq!(
+            bits(row(&prefill_hidden, i, e)),
+            bits(&hidden(single)),
+            "{name}: prompt hidden {i}"
+        );
+    }
+    let mut rng = Rng::new(seed);
+    for &k in ks {
+        let tokens = rng.tokens(k, vocab as u32);
+        let all = eval(batched, &tokens, LogitRows::All);
+        let all_hidden = hidden(batched);
+        assert_eq!((all.len(), all_hidden.len()), (k * vocab, k * e), "{name}");
+        for (i, &t) in tokens.iter().enumerate() {
+            let r = eval(single, &[t], LogitRows::Last);
+            assert!(r.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+            assert_eq!(
+                bits(row(&all, i, vocab)),
+                bits(&r),
+                "{name}: k={k}, row {i} differs from the single-token eval"
+            );
+            assert_eq!(
+                bits(row(&all_hidden, i, e)),
+                bits(&hidden(single)),
+                "{name}: k={k}, hidden row {i}"
+            );
+        }
+        let last_tokens = rng.tokens(k, vocab as u32);
+        let last = eval(batched, &last_tokens, LogitRows::Last);
+        let reference = eval(single, &last_tokens, LogitRows::All);
+        assert_eq!(
+            bits(&last),
+            bits(row(&reference, k - 1, vocab)),
+            "{name}: k={k}, Last"
+        );
+    }
+    assert_eq!(
+        batched.seq_len().into_result(),
+        single.seq_len().into_result(),
+        "{name}"
+    );
+}

@@ -33,7 +33,8 @@
 use std::path::Path;
 
 use specula_engine::backend::options::{self, CommonOptions, Parsed};
-use specula_engine::backend::{setup, Backend, Setup, MIN_BATCH_ROWS};
+use specula_engine::backend::setup::{self, Opening};
+use specula_engine::backend::{Backend, MIN_BATCH_ROWS};
 use specula_engine::cpu::CpuExecutor;
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::{Graph, Model};
@@ -115,12 +116,14 @@ pub fn probe(params: &BackendParams) -> Result<ModelInfo, PluginError> {
 /// Opens the model named by `params` and sets up an empty sequence.
 pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
     let options = Options::parse(params)?;
-    let (mut model, n_ctx) = setup::load_model(PLUGIN, params)?;
+    let mut opening = Opening::start(PLUGIN, params, options.common)?;
     let path = Path::new(params.model_path.as_str());
-    let pool = setup::thread_pool(PLUGIN, params)?;
     if options.weight_layout == WeightLayout::Interleaved {
         let started = std::time::Instant::now();
-        let bytes = pool.install(|| model.interleave_weights(|_| true))?;
+        let model = &mut opening.model;
+        let bytes = opening
+            .pool
+            .install(|| model.interleave_weights(|_| true))?;
         if bytes > 0 {
             tracing::info!(
                 "{PLUGIN}: repacked {:.1} MiB of weights into interleaved row groups in {:.2?}",
@@ -129,11 +132,11 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
             );
         }
     }
-    let requested = setup::requested_verify(params);
-    let (capabilities, ring_depth) = capabilities(&model, path, requested, &options)?;
+    let (model, n_ctx) = (&opening.model, opening.n_ctx);
+    let requested = opening.requested_verify;
+    let (capabilities, ring_depth) = capabilities(model, path, requested, &options)?;
     let batch_rows = MIN_BATCH_ROWS.max(requested);
-    let executor =
-        CpuExecutor::whole_model(&model, n_ctx, batch_rows, options.kv_type, ring_depth)?;
+    let executor = CpuExecutor::whole_model(model, n_ctx, batch_rows, options.kv_type, ring_depth)?;
     let depth = executor.ring_depth();
     let capabilities = if matches!(model.graph, Graph::Hybrid(_)) && depth < ring_depth {
         tracing::warn!(
@@ -153,19 +156,12 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         path.display(),
         model.arch.name(),
         model.hparams.block_count,
-        pool.current_num_threads(),
+        opening.pool.current_num_threads(),
         executor.kv_bytes(),
         capabilities.snapshot_bytes_per_slot,
         capabilities.rollback_depth
     );
-    let setup = Setup {
-        plugin: PLUGIN,
-        capabilities,
-        n_ctx,
-        batch_rows,
-        deep_rollback: options.common.deep_rollback,
-    };
-    Ok(Backend::new(model, pool, executor, setup))
+    Ok(opening.finish(executor, capabilities, batch_rows))
 }
 
 /// What an instance of `model` can do, and the depth of its snapshot ring (0 for dense

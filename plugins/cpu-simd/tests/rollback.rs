@@ -55,54 +55,10 @@ fn verify_rows_are_bit_identical_to_single_token_evals() {
     for (name, path) in parity_models(dir.path()) {
         let mut batched = open(&path, 2, 160);
         let mut single = open(&path, 2, 160);
-        let e = batched.info().hidden_size as usize;
         let cap = batched.caps().max_verify_tokens as usize;
         assert_eq!(cap, 8, "{name}");
-
-        let prefill = eval(&mut batched, &PROMPT, LogitRows::All);
-        let prefill_hidden = hidden(&batched);
-        for (i, &t) in PROMPT.iter().enumerate() {
-            let r = eval(&mut single, &[t], LogitRows::Last);
-            assert_eq!(
-                bits(row(&prefill, i, VOCAB)),
-                bits(&r),
-                "{name}: prompt row {i}"
-            );
-            assert_eq!(
-                bits(row(&prefill_hidden, i, e)),
-                bits(&hidden(&single)),
-                "{name}: prompt hidden {i}"
-            );
-        }
-        let mut rng = Rng::new(99);
-        for k in 1..=cap {
-            let tokens = rng.tokens(k, VOCAB as u32);
-            let all = eval(&mut batched, &tokens, LogitRows::All);
-            let all_hidden = hidden(&batched);
-            assert_eq!((all.len(), all_hidden.len()), (k * VOCAB, k * e));
-            for (i, &t) in tokens.iter().enumerate() {
-                let r = eval(&mut single, &[t], LogitRows::Last);
-                assert!(r.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
-                assert_eq!(
-                    bits(row(&all, i, VOCAB)),
-                    bits(&r),
-                    "{name}: k={k}, row {i} differs from the single-token eval"
-                );
-                assert_eq!(
-                    bits(row(&all_hidden, i, e)),
-                    bits(&hidden(&single)),
-                    "{name}: k={k}, hidden row {i}"
-                );
-            }
-            let last_tokens = rng.tokens(k, VOCAB as u32);
-            let last = eval(&mut batched, &last_tokens, LogitRows::Last);
-            let reference = eval(&mut single, &last_tokens, LogitRows::All);
-            assert_eq!(
-                bits(&last),
-                bits(row(&reference, k - 1, VOCAB)),
-                "{name}: Last"
-            );
-        }
+        let ks: Vec<usize> = (1..=cap).collect();
+        assert_verify_rows_match_single_evals(&mut batched, &mut single, &PROMPT, &ks, 99, &name);
         assert_eq!(batched.len(), single.len());
         assert_eq!(batched.slow_rollbacks(), 0);
     }

@@ -32,7 +32,8 @@ use std::sync::Arc;
 
 use rayon::ThreadPool;
 use specula_engine::arch::hybrid::{self, HybridModel, Mixer};
-use specula_engine::backend::{setup, Backend, Chunk, Executor, Setup, MIN_BATCH_ROWS};
+use specula_engine::backend::setup::{self, Opening};
+use specula_engine::backend::{Backend, Chunk, Executor, MIN_BATCH_ROWS};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::blocks::mtp::MtpWeights;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
@@ -240,9 +241,9 @@ fn open_with(
     mode: Mode,
 ) -> Result<CudaBackend, PluginError> {
     let path = Path::new(params.model_path.as_str());
-    let (mut model, n_ctx) = setup::load_model(PLUGIN, params)?;
-    let pool = setup::thread_pool(PLUGIN, params)?;
-    let requested_verify = setup::requested_verify(params);
+    let mut opening = Opening::start(PLUGIN, params, options.common)?;
+    let (n_ctx, requested_verify) = (opening.n_ctx, opening.requested_verify);
+    let Opening { model, pool, .. } = &mut opening;
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
     let (n_gdn_layers, depth) = match &model.graph {
@@ -317,7 +318,7 @@ fn open_with(
 
     // The host half.
     let host = CpuExecutor::new(
-        &model,
+        model,
         CpuPart {
             layers: first_gpu,
             head: !head_on_gpu,
@@ -404,14 +405,7 @@ fn open_with(
         device,
         device_description,
     };
-    let setup = Setup {
-        plugin: PLUGIN,
-        capabilities,
-        n_ctx,
-        batch_rows,
-        deep_rollback: options.common.deep_rollback,
-    };
-    Ok(Backend::new(model, pool, executor, setup))
+    Ok(opening.finish(executor, capabilities, batch_rows))
 }
 
 /// The hand-off buffer's contents (after a [`Gpu::sync`]).

@@ -650,39 +650,20 @@ fn verify_rows_are_bit_identical_to_single_token_evals() {
             let mut batched = cuda(&device, &path, options);
             let mut single = cuda(&device, &path, options);
             assert!(batched.executor().placement().uses_gpu(), "{name}");
-            let vocab = batched.info().vocab_size as usize;
-            let e = batched.info().hidden_size as usize;
-            let prefill = eval(&mut batched, &PROMPT, LogitRows::All);
-            let prefill_hidden = hidden(&batched);
-            for (i, &t) in PROMPT.iter().enumerate() {
-                let r = eval(&mut single, &[t], LogitRows::Last);
-                assert_eq!(
-                    bits(row(&prefill, i, vocab)),
-                    bits(&r),
-                    "{name}: prompt row {i}"
-                );
-                assert_eq!(
-                    bits(row(&prefill_hidden, i, e)),
-                    bits(&hidden(&single)),
-                    "{name}"
-                );
-            }
-            let mut rng = Rng::new(99);
             let cap = batched.caps().max_verify_tokens as usize;
             let ks: Vec<usize> = if full(&device) {
                 (1..=cap).collect()
             } else {
                 vec![1, cap]
             };
-            for k in ks {
-                let tokens = rng.tokens(k, vocab as u32);
-                let all = eval(&mut batched, &tokens, LogitRows::All);
-                for (i, &t) in tokens.iter().enumerate() {
-                    let r = eval(&mut single, &[t], LogitRows::Last);
-                    assert!(r.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
-                    assert_eq!(bits(row(&all, i, vocab)), bits(&r), "{name}: k={k} row {i}");
-                }
-            }
+            assert_verify_rows_match_single_evals(
+                &mut batched,
+                &mut single,
+                &PROMPT,
+                &ks,
+                99,
+                &name,
+            );
         }
     }
 }

@@ -3,10 +3,64 @@
 use std::path::Path;
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
-use specula_plugin_api::{BackendParams, ErrorKind, PluginError};
+use specula_plugin_api::{BackendParams, Capabilities, ErrorKind, PluginError};
 
-use super::{attribute, options, DEFAULT_MAX_VERIFY_TOKENS};
+use super::options::CommonOptions;
+use super::{attribute, options, Backend, Executor, Setup, DEFAULT_MAX_VERIFY_TOKENS};
 use crate::model::Model;
+
+/// A backend being opened: what every backend does first (its model loaded, its pool started)
+/// and the step that ends it ([`finish`](Self::finish)); in between, the backend places the
+/// model, repacks weights and builds its executor.
+pub struct Opening {
+    pub plugin: &'static str,
+    pub model: Model,
+    /// The context size in effect.
+    pub n_ctx: usize,
+    pub pool: ThreadPool,
+    pub common: CommonOptions,
+    /// The verify capacity asked for ([`requested_verify`]).
+    pub requested_verify: usize,
+}
+
+impl Opening {
+    /// Loads the model `params` names and starts the worker pool, for `plugin` whose options
+    /// (the engine's part) are `common`.
+    pub fn start(
+        plugin: &'static str,
+        params: &BackendParams,
+        common: CommonOptions,
+    ) -> Result<Self, PluginError> {
+        let (model, n_ctx) = load_model(plugin, params)?;
+        let pool = thread_pool(plugin, params)?;
+        Ok(Self {
+            plugin,
+            model,
+            n_ctx,
+            pool,
+            common,
+            requested_verify: requested_verify(params),
+        })
+    }
+
+    /// The backend: `executor` over the model with an empty sequence, advertising
+    /// `capabilities` and evaluating in chunks of `batch_rows` rows.
+    pub fn finish<X: Executor>(
+        self,
+        executor: X,
+        capabilities: Capabilities,
+        batch_rows: usize,
+    ) -> Backend<X> {
+        let setup = Setup {
+            plugin: self.plugin,
+            capabilities,
+            n_ctx: self.n_ctx,
+            batch_rows,
+            deep_rollback: self.common.deep_rollback,
+        };
+        Backend::new(self.model, self.pool, executor, setup)
+    }
+}
 
 /// Loads the model `params` names and returns it with the context size in effect, warning
 /// when the asked one exceeds what the model was trained for.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use abi_stable::std_types::{RString, RVec};
 use specula_cpu_simd::CpuBackend;
 use specula_gguf::{GgmlType, GgufFile, GgufWriter};
-use specula_plugin_api::{BackendParams, LogitRows};
+use specula_plugin_api::BackendParams;
 
 /// `/work/shared/models`, checked to exist.
 pub fn models_dir() -> PathBuf {
@@ -54,41 +54,6 @@ pub fn open(path: &Path, threads: u32, context_size: u32) -> CpuBackend {
         .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
 }
 
-/// Evaluates `tokens` in one call and returns the requested logits.
-pub fn eval(backend: &mut CpuBackend, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
-    let mut logits = RVec::new();
-    backend
-        .eval_tokens(tokens, rows, &mut logits)
-        .unwrap_or_else(|e| panic!("eval of {tokens:?}: {e}"));
-    logits.to_vec()
-}
-
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
-pub fn greedy(backend: &mut CpuBackend, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut next = argmax(&eval(backend, prompt, LogitRows::Last));
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        out.push(next);
-        if out.len() == n {
-            break;
-        }
-        let logits = eval(backend, &[next], LogitRows::Last);
-        assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
-        next = argmax(&logits);
-    }
-    out
-}
-
 /// The pieces of `tokenizer.ggml.tokens`.
 pub fn vocabulary(path: &Path) -> Vec<String> {
     let file = GgufFile::open(path).unwrap();
@@ -121,12 +86,10 @@ pub fn decode(ids: &[u32], vocab: &[String]) -> String {
     text.strip_prefix(' ').map(str::to_string).unwrap_or(text)
 }
 
-pub fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
-
 #[allow(unused_imports)]
-pub use specula_plugin_api::testing::Rng;
+pub use specula_plugin_api::testing::{
+    argmax, assert_verify_rows_match_single_evals, bits, eval, greedy, row, Rng,
+};
 
 /// Copies every `tokenizer.*` key of `src` into `w`.
 pub fn copy_tokenizer(src: &GgufFile, w: &mut GgufWriter) {
@@ -356,11 +319,6 @@ pub fn mtp(
         .mtp_step_into(hidden, token, position, &mut logits, &mut out)
         .unwrap_or_else(|e| panic!("mtp_step at {position}: {e}"));
     (logits.to_vec(), out.to_vec())
-}
-
-/// Row `i` (of `width` values) of `values`.
-pub fn row(values: &[f32], i: usize, width: usize) -> &[f32] {
-    &values[i * width..(i + 1) * width]
 }
 
 /// Writes a random-weight qwen35 hybrid larger than the shared fixtures (E 128; 4 trunk layers

@@ -82,27 +82,6 @@ pub fn cpu_simd(params: &BackendParams) -> BoxedForwardPass {
         .unwrap_or_else(|e| panic!("cpu-simd on {}: {e}", params.model_path))
 }
 
-/// Evaluates `tokens` and returns the requested logits.
-pub fn eval<B: ForwardPass>(b: &mut B, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
-    let mut logits = RVec::new();
-    b.eval(RSlice::from(tokens), rows, &mut logits)
-        .into_result()
-        .unwrap_or_else(|e| panic!("eval of {tokens:?}: {e}"));
-    logits.to_vec()
-}
-
-pub fn hidden<B: ForwardPass>(b: &B) -> Vec<f32> {
-    let mut out = RVec::new();
-    b.hidden_states(&mut out).into_result().unwrap();
-    out.to_vec()
-}
-
-pub fn truncate<B: ForwardPass>(b: &mut B, len: usize) {
-    b.truncate(len)
-        .into_result()
-        .unwrap_or_else(|e| panic!("truncate to {len}: {e}"));
-}
-
 /// One MTP call: (logits of every row, hidden states of every row).
 pub fn mtp<B: ForwardPass>(
     b: &mut B,
@@ -124,40 +103,6 @@ pub fn mtp<B: ForwardPass>(
     (logits.to_vec(), out.to_vec())
 }
 
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
-pub fn greedy<B: ForwardPass>(b: &mut B, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut next = argmax(&eval(b, prompt, LogitRows::Last));
-    let mut out = Vec::with_capacity(n);
-    while out.len() < n {
-        out.push(next);
-        if out.len() == n {
-            break;
-        }
-        let logits = eval(b, &[next], LogitRows::Last);
-        assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
-        next = argmax(&logits);
-    }
-    out
-}
-
-pub fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
-
-pub fn row(values: &[f32], i: usize, width: usize) -> &[f32] {
-    &values[i * width..(i + 1) * width]
-}
-
 /// Largest absolute difference.
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -168,7 +113,9 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[allow(unused_imports)]
-pub use specula_plugin_api::testing::Rng;
+pub use specula_plugin_api::testing::{
+    argmax, assert_verify_rows_match_single_evals, bits, eval, greedy, hidden, row, truncate, Rng,
+};
 
 /// `true` when a CUDA device can be used (driver, NVRTC and at least one device); otherwise
 /// prints why the calling GPU test is skipped and returns `false`.
