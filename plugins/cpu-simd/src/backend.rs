@@ -37,7 +37,7 @@ use specula_engine::backend::setup::{self, Opening};
 use specula_engine::backend::{Backend, MIN_BATCH_ROWS};
 use specula_engine::cpu::CpuExecutor;
 use specula_engine::kv_cache::KvType;
-use specula_engine::model::{Graph, Model};
+use specula_engine::model::Graph;
 use specula_plugin_api::{BackendParams, Capabilities, ModelInfo, PluginError};
 
 use crate::PLUGIN_NAME as PLUGIN;
@@ -133,9 +133,8 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         }
     }
     let (model, n_ctx) = (&opening.model, opening.n_ctx);
-    let requested = opening.requested_verify;
-    let (capabilities, ring_depth) = capabilities(model, path, requested, &options)?;
-    let batch_rows = MIN_BATCH_ROWS.max(requested);
+    let (capabilities, ring_depth) = opening.capabilities()?;
+    let batch_rows = MIN_BATCH_ROWS.max(opening.requested_verify);
     let executor = CpuExecutor::whole_model(model, n_ctx, batch_rows, options.kv_type, ring_depth)?;
     let depth = executor.ring_depth();
     let capabilities = if matches!(model.graph, Graph::Hybrid(_)) && depth < ring_depth {
@@ -162,49 +161,4 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         capabilities.rollback_depth
     );
     Ok(opening.finish(executor, capabilities, batch_rows))
-}
-
-/// What an instance of `model` can do, and the depth of its snapshot ring (0 for dense
-/// models).
-fn capabilities(
-    model: &Model,
-    path: &Path,
-    requested: usize,
-    options: &Options,
-) -> Result<(Capabilities, usize), PluginError> {
-    Ok(match &model.graph {
-        Graph::Dense(_) => (
-            Capabilities {
-                max_verify_tokens: requested as u32,
-                rollback_depth: u32::MAX,
-                hidden_state_export: true,
-                mtp_head: false,
-                snapshot_bytes_per_slot: 0,
-            },
-            0,
-        ),
-        Graph::Hybrid(h) => {
-            let config = &h.config;
-            let layout = config.gdn.state_layout(config.n_gdn_layers);
-            let depth = setup::ring_depth(
-                PLUGIN,
-                path,
-                layout.plane_bytes(),
-                requested,
-                options.common.ring_budget_bytes,
-            )?;
-            let capabilities = Capabilities {
-                max_verify_tokens: depth as u32,
-                rollback_depth: if layout.n_layers == 0 {
-                    u32::MAX
-                } else {
-                    depth as u32
-                },
-                hidden_state_export: true,
-                mtp_head: h.weights.mtp.is_some(),
-                snapshot_bytes_per_slot: layout.plane_bytes(),
-            };
-            (capabilities, depth)
-        }
-    })
 }

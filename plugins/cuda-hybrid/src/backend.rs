@@ -40,7 +40,7 @@ use specula_engine::cpu::{CpuExecutor, CpuPart};
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::weights::MatrixRef;
 use specula_engine::model::{Graph, MatrixSite, Model};
-use specula_plugin_api::{BackendParams, Capabilities, ErrorKind, ModelInfo, PluginError};
+use specula_plugin_api::{BackendParams, ErrorKind, ModelInfo, PluginError};
 
 use crate::driver;
 use crate::gpu::emulator::Emulator;
@@ -243,27 +243,13 @@ fn open_with(
     let path = Path::new(params.model_path.as_str());
     let mut opening = Opening::start(PLUGIN, params, options.common)?;
     let (n_ctx, requested_verify) = (opening.n_ctx, opening.requested_verify);
-    let Opening { model, pool, .. } = &mut opening;
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
-    let (n_gdn_layers, depth) = match &model.graph {
-        Graph::Dense(_) => (0, requested_verify),
-        Graph::Hybrid(h) => {
-            let n_gdn = h.config.n_gdn_layers;
-            let plane = h.config.gdn.state_layout(n_gdn).plane_bytes();
-            let depth = setup::ring_depth(
-                PLUGIN,
-                path,
-                plane,
-                requested_verify,
-                options.common.ring_budget_bytes,
-            )?;
-            (n_gdn, depth)
-        }
-    };
-    let n_planes = match &model.graph {
-        Graph::Dense(_) => 2,
-        Graph::Hybrid(_) => depth + 1,
+    let (capabilities, ring_depth) = opening.capabilities()?;
+    let Opening { model, pool, .. } = &mut opening;
+    let (depth, n_planes) = match &model.graph {
+        Graph::Dense(_) => (requested_verify, 2),
+        Graph::Hybrid(_) => (ring_depth, ring_depth + 1),
     };
     let batch_rows = MIN_BATCH_ROWS.max(depth);
     let n_layers = model.graph.n_trunk_layers();
@@ -372,25 +358,6 @@ fn open_with(
         _ => None,
     };
 
-    let has_mtp_head = model.has_mtp_head();
-    let (max_verify, rollback_depth, snapshot_bytes) = match &model.graph {
-        Graph::Dense(_) => (requested_verify as u32, u32::MAX, 0),
-        Graph::Hybrid(h) => {
-            let plane = h.config.gdn.state_layout(n_gdn_layers).plane_bytes();
-            if n_gdn_layers == 0 {
-                (depth as u32, u32::MAX, plane)
-            } else {
-                (depth as u32, depth as u32, plane)
-            }
-        }
-    };
-    let capabilities = Capabilities {
-        max_verify_tokens: max_verify,
-        rollback_depth,
-        hidden_state_export: true,
-        mtp_head: has_mtp_head,
-        snapshot_bytes_per_slot: snapshot_bytes,
-    };
     tracing::info!(
         "{PLUGIN}: {}: {} of {n_layers} layers on the GPU{} ({} MiB of device memory), the rest on {} CPU threads; GPU: {device_description}",
         path.display(),

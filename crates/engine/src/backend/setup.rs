@@ -7,7 +7,7 @@ use specula_plugin_api::{BackendParams, Capabilities, ErrorKind, PluginError};
 
 use super::options::CommonOptions;
 use super::{attribute, options, Backend, Executor, Setup, DEFAULT_MAX_VERIFY_TOKENS};
-use crate::model::Model;
+use crate::model::{Graph, Model};
 
 /// A backend being opened: what every backend does first (its model loaded, its pool started)
 /// and the step that ends it ([`finish`](Self::finish)); in between, the backend places the
@@ -40,6 +40,48 @@ impl Opening {
             pool,
             common,
             requested_verify: requested_verify(params),
+        })
+    }
+
+    /// What an instance can do, and the depth of the snapshot ring it needs: the verify
+    /// capacity asked for, lowered for a hybrid model to what the `ring_budget_bytes` option
+    /// holds (with a warning); rollback without limit where no layer is recurrent, else as deep
+    /// as the ring. (Dense models: a depth of 0, no ring.)
+    pub fn capabilities(&self) -> Result<(Capabilities, usize), PluginError> {
+        let requested = self.requested_verify;
+        Ok(match &self.model.graph {
+            Graph::Dense(_) => (
+                Capabilities {
+                    max_verify_tokens: requested as u32,
+                    rollback_depth: u32::MAX,
+                    hidden_state_export: true,
+                    mtp_head: false,
+                    snapshot_bytes_per_slot: 0,
+                },
+                0,
+            ),
+            Graph::Hybrid(h) => {
+                let layout = h.config.gdn.state_layout(h.config.n_gdn_layers);
+                let depth = ring_depth(
+                    self.plugin,
+                    self.model.file.path(),
+                    layout.plane_bytes(),
+                    requested,
+                    self.common.ring_budget_bytes,
+                )?;
+                let capabilities = Capabilities {
+                    max_verify_tokens: depth as u32,
+                    rollback_depth: if layout.n_layers == 0 {
+                        u32::MAX
+                    } else {
+                        depth as u32
+                    },
+                    hidden_state_export: true,
+                    mtp_head: h.weights.mtp.is_some(),
+                    snapshot_bytes_per_slot: layout.plane_bytes(),
+                };
+                (capabilities, depth)
+            }
         })
     }
 
