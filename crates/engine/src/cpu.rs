@@ -13,7 +13,7 @@ use specula_plugin_api::{ErrorKind, PluginError};
 
 use crate::arch::hybrid::{self, HybridScratch, Mixer, TrunkState};
 use crate::arch::{forward_dense_layer, Scratch};
-use crate::backend::{Chunk, Executor};
+use crate::backend::{Chunk, Executor, MtpRows};
 use crate::blocks::mtp;
 use crate::kv_cache::{KvCache, KvType};
 use crate::model::{Graph, Model};
@@ -292,10 +292,7 @@ impl Executor for CpuExecutor {
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        batch_rows: usize,
-        hidden: &[f32],
-        tokens: &[u32],
-        position: usize,
+        rows: &MtpRows<'_>,
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError> {
@@ -314,12 +311,12 @@ impl Executor for CpuExecutor {
                 &h.config,
                 weights,
                 &model.file,
-                hidden,
-                tokens,
-                position,
+                rows.hidden,
+                rows.tokens,
+                rows.position,
                 kv,
                 scratch,
-                batch_rows,
+                rows.batch_rows,
                 logits,
                 hidden_out,
             )

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use rayon::ThreadPool;
 use specula_engine::arch::hybrid::{self, HybridModel, Mixer};
 use specula_engine::backend::setup::{self, Opening};
-use specula_engine::backend::{Backend, Chunk, Executor, MIN_BATCH_ROWS};
+use specula_engine::backend::{Backend, Chunk, Executor, MtpRows, MIN_BATCH_ROWS};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::blocks::mtp::MtpWeights;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
@@ -466,18 +466,19 @@ impl Executor for CudaExecutor {
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        batch_rows: usize,
-        hidden: &[f32],
-        tokens: &[u32],
-        position: usize,
+        rows: &MtpRows<'_>,
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError> {
         let Some(d) = self.device.as_mut().filter(|_| self.placement.head_on_gpu) else {
-            return self.host.mtp(
-                model, pool, batch_rows, hidden, tokens, position, logits, hidden_out,
-            );
+            return self.host.mtp(model, pool, rows, logits, hidden_out);
         };
+        let MtpRows {
+            hidden,
+            tokens,
+            position,
+            batch_rows,
+        } = *rows;
         let Graph::Hybrid(h) = &model.graph else {
             return Err(internal("MTP step on a model without the head"));
         };

@@ -26,6 +26,17 @@ impl Chunk<'_> {
     }
 }
 
+/// The rows of one MTP-head call: the trunk's final hidden states (`tokens.len() × n_embd`)
+/// and the tokens after them, at positions `position ..`.
+#[derive(Debug, Clone, Copy)]
+pub struct MtpRows<'a> {
+    pub hidden: &'a [f32],
+    pub tokens: &'a [u32],
+    pub position: usize,
+    /// The most rows per pass (the executor's scratch holds this many).
+    pub batch_rows: usize,
+}
+
 /// Runs a model's layers and owns the sequence's caches (attention KV, recurrent-state ring,
 /// the MTP head's cache); [`Backend`](super::Backend) does the rest.
 ///
@@ -58,20 +69,15 @@ pub trait Executor: Send + Sync {
     /// Back to the empty sequence.
     fn reset(&mut self) -> Result<(), PluginError>;
 
-    /// Runs the MTP head over `tokens` (with the trunk's `hidden` states, `rows × n_embd`)
-    /// at positions `position ..`, in chunks of at most `batch_rows`: its cache is cut to
-    /// `position` entries and extended; `logits` holds the last `logits.len() / vocab` rows'
-    /// logits, `hidden_out` every row's head output. Only called when the capabilities say
-    /// the model has the head.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs the MTP head over `rows` in passes of at most `rows.batch_rows`: its cache is cut
+    /// to `rows.position` entries and extended; `logits` holds the last `logits.len() / vocab`
+    /// rows' logits, `hidden_out` every row's head output. Only called when the capabilities
+    /// say the model has the head.
     fn mtp(
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        batch_rows: usize,
-        hidden: &[f32],
-        tokens: &[u32],
-        position: usize,
+        rows: &MtpRows<'_>,
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError>;

@@ -26,7 +26,7 @@ use specula_plugin_api::{
     PluginResult,
 };
 
-pub use executor::{Chunk, Executor};
+pub use executor::{Chunk, Executor, MtpRows};
 pub use options::DeepRollback;
 
 use crate::model::Model;
@@ -356,17 +356,14 @@ impl<X: Executor> Backend<X> {
         logits.resize(rows.count(n) * vocab, 0.0);
         hidden_out.clear();
         hidden_out.resize(n * e, 0.0);
+        let rows = MtpRows {
+            hidden,
+            tokens,
+            position,
+            batch_rows: self.setup.batch_rows,
+        };
         self.executor
-            .mtp(
-                &self.model,
-                &self.pool,
-                self.setup.batch_rows,
-                hidden,
-                tokens,
-                position,
-                logits,
-                hidden_out,
-            )
+            .mtp(&self.model, &self.pool, &rows, logits, hidden_out)
             .map_err(|e| attribute(plugin, e))?;
         self.mtp_len = Some(position + n);
         Ok(())
