@@ -157,10 +157,15 @@ impl ModelSpec {
                 self.heads, self.kv_heads
             ));
         }
-        if self.arch == Arch::Llama && self.head_dim * self.heads != self.hidden {
+        if matches!(self.arch, Arch::Llama | Arch::Qwen2)
+            && self.head_dim * self.heads != self.hidden
+        {
             return bad(format!(
-                "llama needs head_dim × heads = hidden ({} × {} ≠ {})",
-                self.head_dim, self.heads, self.hidden
+                "{} needs head_dim × heads = hidden ({} × {} ≠ {})",
+                self.arch.gguf_name(),
+                self.head_dim,
+                self.heads,
+                self.hidden
             ));
         }
         let rope = self.rope_dims.unwrap_or(self.head_dim);
