@@ -6,7 +6,7 @@
 //! executable. A profile may also name a library by path.
 //!
 //! Loading checks, in order: that the file is a shared library of this machine whose
-//! segments lie inside the file ([`image::check`], before the system loader sees it), that
+//! segments lie inside the file (`image::check`, before the system loader sees it), that
 //! it exports `specula_plugin_abi_version`, that the version equals the host's
 //! [`ABI_VERSION`], and that abi_stable's layout check of the root module passes. Every
 //! failure names the file. What is loaded is a private copy of the bytes checked; loaded

@@ -4,12 +4,12 @@
 //!
 //! Each connection runs hyper's HTTP/1 server (half-close allowed, so a client that sends its
 //! request and then shuts its sending side still gets the answer) next to a watchdog that
-//! follows the connection's [`Phase`]:
+//! follows the connection's `Phase`:
 //!
 //! * **head**: from the connection's first byte, or the next request's first byte, until
 //!   hyper has parsed the request head — at most [`HttpLimits::header_timeout`];
 //! * **busy**: a request is being answered (its body is read within
-//!   [`HttpLimits::body_timeout`] by [`read_body_in_time`]; the answer may stream for as
+//!   [`HttpLimits::body_timeout`] by `read_body_in_time`; the answer may stream for as
 //!   long as generation takes);
 //! * **idle**: between requests — at most [`HttpLimits::keep_alive_timeout`].
 //!

@@ -1,4 +1,4 @@
-//! The [`ForwardPass`] of cuda-hybrid: one model, one sequence, split between the host and
+//! The [`ForwardPass`](specula_plugin_api::ForwardPass) of cuda-hybrid: one model, one sequence, split between the host and
 //! one GPU.
 //!
 //! **Placement** (see [`crate::placement`]): trunk layers `0 .. first_gpu_layer` run on the
@@ -11,7 +11,7 @@
 //! **Sequence state** lives where its layer runs: the KV cache of host attention layers in
 //! host memory, of GPU attention layers (and the MTP head) in device memory; the recurrent
 //! state of Gated DeltaNet layers in a **snapshot ring** of `depth + 1` planes, split the same
-//! way — a host [`SnapshotRing`] for the host GDN layers and a device ring for the GPU ones.
+//! way — a host [`SnapshotRing`](specula_engine::recurrent::SnapshotRing) for the host GDN layers and a device ring for the GPU ones.
 //! Both halves share one bookkeeping rule ([`specula_engine::recurrent::RingIndex`]) and
 //! are advanced and restored together, so rollback inside the window is O(1) on both sides:
 //! no state is copied, the plane of the kept length becomes the live one. Beyond the window
@@ -183,7 +183,7 @@ fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize) -> Costs {
     }
 }
 
-/// Whether [`CudaBackend::open_with`] may use a GPU.
+/// Whether [`open_with`] may use a GPU.
 #[derive(Debug, Clone)]
 enum Mode {
     Gpu,
