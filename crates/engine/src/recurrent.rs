@@ -11,7 +11,7 @@
 //! single-token evaluation run exactly the same arithmetic on exactly the same input.
 //!
 //! Lengths further back than `depth` tokens have been overwritten; the backend takes its slow
-//! path for those (see the backends' `truncate`).
+//! path for those (see `Backend::truncate_to` in `crate::backend`).
 //!
 //! Storage is ordered for the way the recurrence runs: a layer's convolution states are
 //! consecutive planes, and each value head's S matrices in every plane are one contiguous

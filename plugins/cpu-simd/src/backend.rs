@@ -32,9 +32,9 @@
 
 use std::path::Path;
 
+use specula_engine::backend::opening::{self, Opening};
 use specula_engine::backend::options::{self, CommonOptions, Parsed};
-use specula_engine::backend::setup::{self, Opening};
-use specula_engine::backend::{Backend, MIN_BATCH_ROWS};
+use specula_engine::backend::{attribute, Backend};
 use specula_engine::cpu::CpuExecutor;
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::Graph;
@@ -109,7 +109,7 @@ impl Options {
 /// records and shapes — without reading weights or allocating caches.
 pub fn probe(params: &BackendParams) -> Result<ModelInfo, PluginError> {
     Options::parse(params)?;
-    let (model, n_ctx) = setup::load_model(PLUGIN, params)?;
+    let (model, n_ctx) = opening::load_model(PLUGIN, params)?;
     Ok(model.info(n_ctx as u32))
 }
 
@@ -123,7 +123,8 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         let model = &mut opening.model;
         let bytes = opening
             .pool
-            .install(|| model.interleave_weights(|_| true))?;
+            .install(|| model.interleave_weights(|_| true))
+            .map_err(|e| attribute(PLUGIN, e))?;
         if bytes > 0 {
             tracing::info!(
                 "{PLUGIN}: repacked {:.1} MiB of weights into interleaved row groups in {:.2?}",
@@ -134,8 +135,9 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
     }
     let (model, n_ctx) = (&opening.model, opening.n_ctx);
     let (capabilities, ring_depth) = opening.capabilities()?;
-    let batch_rows = MIN_BATCH_ROWS.max(opening.requested_verify);
-    let executor = CpuExecutor::whole_model(model, n_ctx, batch_rows, options.kv_type, ring_depth)?;
+    let batch_rows = Opening::batch_rows(&capabilities);
+    let executor = CpuExecutor::whole_model(model, n_ctx, batch_rows, options.kv_type, ring_depth)
+        .map_err(|e| attribute(PLUGIN, e))?;
     let depth = executor.ring_depth();
     let capabilities = if matches!(model.graph, Graph::Hybrid(_)) && depth < ring_depth {
         tracing::warn!(

@@ -1,5 +1,5 @@
-//! The [`ForwardPass`](specula_plugin_api::ForwardPass) of cuda-hybrid: one model, one sequence, split between the host and
-//! one GPU.
+//! How cuda-hybrid opens a model and its executor: one model, one sequence, split between the
+//! host and one GPU (the engine's `Backend` does the sequence bookkeeping).
 //!
 //! **Placement** (see [`crate::placement`]): trunk layers `0 .. first_gpu_layer` run on the
 //! host through the layer code of `specula-engine` (the code cpu-simd runs, on a private
@@ -32,8 +32,8 @@ use std::sync::Arc;
 
 use rayon::ThreadPool;
 use specula_engine::arch::hybrid::{self, HybridModel, Mixer};
-use specula_engine::backend::setup::{self, Opening};
-use specula_engine::backend::{Backend, Chunk, Executor, MtpRows, MIN_BATCH_ROWS};
+use specula_engine::backend::opening::{self, Opening};
+use specula_engine::backend::{Backend, Chunk, Executor, MtpRows};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::blocks::mtp::MtpWeights;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
@@ -209,7 +209,7 @@ pub fn open(params: &BackendParams) -> Result<CudaBackend, PluginError> {
 pub fn probe(params: &BackendParams) -> Result<ModelInfo, PluginError> {
     Options::parse(params)?;
     driver::probe_driver()?;
-    let (model, n_ctx) = setup::load_model(PLUGIN, params)?;
+    let (model, n_ctx) = opening::load_model(PLUGIN, params)?;
     Ok(model.info(n_ctx as u32))
 }
 
@@ -251,7 +251,7 @@ fn open_with(
         Graph::Dense(_) => (requested_verify, 2),
         Graph::Hybrid(_) => (ring_depth, ring_depth + 1),
     };
-    let batch_rows = MIN_BATCH_ROWS.max(depth);
+    let batch_rows = Opening::batch_rows(&capabilities);
     let n_layers = model.graph.n_trunk_layers();
 
     // Open the device and decide the placement.

@@ -1,4 +1,4 @@
-//! The architectures cpu-simd runs, and the dense decoder block the dense ones share.
+//! The architectures the backends run, and the dense decoder block the dense ones share.
 //!
 //! Each architecture file says what is specific to it (RoPE variant, extra tensors, FFN kind).
 //! The dense pre-norm residual layout `x += attn(norm(x)); x += ffn(norm(x))` and the loading
@@ -24,7 +24,7 @@ use crate::kv_cache::KvCache;
 use crate::model::weights::{DenseDims, ModelWeights};
 use crate::model::{DenseModel, Graph, LoadError};
 
-/// Architectures whose `general.architecture` cpu-simd accepts.
+/// Architectures whose `general.architecture` the backends accept.
 pub const SUPPORTED: &str = "llama, qwen2, qwen3, qwen35, qwen3next";
 
 /// A supported architecture.

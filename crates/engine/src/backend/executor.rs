@@ -59,8 +59,8 @@ pub trait Executor: Send + Sync {
     fn commit(&mut self, start: usize, n: usize);
 
     /// Cuts the sequence to `len` tokens in O(1) and returns true, or returns false (changing
-    /// nothing of the trunk) when the recurrent state of that length is no longer kept. Also
-    /// cuts the MTP head's cache to at most `len` entries.
+    /// nothing of the trunk) when the recurrent state of that length is no longer kept. Either
+    /// way it cuts the MTP head's cache to at most `len` entries.
     fn rollback(&mut self, len: usize) -> Result<bool, PluginError>;
 
     /// The lengths [`rollback`](Self::rollback) can restore, for a sequence of `seq_len`.

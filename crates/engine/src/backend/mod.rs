@@ -13,8 +13,8 @@
 //! host, cuda-hybrid's executor on a GPU (with a host prefix run by a `CpuExecutor`).
 
 mod executor;
+pub mod opening;
 pub mod options;
-pub mod setup;
 pub mod validate;
 
 use std::ops::RangeInclusive;
@@ -34,9 +34,9 @@ use crate::model::Model;
 /// `max_verify_tokens` advertised when the host passes 0.
 pub const DEFAULT_MAX_VERIFY_TOKENS: u32 = 8;
 
-/// Rows pushed through the layers together (at least; the verify capacity when larger).
-/// Longer evaluations (prefill) run in chunks of this many rows; chunking changes no result,
-/// it only bounds scratch memory.
+/// Rows pushed through the layers together, at least ([`opening::Opening::batch_rows`]: the
+/// verify capacity when larger). Longer evaluations (prefill) run in chunks of this many rows;
+/// chunking changes no result, it only bounds scratch memory.
 pub const MIN_BATCH_ROWS: usize = 64;
 
 /// How a backend instance was set up: what [`Backend::new`] needs besides the model and the
@@ -71,6 +71,9 @@ pub struct Backend<X> {
     mtp_len: Option<usize>,
     /// Truncations that took the slow path (re-decoding).
     slow_rollbacks: u64,
+    /// Set when resetting the executor's state failed: its caches may disagree with the
+    /// sequence, so every later call is refused.
+    broken: Option<String>,
 }
 
 impl<X> std::fmt::Debug for Backend<X> {
@@ -111,6 +114,7 @@ impl<X: Executor> Backend<X> {
             hidden_rows: 0,
             mtp_len: setup.capabilities.mtp_head.then_some(0),
             slow_rollbacks: 0,
+            broken: None,
             setup,
             model,
         }
@@ -174,7 +178,22 @@ impl<X: Executor> Backend<X> {
             .map_err(|e| attribute(self.setup.plugin, e))
     }
 
+    /// Refuses every call once the executor's state could not be reset.
+    fn usable(&self) -> Result<(), PluginError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(PluginError::new(
+                ErrorKind::Internal,
+                format!(
+                    "{}: this instance refuses every call since resetting its state failed ({why}); open a new instance",
+                    self.setup.plugin
+                ),
+            )),
+        }
+    }
+
     fn validate(&self, tokens: &[u32]) -> Result<(), PluginError> {
+        self.usable()?;
         let plugin = self.setup.plugin;
         if tokens.is_empty() {
             return Err(PluginError::invalid_input(format!(
@@ -249,6 +268,7 @@ impl<X: Executor> Backend<X> {
 
     /// [`ForwardPass::truncate`] without the panic guard.
     pub fn truncate_to(&mut self, len: usize) -> Result<(), PluginError> {
+        self.usable()?;
         let plugin = self.setup.plugin;
         let seq_len = self.tokens.len();
         if len > seq_len {
@@ -290,9 +310,12 @@ impl<X: Executor> Backend<X> {
     /// The slow rollback path: back to the empty state, then one pass over the kept tokens.
     fn redecode(&mut self, len: usize) -> Result<(), PluginError> {
         self.slow_rollbacks += 1;
+        if let Err(e) = self.executor.reset() {
+            self.broken = Some(e.message.to_string());
+            return Err(e);
+        }
         let mut replay = std::mem::take(&mut self.tokens);
         replay.truncate(len);
-        self.executor.reset()?;
         if replay.is_empty() {
             return Ok(());
         }
@@ -332,6 +355,7 @@ impl<X: Executor> Backend<X> {
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
+        self.usable()?;
         let plugin = self.setup.plugin;
         let Some(cached) = self.mtp_len else {
             return Err(PluginError::unsupported(format!(
@@ -362,11 +386,15 @@ impl<X: Executor> Backend<X> {
             position,
             batch_rows: self.setup.batch_rows,
         };
-        self.executor
-            .mtp(&self.model, &self.pool, &rows, logits, hidden_out)
-            .map_err(|e| attribute(plugin, e))?;
-        self.mtp_len = Some(position + n);
-        Ok(())
+        let result = self
+            .executor
+            .mtp(&self.model, &self.pool, &rows, logits, hidden_out);
+        // The head's cache was cut to `position` before the rows were appended.
+        self.mtp_len = Some(match result {
+            Ok(()) => position + n,
+            Err(_) => cached.min(position),
+        });
+        result.map_err(|e| attribute(plugin, e))
     }
 
     /// The panic fence (tests check that a panicked instance refuses later calls).
@@ -455,16 +483,13 @@ mod tests {
     use crate::kv_cache::KvType;
     use specula_plugin_api::testing;
 
-    /// Once a call has panicked, every call that touches the sequence is refused, saying why,
-    /// instead of answering from a state the panic may have left half-updated.
-    #[test]
-    fn after_a_panic_every_call_is_refused() {
+    fn open_test_backend<X: Executor>(wrap: impl FnOnce(CpuExecutor) -> X) -> Backend<X> {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../../shared/models/fixtures/tiny-qwen35-mtp.gguf"
         );
         let params = testing::backend_params(path, 1, 64, 4, &[]);
-        let (model, n_ctx) = setup::load_model("test", &params).unwrap();
+        let (model, n_ctx) = opening::load_model("test", &params).unwrap();
         let executor = CpuExecutor::whole_model(&model, n_ctx, 64, KvType::F32, 4).unwrap();
         let setup = Setup {
             plugin: "test",
@@ -479,8 +504,79 @@ mod tests {
             batch_rows: 64,
             deep_rollback: DeepRollback::Redecode,
         };
-        let pool = setup::thread_pool("test", &params).unwrap();
-        let mut backend = Backend::new(model, pool, executor, setup);
+        let pool = opening::thread_pool("test", &params).unwrap();
+        Backend::new(model, pool, wrap(executor), setup)
+    }
+
+    /// A CPU executor whose reset fails, standing in for a device that fails mid-rollback.
+    struct FailingReset(CpuExecutor);
+
+    impl Executor for FailingReset {
+        fn forward_chunk(
+            &mut self,
+            model: &Model,
+            pool: &ThreadPool,
+            chunk: &Chunk<'_>,
+            hidden: &mut [f32],
+            logits: &mut [f32],
+        ) -> Result<(), PluginError> {
+            self.0.forward_chunk(model, pool, chunk, hidden, logits)
+        }
+        fn commit(&mut self, start: usize, n: usize) {
+            self.0.commit(start, n)
+        }
+        fn rollback(&mut self, len: usize) -> Result<bool, PluginError> {
+            self.0.rollback(len)
+        }
+        fn window(&self, seq_len: usize) -> RangeInclusive<usize> {
+            self.0.window(seq_len)
+        }
+        fn reset(&mut self) -> Result<(), PluginError> {
+            Err(PluginError::new(ErrorKind::Internal, "device gone"))
+        }
+        fn mtp(
+            &mut self,
+            model: &Model,
+            pool: &ThreadPool,
+            rows: &MtpRows<'_>,
+            logits: &mut [f32],
+            hidden_out: &mut [f32],
+        ) -> Result<(), PluginError> {
+            self.0.mtp(model, pool, rows, logits, hidden_out)
+        }
+    }
+
+    /// When the state cannot be reset for a re-decode, the instance refuses every later call
+    /// instead of computing from caches that disagree with the sequence.
+    #[test]
+    fn a_failed_reset_makes_the_instance_refuse_later_calls() {
+        let mut backend = open_test_backend(FailingReset);
+        let mut logits = RVec::new();
+        let tokens: Vec<u32> = (1..=12).collect();
+        backend
+            .eval_tokens(&tokens, LogitRows::Last, &mut logits)
+            .unwrap();
+        let err = backend.truncate_to(2).unwrap_err();
+        assert!(err.message.contains("device gone"), "{err}");
+        for err in [
+            backend
+                .eval_tokens(&[1], LogitRows::Last, &mut logits)
+                .unwrap_err(),
+            backend.truncate_to(1).unwrap_err(),
+        ] {
+            assert_eq!(err.kind, ErrorKind::Internal);
+            assert!(
+                err.message.starts_with("test: ") && err.message.contains("open a new instance"),
+                "{err}"
+            );
+        }
+    }
+
+    /// Once a call has panicked, every call that touches the sequence is refused, saying why,
+    /// instead of answering from a state the panic may have left half-updated.
+    #[test]
+    fn after_a_panic_every_call_is_refused() {
+        let mut backend = open_test_backend(|x| x);
         let fence = backend.fence().clone();
         testing::assert_refuses_every_call_after_a_panic(&mut backend, &fence, "test");
     }

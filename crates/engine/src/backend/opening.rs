@@ -6,7 +6,9 @@ use rayon::{ThreadPool, ThreadPoolBuilder};
 use specula_plugin_api::{BackendParams, Capabilities, ErrorKind, PluginError};
 
 use super::options::CommonOptions;
-use super::{attribute, options, Backend, Executor, Setup, DEFAULT_MAX_VERIFY_TOKENS};
+use super::{
+    attribute, options, Backend, Executor, Setup, DEFAULT_MAX_VERIFY_TOKENS, MIN_BATCH_ROWS,
+};
 use crate::model::{Graph, Model};
 
 /// A backend being opened: what every backend does first (its model loaded, its pool started)
@@ -83,6 +85,12 @@ impl Opening {
                 (capabilities, depth)
             }
         })
+    }
+
+    /// Rows per chunk for an instance advertising `capabilities`: a verify pass is never
+    /// split, and prefill runs in chunks of at least [`MIN_BATCH_ROWS`].
+    pub fn batch_rows(capabilities: &Capabilities) -> usize {
+        MIN_BATCH_ROWS.max(capabilities.max_verify_tokens as usize)
     }
 
     /// The backend: `executor` over the model with an empty sequence, advertising
