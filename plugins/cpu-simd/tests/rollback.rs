@@ -11,17 +11,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use specula_cpu_simd::CpuBackend;
 use specula_gguf::GgmlType;
 use specula_plugin_api::{ErrorKind, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 const VOCAB: usize = 512;
 const E: usize = 64;
-
-fn hidden(b: &CpuBackend) -> Vec<f32> {
-    b.last_hidden_states().to_vec()
-}
 
 /// The hybrid fixtures, re-typed copies of two of them, and the trained Q8_0 model.
 fn parity_models(dir: &Path) -> Vec<(String, PathBuf)> {

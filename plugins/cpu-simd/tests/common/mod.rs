@@ -88,7 +88,7 @@ pub fn decode(ids: &[u32], vocab: &[String]) -> String {
 
 #[allow(unused_imports)]
 pub use specula_plugin_api::testing::{
-    argmax, assert_verify_rows_match_single_evals, bits, eval, greedy, row, Rng,
+    argmax, assert_verify_rows_match_single_evals, bits, eval, greedy, hidden, row, Rng,
 };
 
 /// Copies every `tokenizer.*` key of `src` into `w`.
