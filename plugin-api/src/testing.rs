@@ -244,3 +244,72 @@ pub fn assert_verify_rows_match_single_evals<B: ForwardPass>(
         "{name}"
     );
 }
+
+/// FNV-1a over the bits of f32 values: [`fingerprint`]'s hash.
+struct Fnv(u64);
+
+impl Fnv {
+    fn add(&mut self, values: &[f32]) {
+        for byte in values.iter().flat_map(|v| v.to_bits().to_le_bytes()) {
+            self.0 ^= u64::from(byte);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// One hash of every f32 a backend computes over a fixed sequence of calls, to show that a
+/// refactor changed no bit (compare the hash of the build before and after, on the same
+/// machine and SIMD level).
+///
+/// The sequence: a 40-token prompt (all rows' logits and hidden states), six verify passes of
+/// five tokens each truncated back by 0..3 tokens (logits, hidden states, and the MTP head's
+/// rows where the model has one), then a truncation to 10 tokens (a re-decode on hybrids with
+/// a short ring) and three more tokens.
+pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
+    let info = b.model_info();
+    let vocab = info.vocab_size;
+    let mut fp = Fnv(0xcbf2_9ce4_8422_2325);
+    let (mut logits, mut hidden) = (RVec::new(), RVec::new());
+    let (mut mtp_logits, mut mtp_hidden) = (RVec::new(), RVec::new());
+    let mut mtp = |b: &mut B, hidden: &[f32], tokens: &[u32], at, fp: &mut Fnv| {
+        if !info.has_mtp_head {
+            return Ok(());
+        }
+        b.mtp_eval(
+            RSlice::from_slice(hidden),
+            RSlice::from_slice(tokens),
+            at,
+            LogitRows::All,
+            &mut mtp_logits,
+            &mut mtp_hidden,
+        )
+        .into_result()?;
+        fp.add(&mtp_logits);
+        fp.add(&mtp_hidden);
+        Ok::<(), PluginError>(())
+    };
+
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 1) % vocab).collect();
+    b.eval(RSlice::from_slice(&prompt), LogitRows::All, &mut logits)
+        .into_result()?;
+    b.hidden_states(&mut hidden).into_result()?;
+    fp.add(&logits);
+    fp.add(&hidden);
+    mtp(b, &hidden, &prompt, 0, &mut fp)?;
+    for step in 0..6u32 {
+        let draft: Vec<u32> = (0..5).map(|i| (step * 101 + i * 13 + 7) % vocab).collect();
+        let len = b.seq_len().into_result()?;
+        b.eval(RSlice::from_slice(&draft), LogitRows::All, &mut logits)
+            .into_result()?;
+        b.hidden_states(&mut hidden).into_result()?;
+        fp.add(&logits);
+        fp.add(&hidden);
+        mtp(b, &hidden, &draft, len, &mut fp)?;
+        b.truncate(len + step as usize % 4).into_result()?;
+    }
+    b.truncate(10).into_result()?;
+    b.eval(RSlice::from_slice(&[3, 4, 5]), LogitRows::All, &mut logits)
+        .into_result()?;
+    fp.add(&logits);
+    Ok(fp.0)
+}
