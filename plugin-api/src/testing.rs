@@ -261,17 +261,18 @@ impl Fnv {
 /// refactor changed no bit (compare the hash of the build before and after, on the same
 /// machine and SIMD level).
 ///
-/// The sequence: a 40-token prompt (all rows' logits and hidden states), six verify passes of
-/// five tokens each truncated back by 0..3 tokens (logits, hidden states, and the MTP head's
-/// rows where the model has one), then a truncation to 10 tokens (a re-decode on hybrids with
-/// a short ring) and three more tokens.
+/// The sequence: a 100-token prompt (all rows' logits and hidden states; longer than one pass
+/// of 64 rows), the MTP head over it with every row's logits and with the last row's only,
+/// six verify passes of five tokens each truncated back by 0..3 tokens (logits, hidden states,
+/// and the MTP head's rows where the model has one), then a truncation to 10 tokens (a
+/// re-decode on hybrids with a short ring) and three more tokens, the last row's logits.
 pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
     let info = b.model_info();
     let vocab = info.vocab_size;
     let mut fp = Fnv(0xcbf2_9ce4_8422_2325);
     let (mut logits, mut hidden) = (RVec::new(), RVec::new());
     let (mut mtp_logits, mut mtp_hidden) = (RVec::new(), RVec::new());
-    let mut mtp = |b: &mut B, hidden: &[f32], tokens: &[u32], at, fp: &mut Fnv| {
+    let mut mtp = |b: &mut B, hidden: &[f32], tokens: &[u32], at, rows, fp: &mut Fnv| {
         if !info.has_mtp_head {
             return Ok(());
         }
@@ -279,7 +280,7 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
             RSlice::from_slice(hidden),
             RSlice::from_slice(tokens),
             at,
-            LogitRows::All,
+            rows,
             &mut mtp_logits,
             &mut mtp_hidden,
         )
@@ -289,13 +290,15 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
         Ok::<(), PluginError>(())
     };
 
-    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 1) % vocab).collect();
+    let prompt: Vec<u32> = (0..100).map(|i| (i * 37 + 1) % vocab).collect();
     b.eval(RSlice::from_slice(&prompt), LogitRows::All, &mut logits)
         .into_result()?;
     b.hidden_states(&mut hidden).into_result()?;
     fp.add(&logits);
     fp.add(&hidden);
-    mtp(b, &hidden, &prompt, 0, &mut fp)?;
+    for rows in [LogitRows::All, LogitRows::Last] {
+        mtp(b, &hidden, &prompt, 0, rows, &mut fp)?;
+    }
     for step in 0..6u32 {
         let draft: Vec<u32> = (0..5).map(|i| (step * 101 + i * 13 + 7) % vocab).collect();
         let len = b.seq_len().into_result()?;
@@ -304,11 +307,11 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
         b.hidden_states(&mut hidden).into_result()?;
         fp.add(&logits);
         fp.add(&hidden);
-        mtp(b, &hidden, &draft, len, &mut fp)?;
+        mtp(b, &hidden, &draft, len, LogitRows::All, &mut fp)?;
         b.truncate(len + step as usize % 4).into_result()?;
     }
     b.truncate(10).into_result()?;
-    b.eval(RSlice::from_slice(&[3, 4, 5]), LogitRows::All, &mut logits)
+    b.eval(RSlice::from_slice(&[3, 4, 5]), LogitRows::Last, &mut logits)
         .into_result()?;
     fp.add(&logits);
     Ok(fp.0)

@@ -62,7 +62,9 @@ mod types;
 pub use error::KernelError;
 pub use half16::{bf16, f16};
 pub use interleaved::InterleavedMatrix;
-pub use matvec::{matmul, matmul_at, matmul_many, matvec, Layout, MatmulScratch, WeightMatrix};
+pub use matvec::{
+    matmul, matmul_at, matmul_many, matmul_many_one, matvec, Layout, MatmulScratch, WeightMatrix,
+};
 pub use ops::{Rope, RopeAngles, RopeMode, RopeSections};
 pub use simd::{Rows, SimdLevel};
 pub use specula_gguf::GgmlType;

@@ -228,12 +228,27 @@ pub fn matmul_many(
     scratch: &mut MatmulScratch,
 ) {
     assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
-    let level = simd::level();
-    // Whatever the scratch holds was encoded from another input.
-    scratch.encoded = None;
     for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-        matmul_tiled(level, w, x, out, scratch, None, i > 0);
+        matmul_many_one(w, x, out, scratch, i);
     }
+}
+
+/// Matrix `index` of a [`matmul_many`] over `x`, for callers that hold one output at a time:
+/// calls with `index` 0, 1, 2… over the same `x` and `scratch` write exactly what
+/// [`matmul_many`] writes, encoding `x` once for consecutive matrices that take the same
+/// encoding. Index 0 starts a new input.
+pub fn matmul_many_one(
+    w: &WeightMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    index: usize,
+) {
+    if index == 0 {
+        // Whatever the scratch holds was encoded from another input.
+        scratch.encoded = None;
+    }
+    matmul_tiled(simd::level(), w, x, out, scratch, None, index > 0);
 }
 
 /// How activation rows are encoded for a matrix.

@@ -21,8 +21,8 @@
 
 pub mod backend;
 
-// The model loading and layer code live in the shared `specula-engine` crate (cuda-hybrid
-// runs its CPU layers through them too); re-exported under their old paths.
+// The model loading, the graphs and the CPU executor live in the shared `specula-engine` crate
+// (cuda-hybrid runs the same graphs); re-exported under their old paths.
 pub use specula_engine::{arch, blocks, kv_cache, model, recurrent};
 
 pub use backend::{open, probe, CpuBackend};

@@ -7,8 +7,9 @@ mod common;
 use abi_stable::std_types::RVec;
 use common::*;
 use specula_cpu_simd::blocks::gdn::{BetaAlphaLayout, GdnShape, HeadMap};
+use specula_cpu_simd::CpuBackend;
 use specula_gguf::{GgufFile, HParams, HybridParams};
-use specula_plugin_api::LogitRows;
+use specula_plugin_api::{ForwardPass, LogitRows};
 
 const LILY: &str = "Once upon a time, there was a little girl named Lily";
 
@@ -386,6 +387,52 @@ fn batched_mtp_rows_are_bit_identical_to_one_row_calls() {
                 "{} row {i}",
                 path.display()
             );
+        }
+    }
+}
+
+/// An MTP call over more rows than one pass holds (a re-evaluated conversation) runs in several
+/// passes; each pass's rows keep their bits, and the logits asked for come from the pass that
+/// computed them — also when the first passes compute none (`Last`, `None`).
+#[test]
+fn mtp_rows_beyond_one_pass_keep_their_bits() {
+    for path in [fixture("tiny-qwen35-mtp.gguf"), trained_qwen35("q8_0")] {
+        let mut rng = specula_plugin_api::testing::Rng::new(7);
+        let mut b = open(&path, 2, 256);
+        let vocab = b.model_info().vocab_size;
+        let prompt = rng.tokens(150, vocab);
+        eval(&mut b, &prompt, LogitRows::None);
+        let hidden = b.last_hidden_states().to_vec();
+        let e = hidden.len() / prompt.len();
+        let n = prompt.len() - 1;
+        let call = |b: &mut CpuBackend, rows| {
+            let (mut logits, mut out) = (RVec::new(), RVec::new());
+            b.mtp_eval_into(
+                &hidden[..n * e],
+                &prompt[1..],
+                0,
+                rows,
+                &mut logits,
+                &mut out,
+            )
+            .unwrap();
+            (logits.to_vec(), out.to_vec())
+        };
+        let (all_logits, all_hidden) = call(&mut b, LogitRows::All);
+        let vocab = all_logits.len() / n;
+        let (last_logits, last_hidden) = call(&mut b, LogitRows::Last);
+        let (none_logits, none_hidden) = call(&mut b, LogitRows::None);
+        assert_eq!(bits(&last_logits), bits(&all_logits[(n - 1) * vocab..]));
+        assert!(none_logits.is_empty());
+        for out in [&last_hidden, &none_hidden] {
+            assert_eq!(bits(out), bits(&all_hidden), "{}", path.display());
+        }
+        // Rows of every pass against one-row calls (from the last: a call at `i` leaves the
+        // head's cache `i + 1` long).
+        for i in [n - 1, 100, 64, 63, 0] {
+            let (logits, out) = mtp(&mut b, row(&hidden, i, e), prompt[i + 1], i);
+            assert_eq!(bits(&logits), bits(row(&all_logits, i, vocab)), "row {i}");
+            assert_eq!(bits(&out), bits(row(&all_hidden, i, e)), "row {i}");
         }
     }
 }

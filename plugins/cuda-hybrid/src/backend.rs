@@ -1,10 +1,13 @@
 //! How cuda-hybrid opens a model and its executor: one model, one sequence, split between the
 //! host and one GPU (the engine's `Backend` does the sequence bookkeeping).
 //!
+//! **One graph.** Both halves run the architectures' graphs of `specula-engine`
+//! (`specula_engine::arch`): the host half through the engine's CPU executor (the code cpu-simd
+//! runs, on a private rayon pool), the device half through [`crate::gpu::graph_ops`], the same
+//! operations on the GPU.
+//!
 //! **Placement** (see [`crate::placement`]): trunk layers `0 .. first_gpu_layer` run on the
-//! host through the layer code of `specula-engine` (the code cpu-simd runs, on a private
-//! rayon pool), layers `first_gpu_layer ..` and the head (final norm, LM head, MTP block) on
-//! the GPU. A pass embeds its tokens on the host, runs the host layers, hands the residual
+//! host, layers `first_gpu_layer ..` and the head (final norm, LM head, MTP block) on the GPU. A pass embeds its tokens on the host, runs the host layers, hands the residual
 //! rows to the GPU through a pinned buffer, runs the GPU layers and head, and copies the final
 //! hidden states and the requested logits back through pinned buffers.
 //!
@@ -32,11 +35,12 @@ use std::sync::Arc;
 
 use rayon::ThreadPool;
 use specula_engine::arch::hybrid::{self, HybridModel, Mixer};
+use specula_engine::arch::nextn::MtpWeights;
 use specula_engine::backend::opening::{self, Opening};
 use specula_engine::backend::{Backend, Chunk, Executor, MtpRows};
 use specula_engine::blocks::ffn::FfnBlock;
-use specula_engine::blocks::mtp::MtpWeights;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
+use specula_engine::graph::{Act, Rows};
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::weights::MatrixRef;
 use specula_engine::model::{Graph, MatrixSite, Model};
@@ -44,7 +48,7 @@ use specula_plugin_api::{BackendParams, ErrorKind, ModelInfo, PluginError};
 
 use crate::driver;
 use crate::gpu::emulator::Emulator;
-use crate::gpu::layers::{DeviceKv, GpuModel, GpuPlan, Shapes};
+use crate::gpu::model::{scratch_bytes, DeviceKv, GpuModel, GpuPlan};
 use crate::gpu::{Gpu, HostBuf};
 use crate::options::Options;
 use crate::placement::{self, Costs, LayerCost, Placement};
@@ -99,37 +103,25 @@ impl CudaExecutor {
 
 /// Bytes of the weights of one hybrid layer (all experts of an MoE FFN).
 fn hybrid_layer_bytes(layer: &hybrid::HybridLayer) -> u64 {
-    let mixer = match &layer.mixer {
-        Mixer::Gdn { weights, .. } => weights.bytes_per_token(),
-        Mixer::Attention { weights, .. } => weights.bytes_per_token(),
-    };
     let norms = 4 * (layer.attn_norm.len() + layer.post_attention_norm.len()) as u64;
-    mixer + ffn_bytes(&layer.ffn) + norms
+    layer.mixer.bytes_per_token() + ffn_bytes(&layer.ffn) + norms
 }
 
 fn ffn_bytes(ffn: &FfnBlock) -> u64 {
     match ffn {
-        FfnBlock::Dense { gate, up, down } => gate.n_bytes() + up.n_bytes() + down.n_bytes(),
+        FfnBlock::Dense(w) => w.bytes_per_token(),
         FfnBlock::Moe(w) => w.bytes_per_token(w.gate_exps.n_expert),
     }
 }
 
 fn mtp_bytes(w: &MtpWeights, output: &MatrixRef) -> u64 {
-    let vectors = w.enorm.len()
-        + w.hnorm.len()
-        + w.attn_norm.len()
-        + w.post_attention_norm.len()
-        + w.head_norm.len();
+    let vectors = w.enorm.len() + w.hnorm.len() + w.head_norm.len();
     let head = if w.head.name == output.name {
         0
     } else {
         w.head.n_bytes()
     };
-    w.eh_proj.n_bytes()
-        + w.attention.bytes_per_token()
-        + ffn_bytes(&w.ffn)
-        + 4 * vectors as u64
-        + head
+    w.eh_proj.n_bytes() + hybrid_layer_bytes(&w.block) + 4 * vectors as u64 + head
 }
 
 /// What every placeable part of `graph` costs on the device.
@@ -149,8 +141,7 @@ fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize) -> Costs {
                     })
                     .collect(),
                 head: w.output.n_bytes() + 4 * w.output_norm.len() as u64,
-                fixed: Shapes::dense(&d.config, w.output.rows).scratch_bytes(rows, n_ctx)
-                    + FIXED_SLACK,
+                fixed: scratch_bytes(&graph.dims(), rows, n_ctx) + FIXED_SLACK,
             }
         }
         Graph::Hybrid(h) => {
@@ -177,7 +168,7 @@ fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize) -> Costs {
                     })
                     .collect(),
                 head: weights.output.n_bytes() + 4 * weights.output_norm.len() as u64 + mtp,
-                fixed: Shapes::hybrid(config).scratch_bytes(rows, n_ctx) + FIXED_SLACK,
+                fixed: scratch_bytes(&graph.dims(), rows, n_ctx) + FIXED_SLACK,
             }
         }
     }
@@ -347,7 +338,7 @@ fn open_with(
                 n_planes,
                 rows: batch_rows,
             };
-            let gpu_model = GpuModel::build(gpu, &model.file, &model.graph, plan)?;
+            let gpu_model = GpuModel::build(gpu, model, plan)?;
             Some(DeviceState {
                 model: gpu_model,
                 pinned_in,
@@ -397,22 +388,26 @@ impl Executor for CudaExecutor {
         } = self;
         let e = model.graph.n_embd();
         let vocab = model.hparams.vocab_size as usize;
-        let m = chunk.rows();
+        let rows = chunk.pass_rows();
+        let m = rows.n;
         let logit_from = chunk.logit_from;
         pool.install(|| host.run_layers(model, chunk))?;
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
-            return pool.install(|| host.head(model, m, logit_from, hidden, logits));
+            return pool.install(|| host.head(model, &rows, logit_from, hidden, logits));
         };
-        let gpu = &d.model.gpu;
         d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
-        gpu.copy_to_device(&d.pinned_in, m * e, &mut d.model.scratch.x, 0)?;
-        d.model.forward_layers(m, chunk.pos0, chunk.first)?;
+        let gpu_model = &mut d.model;
+        let x = gpu_model.scratch.act_mut(Act::X);
+        gpu_model.gpu.copy_to_device(&d.pinned_in, m * e, x, 0)?;
+        gpu_model.forward_layers(model, &rows)?;
+        let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
         if placement.head_on_gpu {
-            d.model.head(m, logit_from)?;
-            gpu.copy_to_host(&d.model.scratch.hidden, 0, m * e, &mut d.pinned_hidden)?;
+            gpu_model.head(model, &rows, logit_from)?;
+            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
+            gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
             let n_rows = m - logit_from;
             gpu.copy_to_host(
-                &d.model.scratch.logits,
+                &scratch.extras.logits,
                 0,
                 n_rows * vocab,
                 &mut d.pinned_logits,
@@ -422,10 +417,10 @@ impl Executor for CudaExecutor {
             logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
             Ok(())
         } else {
-            gpu.copy_to_host(&d.model.scratch.x, 0, m * e, &mut d.pinned_hidden)?;
+            gpu.copy_to_host(scratch.act(Act::X), 0, m * e, &mut d.pinned_hidden)?;
             gpu.sync()?;
             host.residual()[..m * e].copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            pool.install(|| host.head(model, m, logit_from, hidden, logits))
+            pool.install(|| host.head(model, &rows, logit_from, hidden, logits))
         }
     }
 
@@ -504,13 +499,22 @@ impl Executor for CudaExecutor {
                     row[e..].copy_from_slice(&hidden[(start + i) * e..(start + i + 1) * e]);
                 }
             }
-            let gpu = &d.model.gpu;
-            gpu.copy_to_device(&d.pinned_in, m * 2 * e, &mut d.model.scratch.concat, 0)?;
-            d.model.mtp(m, position + start, logit_from)?;
+            let gpu_model = &mut d.model;
+            let input = gpu_model.scratch.act_mut(Act::MtpIn);
+            gpu_model
+                .gpu
+                .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
+            let pass = Rows {
+                n: m,
+                pos0: position + start,
+                ring_step0: 0,
+            };
+            gpu_model.mtp(model, &pass, logit_from)?;
             let n_rows = m - logit_from;
-            gpu.copy_to_host(&d.model.scratch.hidden, 0, m * e, &mut d.pinned_hidden)?;
+            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
+            gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
             gpu.copy_to_host(
-                &d.model.scratch.logits,
+                &scratch.extras.logits,
                 0,
                 n_rows * vocab,
                 &mut d.pinned_logits,

@@ -7,9 +7,11 @@
 //! ([`driver`]). The kernels are CUDA C files in `kernels/` (one per concern), compiled with
 //! NVRTC when the backend opens and cached ([`kernels`]).
 //!
-//! As many layers as the VRAM budget allows run on the GPU; the others run on the host
-//! through the engine's CPU executor ([`placement`], [`backend`]); the engine's `Backend`
-//! keeps the sequence, validates calls and rolls back.
+//! The model is the engine's: the architectures' graphs, written once, run on the GPU through
+//! this crate's implementation of their operations ([`gpu::graph_ops`]). As many layers as the
+//! VRAM budget allows run on the GPU; the others run on the host through the engine's CPU
+//! executor ([`placement`], [`backend`]); the engine's `Backend` keeps the sequence, validates
+//! calls and rolls back.
 //! The guarantees are cpu-simd's: a verify row is bit-identical to the single-token forward,
 //! rollback inside the snapshot-ring window is O(1) (the ring of each layer lives where its
 //! state lives), and the MTP head steps with its own KV cache.

@@ -27,7 +27,8 @@ use specula_cuda_hybrid::gpu::ops::{self, AttentionDims, DevRope, Heads, Q8Scrat
 use specula_cuda_hybrid::gpu::weights::{DevExperts, DevMatrix, DevVec};
 use specula_cuda_hybrid::gpu::{DevBuf, Gpu};
 use specula_cuda_hybrid::CudaBackend;
-use specula_engine::blocks::attention::{self, AttentionShape};
+use specula_engine::blocks::attention::AttentionShape;
+use specula_engine::cpu::attention;
 use specula_gguf::GgmlType;
 use specula_kernels::{f16, Rope, RopeMode, RopeSections};
 use specula_plugin_api::{ErrorKind, ForwardPass, LogitRows};

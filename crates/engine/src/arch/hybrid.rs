@@ -1,24 +1,22 @@
-//! The hybrid decoder shared by `qwen35` and `qwen3next`: Gated DeltaNet layers and gated
-//! full-attention layers in the schedule of the file, each followed by an FFN, with the layout
-//! `x += mixer(attn_norm(x)); x += ffn(post_attention_norm(x))`, and an optional NextN / MTP
-//! block after the trunk.
+//! The weights of the hybrid family (`qwen35`, `qwen3next`): Gated DeltaNet layers and gated
+//! full-attention layers in the schedule of the file, each followed by an FFN, and an optional
+//! NextN / MTP block after the trunk — and how they are loaded.
 //!
-//! The architecture files choose what differs ([`HybridVariant`]): RoPE, how value heads map
-//! to key heads, how beta/alpha are stored, and the FFN kind.
+//! The architecture files hold the graphs and choose what differs in loading
+//! ([`HybridVariant`]): RoPE, how value heads map to key heads, how beta/alpha are stored, and
+//! the FFN kind.
 
 use specula_gguf::{GgufFile, HParams, HybridParams, MoeParams, RopeScaling};
-use specula_kernels::{ops, MatmulScratch, Rope, RopeMode, RopeSections};
-use specula_plugin_api::PluginError;
+use specula_kernels::{Rope, RopeMode, RopeSections};
 
-use crate::blocks::attention::{self, AttentionShape, GatedAttentionWeights, GatedScratch, KvSlot};
-use crate::blocks::ffn::{self, FfnBlock, FfnScratch, FfnShape};
-use crate::blocks::gdn::{self, BetaAlphaLayout, GdnScratch, GdnShape, GdnWeights, HeadMap};
+use super::nextn::MtpWeights;
+use crate::blocks::attention::{AttentionShape, GatedAttentionWeights};
+use crate::blocks::ffn::{FfnBlock, FfnShape};
+use crate::blocks::gdn::{BetaAlphaLayout, GdnShape, GdnWeights, HeadMap};
 use crate::blocks::moe::MoeShape;
-use crate::blocks::mtp::MtpWeights;
-use crate::kv_cache::KvCache;
-use crate::model::weights::{load_vector, MatrixRef};
+use crate::graph::KvSlot;
+use crate::model::weights::{load_vector, MatrixRef, Vector};
 use crate::model::LoadError;
-use crate::recurrent::SnapshotRing;
 
 /// The RoPE of a hybrid architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,34 +55,67 @@ pub struct HybridConfig {
     pub n_attention_layers: usize,
 }
 
-/// The token mixer of a trunk layer, with its index among the layers of its kind (the ring
-/// section of a GDN layer, the KV-cache layer of an attention layer).
+/// The token mixer of a layer, with where it keeps its state.
 #[derive(Debug, Clone)]
 pub enum Mixer {
-    Gdn {
-        slot: usize,
-        weights: GdnWeights,
-    },
+    /// A Gated DeltaNet layer; `ring` is its index among the model's GDN layers (its section
+    /// of the snapshot ring).
+    Gdn { ring: usize, weights: GdnWeights },
+    /// A gated full-attention layer and its cache.
     Attention {
-        slot: usize,
+        kv: KvSlot,
         weights: GatedAttentionWeights,
     },
 }
 
-/// One trunk layer.
+impl Mixer {
+    /// Every weight matrix of the mixer, mutably (to interleave them).
+    pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
+        match self {
+            Mixer::Gdn { weights, .. } => weights.matrices_mut(),
+            Mixer::Attention { weights, .. } => weights.matrices_mut().into(),
+        }
+    }
+
+    /// Bytes of weights read per token.
+    pub fn bytes_per_token(&self) -> u64 {
+        match self {
+            Mixer::Gdn { weights, .. } => weights.bytes_per_token(),
+            Mixer::Attention { weights, .. } => weights.bytes_per_token(),
+        }
+    }
+}
+
+/// One layer of the hybrid decoder (a trunk layer, or the MTP head's decoder block).
 #[derive(Debug, Clone)]
 pub struct HybridLayer {
-    pub attn_norm: Vec<f32>,
-    pub post_attention_norm: Vec<f32>,
+    pub attn_norm: Vector,
+    pub post_attention_norm: Vector,
     pub mixer: Mixer,
     pub ffn: FfnBlock,
+}
+
+impl HybridLayer {
+    /// Every weight matrix of the layer, mutably (to interleave them); not the stacked MoE
+    /// experts.
+    pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
+        let mut out = self.mixer.matrices_mut();
+        out.extend(self.ffn.matrices_mut());
+        out
+    }
+
+    /// Bytes of weights read per token (with `n_used` experts of an MoE FFN).
+    pub fn bytes_per_token(&self, ffn: &FfnShape) -> u64 {
+        let norms = 4 * (self.attn_norm.len() + self.post_attention_norm.len()) as u64;
+        self.mixer.bytes_per_token() + self.ffn.bytes_per_token(ffn) + norms
+    }
 }
 
 /// All weights of a hybrid model.
 #[derive(Debug, Clone)]
 pub struct HybridWeights {
     pub token_embd: MatrixRef,
-    pub output_norm: Vec<f32>,
+    pub output_norm: Vector,
     /// `output.weight`, or `token_embd.weight` when absent (tied).
     pub output: MatrixRef,
     pub tied_output: bool,
@@ -100,14 +131,7 @@ impl HybridWeights {
         let layers: u64 = self
             .layers
             .iter()
-            .map(|l| {
-                let mixer = match &l.mixer {
-                    Mixer::Gdn { weights, .. } => weights.bytes_per_token(),
-                    Mixer::Attention { weights, .. } => weights.bytes_per_token(),
-                };
-                let norms = 4 * (l.attn_norm.len() + l.post_attention_norm.len()) as u64;
-                mixer + l.ffn.bytes_per_token(&config.ffn) + norms
-            })
+            .map(|l| l.bytes_per_token(&config.ffn))
             .sum();
         let embedding_row = if self.tied_output {
             0
@@ -230,13 +254,13 @@ pub fn load_hybrid(
         let mixer = if recurrent {
             n_gdn += 1;
             Mixer::Gdn {
-                slot: n_gdn - 1,
+                ring: n_gdn - 1,
                 weights: GdnWeights::load(file, i, &gdn_shape)?,
             }
         } else {
             n_attn += 1;
             Mixer::Attention {
-                slot: n_attn - 1,
+                kv: KvSlot::trunk(n_attn - 1),
                 weights: GatedAttentionWeights::load(file, i, &attention, n_embd)?,
             }
         };
@@ -281,119 +305,4 @@ pub fn load_hybrid(
             mtp,
         },
     })
-}
-
-/// Preallocated buffers of a hybrid forward pass (trunk and MTP head) for `rows` rows.
-#[derive(Debug)]
-pub struct HybridScratch {
-    /// Residual stream, `rows × n_embd`.
-    pub x: Vec<f32>,
-    /// Normalised rows, `rows × n_embd`.
-    pub xn: Vec<f32>,
-    /// Mixer / FFN output, `rows × n_embd`.
-    pub proj: Vec<f32>,
-    /// MTP input rows `[enorm(embedding) | hnorm(hidden)]`, `rows × 2 × n_embd`.
-    pub concat: Vec<f32>,
-    pub attention: GatedScratch,
-    pub gdn: GdnScratch,
-    pub ffn: FfnScratch,
-    pub matmul: MatmulScratch,
-}
-
-impl HybridScratch {
-    pub fn new(config: &HybridConfig, rows: usize, n_ctx: usize) -> Self {
-        let e = config.n_embd;
-        Self {
-            x: vec![0.0; rows * e],
-            xn: vec![0.0; rows * e],
-            proj: vec![0.0; rows * e],
-            concat: vec![0.0; rows * 2 * e],
-            attention: GatedScratch::new(&config.attention, &config.rope, rows, n_ctx),
-            gdn: GdnScratch::new(&config.gdn, rows),
-            ffn: FfnScratch::new(&config.ffn, rows),
-            matmul: MatmulScratch::new(),
-        }
-    }
-}
-
-/// Where a trunk pass keeps its sequence state.
-#[derive(Debug)]
-pub struct TrunkState<'a> {
-    /// One cache layer per full-attention layer.
-    pub kv: &'a mut KvCache,
-    /// Recurrent state of the GDN layers.
-    pub ring: &'a mut SnapshotRing,
-}
-
-/// Runs trunk layer `layer_index` over the `m` rows in `s.x` (tokens at positions `pos0 ..`,
-/// the `step0`-th .. tokens after the ring's live state), updating the residual stream in place.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_layer(
-    model: &HybridModel,
-    file: &GgufFile,
-    layer_index: usize,
-    m: usize,
-    pos0: usize,
-    step0: usize,
-    s: &mut HybridScratch,
-    state: &mut TrunkState<'_>,
-) -> Result<(), PluginError> {
-    let config = &model.config;
-    let layer = &model.weights.layers[layer_index];
-    let e = config.n_embd;
-    let rows = ..m * e;
-
-    for (x, xn) in s.x[rows].chunks_exact(e).zip(s.xn.chunks_exact_mut(e)) {
-        ops::rms_norm(x, &layer.attn_norm, config.rms_eps, xn);
-    }
-    match &layer.mixer {
-        Mixer::Gdn { slot, weights } => gdn::forward(
-            &config.gdn,
-            weights,
-            file,
-            &s.xn[rows],
-            m,
-            state.ring,
-            *slot,
-            step0,
-            &mut s.gdn,
-            &mut s.matmul,
-            &mut s.proj[rows],
-        )?,
-        Mixer::Attention { slot, weights } => attention::forward_gated(
-            &config.attention,
-            &config.rope,
-            config.rms_eps,
-            weights,
-            file,
-            &s.xn[rows],
-            m,
-            state.kv,
-            KvSlot {
-                layer: *slot,
-                pos0,
-                rope_offset: 0,
-            },
-            &mut s.attention,
-            &mut s.matmul,
-            &mut s.proj[rows],
-        )?,
-    }
-    ops::add_in_place(&mut s.x[rows], &s.proj[rows]);
-
-    for (x, xn) in s.x[rows].chunks_exact(e).zip(s.xn.chunks_exact_mut(e)) {
-        ops::rms_norm(x, &layer.post_attention_norm, config.rms_eps, xn);
-    }
-    ffn::forward_block(
-        &config.ffn,
-        &layer.ffn,
-        file,
-        &s.xn[rows],
-        m,
-        &mut s.ffn,
-        &mut s.matmul,
-        &mut s.proj[rows],
-    )?;
-    ops::add_in_place(&mut s.x[rows], &s.proj[rows]);
-    Ok(())
 }

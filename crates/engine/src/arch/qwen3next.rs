@@ -4,13 +4,16 @@
 //! repeated interleaved (value head `h` reads key head `h / (Hv / Hk)`), beta and alpha fused
 //! in `ssm_ba` grouped per key head, and an optional NextN / MTP block.
 
-use specula_gguf::{GgufFile, HParams};
+use specula_plugin_api::PluginError;
 
-use super::hybrid::{load_hybrid, HybridModel, HybridRope, HybridVariant};
-use crate::blocks::gdn::{BetaAlphaLayout, HeadMap};
-use crate::model::LoadError;
+use super::hybrid::{HybridLayer, HybridRope, HybridVariant, Mixer};
+use super::nextn::{self, MtpWeights};
+use crate::blocks::attention::gated_attention;
+use crate::blocks::ffn::FfnBlock;
+use crate::blocks::gdn::{gated_delta_net, BetaAlphaLayout, HeadMap};
+use crate::graph::{graph_error, Act, LayerOps, Rows};
 
-/// The qwen3next variant of the hybrid decoder.
+/// What a qwen3next file holds and how its recurrence reads it.
 pub const VARIANT: HybridVariant = HybridVariant {
     rope: HybridRope::NeoX,
     head_map: HeadMap::Interleaved,
@@ -18,7 +21,34 @@ pub const VARIANT: HybridVariant = HybridVariant {
     moe: true,
 };
 
-/// Loads a `qwen3next` model.
-pub fn load(file: &GgufFile, hp: &HParams) -> Result<HybridModel, LoadError> {
-    load_hybrid(file, hp, VARIANT)
+/// One qwen3next layer: `x += mixer(attn_norm(x)); x += moe(post_attention_norm(x))`, the mixer
+/// a Gated DeltaNet or a gated full attention as the file schedules them.
+pub fn layer(ops: &mut impl LayerOps, l: &HybridLayer, rows: &Rows) -> Result<(), PluginError> {
+    let FfnBlock::Moe(moe) = &l.ffn else {
+        return Err(graph_error(
+            "a qwen3next layer without a mixture-of-experts FFN",
+        ));
+    };
+    ops.rms_norm(Act::X.into(), &l.attn_norm, Act::Xn.into(), rows)?;
+    match &l.mixer {
+        Mixer::Gdn { ring, weights } => gated_delta_net(ops, weights, *ring, rows)?,
+        Mixer::Attention { kv, weights } => gated_attention(ops, weights, *kv, rows)?,
+    }
+    ops.add(Act::X, Act::Proj, rows)?;
+
+    ops.rms_norm(Act::X.into(), &l.post_attention_norm, Act::Xn.into(), rows)?;
+    ops.moe(moe, Act::Xn, Act::Proj, rows)?;
+    ops.add(Act::X, Act::Proj, rows)
+}
+
+/// The MTP head: its decoder block is a qwen3next layer.
+pub fn mtp<O: LayerOps>(
+    ops: &mut O,
+    w: &MtpWeights,
+    rows: &Rows,
+    first_logit: usize,
+) -> Result<(), PluginError> {
+    nextn::forward(ops, w, rows, first_logit, |ops, block, rows| {
+        layer(ops, block, rows)
+    })
 }

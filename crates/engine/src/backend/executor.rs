@@ -2,6 +2,7 @@
 
 use std::ops::RangeInclusive;
 
+use crate::graph::Rows;
 use crate::model::Model;
 use rayon::ThreadPool;
 use specula_plugin_api::PluginError;
@@ -23,6 +24,15 @@ impl Chunk<'_> {
     /// Rows in the chunk.
     pub fn rows(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// The chunk's rows as the graphs see them.
+    pub fn pass_rows(&self) -> Rows {
+        Rows {
+            n: self.tokens.len(),
+            pos0: self.pos0,
+            ring_step0: self.first,
+        }
     }
 }
 

@@ -1,47 +1,72 @@
-//! The SwiGLU feed-forward network `down(silu(gate(x)) * up(x))`, and the FFN of a hybrid
-//! block (SwiGLU or mixture of experts).
+//! The feed-forward networks: SwiGLU `down(silu(gate(x)) · up(x))` (its weights and its graph)
+//! and the FFN of a hybrid block, SwiGLU or mixture of experts.
 
 use specula_gguf::GgufFile;
-use specula_kernels::{activations, matmul, matmul_many, MatmulScratch, WeightMatrix};
 use specula_plugin_api::PluginError;
 
-use crate::blocks::moe::{self, MoeScratch, MoeShape, MoeWeights};
+use crate::blocks::moe::{MoeShape, MoeWeights};
+use crate::graph::{Act, LayerOps, Rows};
 use crate::model::weights::MatrixRef;
 use crate::model::LoadError;
 
 /// The three matrices of a SwiGLU FFN.
-pub struct FfnWeights<'a> {
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
     /// `{n_embd, n_ff}`.
-    pub gate: WeightMatrix<'a>,
+    pub gate: MatrixRef,
     /// `{n_embd, n_ff}`.
-    pub up: WeightMatrix<'a>,
+    pub up: MatrixRef,
     /// `{n_ff, n_embd}`.
-    pub down: WeightMatrix<'a>,
+    pub down: MatrixRef,
 }
 
-/// Runs the FFN over the rows of `x` (`n × n_embd`) into `out` (`n × n_embd`), using `gate` and
-/// `up` (`n × n_ff`) as scratch.
-pub fn swiglu(
-    w: &FfnWeights<'_>,
-    x: &[f32],
-    gate: &mut [f32],
-    up: &mut [f32],
-    out: &mut [f32],
-    scratch: &mut MatmulScratch,
-) {
-    matmul_many(&[&w.gate, &w.up], x, &mut [&mut *gate, &mut *up], scratch);
-    activations::swiglu_in_place(gate, up);
-    matmul(&w.down, gate, out, scratch);
+impl SwiGlu {
+    /// Loads `blk.{layer}.ffn_gate`, `ffn_up` and `ffn_down`.
+    pub fn load(
+        file: &GgufFile,
+        layer: usize,
+        n_embd: usize,
+        n_ff: usize,
+    ) -> Result<Self, LoadError> {
+        let name = |t: &str| format!("blk.{layer}.{t}.weight");
+        Ok(Self {
+            gate: MatrixRef::load(file, &name("ffn_gate"), n_ff, n_embd)?,
+            up: MatrixRef::load(file, &name("ffn_up"), n_ff, n_embd)?,
+            down: MatrixRef::load(file, &name("ffn_down"), n_embd, n_ff)?,
+        })
+    }
+
+    /// The three matrices.
+    pub fn matrices(&self) -> [&MatrixRef; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
+
+    /// The three matrices, mutably (to interleave them).
+    pub fn matrices_mut(&mut self) -> [&mut MatrixRef; 3] {
+        [&mut self.gate, &mut self.up, &mut self.down]
+    }
+
+    /// Bytes of weights read per token.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.matrices().iter().map(|m| m.n_bytes()).sum()
+    }
+}
+
+/// The SwiGLU FFN over the normalised rows in [`Act::Xn`] into [`Act::Proj`].
+pub fn swiglu(ops: &mut impl LayerOps, w: &SwiGlu, rows: &Rows) -> Result<(), PluginError> {
+    ops.matmul_many(
+        Act::Xn,
+        &[(&w.gate, Act::FfnGate), (&w.up, Act::FfnUp)],
+        rows,
+    )?;
+    ops.swiglu(Act::FfnGate, Act::FfnUp, rows)?;
+    ops.matmul(&w.down, Act::FfnGate, Act::Proj, rows)
 }
 
 /// The FFN of a hybrid block: dense SwiGLU (qwen35) or mixture of experts (qwen3next).
 #[derive(Debug, Clone)]
 pub enum FfnBlock {
-    Dense {
-        gate: MatrixRef,
-        up: MatrixRef,
-        down: MatrixRef,
-    },
+    Dense(SwiGlu),
     Moe(Box<MoeWeights>),
 }
 
@@ -57,7 +82,7 @@ impl FfnBlock {
     /// experts are not among them (they stay in the file's layout).
     pub fn matrices_mut(&mut self) -> Vec<&mut MatrixRef> {
         match self {
-            FfnBlock::Dense { gate, up, down } => vec![gate, up, down],
+            FfnBlock::Dense(w) => w.matrices_mut().into(),
             FfnBlock::Moe(moe) => moe.matrices_mut(),
         }
     }
@@ -66,12 +91,7 @@ impl FfnBlock {
     pub fn load(file: &GgufFile, layer: usize, shape: &FfnShape) -> Result<Self, LoadError> {
         match shape {
             FfnShape::Dense { n_embd, n_ff } => {
-                let name = |t: &str| format!("blk.{layer}.{t}.weight");
-                Ok(FfnBlock::Dense {
-                    gate: MatrixRef::load(file, &name("ffn_gate"), *n_ff, *n_embd)?,
-                    up: MatrixRef::load(file, &name("ffn_up"), *n_ff, *n_embd)?,
-                    down: MatrixRef::load(file, &name("ffn_down"), *n_embd, *n_ff)?,
-                })
+                SwiGlu::load(file, layer, *n_embd, *n_ff).map(FfnBlock::Dense)
             }
             FfnShape::Moe(moe) => {
                 MoeWeights::load(file, layer, moe).map(|w| FfnBlock::Moe(Box::new(w)))
@@ -82,74 +102,9 @@ impl FfnBlock {
     /// Bytes of weights read per token.
     pub fn bytes_per_token(&self, shape: &FfnShape) -> u64 {
         match (self, shape) {
-            (FfnBlock::Dense { gate, up, down }, _) => {
-                gate.n_bytes() + up.n_bytes() + down.n_bytes()
-            }
+            (FfnBlock::Dense(w), _) => w.bytes_per_token(),
             (FfnBlock::Moe(w), FfnShape::Moe(s)) => w.bytes_per_token(s.n_used),
             (FfnBlock::Moe(w), _) => w.bytes_per_token(0),
         }
-    }
-}
-
-/// Buffers of [`forward_block`] for up to `rows` rows.
-#[derive(Debug, Default)]
-pub struct FfnScratch {
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    moe: MoeScratch,
-}
-
-impl FfnScratch {
-    pub fn new(shape: &FfnShape, rows: usize) -> Self {
-        match shape {
-            FfnShape::Dense { n_ff, .. } => Self {
-                gate: vec![0.0; rows * n_ff],
-                up: vec![0.0; rows * n_ff],
-                moe: MoeScratch::default(),
-            },
-            FfnShape::Moe(moe) => Self {
-                gate: Vec::new(),
-                up: Vec::new(),
-                moe: MoeScratch::new(moe, rows),
-            },
-        }
-    }
-}
-
-/// Runs `block` over the `m` normalised rows `xn` into `out` (`m × n_embd`).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_block(
-    shape: &FfnShape,
-    block: &FfnBlock,
-    file: &GgufFile,
-    xn: &[f32],
-    m: usize,
-    s: &mut FfnScratch,
-    mm: &mut MatmulScratch,
-    out: &mut [f32],
-) -> Result<(), PluginError> {
-    match (block, shape) {
-        (FfnBlock::Dense { gate, up, down }, FfnShape::Dense { n_ff, .. }) => {
-            swiglu(
-                &FfnWeights {
-                    gate: gate.view(file)?,
-                    up: up.view(file)?,
-                    down: down.view(file)?,
-                },
-                xn,
-                &mut s.gate[..m * n_ff],
-                &mut s.up[..m * n_ff],
-                out,
-                mm,
-            );
-            Ok(())
-        }
-        (FfnBlock::Moe(w), FfnShape::Moe(moe_shape)) => {
-            moe::forward(moe_shape, w, file, xn, m, &mut s.moe, mm, out)
-        }
-        _ => Err(PluginError::new(
-            specula_plugin_api::ErrorKind::Internal,
-            "FFN weights and shape disagree",
-        )),
     }
 }

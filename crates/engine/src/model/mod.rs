@@ -9,9 +9,12 @@ use specula_gguf::{GgmlType, GgufError, GgufFile, HParams};
 use specula_kernels::WeightType;
 use specula_plugin_api::{ErrorKind, ModelInfo, PluginError};
 
-use crate::arch::hybrid::{HybridModel, Mixer};
-use crate::arch::{Architecture, DenseConfig};
-use weights::{MatrixRef, ModelWeights};
+use crate::arch::dense::DenseModel;
+use crate::arch::hybrid::HybridModel;
+use crate::arch::Architecture;
+use crate::blocks::ffn::FfnShape;
+use crate::graph::Dims;
+use weights::{MatrixRef, Vector};
 
 /// Why a model could not be loaded. Every message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -60,14 +63,7 @@ impl From<GgufError> for LoadError {
     }
 }
 
-/// A dense decoder: its block configuration and weights.
-#[derive(Debug, Clone)]
-pub struct DenseModel {
-    pub config: DenseConfig,
-    pub weights: ModelWeights,
-}
-
-/// The computation graph of a model, by family.
+/// The weights of a model, by family (the graphs are the architectures', [`crate::arch`]).
 #[derive(Debug, Clone)]
 pub enum Graph {
     /// llama, qwen2, qwen3.
@@ -109,7 +105,7 @@ impl Graph {
     }
 
     /// The final norm before the LM head.
-    pub fn output_norm(&self) -> &[f32] {
+    pub fn output_norm(&self) -> &Vector {
         match self {
             Graph::Dense(d) => &d.weights.output_norm,
             Graph::Hybrid(h) => &h.weights.output_norm,
@@ -140,13 +136,8 @@ impl Graph {
                 let w = &mut h.weights;
                 out.push((MatrixSite::Head, &mut w.output));
                 for (i, layer) in w.layers.iter_mut().enumerate() {
-                    let mixer = match &mut layer.mixer {
-                        Mixer::Gdn { weights, .. } => weights.matrices_mut(),
-                        Mixer::Attention { weights, .. } => weights.matrices_mut().into(),
-                    };
                     let site = MatrixSite::Layer(i);
-                    out.extend(mixer.into_iter().map(|m| (site, m)));
-                    out.extend(layer.ffn.matrices_mut().into_iter().map(|m| (site, m)));
+                    out.extend(layer.matrices_mut().into_iter().map(|m| (site, m)));
                 }
                 if let Some(mtp) = &mut w.mtp {
                     out.extend(
@@ -158,6 +149,41 @@ impl Graph {
             }
         }
         out
+    }
+
+    /// The dimensions that shape a pass over this model.
+    pub fn dims(&self) -> Dims {
+        match self {
+            Graph::Dense(d) => {
+                let c = &d.config;
+                Dims {
+                    n_embd: c.n_embd,
+                    n_vocab: d.weights.output.rows,
+                    rms_eps: c.rms_eps,
+                    attention: c.attention,
+                    rope: c.rope.clone(),
+                    gdn: None,
+                    ffn: FfnShape::Dense {
+                        n_embd: c.n_embd,
+                        n_ff: c.n_ff,
+                    },
+                    mtp: false,
+                }
+            }
+            Graph::Hybrid(h) => {
+                let c = &h.config;
+                Dims {
+                    n_embd: c.n_embd,
+                    n_vocab: c.n_vocab,
+                    rms_eps: c.rms_eps,
+                    attention: c.attention,
+                    rope: c.rope.clone(),
+                    gdn: Some(c.gdn),
+                    ffn: c.ffn,
+                    mtp: h.weights.mtp.is_some(),
+                }
+            }
+        }
     }
 
     /// Trunk blocks the forward pass runs (without appended MTP blocks).

@@ -14,7 +14,6 @@ use specula_kernels::{interleaved, simd, InterleavedMatrix, WeightMatrix, Weight
 use specula_plugin_api::PluginError;
 
 use super::LoadError;
-use crate::arch::DenseVariant;
 
 /// A checked weight matrix of the file: `rows` rows of `cols` values of type `ty`
 /// (GGUF shape `{cols, rows}`).
@@ -223,14 +222,28 @@ pub fn load_f32(file: &GgufFile, name: &str, dims: &[u64]) -> Result<Vec<f32>, L
     })
 }
 
+/// A vector of the file (a norm's weights, a bias, a per-head constant), decoded to f32 at
+/// load and named by its tensor, so an executor that keeps its own copy (a GPU) finds it by
+/// name, as it finds a [`MatrixRef`]'s.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Vector {
+    pub name: String,
+    pub values: Vec<f32>,
+}
+
+impl std::ops::Deref for Vector {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.values
+    }
+}
+
 /// Reads the vector tensor `name` of `len` values (any supported type) as f32.
-pub fn load_vector(file: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
-    let view = file.tensor_shaped(name, &[len as u64])?;
-    let ty = supported_type(file, name, view.info.ty)?;
-    specula_kernels::try_dequantize(ty.ggml(), view.data, len).map_err(|e| LoadError::BadTensor {
-        path: file.path().display().to_string(),
-        tensor: name.to_string(),
-        why: e.to_string(),
+pub fn load_vector(file: &GgufFile, name: &str, len: usize) -> Result<Vector, LoadError> {
+    Ok(Vector {
+        name: name.to_string(),
+        values: load_f32(file, name, &[len as u64])?,
     })
 }
 
@@ -239,7 +252,7 @@ pub fn load_optional_vector(
     file: &GgufFile,
     name: &str,
     len: usize,
-) -> Result<Option<Vec<f32>>, LoadError> {
+) -> Result<Option<Vector>, LoadError> {
     match file.tensor_info(name) {
         None => Ok(None),
         Some(_) => load_vector(file, name, len).map(Some),
@@ -256,188 +269,4 @@ fn supported_type(
         tensor: name.to_string(),
         ty,
     })
-}
-
-/// The weights of one dense decoder block.
-#[derive(Debug, Clone)]
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub attn_q: MatrixRef,
-    pub attn_k: MatrixRef,
-    pub attn_v: MatrixRef,
-    pub attn_output: MatrixRef,
-    /// Per-head RMSNorm of queries (qwen3), `key_length` values.
-    pub attn_q_norm: Option<Vec<f32>>,
-    /// Per-head RMSNorm of keys (qwen3), `key_length` values.
-    pub attn_k_norm: Option<Vec<f32>>,
-    /// Biases of the q, k and v projections (qwen2).
-    pub qkv_bias: Option<QkvBias>,
-    pub ffn_norm: Vec<f32>,
-    pub ffn_gate: MatrixRef,
-    pub ffn_up: MatrixRef,
-    pub ffn_down: MatrixRef,
-}
-
-impl LayerWeights {
-    /// Every weight matrix of the block.
-    pub fn matrices(&self) -> [&MatrixRef; 7] {
-        [
-            &self.attn_q,
-            &self.attn_k,
-            &self.attn_v,
-            &self.attn_output,
-            &self.ffn_gate,
-            &self.ffn_up,
-            &self.ffn_down,
-        ]
-    }
-
-    /// Every weight matrix of the block, mutably (to interleave them).
-    pub fn matrices_mut(&mut self) -> [&mut MatrixRef; 7] {
-        [
-            &mut self.attn_q,
-            &mut self.attn_k,
-            &mut self.attn_v,
-            &mut self.attn_output,
-            &mut self.ffn_gate,
-            &mut self.ffn_up,
-            &mut self.ffn_down,
-        ]
-    }
-
-    /// Bytes of weights the block reads per token (matrices and norm vectors).
-    pub fn bytes_per_token(&self) -> u64 {
-        let vectors = self.attn_norm.len()
-            + self.ffn_norm.len()
-            + self.attn_q_norm.as_ref().map_or(0, Vec::len)
-            + self.attn_k_norm.as_ref().map_or(0, Vec::len)
-            + self
-                .qkv_bias
-                .as_ref()
-                .map_or(0, |b| b.q.len() + b.k.len() + b.v.len());
-        self.matrices().iter().map(|m| m.n_bytes()).sum::<u64>() + 4 * vectors as u64
-    }
-}
-
-/// Biases added to the query, key and value projections' outputs (one value per output).
-#[derive(Debug, Clone)]
-pub struct QkvBias {
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-}
-
-/// Dimensions a dense decoder block's tensors are checked against.
-#[derive(Debug, Clone, Copy)]
-pub struct DenseDims {
-    pub n_embd: usize,
-    pub n_ff: usize,
-    pub q_width: usize,
-    pub k_width: usize,
-    pub v_width: usize,
-    /// Output width of the attention heads (`H * value_length`), the input of `attn_output`.
-    pub attn_out_width: usize,
-    pub head_dim: usize,
-}
-
-/// Loads block `layer` of a dense model; `variant` says whether the per-head q/k norms and
-/// the q/k/v biases are part of the architecture (then they are required).
-pub fn load_dense_layer(
-    file: &GgufFile,
-    layer: usize,
-    d: &DenseDims,
-    variant: DenseVariant,
-) -> Result<LayerWeights, LoadError> {
-    let qk_norm = variant.qk_norm;
-    let name = |t: &str| format!("blk.{layer}.{t}.weight");
-    let bias = |t: &str, len| load_vector(file, &format!("blk.{layer}.{t}.bias"), len);
-    let qkv_bias = if variant.qkv_bias {
-        Some(QkvBias {
-            q: bias("attn_q", d.q_width)?,
-            k: bias("attn_k", d.k_width)?,
-            v: bias("attn_v", d.v_width)?,
-        })
-    } else {
-        None
-    };
-    let matrix = |t: &str, rows, cols| MatrixRef::load(file, &name(t), rows, cols);
-    let head_norm = |t: &str| -> Result<Option<Vec<f32>>, LoadError> {
-        if qk_norm {
-            load_vector(file, &name(t), d.head_dim).map(Some)
-        } else {
-            Ok(None)
-        }
-    };
-    Ok(LayerWeights {
-        attn_norm: load_vector(file, &name("attn_norm"), d.n_embd)?,
-        attn_q: matrix("attn_q", d.q_width, d.n_embd)?,
-        attn_k: matrix("attn_k", d.k_width, d.n_embd)?,
-        attn_v: matrix("attn_v", d.v_width, d.n_embd)?,
-        attn_output: matrix("attn_output", d.n_embd, d.attn_out_width)?,
-        attn_q_norm: head_norm("attn_q_norm")?,
-        attn_k_norm: head_norm("attn_k_norm")?,
-        qkv_bias,
-        ffn_norm: load_vector(file, &name("ffn_norm"), d.n_embd)?,
-        ffn_gate: matrix("ffn_gate", d.n_ff, d.n_embd)?,
-        ffn_up: matrix("ffn_up", d.n_ff, d.n_embd)?,
-        ffn_down: matrix("ffn_down", d.n_embd, d.n_ff)?,
-    })
-}
-
-/// All weights of a dense model.
-#[derive(Debug, Clone)]
-pub struct ModelWeights {
-    /// `token_embd.weight`: `vocab` rows of `n_embd`.
-    pub token_embd: MatrixRef,
-    pub output_norm: Vec<f32>,
-    /// `output.weight`, or `token_embd.weight` again when the file has none (tied embeddings).
-    pub output: MatrixRef,
-    pub tied_output: bool,
-    /// `rope_freqs.weight` (per-pair frequency divisors), when present.
-    pub rope_freqs: Option<Vec<f32>>,
-    pub layers: Vec<LayerWeights>,
-}
-
-impl ModelWeights {
-    /// Loads the embedding, output and every block.
-    pub fn load_dense(
-        file: &GgufFile,
-        n_layers: usize,
-        n_vocab: usize,
-        n_rot: usize,
-        dims: &DenseDims,
-        variant: DenseVariant,
-    ) -> Result<Self, LoadError> {
-        let token_embd = MatrixRef::load(file, "token_embd.weight", n_vocab, dims.n_embd)?;
-        let (output, tied_output) = match file.tensor_info("output.weight") {
-            Some(_) => (
-                MatrixRef::load(file, "output.weight", n_vocab, dims.n_embd)?,
-                false,
-            ),
-            None => (token_embd.clone(), true),
-        };
-        let layers = (0..n_layers)
-            .map(|i| load_dense_layer(file, i, dims, variant))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            output_norm: load_vector(file, "output_norm.weight", dims.n_embd)?,
-            rope_freqs: load_optional_vector(file, "rope_freqs.weight", n_rot / 2)?,
-            token_embd,
-            output,
-            tied_output,
-            layers,
-        })
-    }
-
-    /// Bytes of weights read per evaluated token: every block, the final norm, the output
-    /// matrix, and one row of the embedding (all of it when tied, counted once as output).
-    pub fn bytes_per_token(&self) -> u64 {
-        let layers: u64 = self.layers.iter().map(LayerWeights::bytes_per_token).sum();
-        let embedding_row = if self.tied_output {
-            0
-        } else {
-            self.token_embd.row_bytes()
-        };
-        layers + 4 * self.output_norm.len() as u64 + self.output.n_bytes() + embedding_row
-    }
 }

@@ -7,7 +7,8 @@
 //! [`Gpu::sync`].
 
 pub mod emulator;
-pub mod layers;
+pub mod graph_ops;
+pub mod model;
 pub mod ops;
 pub mod weights;
 
@@ -479,6 +480,55 @@ impl Gpu {
             _ => Err(PluginError::new(
                 ErrorKind::Internal,
                 "cuda-hybrid: copy between a device and a buffer it does not own",
+            )),
+        }
+    }
+
+    /// Copies `len` values of `src[src_at..]` into `dst[dst_at..]` on the device (queued on
+    /// the stream).
+    pub fn copy_device(
+        &self,
+        src: &DevBuf<f32>,
+        src_at: usize,
+        dst: &mut DevBuf<f32>,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<(), PluginError> {
+        if len == 0 {
+            return Ok(());
+        }
+        if src_at + len > src.len || dst_at + len > dst.len {
+            return Err(PluginError::new(
+                ErrorKind::Internal,
+                format!(
+                    "cuda-hybrid: a device copy of {len} values from {src_at} of {} into {dst_at} of {}",
+                    src.len, dst.len
+                ),
+            ));
+        }
+        match (&self.backing, &src.storage, &mut dst.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(from), Storage::Cuda(to)) => {
+                let from = from.slice(src_at..src_at + len);
+                let mut to = to.slice_mut(dst_at..dst_at + len);
+                cuda.stream
+                    .memcpy_dtod(&from, &mut to)
+                    .map_err(|e| driver_error("copy on the device", e))
+            }
+            (Backing::Emulated(_), Storage::Host(_), Storage::Host(_)) => {
+                // SAFETY: both ranges are inside their host stand-in buffers (checked above),
+                // which are distinct allocations (`dst` is borrowed mutably, `src` shared).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (src.ptr as *const f32).add(src_at),
+                        (dst.ptr as *mut f32).add(dst_at),
+                        len,
+                    )
+                };
+                Ok(())
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: copy between buffers of another device",
             )),
         }
     }

@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
-use specula_engine::model::weights::{ExpertsRef, MatrixRef};
+use specula_engine::model::weights::{ExpertsRef, MatrixRef, Vector};
 use specula_gguf::{GgmlType, GgufFile};
 use specula_kernels::WeightType;
-use specula_plugin_api::PluginError;
+use specula_plugin_api::{ErrorKind, PluginError};
 
 use super::{DevBuf, Gpu};
 
@@ -45,13 +45,25 @@ pub struct DevVec {
     pub ptr: u64,
 }
 
-/// Owns the device copies of weights; tensors used twice (a tied LM head, the MTP head's
-/// shared output) are uploaded once.
+/// Owns the device copies of weights, by tensor name: a tensor used twice (a tied LM head, the
+/// MTP head's shared output and norm) is uploaded once, and the operations find the device copy
+/// of a weight of the model by its name.
 #[derive(Debug, Default)]
 pub struct WeightStore {
+    /// Matrices and expert stacks, as stored in the file.
     tensors: HashMap<String, DevBuf<u8>>,
-    vectors: Vec<DevBuf<f32>>,
+    /// Vectors, as f32.
+    vectors: HashMap<String, DevBuf<f32>>,
+    /// Vectors that are not a tensor of the file (RoPE frequency factors as computed).
+    values: Vec<DevBuf<f32>>,
     bytes: u64,
+}
+
+fn not_uploaded(name: &str) -> PluginError {
+    PluginError::new(
+        ErrorKind::Internal,
+        format!("cuda-hybrid: weight '{name}' is not on the GPU"),
+    )
 }
 
 impl WeightStore {
@@ -60,9 +72,9 @@ impl WeightStore {
         self.bytes
     }
 
-    fn tensor(&mut self, gpu: &Gpu, file: &GgufFile, name: &str) -> Result<u64, PluginError> {
-        if let Some(buf) = self.tensors.get(name) {
-            return Ok(buf.ptr());
+    fn upload_tensor(&mut self, gpu: &Gpu, file: &GgufFile, name: &str) -> Result<(), PluginError> {
+        if self.tensors.contains_key(name) {
+            return Ok(());
         }
         let view = file
             .tensor(name)
@@ -77,35 +89,50 @@ impl WeightStore {
         }
         let buf = gpu.upload(view.data)?;
         self.bytes += buf.bytes();
-        let ptr = buf.ptr();
         self.tensors.insert(name.to_string(), buf);
-        Ok(ptr)
+        Ok(())
     }
 
-    /// The device copy of matrix `m`.
-    pub fn matrix(
+    fn tensor_ptr(&self, name: &str) -> Result<u64, PluginError> {
+        self.tensors
+            .get(name)
+            .map(DevBuf::ptr)
+            .ok_or_else(|| not_uploaded(name))
+    }
+
+    /// Uploads matrix `m` (once).
+    pub fn upload_matrix(
         &mut self,
         gpu: &Gpu,
         file: &GgufFile,
         m: &MatrixRef,
-    ) -> Result<DevMatrix, PluginError> {
-        let ty = m.ty.ggml();
+    ) -> Result<(), PluginError> {
+        self.upload_tensor(gpu, file, &m.name)
+    }
+
+    /// The device copy of matrix `m`.
+    pub fn matrix(&self, m: &MatrixRef) -> Result<DevMatrix, PluginError> {
         Ok(DevMatrix {
-            ty,
+            ty: m.ty.ggml(),
             rows: m.rows,
             cols: m.cols,
             row_bytes: m.row_bytes() as usize,
-            ptr: self.tensor(gpu, file, &m.name)?,
+            ptr: self.tensor_ptr(&m.name)?,
         })
     }
 
-    /// The device copy of an expert stack.
-    pub fn experts(
+    /// Uploads an expert stack (once).
+    pub fn upload_experts(
         &mut self,
         gpu: &Gpu,
         file: &GgufFile,
         e: &ExpertsRef,
-    ) -> Result<DevExperts, PluginError> {
+    ) -> Result<(), PluginError> {
+        self.upload_tensor(gpu, file, &e.name)
+    }
+
+    /// The device copy of an expert stack.
+    pub fn experts(&self, e: &ExpertsRef) -> Result<DevExperts, PluginError> {
         let ty = e.ty.ggml();
         let row_bytes = ty.row_bytes(e.cols).unwrap_or(0);
         Ok(DevExperts {
@@ -115,19 +142,41 @@ impl WeightStore {
             n_expert: e.n_expert,
             row_bytes,
             matrix_bytes: row_bytes * e.rows,
-            ptr: self.tensor(gpu, file, &e.name)?,
+            ptr: self.tensor_ptr(&e.name)?,
         })
     }
 
-    /// A device copy of `values`.
-    pub fn vector(&mut self, gpu: &Gpu, values: &[f32]) -> Result<DevVec, PluginError> {
+    /// Uploads vector `v` (once).
+    pub fn upload_vector(&mut self, gpu: &Gpu, v: &Vector) -> Result<(), PluginError> {
+        if !self.vectors.contains_key(&v.name) {
+            let buf = gpu.upload(&v.values)?;
+            self.bytes += buf.bytes();
+            self.vectors.insert(v.name.clone(), buf);
+        }
+        Ok(())
+    }
+
+    /// The device copy of vector `v`.
+    pub fn vector(&self, v: &Vector) -> Result<DevVec, PluginError> {
+        let buf = self
+            .vectors
+            .get(&v.name)
+            .ok_or_else(|| not_uploaded(&v.name))?;
+        Ok(DevVec {
+            len: v.len(),
+            ptr: buf.ptr(),
+        })
+    }
+
+    /// A device copy of `values`, which are no tensor of the file.
+    pub fn values(&mut self, gpu: &Gpu, values: &[f32]) -> Result<DevVec, PluginError> {
         let buf = gpu.upload(values)?;
         self.bytes += buf.bytes();
         let v = DevVec {
             len: values.len(),
             ptr: buf.ptr(),
         };
-        self.vectors.push(buf);
+        self.values.push(buf);
         Ok(v)
     }
 }

@@ -1,24 +1,30 @@
 //! The CPU executor: the trunk layers (all of them, or a prefix of them) and optionally the
-//! head, run on the host with the kernels of `specula-kernels` on the backend's rayon pool.
+//! head, run on the host — the architectures' graphs over [`CpuOps`], the graph operations
+//! implemented with the kernels of `specula-kernels` on the backend's rayon pool.
 //!
 //! cpu-simd runs a whole model through one ([`CpuExecutor::whole_model`]); cuda-hybrid runs
 //! the layers it keeps on the host through one ([`CpuExecutor::new`] with a [`CpuPart`]), so
 //! both compute those layers with the same arithmetic.
 
+pub mod attention;
+pub mod gdn;
+pub mod moe;
+pub mod ops;
+
 use std::ops::RangeInclusive;
 
 use rayon::ThreadPool;
-use specula_kernels::{matmul, ops, MatmulScratch};
 use specula_plugin_api::{ErrorKind, PluginError};
 
-use crate::arch::hybrid::{self, HybridScratch, Mixer, TrunkState};
-use crate::arch::{forward_dense_layer, Scratch};
+use crate::arch::hybrid::Mixer;
+use crate::arch::{self};
 use crate::backend::{Chunk, Executor, MtpRows};
-use crate::blocks::mtp;
+use crate::graph::{Act, Dims, Rows};
 use crate::kv_cache::{KvCache, KvType};
 use crate::model::{Graph, Model};
 use crate::pool::install_busy;
 use crate::recurrent::SnapshotRing;
+pub use ops::{CpuOps, Scratch};
 
 /// Which part of a model a [`CpuExecutor`] runs, and how its caches are sized.
 #[derive(Debug, Clone, Copy)]
@@ -35,16 +41,11 @@ pub struct CpuPart {
     pub ring_depth: usize,
 }
 
-/// The scratch buffers of a pass, by model family.
-enum CpuScratch {
-    Dense(Box<Scratch>),
-    Hybrid(Box<HybridScratch>),
-}
-
 /// Runs a prefix of a model's trunk, and optionally its head, on the CPU; holds the caches of
 /// those layers.
 pub struct CpuExecutor {
     part: CpuPart,
+    dims: Dims,
     /// KV cache of the attention layers run here.
     kv: KvCache,
     /// Snapshot ring of the GDN layers run here (hybrid models; possibly of zero layers, it
@@ -55,7 +56,7 @@ pub struct CpuExecutor {
     recurrent: bool,
     /// The MTP head's cache, when the model has the head and it runs here.
     mtp_kv: Option<KvCache>,
-    scratch: CpuScratch,
+    scratch: Box<Scratch>,
 }
 
 fn internal(what: &str) -> PluginError {
@@ -96,14 +97,18 @@ impl CpuExecutor {
             kv_type,
             ring_depth,
         } = part;
+        let dims = model.graph.dims();
+        let scratch = Box::new(Scratch::new(&dims, batch_rows, n_ctx));
+        let a = &dims.attention;
         Ok(match &model.graph {
-            Graph::Dense(d) => Self {
+            Graph::Dense(_) => Self {
                 part,
-                kv: KvCache::new(layers, n_ctx, &d.config.attention, kv_type),
+                kv: KvCache::new(layers, n_ctx, a, kv_type),
                 ring: None,
                 recurrent: false,
                 mtp_kv: None,
-                scratch: CpuScratch::Dense(Box::new(Scratch::new(&d.config, batch_rows, n_ctx))),
+                scratch,
+                dims,
             },
             Graph::Hybrid(h) => {
                 let config = &h.config;
@@ -114,7 +119,6 @@ impl CpuExecutor {
                     .count();
                 let (ring, _) =
                     SnapshotRing::allocate(config.gdn.state_layout(gdn), ring_depth, None)?;
-                let a = &config.attention;
                 Self {
                     part,
                     kv: KvCache::new(layers - gdn, n_ctx, a, kv_type),
@@ -122,9 +126,8 @@ impl CpuExecutor {
                     recurrent: config.n_gdn_layers > 0,
                     mtp_kv: (head && h.weights.mtp.is_some())
                         .then(|| KvCache::new(1, n_ctx, a, kv_type)),
-                    scratch: CpuScratch::Hybrid(Box::new(HybridScratch::new(
-                        config, batch_rows, n_ctx,
-                    ))),
+                    scratch,
+                    dims,
                 }
             }
         })
@@ -143,89 +146,111 @@ impl CpuExecutor {
 
     /// The residual rows of the last [`run_layers`](Self::run_layers), `rows × n_embd`.
     pub fn residual(&mut self) -> &mut [f32] {
-        match &mut self.scratch {
-            CpuScratch::Dense(s) => &mut s.x,
-            CpuScratch::Hybrid(s) => &mut s.x,
-        }
+        self.scratch.act_mut(Act::X)
     }
 
-    fn matmul_scratch(&mut self) -> &mut MatmulScratch {
-        match &mut self.scratch {
-            CpuScratch::Dense(s) => &mut s.matmul,
-            CpuScratch::Hybrid(s) => &mut s.matmul,
+    /// The operations of one pass over this executor's buffers and caches, its logits going
+    /// to `logits`.
+    fn ops<'a>(&'a mut self, model: &'a Model, logits: &'a mut [f32]) -> CpuOps<'a> {
+        CpuOps {
+            dims: &self.dims,
+            file: &model.file,
+            scratch: &mut self.scratch,
+            kv: &mut self.kv,
+            ring: self.ring.as_mut(),
+            mtp_kv: self.mtp_kv.as_mut(),
+            logits,
         }
     }
 
     /// Embeds the chunk's tokens into the residual rows and runs this part's trunk layers
     /// over them (on the current thread's pool).
     pub fn run_layers(&mut self, model: &Model, chunk: &Chunk<'_>) -> Result<(), PluginError> {
-        let file = &model.file;
-        let graph = &model.graph;
-        let e = graph.n_embd();
-        let embedding = graph.token_embd().view(file)?;
+        let e = self.dims.n_embd;
+        let embedding = model.graph.token_embd().view(&model.file)?;
         for (row, &token) in self.residual().chunks_exact_mut(e).zip(chunk.tokens) {
             embedding.dequantize_row(token as usize, row);
         }
-        let m = chunk.rows();
-        match (graph, &mut self.scratch) {
-            (Graph::Dense(dense), CpuScratch::Dense(s)) => {
-                for layer in 0..self.part.layers {
-                    forward_dense_layer(file, dense, layer, m, chunk.pos0, s, &mut self.kv)?;
-                }
-            }
-            (Graph::Hybrid(h), CpuScratch::Hybrid(s)) => {
-                let ring = self
-                    .ring
-                    .as_mut()
-                    .ok_or_else(|| internal("hybrid model without a snapshot ring"))?;
-                let mut trunk = TrunkState {
-                    kv: &mut self.kv,
-                    ring,
-                };
-                for layer in 0..self.part.layers {
-                    hybrid::forward_layer(
-                        h,
-                        file,
-                        layer,
-                        m,
-                        chunk.pos0,
-                        chunk.first,
-                        s,
-                        &mut trunk,
-                    )?;
-                }
-            }
-            _ => return Err(internal("model family and scratch disagree")),
+        let rows = chunk.pass_rows();
+        let layers = self.part.layers;
+        let mut ops = self.ops(model, &mut []);
+        for layer in 0..layers {
+            arch::layer(model, &mut ops, layer, &rows)?;
         }
         Ok(())
     }
 
-    /// The head over the `m` residual rows: their final norm into `hidden`, the logits of rows
-    /// `logit_from ..` into `logits` (on the current thread's pool).
+    /// The head over the residual rows of `rows`: their final norm into `hidden`, the logits
+    /// of rows `logit_from ..` into `logits` (on the current thread's pool).
     pub fn head(
         &mut self,
         model: &Model,
-        m: usize,
+        rows: &Rows,
         logit_from: usize,
         hidden: &mut [f32],
         logits: &mut [f32],
     ) -> Result<(), PluginError> {
-        let graph = &model.graph;
-        let (e, eps) = (graph.n_embd(), graph.rms_eps());
-        let output = graph.output().view(&model.file)?;
-        for (x, h) in self.residual()[..m * e]
-            .chunks_exact(e)
-            .zip(hidden.chunks_exact_mut(e))
-        {
-            ops::rms_norm(x, graph.output_norm(), eps, h);
-        }
-        if logit_from < m {
-            matmul(
-                &output,
-                &hidden[logit_from * e..m * e],
-                logits,
-                self.matmul_scratch(),
-            );
+        let mut ops = self.ops(model, logits);
+        arch::head(model, &mut ops, rows, logit_from)?;
+        let e = self.dims.n_embd;
+        hidden.copy_from_slice(&self.scratch.act(Act::Hidden)[..rows.n * e]);
+        Ok(())
+    }
+
+    /// The MTP head over `rows` in passes of at most `rows.batch_rows` (see
+    /// [`Executor::mtp`]). Chunking changes no bits: every row is computed as a one-row call.
+    fn mtp_chunked(
+        &mut self,
+        model: &Model,
+        rows: &MtpRows<'_>,
+        logits: &mut [f32],
+        hidden_out: &mut [f32],
+    ) -> Result<(), PluginError> {
+        let Graph::Hybrid(h) = &model.graph else {
+            return Err(internal("MTP step on a model without an MTP head"));
+        };
+        let embed = &h
+            .weights
+            .mtp
+            .as_ref()
+            .ok_or_else(|| internal("MTP step on a model without an MTP head"))?
+            .embed
+            .view(&model.file)?;
+        let (e, vocab, n) = (self.dims.n_embd, self.dims.n_vocab, rows.tokens.len());
+        let first_logit_row = n - logits.len() / vocab;
+        let mut start = 0;
+        while start < n {
+            let m = rows.batch_rows.max(1).min(n - start);
+            let position = rows.position + start;
+            let kv = self
+                .mtp_kv
+                .as_mut()
+                .ok_or_else(|| internal("MTP step without an MTP head on the CPU"))?;
+            kv.set_len(position);
+            let input = self.scratch.act_mut(Act::MtpIn);
+            for (i, row) in input[..m * 2 * e].chunks_exact_mut(2 * e).enumerate() {
+                let (embedded, hidden) = row.split_at_mut(e);
+                embed.dequantize_row(rows.tokens[start + i] as usize, embedded);
+                hidden.copy_from_slice(&rows.hidden[(start + i) * e..(start + i + 1) * e]);
+            }
+            // Rows `first_logit_row ..` of the call get logits; in this chunk, rows `lo ..`.
+            let lo = first_logit_row.clamp(start, start + m);
+            let at = lo.saturating_sub(first_logit_row) * vocab;
+            let chunk_logits = &mut logits[at..at + (start + m - lo) * vocab];
+            let first_logit = lo - start;
+            let pass = Rows {
+                n: m,
+                pos0: position,
+                ring_step0: 0,
+            };
+            let mut ops = self.ops(model, chunk_logits);
+            arch::mtp(model, &mut ops, &pass, first_logit)?;
+            hidden_out[start * e..(start + m) * e]
+                .copy_from_slice(&self.scratch.act(Act::Hidden)[..m * e]);
+            if let Some(kv) = self.mtp_kv.as_mut() {
+                kv.set_len(position + m);
+            }
+            start += m;
         }
         Ok(())
     }
@@ -245,7 +270,7 @@ impl Executor for CpuExecutor {
         }
         install_busy(pool, || {
             self.run_layers(model, chunk)?;
-            self.head(model, chunk.rows(), chunk.logit_from, hidden, logits)
+            self.head(model, &chunk.pass_rows(), chunk.logit_from, hidden, logits)
         })
     }
 
@@ -296,30 +321,9 @@ impl Executor for CpuExecutor {
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError> {
-        let (Graph::Hybrid(h), Some(kv), CpuScratch::Hybrid(scratch)) =
-            (&model.graph, &mut self.mtp_kv, &mut self.scratch)
-        else {
+        if self.mtp_kv.is_none() {
             return Err(internal("MTP step without an MTP head on the CPU"));
-        };
-        let weights = h
-            .weights
-            .mtp
-            .as_ref()
-            .ok_or_else(|| internal("MTP cache without MTP weights"))?;
-        install_busy(pool, || {
-            mtp::forward_chunked(
-                &h.config,
-                weights,
-                &model.file,
-                rows.hidden,
-                rows.tokens,
-                rows.position,
-                kv,
-                scratch,
-                rows.batch_rows,
-                logits,
-                hidden_out,
-            )
-        })
+        }
+        install_busy(pool, || self.mtp_chunked(model, rows, logits, hidden_out))
     }
 }

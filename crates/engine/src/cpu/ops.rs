@@ -1,0 +1,395 @@
+//! The graph operations on the CPU: [`CpuOps`] implements [`LayerOps`] with the kernels of
+//! `specula-kernels` over the pass's buffers ([`Scratch`]) and the sequence's caches.
+//!
+//! Row-wise operations (norms, products, residuals) run over all rows at once; the per-row
+//! query/key preparation runs rows on the pool's threads; attention, the Gated DeltaNet
+//! recurrence and the MoE FFN are the CPU modules beside this one. Each computes a row exactly
+//! as a one-row pass would.
+
+use rayon::prelude::*;
+use specula_gguf::GgufFile;
+use specula_kernels::activations::{self, Gate};
+use specula_kernels::{matmul, matmul_many_one, ops, MatmulScratch, RopeAngles};
+use specula_plugin_api::PluginError;
+
+use super::attention::{attend_rows, prepare_query_key, AttentionScratch};
+use super::gdn::{self, BetaAlphaIn, GdnRows, GdnScratch};
+use super::moe::{self, MoeScratch};
+use crate::blocks::gdn::GdnWeights;
+use crate::blocks::moe::MoeWeights;
+use crate::graph::{
+    graph_error, Act, BetaAlphaRows, Cache, Cols, Dims, GdnInputs, KvSlot, LayerOps, QkNorms,
+    Query, Rows,
+};
+use crate::kv_cache::KvCache;
+use crate::model::weights::{MatrixRef, Vector};
+use crate::recurrent::SnapshotRing;
+
+/// The buffers of a CPU pass over up to `rows` rows: one per [`Act`] role, and what the
+/// operations need besides.
+#[derive(Debug)]
+pub struct Scratch {
+    acts: [Vec<f32>; Act::ALL.len()],
+    attention: AttentionScratch,
+    /// RoPE angles of the rows' positions, shared by every layer of a pass.
+    angles: RopeAngles,
+    /// Output gates of gated attention, split out of [`Act::QGate`].
+    gate: Vec<f32>,
+    gdn: GdnScratch,
+    moe: MoeScratch,
+    matmul: MatmulScratch,
+}
+
+impl Scratch {
+    /// Buffers for passes of up to `rows` rows over a context of `n_ctx` positions.
+    pub fn new(dims: &Dims, rows: usize, n_ctx: usize) -> Self {
+        Self {
+            acts: Act::ALL.map(|act| vec![0.0; rows * act.width(dims)]),
+            attention: AttentionScratch::new(&dims.attention, n_ctx),
+            angles: RopeAngles::new(&dims.rope, rows),
+            gate: vec![0.0; rows * dims.attention.q_width()],
+            gdn: dims
+                .gdn
+                .map_or_else(GdnScratch::default, |g| GdnScratch::new(&g, rows)),
+            moe: dims
+                .moe()
+                .map_or_else(MoeScratch::default, |m| MoeScratch::new(m, rows)),
+            matmul: MatmulScratch::new(),
+        }
+    }
+
+    /// Buffer `act`, all its rows.
+    pub fn act(&self, act: Act) -> &[f32] {
+        &self.acts[act.index()]
+    }
+
+    /// Buffer `act`, all its rows, mutably.
+    pub fn act_mut(&mut self, act: Act) -> &mut [f32] {
+        &mut self.acts[act.index()]
+    }
+}
+
+/// Buffers `acts` at once, mutably (distinct roles).
+fn disjoint<const N: usize>(
+    bufs: &mut [Vec<f32>; Act::ALL.len()],
+    acts: [Act; N],
+) -> Result<[&mut Vec<f32>; N], PluginError> {
+    bufs.get_disjoint_mut(acts.map(Act::index))
+        .map_err(|_| graph_error(&format!("one buffer both read and written: {acts:?}")))
+}
+
+/// One pass's view of a [`super::CpuExecutor`]: its buffers, the caches the layers read and
+/// write, and where the logits go.
+pub struct CpuOps<'a> {
+    pub dims: &'a Dims,
+    pub file: &'a GgufFile,
+    pub scratch: &'a mut Scratch,
+    /// The trunk's attention cache (the layers run here).
+    pub kv: &'a mut KvCache,
+    /// The recurrent state of the GDN layers run here.
+    pub ring: Option<&'a mut SnapshotRing>,
+    /// The MTP head's cache.
+    pub mtp_kv: Option<&'a mut KvCache>,
+    /// The logits of the pass's rows that get them.
+    pub logits: &'a mut [f32],
+}
+
+impl LayerOps for CpuOps<'_> {
+    fn rms_norm(
+        &mut self,
+        src: Cols,
+        weight: &Vector,
+        dst: Cols,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let (ws, wd) = (self.dims.width(src.act)?, self.dims.width(dst.act)?);
+        let (n, len, eps) = (rows.n, weight.len(), self.dims.rms_eps);
+        if src.first + len > ws || dst.first + len > wd {
+            return Err(graph_error("rms_norm: columns beyond the buffer"));
+        }
+        let (from, to) = (src.first..src.first + len, dst.first..dst.first + len);
+        if src.act == dst.act {
+            if from != to {
+                return Err(graph_error("rms_norm: in place, but to other columns"));
+            }
+            for row in self.scratch.acts[src.act.index()][..n * ws].chunks_exact_mut(ws) {
+                ops::rms_norm_in_place(&mut row[from.clone()], weight, eps);
+            }
+        } else {
+            let [x, out] = disjoint(&mut self.scratch.acts, [src.act, dst.act])?;
+            for (x, out) in x[..n * ws].chunks_exact(ws).zip(out.chunks_exact_mut(wd)) {
+                ops::rms_norm(&x[from.clone()], weight, eps, &mut out[to.clone()]);
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul_many(
+        &mut self,
+        src: Act,
+        jobs: &[(&MatrixRef, Act)],
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let (n, ws) = (rows.n, self.dims.width(src)?);
+        for (i, &(w, dst)) in jobs.iter().enumerate() {
+            if w.cols != ws || w.rows != self.dims.width(dst)? {
+                return Err(graph_error(&format!(
+                    "'{}' ({} × {}) does not map {src:?} to {dst:?}",
+                    w.name, w.rows, w.cols
+                )));
+            }
+            let view = w.view(self.file)?;
+            let [x, out] = disjoint(&mut self.scratch.acts, [src, dst])?;
+            let (x, out) = (&x[..n * w.cols], &mut out[..n * w.rows]);
+            matmul_many_one(&view, x, out, &mut self.scratch.matmul, i);
+        }
+        Ok(())
+    }
+
+    fn add_bias(&mut self, dst: Act, bias: &Vector, rows: &Rows) -> Result<(), PluginError> {
+        let w = self.dims.width(dst)?;
+        if bias.len() != w {
+            return Err(graph_error(&format!(
+                "'{}' does not fit {dst:?}",
+                bias.name
+            )));
+        }
+        for row in self.scratch.acts[dst.index()][..rows.n * w].chunks_exact_mut(w) {
+            ops::add_in_place(row, bias);
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, dst: Act, src: Act, rows: &Rows) -> Result<(), PluginError> {
+        let w = self.dims.width(dst)?;
+        if self.dims.width(src)? != w {
+            return Err(graph_error(&format!(
+                "add: {src:?} and {dst:?} differ in width"
+            )));
+        }
+        let [d, s] = disjoint(&mut self.scratch.acts, [dst, src])?;
+        ops::add_in_place(&mut d[..rows.n * w], &s[..rows.n * w]);
+        Ok(())
+    }
+
+    fn swiglu(&mut self, gate: Act, up: Act, rows: &Rows) -> Result<(), PluginError> {
+        let w = self.dims.width(gate)?;
+        let [g, u] = disjoint(&mut self.scratch.acts, [gate, up])?;
+        activations::swiglu_in_place(&mut g[..rows.n * w], &u[..rows.n * w]);
+        Ok(())
+    }
+
+    fn qk_norm_rope(
+        &mut self,
+        q: Query,
+        k: Act,
+        norms: Option<QkNorms<'_>>,
+        slot: KvSlot,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let (dims, n) = (self.dims, rows.n);
+        let (rope, eps, hd) = (&dims.rope, dims.rms_eps, dims.attention.head_dim);
+        let (qw, kw) = (dims.attention.q_width(), dims.attention.k_width());
+        let (q_norm, k_norm) = match norms {
+            Some(QkNorms { q, k }) => (Some(&q[..]), Some(&k[..])),
+            None => (None, None),
+        };
+        let s = &mut *self.scratch;
+        s.angles.cover(rope, rows.pos0 + slot.rope_offset, n);
+        let angles = &s.angles;
+        // Rows on the pool's threads (a single row stays on this one).
+        match q {
+            Query::Plain(q) => {
+                let [q, k] = disjoint(&mut s.acts, [q, k])?;
+                q[..n * qw]
+                    .par_chunks_mut(qw)
+                    .zip(k[..n * kw].par_chunks_mut(kw))
+                    .enumerate()
+                    .for_each(|(i, (q, k))| {
+                        prepare_query_key(rope, hd, eps, q_norm, k_norm, angles.row(i), q, k);
+                    });
+            }
+            Query::Gated { from, into } => {
+                let [full, q, k] = disjoint(&mut s.acts, [from, into, k])?;
+                q[..n * qw]
+                    .par_chunks_mut(qw)
+                    .zip(k[..n * kw].par_chunks_mut(kw))
+                    .zip(full[..n * 2 * qw].par_chunks(2 * qw))
+                    .enumerate()
+                    .for_each(|(i, ((q, k), full))| {
+                        for (pair, head) in full.chunks_exact(2 * hd).zip(q.chunks_exact_mut(hd)) {
+                            head.copy_from_slice(&pair[..hd]);
+                        }
+                        prepare_query_key(rope, hd, eps, q_norm, k_norm, angles.row(i), q, k);
+                    });
+            }
+        }
+        Ok(())
+    }
+
+    fn store_kv(&mut self, slot: KvSlot, k: Act, v: Act, rows: &Rows) -> Result<(), PluginError> {
+        let (kw, vw) = (self.dims.width(k)?, self.dims.width(v)?);
+        let n = rows.n;
+        let (cache, layer) = match slot.cache {
+            Cache::Trunk(layer) => (&mut *self.kv, layer),
+            Cache::Mtp => (
+                self.mtp_kv
+                    .as_deref_mut()
+                    .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+                0,
+            ),
+        };
+        let acts = &self.scratch.acts;
+        let (keys, values) = (&acts[k.index()][..n * kw], &acts[v.index()][..n * vw]);
+        cache.store(layer, rows.pos0, keys, values);
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        slot: KvSlot,
+        q: Act,
+        gate: Option<Act>,
+        dst: Act,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let dims = self.dims;
+        let shape = &dims.attention;
+        let (n, pos0, qw, ow) = (rows.n, rows.pos0, shape.q_width(), shape.out_width());
+        let (kv, layer) = match slot.cache {
+            Cache::Trunk(layer) => (&*self.kv, layer),
+            Cache::Mtp => (
+                self.mtp_kv
+                    .as_deref()
+                    .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+                0,
+            ),
+        };
+        let s = &mut *self.scratch;
+        let [queries, out] = disjoint(&mut s.acts, [q, dst])?;
+        attend_rows(
+            shape,
+            &queries[..n * qw],
+            pos0 + 1,
+            kv.keys(layer, pos0 + n),
+            kv.values(layer, pos0 + n),
+            &mut s.attention,
+            &mut out[..n * ow],
+        );
+        if let Some(gate) = gate {
+            let hd = shape.head_dim;
+            let [full, out] = disjoint(&mut s.acts, [gate, dst])?;
+            let gates = &mut s.gate[..n * qw];
+            for (row, full) in gates.chunks_exact_mut(qw).zip(full.chunks_exact(2 * qw)) {
+                for (head, pair) in row.chunks_exact_mut(hd).zip(full.chunks_exact(2 * hd)) {
+                    head.copy_from_slice(&pair[hd..]);
+                }
+            }
+            activations::gate_in_place(Gate::Sigmoid, &mut out[..n * ow], &gates[..n * ow]);
+        }
+        Ok(())
+    }
+
+    fn gated_delta_net(
+        &mut self,
+        w: &GdnWeights,
+        ring: usize,
+        inputs: GdnInputs,
+        dst: Act,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let shape = self
+            .dims
+            .gdn
+            .ok_or_else(|| graph_error("a Gated DeltaNet layer in a model without any"))?;
+        let state = self
+            .ring
+            .as_deref_mut()
+            .ok_or_else(|| graph_error("a Gated DeltaNet layer without a snapshot ring"))?;
+        let s = &mut *self.scratch;
+        let n = rows.n;
+        let vd = shape.value_dim();
+        let (input, out) = match inputs.beta_alpha {
+            BetaAlphaRows::Separate { beta, alpha } => {
+                let [mixed, z, beta, alpha, out] =
+                    disjoint(&mut s.acts, [inputs.mixed, inputs.z, beta, alpha, dst])?;
+                let beta_alpha = BetaAlphaIn::Separate { beta, alpha };
+                (
+                    GdnRows {
+                        mixed,
+                        z,
+                        beta_alpha,
+                    },
+                    out,
+                )
+            }
+            BetaAlphaRows::Grouped(ba) => {
+                let [mixed, z, ba, out] = disjoint(&mut s.acts, [inputs.mixed, inputs.z, ba, dst])?;
+                let beta_alpha = BetaAlphaIn::Grouped(ba);
+                (
+                    GdnRows {
+                        mixed,
+                        z,
+                        beta_alpha,
+                    },
+                    out,
+                )
+            }
+        };
+        let (slot, step0) = (ring, rows.ring_step0);
+        gdn::recurrence(
+            &shape,
+            w,
+            input,
+            n,
+            state,
+            slot,
+            step0,
+            &mut s.gdn,
+            &mut out[..n * vd],
+        );
+        Ok(())
+    }
+
+    fn moe(&mut self, w: &MoeWeights, src: Act, dst: Act, rows: &Rows) -> Result<(), PluginError> {
+        let shape = *self
+            .dims
+            .moe()
+            .ok_or_else(|| graph_error("MoE weights in a model with a dense FFN"))?;
+        let (n, e) = (rows.n, shape.n_embd);
+        let s = &mut *self.scratch;
+        let [x, out] = disjoint(&mut s.acts, [src, dst])?;
+        moe::forward(
+            &shape,
+            w,
+            self.file,
+            &x[..n * e],
+            n,
+            &mut s.moe,
+            &mut s.matmul,
+            &mut out[..n * e],
+        )
+    }
+
+    fn logits(
+        &mut self,
+        output: &MatrixRef,
+        hidden: Act,
+        first_row: usize,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let (n, e) = (rows.n, self.dims.width(hidden)?);
+        if first_row >= n {
+            return Ok(());
+        }
+        if self.logits.len() != (n - first_row) * output.rows || output.cols != e {
+            return Err(graph_error(
+                "logits: the output does not fit the rows asked for",
+            ));
+        }
+        let view = output.view(self.file)?;
+        let h = &self.scratch.acts[hidden.index()][first_row * e..n * e];
+        matmul(&view, h, self.logits, &mut self.scratch.matmul);
+        Ok(())
+    }
+}

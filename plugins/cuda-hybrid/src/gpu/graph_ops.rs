@@ -1,0 +1,534 @@
+//! The graph operations on the device: [`GpuOps`] implements the engine's
+//! [`LayerOps`] with the CUDA kernels of `kernels/*.cu` ([`super::ops`]), so the GPU runs the
+//! architectures' graphs as written in `specula-engine`; [`Uploader`] is the same interface
+//! uploading every weight an operation names, which is how [`GpuModel::build`] puts exactly the
+//! weights the graphs read on the device.
+//!
+//! Each kernel computes a row of a k-row launch exactly as a one-row launch at the same
+//! position (see the kernels' comments), so a verify row is bit-identical to the single-token
+//! forward on the GPU.
+
+use specula_engine::blocks::gdn::{GdnWeights, HeadMap};
+use specula_engine::blocks::moe::MoeWeights;
+use specula_engine::graph::{
+    graph_error, Act, BetaAlphaRows, Cache, Cols, GdnInputs, KvSlot, LayerOps, QkNorms, Query, Rows,
+};
+use specula_engine::model::weights::{MatrixRef, Vector};
+use specula_gguf::GgufFile;
+use specula_plugin_api::PluginError;
+
+use super::model::{DeviceKv, GpuModel};
+use super::ops::{self, AttentionDims, Gate, GdnDims, Heads};
+use super::weights::WeightStore;
+use super::Gpu;
+
+/// The device cache of `slot` and its layer there: the trunk's cache holds the model's
+/// attention layers `first_attention ..`.
+fn device_cache<'k>(
+    kv: &'k mut DeviceKv,
+    first_attention: usize,
+    mtp_kv: Option<&'k mut DeviceKv>,
+    slot: KvSlot,
+) -> Result<(&'k mut DeviceKv, usize), PluginError> {
+    match slot.cache {
+        Cache::Trunk(layer) => layer
+            .checked_sub(first_attention)
+            .filter(|&i| i < kv.k.len())
+            .map(|i| (kv, i))
+            .ok_or_else(|| graph_error(&format!("attention layer {layer} is not on the GPU"))),
+        Cache::Mtp => mtp_kv
+            .map(|kv| (kv, 0))
+            .ok_or_else(|| graph_error("the MTP head's cache is not on the GPU")),
+    }
+}
+
+/// One pass's view of a [`GpuModel`]: its buffers, caches and weights.
+pub struct GpuOps<'a> {
+    m: &'a mut GpuModel,
+}
+
+impl<'a> GpuOps<'a> {
+    pub fn new(m: &'a mut GpuModel) -> Self {
+        Self { m }
+    }
+
+    /// Address of buffer `act`'s column `first` in row 0.
+    fn at(&self, cols: Cols) -> u64 {
+        self.m.scratch.act(cols.act).at(cols.first)
+    }
+
+    fn ptr(&self, act: Act) -> u64 {
+        self.m.scratch.act(act).ptr()
+    }
+
+    fn attention_dims(&self) -> AttentionDims {
+        let a = &self.m.dims.attention;
+        AttentionDims {
+            n_head: a.n_head,
+            n_head_kv: a.n_head_kv,
+            head_dim: a.head_dim,
+            value_dim: a.value_dim,
+            scale: a.scale(),
+        }
+    }
+}
+
+impl LayerOps for GpuOps<'_> {
+    fn rms_norm(
+        &mut self,
+        src: Cols,
+        weight: &Vector,
+        dst: Cols,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let (ws, wd) = (self.m.dims.width(src.act)?, self.m.dims.width(dst.act)?);
+        let w = self.m.store.vector(weight)?;
+        let (x, out) = (self.at(src), self.at(dst));
+        let eps = self.m.dims.rms_eps;
+        ops::rms_norm(&self.m.gpu, x, ws, &w, eps, w.len, rows.n, out, wd)
+    }
+
+    fn matmul_many(
+        &mut self,
+        src: Act,
+        jobs: &[(&MatrixRef, Act)],
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let matrices = jobs
+            .iter()
+            .map(|(w, dst)| Ok((self.m.store.matrix(w)?, self.ptr(*dst))))
+            .collect::<Result<Vec<_>, PluginError>>()?;
+        let jobs: Vec<_> = matrices.iter().map(|(w, out)| (w, *out)).collect();
+        let s = &self.m.scratch;
+        ops::matmul_many(&self.m.gpu, s.act(src).ptr(), rows.n, &jobs, &s.q8)
+    }
+
+    fn add_bias(&mut self, dst: Act, bias: &Vector, rows: &Rows) -> Result<(), PluginError> {
+        let bias = self.m.store.vector(bias)?;
+        ops::add_row_bias(&self.m.gpu, self.ptr(dst), &bias, rows.n)
+    }
+
+    fn add(&mut self, dst: Act, src: Act, rows: &Rows) -> Result<(), PluginError> {
+        let n = rows.n * self.m.dims.width(dst)?;
+        ops::add_in_place(&self.m.gpu, self.ptr(dst), self.ptr(src), n)
+    }
+
+    fn swiglu(&mut self, gate: Act, up: Act, rows: &Rows) -> Result<(), PluginError> {
+        let n = rows.n * self.m.dims.width(gate)?;
+        ops::swiglu(&self.m.gpu, self.ptr(gate), self.ptr(up), n)
+    }
+
+    fn qk_norm_rope(
+        &mut self,
+        q: Query,
+        k: Act,
+        norms: Option<QkNorms<'_>>,
+        slot: KvSlot,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let a = self.m.dims.attention;
+        let (hd, qw, kw) = (a.head_dim, a.q_width(), a.k_width());
+        let (q_in, q_out) = match q {
+            Query::Plain(q) => {
+                let heads = Heads {
+                    ptr: self.ptr(q),
+                    row_stride: qw,
+                    head_stride: hd,
+                };
+                (heads, heads)
+            }
+            Query::Gated { from, into } => (
+                Heads {
+                    ptr: self.ptr(from),
+                    row_stride: 2 * qw,
+                    head_stride: 2 * hd,
+                },
+                Heads {
+                    ptr: self.ptr(into),
+                    row_stride: qw,
+                    head_stride: hd,
+                },
+            ),
+        };
+        let (q_norm, k_norm) = match norms {
+            Some(QkNorms { q, k }) => {
+                (Some(self.m.store.vector(q)?), Some(self.m.store.vector(k)?))
+            }
+            None => (None, None),
+        };
+        let keys = Heads {
+            ptr: self.ptr(k),
+            row_stride: kw,
+            head_stride: hd,
+        };
+        let m = &*self.m;
+        let (eps, offset) = (m.dims.rms_eps, slot.rope_offset);
+        for (input, output, n_heads, norm) in [
+            (q_in, q_out, a.n_head, q_norm),
+            (keys, keys, a.n_head_kv, k_norm),
+        ] {
+            ops::qk_norm_rope(
+                &m.gpu,
+                input,
+                output,
+                n_heads,
+                rows.n,
+                hd,
+                norm.as_ref(),
+                eps,
+                rows.pos0,
+                offset,
+                &m.rope,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn store_kv(&mut self, slot: KvSlot, k: Act, v: Act, rows: &Rows) -> Result<(), PluginError> {
+        let (kw, vw) = (self.m.dims.width(k)?, self.m.dims.width(v)?);
+        let (n, pos0) = (rows.n, rows.pos0);
+        let GpuModel {
+            gpu,
+            kv,
+            first_attention,
+            mtp_kv,
+            scratch,
+            ..
+        } = &mut *self.m;
+        let (cache, layer) = device_cache(kv, *first_attention, mtp_kv.as_mut(), slot)?;
+        gpu.copy_device(scratch.act(k), 0, &mut cache.k[layer], pos0 * kw, n * kw)?;
+        gpu.copy_device(scratch.act(v), 0, &mut cache.v[layer], pos0 * vw, n * vw)
+    }
+
+    fn attend(
+        &mut self,
+        slot: KvSlot,
+        q: Act,
+        gate: Option<Act>,
+        dst: Act,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let dims = self.attention_dims();
+        let (hd, qw) = (dims.head_dim, dims.n_head * dims.head_dim);
+        let queries = Heads {
+            ptr: self.ptr(q),
+            row_stride: qw,
+            head_stride: hd,
+        };
+        let gate = gate.map(|g| Gate {
+            ptr: self.m.scratch.act(g).at(hd),
+            row_stride: 2 * qw,
+            head_stride: 2 * hd,
+        });
+        let out = self.ptr(dst);
+        let m = &mut *self.m;
+        let (kv, layer) = device_cache(&mut m.kv, m.first_attention, m.mtp_kv.as_mut(), slot)?;
+        let (keys, values) = (kv.k[layer].ptr(), kv.v[layer].ptr());
+        let s = &m.scratch;
+        ops::attention(
+            &m.gpu,
+            &dims,
+            queries,
+            keys,
+            values,
+            rows.pos0,
+            rows.n,
+            &s.extras.scores,
+            s.n_ctx,
+            gate,
+            out,
+        )
+    }
+
+    fn gated_delta_net(
+        &mut self,
+        w: &GdnWeights,
+        ring: usize,
+        inputs: GdnInputs,
+        dst: Act,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        let m = &*self.m;
+        let (Some(shape), Some(state)) = (&m.dims.gdn, &m.ring) else {
+            return Err(graph_error("a Gated DeltaNet layer without a device ring"));
+        };
+        let local = ring
+            .checked_sub(m.first_gdn)
+            .filter(|&i| i < state.layout.n_layers)
+            .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not on the GPU")))?;
+        let s = &m.scratch;
+        let (c, vd, hv, sd) = (
+            shape.channels(),
+            shape.value_dim(),
+            shape.n_v_heads,
+            shape.head_dim,
+        );
+        let (beta, alpha, grouped, per_row) = match inputs.beta_alpha {
+            BetaAlphaRows::Separate { beta, alpha } => (s.act(beta), s.act(alpha), false, hv),
+            BetaAlphaRows::Grouped(ba) => (s.act(ba), s.act(ba), true, 2 * hv),
+        };
+        let (mixed, z, out) = (s.act(inputs.mixed), s.act(inputs.z), s.act(dst));
+        let conv_out = &s.extras.conv_out;
+        let (conv, dt_bias, a, norm) = (
+            m.store.vector(&w.conv)?,
+            m.store.vector(&w.dt_bias)?,
+            m.store.vector(&w.a)?,
+            m.store.vector(&w.norm)?,
+        );
+        let ring_slot = state.slot(local);
+        let dims = GdnDims {
+            channels: c,
+            head_dim: sd,
+            n_k_heads: shape.n_k_heads,
+            n_v_heads: hv,
+            head_map: match shape.head_map {
+                HeadMap::Tiled => 0,
+                HeadMap::Interleaved => 1,
+            },
+            eps: shape.eps,
+        };
+        let q_scale = 1.0 / (sd as f32).sqrt();
+        // At most depth tokens per launch, so no token overwrites the plane the launch starts
+        // from (the convolution reads it for every token).
+        let depth = state.index.depth();
+        let mut first = 0;
+        while first < rows.n {
+            let n = depth.min(rows.n - first);
+            let (start, _) = state.index.step_planes(rows.ring_step0 + first);
+            ops::gdn_conv(
+                &m.gpu,
+                mixed.at(first * c),
+                &conv,
+                &ring_slot,
+                start,
+                n,
+                shape.conv_kernel,
+                c,
+                conv_out.at(first * c),
+            )?;
+            ops::gdn_qk_l2norm(
+                &m.gpu,
+                conv_out.at(first * c),
+                n,
+                c,
+                shape.n_k_heads,
+                sd,
+                shape.eps,
+                q_scale,
+            )?;
+            let inputs = ops::GdnInputs {
+                conv_out: conv_out.at(first * c),
+                z: z.at(first * vd),
+                beta: beta.at(first * per_row),
+                alpha: alpha.at(first * per_row),
+                grouped,
+                dt_bias: dt_bias.ptr,
+                ssm_a: a.ptr,
+                norm: norm.ptr,
+            };
+            ops::gdn_recurrence(
+                &m.gpu,
+                &inputs,
+                &dims,
+                &ring_slot,
+                start,
+                n,
+                out.at(first * vd),
+            )?;
+            first += n;
+        }
+        Ok(())
+    }
+
+    fn moe(&mut self, w: &MoeWeights, src: Act, dst: Act, rows: &Rows) -> Result<(), PluginError> {
+        let m = &*self.m;
+        let shape = m
+            .dims
+            .moe()
+            .ok_or_else(|| graph_error("MoE weights in a model with a dense FFN"))?;
+        let (gpu, s, store) = (&m.gpu, &m.scratch, &m.store);
+        let x = &s.extras;
+        let (e, k, n) = (shape.n_embd, shape.n_used, rows.n);
+        let pairs = n * k;
+        let (xn, out, q8) = (s.act(src).ptr(), s.act(dst).ptr(), &s.q8);
+        let (gate, up, down) = (
+            store.experts(&w.gate_exps)?,
+            store.experts(&w.up_exps)?,
+            store.experts(&w.down_exps)?,
+        );
+        ops::matmul(gpu, &store.matrix(&w.gate_inp)?, xn, n, x.router.ptr(), q8)?;
+        ops::moe_route(
+            gpu,
+            x.router.ptr(),
+            n,
+            shape.n_expert,
+            k,
+            shape.weights_scale,
+            x.ids.ptr(),
+            x.route_weights.ptr(),
+        )?;
+        let (ids, g, u) = (x.ids.ptr(), x.moe_gate.ptr(), x.moe_up.ptr());
+        ops::matmul_ids(gpu, &gate, ids, pairs, xn, n, k, g, q8)?;
+        ops::matmul_ids(gpu, &up, ids, pairs, xn, n, k, u, q8)?;
+        ops::swiglu(gpu, g, u, pairs * gate.rows)?;
+        let expert_out = x.expert_out.ptr();
+        ops::matmul_ids(gpu, &down, ids, pairs, g, pairs, 1, expert_out, q8)?;
+        ops::moe_combine(gpu, expert_out, x.route_weights.ptr(), n, k, e, out)?;
+        if let Some(shared) = &w.shared {
+            let (sg, su, sd) = (
+                store.matrix(&shared.gate)?,
+                store.matrix(&shared.up)?,
+                store.matrix(&shared.down)?,
+            );
+            ops::matmul_many(gpu, xn, n, &[(&sg, g), (&su, u)], q8)?;
+            ops::swiglu(gpu, g, u, n * sg.rows)?;
+            ops::matmul(gpu, &sd, g, n, x.shared_out.ptr(), q8)?;
+            let gate_inp = store.matrix(&shared.gate_inp)?;
+            ops::matmul(gpu, &gate_inp, xn, n, x.shared_gate.ptr(), q8)?;
+            ops::add_gated(gpu, out, x.shared_out.ptr(), x.shared_gate.ptr(), n, e)?;
+        }
+        Ok(())
+    }
+
+    fn logits(
+        &mut self,
+        output: &MatrixRef,
+        hidden: Act,
+        first_row: usize,
+        rows: &Rows,
+    ) -> Result<(), PluginError> {
+        if first_row >= rows.n {
+            return Ok(());
+        }
+        let m = &*self.m;
+        let w = m.store.matrix(output)?;
+        let s = &m.scratch;
+        let h = s.act(hidden).at(first_row * self.m.dims.width(hidden)?);
+        ops::matmul(
+            &m.gpu,
+            &w,
+            h,
+            rows.n - first_row,
+            s.extras.logits.ptr(),
+            &s.q8,
+        )
+    }
+}
+
+/// The graph operations as an upload: each operation uploads the weights it names (once) and
+/// computes nothing. Running a layer's graph through it puts that layer's weights on the
+/// device.
+pub struct Uploader<'a> {
+    gpu: &'a Gpu,
+    file: &'a GgufFile,
+    store: &'a mut WeightStore,
+}
+
+impl<'a> Uploader<'a> {
+    pub fn new(gpu: &'a Gpu, file: &'a GgufFile, store: &'a mut WeightStore) -> Self {
+        Self { gpu, file, store }
+    }
+
+    fn matrix(&mut self, m: &MatrixRef) -> Result<(), PluginError> {
+        self.store.upload_matrix(self.gpu, self.file, m)
+    }
+
+    fn vector(&mut self, v: &Vector) -> Result<(), PluginError> {
+        self.store.upload_vector(self.gpu, v)
+    }
+}
+
+impl LayerOps for Uploader<'_> {
+    fn rms_norm(&mut self, _: Cols, weight: &Vector, _: Cols, _: &Rows) -> Result<(), PluginError> {
+        self.vector(weight)
+    }
+
+    fn matmul_many(
+        &mut self,
+        _: Act,
+        jobs: &[(&MatrixRef, Act)],
+        _: &Rows,
+    ) -> Result<(), PluginError> {
+        jobs.iter().try_for_each(|(w, _)| self.matrix(w))
+    }
+
+    fn add_bias(&mut self, _: Act, bias: &Vector, _: &Rows) -> Result<(), PluginError> {
+        self.vector(bias)
+    }
+
+    fn add(&mut self, _: Act, _: Act, _: &Rows) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn swiglu(&mut self, _: Act, _: Act, _: &Rows) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn qk_norm_rope(
+        &mut self,
+        _: Query,
+        _: Act,
+        norms: Option<QkNorms<'_>>,
+        _: KvSlot,
+        _: &Rows,
+    ) -> Result<(), PluginError> {
+        match norms {
+            Some(QkNorms { q, k }) => {
+                self.vector(q)?;
+                self.vector(k)
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn store_kv(&mut self, _: KvSlot, _: Act, _: Act, _: &Rows) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        _: KvSlot,
+        _: Act,
+        _: Option<Act>,
+        _: Act,
+        _: &Rows,
+    ) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn gated_delta_net(
+        &mut self,
+        w: &GdnWeights,
+        _: usize,
+        _: GdnInputs,
+        _: Act,
+        _: &Rows,
+    ) -> Result<(), PluginError> {
+        [&w.conv, &w.dt_bias, &w.a, &w.norm]
+            .into_iter()
+            .try_for_each(|v| self.vector(v))
+    }
+
+    fn moe(&mut self, w: &MoeWeights, _: Act, _: Act, _: &Rows) -> Result<(), PluginError> {
+        self.matrix(&w.gate_inp)?;
+        for experts in [&w.gate_exps, &w.up_exps, &w.down_exps] {
+            self.store.upload_experts(self.gpu, self.file, experts)?;
+        }
+        if let Some(shared) = &w.shared {
+            for m in [&shared.gate_inp, &shared.gate, &shared.up, &shared.down] {
+                self.matrix(m)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn logits(
+        &mut self,
+        output: &MatrixRef,
+        _: Act,
+        _: usize,
+        _: &Rows,
+    ) -> Result<(), PluginError> {
+        self.matrix(output)
+    }
+}

@@ -1,0 +1,407 @@
+//! The part of the model placed on the GPU: trunk layers `first_layer ..`, and the head
+//! (final norm, LM head) and the MTP block where placed, with their KV caches, the device
+//! half of the snapshot ring and the activation buffers — and the passes over them, which run
+//! the architectures' graphs with the device's operations ([`super::graph_ops`]).
+//!
+//! Weights are uploaded by running the same graphs once with an operations implementation
+//! that uploads every weight an operation names ([`super::graph_ops::Uploader`]): what is on
+//! the device is exactly what the graphs read.
+//!
+//! Results are close to the CPU's but not bit-identical (different reduction orders); what is
+//! bit-identical is a row of a k-row evaluation and a one-row evaluation at the same position
+//! on the GPU.
+
+use specula_engine::arch::{self, hybrid::Mixer};
+use specula_engine::blocks::ffn::FfnShape;
+use specula_engine::graph::{Act, Dims, Rows};
+use specula_engine::model::{Graph, Model};
+use specula_engine::recurrent::{RingIndex, StateLayout};
+use specula_plugin_api::PluginError;
+
+use super::graph_ops::{GpuOps, Uploader};
+use super::ops::{DevRope, Q8Scratch, RingSlot, ATTENTION_ROWS};
+use super::weights::WeightStore;
+use super::{DevBuf, Gpu};
+
+/// Attention keys and values on the device, `n_ctx` rows per layer.
+#[derive(Debug)]
+pub struct DeviceKv {
+    pub k: Vec<DevBuf<f32>>,
+    pub v: Vec<DevBuf<f32>>,
+    pub k_width: usize,
+    pub v_width: usize,
+}
+
+impl DeviceKv {
+    pub fn new(
+        gpu: &Gpu,
+        layers: usize,
+        n_ctx: usize,
+        k_width: usize,
+        v_width: usize,
+    ) -> Result<Self, PluginError> {
+        let mut kv = Self {
+            k: Vec::with_capacity(layers),
+            v: Vec::with_capacity(layers),
+            k_width,
+            v_width,
+        };
+        for _ in 0..layers {
+            kv.k.push(gpu.zeros(n_ctx * k_width)?);
+            kv.v.push(gpu.zeros(n_ctx * v_width)?);
+        }
+        Ok(kv)
+    }
+
+    /// Bytes for `layers` layers of `n_ctx` positions.
+    pub fn bytes(layers: usize, n_ctx: usize, k_width: usize, v_width: usize) -> u64 {
+        4 * (layers * n_ctx * (k_width + v_width)) as u64
+    }
+}
+
+/// The device half of the snapshot ring: the states of the GPU's Gated DeltaNet layers, with
+/// the same bookkeeping as the host ring (they advance and restore together).
+#[derive(Debug)]
+pub struct DeviceRing {
+    pub planes: DevBuf<f32>,
+    pub layout: StateLayout,
+    pub index: RingIndex,
+}
+
+impl DeviceRing {
+    pub fn new(gpu: &Gpu, layout: StateLayout, n_planes: usize) -> Result<Self, PluginError> {
+        Ok(Self {
+            planes: gpu.zeros(layout.plane_len() * n_planes)?,
+            layout,
+            index: RingIndex::new(n_planes),
+        })
+    }
+
+    /// Where GPU GDN layer `layer` keeps its state.
+    pub fn slot(&self, layer: usize) -> RingSlot {
+        RingSlot {
+            planes: self.planes.ptr(),
+            plane_len: self.layout.plane_len(),
+            n_planes: self.index.n_planes(),
+            layer_offset: layer * self.layout.layer_len(),
+            conv_len: self.layout.conv_len,
+        }
+    }
+
+    /// Back to the empty sequence: the live plane zeroed, every snapshot forgotten.
+    pub fn reset(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
+        let plane = self.layout.plane_len();
+        let live = self.index.live_plane();
+        gpu.zero_range(&mut self.planes, live * plane, plane)?;
+        self.index.reset();
+        Ok(())
+    }
+}
+
+/// Widest hidden layer of an FFN per input row (for MoE: all routed experts of a row, or
+/// the shared expert).
+fn ffn_width(dims: &Dims) -> usize {
+    match &dims.ffn {
+        FfnShape::Dense { n_ff, .. } => *n_ff,
+        FfnShape::Moe(m) => (m.n_used * m.n_ff_expert).max(m.n_ff_shared),
+    }
+}
+
+/// Largest activation row a matmul reads, times the rows (for the quantisation scratch).
+fn q8_values(dims: &Dims, rows: usize) -> usize {
+    let a = &dims.attention;
+    let vd = dims.gdn.map_or(0, |g| g.value_dim());
+    let widest = [2 * dims.n_embd, a.out_width(), ffn_width(dims), vd]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    (rows * widest).next_multiple_of(32)
+}
+
+/// Floats of the buffers besides the [`Act`] roles for `rows` rows over a context of `n_ctx`
+/// (the order of [`Extras`]' fields).
+fn extra_lens(dims: &Dims, rows: usize, n_ctx: usize) -> [usize; 9] {
+    let e = dims.n_embd;
+    let channels = dims.gdn.map_or(0, |g| g.channels());
+    let (n_expert, k) = dims.moe().map_or((0, 0), |m| (m.n_expert, m.n_used));
+    let moe_ffn = if dims.moe().is_some() {
+        rows * ffn_width(dims)
+    } else {
+        0
+    };
+    [
+        ATTENTION_ROWS * dims.attention.n_head * n_ctx, // scores
+        rows * channels,                                // conv_out
+        rows * n_expert,                                // router
+        moe_ffn,                                        // moe_gate
+        moe_ffn,                                        // moe_up
+        rows * k * e,                                   // expert_out
+        rows * e,                                       // shared_out
+        rows,                                           // shared_gate
+        rows * dims.n_vocab,                            // logits
+    ]
+}
+
+/// Bytes of the activation buffers ([`GpuScratch`]) for passes of `rows` rows over a context
+/// of `n_ctx` positions of a model of `dims`.
+pub fn scratch_bytes(dims: &Dims, rows: usize, n_ctx: usize) -> u64 {
+    let acts: usize = Act::ALL.iter().map(|a| rows * a.width(dims)).sum();
+    let extras: usize = extra_lens(dims, rows, n_ctx).iter().sum();
+    let indices = 2 * rows * dims.moe().map_or(0, |m| m.n_used);
+    4 * (acts + extras + indices) as u64 + Q8Scratch::bytes(q8_values(dims, rows))
+}
+
+/// Device buffers the operations use besides the graph's [`Act`] roles.
+#[derive(Debug)]
+pub struct Extras {
+    /// Attention scores, [`ATTENTION_ROWS`] rows of every head over `n_ctx` positions.
+    pub scores: DevBuf<f32>,
+    /// Gated DeltaNet: the convolved `[q | k | v]`.
+    pub conv_out: DevBuf<f32>,
+    /// MoE: router logits, then probabilities.
+    pub router: DevBuf<f32>,
+    /// MoE: the routed experts' (and then the shared expert's) gate and up projections.
+    pub moe_gate: DevBuf<f32>,
+    pub moe_up: DevBuf<f32>,
+    /// MoE: each (row, rank)'s expert output.
+    pub expert_out: DevBuf<f32>,
+    pub shared_out: DevBuf<f32>,
+    pub shared_gate: DevBuf<f32>,
+    /// The LM head's output rows.
+    pub logits: DevBuf<f32>,
+    /// MoE: each (row, rank)'s expert and weight.
+    pub ids: DevBuf<i32>,
+    pub route_weights: DevBuf<f32>,
+}
+
+/// Activation buffers of the GPU pass, for up to `rows` rows.
+#[derive(Debug)]
+pub struct GpuScratch {
+    pub rows: usize,
+    /// One buffer per [`Act`] role, `rows × width` ([`Act::index`]).
+    acts: Vec<DevBuf<f32>>,
+    pub extras: Extras,
+    pub q8: Q8Scratch,
+    /// Context positions the score scratch covers.
+    pub n_ctx: usize,
+}
+
+impl GpuScratch {
+    pub fn new(gpu: &Gpu, dims: &Dims, rows: usize, n_ctx: usize) -> Result<Self, PluginError> {
+        let acts = Act::ALL
+            .iter()
+            .map(|a| gpu.zeros(rows * a.width(dims)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let l = extra_lens(dims, rows, n_ctx);
+        let k = dims.moe().map_or(0, |m| m.n_used);
+        Ok(Self {
+            rows,
+            acts,
+            extras: Extras {
+                scores: gpu.zeros(l[0])?,
+                conv_out: gpu.zeros(l[1])?,
+                router: gpu.zeros(l[2])?,
+                moe_gate: gpu.zeros(l[3])?,
+                moe_up: gpu.zeros(l[4])?,
+                expert_out: gpu.zeros(l[5])?,
+                shared_out: gpu.zeros(l[6])?,
+                shared_gate: gpu.zeros(l[7])?,
+                logits: gpu.zeros(l[8])?,
+                ids: gpu.zeros(rows * k)?,
+                route_weights: gpu.zeros(rows * k)?,
+            },
+            q8: Q8Scratch::new(gpu, q8_values(dims, rows))?,
+            n_ctx,
+        })
+    }
+
+    /// Buffer `act`.
+    pub fn act(&self, act: Act) -> &DevBuf<f32> {
+        &self.acts[act.index()]
+    }
+
+    /// Buffer `act`, mutably (to copy into it).
+    pub fn act_mut(&mut self, act: Act) -> &mut DevBuf<f32> {
+        &mut self.acts[act.index()]
+    }
+}
+
+/// The GPU part of a model.
+pub struct GpuModel {
+    pub gpu: Gpu,
+    pub store: WeightStore,
+    pub dims: Dims,
+    pub rope: DevRope,
+    /// The first trunk layer on the GPU (the ones before it run on the host).
+    pub first_layer: usize,
+    /// Trunk layers of the model.
+    pub n_layers: usize,
+    /// Whether the head (and the MTP block) run here.
+    pub head: bool,
+    /// The caches of the GPU's attention layers: the model's attention layer
+    /// `first_attention + i` is `kv` layer `i`.
+    pub kv: DeviceKv,
+    pub first_attention: usize,
+    pub mtp_kv: Option<DeviceKv>,
+    /// The states of the GPU's GDN layers: the model's GDN layer `first_gdn + i` is ring
+    /// layer `i`.
+    pub ring: Option<DeviceRing>,
+    pub first_gdn: usize,
+    pub scratch: GpuScratch,
+}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuModel")
+            .field("gpu", &self.gpu)
+            .field("first_layer", &self.first_layer)
+            .field("n_layers", &self.n_layers)
+            .field("head", &self.head)
+            .field("weight_bytes", &self.store.bytes())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What to put on the GPU.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuPlan {
+    pub first_layer: usize,
+    pub head: bool,
+    pub n_ctx: usize,
+    /// Planes of the snapshot ring (depth + 1).
+    pub n_planes: usize,
+    /// Rows per pass (scratch size).
+    pub rows: usize,
+}
+
+/// Attention and GDN layers among trunk layers `0 .. first_layer` of `graph`.
+fn layers_before(graph: &Graph, first_layer: usize) -> (usize, usize) {
+    match graph {
+        Graph::Dense(_) => (first_layer, 0),
+        Graph::Hybrid(h) => {
+            let before = &h.weights.layers[..first_layer];
+            let gdn = before
+                .iter()
+                .filter(|l| matches!(l.mixer, Mixer::Gdn { .. }))
+                .count();
+            (first_layer - gdn, gdn)
+        }
+    }
+}
+
+impl GpuModel {
+    /// Uploads the placed part of `model` and allocates its state and scratch.
+    pub fn build(gpu: Gpu, model: &Model, plan: GpuPlan) -> Result<Self, PluginError> {
+        let graph = &model.graph;
+        let dims = graph.dims();
+        let n_layers = graph.n_trunk_layers();
+        let mut store = WeightStore::default();
+        {
+            let mut uploader = Uploader::new(&gpu, &model.file, &mut store);
+            let rows = Rows {
+                n: 0,
+                pos0: 0,
+                ring_step0: 0,
+            };
+            for layer in plan.first_layer..n_layers {
+                arch::layer(model, &mut uploader, layer, &rows)?;
+            }
+            if plan.head {
+                arch::head(model, &mut uploader, &rows, 0)?;
+                if dims.mtp {
+                    arch::mtp(model, &mut uploader, &rows, 0)?;
+                }
+            }
+        }
+        let rope_factors = match &dims.rope.freq_factors {
+            Some(f) => Some(store.values(&gpu, f)?),
+            None => None,
+        };
+        let rope = DevRope::new(&dims.rope, rope_factors.as_ref());
+        let a = &dims.attention;
+        let (first_attention, first_gdn) = layers_before(graph, plan.first_layer);
+        let (n_attention, n_gdn) = layers_before(graph, n_layers);
+        let kv = DeviceKv::new(
+            &gpu,
+            n_attention - first_attention,
+            plan.n_ctx,
+            a.k_width(),
+            a.v_width(),
+        )?;
+        let mtp_kv = match plan.head && dims.mtp {
+            true => Some(DeviceKv::new(
+                &gpu,
+                1,
+                plan.n_ctx,
+                a.k_width(),
+                a.v_width(),
+            )?),
+            false => None,
+        };
+        let ring = match (&dims.gdn, n_gdn - first_gdn) {
+            (Some(g), n) if n > 0 => Some(DeviceRing::new(&gpu, g.state_layout(n), plan.n_planes)?),
+            _ => None,
+        };
+        let scratch = GpuScratch::new(&gpu, &dims, plan.rows, plan.n_ctx)?;
+        gpu.sync()?;
+        Ok(Self {
+            gpu,
+            store,
+            dims,
+            rope,
+            first_layer: plan.first_layer,
+            n_layers,
+            head: plan.head,
+            kv,
+            first_attention,
+            mtp_kv,
+            ring,
+            first_gdn,
+            scratch,
+        })
+    }
+
+    /// Runs the GPU trunk layers over the rows in [`Act::X`].
+    pub fn forward_layers(&mut self, model: &Model, rows: &Rows) -> Result<(), PluginError> {
+        let layers = self.first_layer..self.n_layers;
+        let mut ops = GpuOps::new(self);
+        for layer in layers {
+            arch::layer(model, &mut ops, layer, rows)?;
+        }
+        Ok(())
+    }
+
+    /// The head over the rows in [`Act::X`]: final norm into [`Act::Hidden`], and the logits
+    /// of rows `first_logit ..` into the logits buffer.
+    pub fn head(
+        &mut self,
+        model: &Model,
+        rows: &Rows,
+        first_logit: usize,
+    ) -> Result<(), PluginError> {
+        if !self.head {
+            return Err(PluginError::new(
+                specula_plugin_api::ErrorKind::Internal,
+                "cuda-hybrid: the head is not on the GPU",
+            ));
+        }
+        arch::head(model, &mut GpuOps::new(self), rows, first_logit)
+    }
+
+    /// The MTP block over rows whose raw inputs `[embedding | trunk hidden]` are in
+    /// [`Act::MtpIn`] (cache rows `rows.pos0 ..`): the head's final-norm hidden states into
+    /// [`Act::Hidden`], and the logits of rows `first_logit ..` into the logits buffer.
+    pub fn mtp(
+        &mut self,
+        model: &Model,
+        rows: &Rows,
+        first_logit: usize,
+    ) -> Result<(), PluginError> {
+        if self.mtp_kv.is_none() {
+            return Err(PluginError::unsupported(
+                "cuda-hybrid: no MTP head on the GPU",
+            ));
+        }
+        arch::mtp(model, &mut GpuOps::new(self), rows, first_logit)
+    }
+}
