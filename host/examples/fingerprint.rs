@@ -1,7 +1,8 @@
 //! Fingerprints what a backend plugin computes, to show that a refactor changed no bit.
 //!
 //! ```text
-//! cargo run --release -p specula-host --example fingerprint -- PLUGIN.so [-o KEY=VALUE]... MODEL.gguf...
+//! cargo run --release -p specula-host --example fingerprint -- \
+//!     PLUGIN.so [-o KEY=VALUE]... MODEL.gguf...
 //! ```
 //!
 //! `-o` passes a backend option (e.g. `-o kv_type=f16`) to every model.

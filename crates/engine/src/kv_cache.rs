@@ -188,6 +188,11 @@ impl KvCache {
         }
     }
 
+    /// Attention layers the cache holds.
+    pub fn n_layers(&self) -> usize {
+        self.keys.len()
+    }
+
     /// Positions the cache can hold.
     pub fn capacity(&self) -> usize {
         self.n_ctx

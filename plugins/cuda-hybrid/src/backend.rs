@@ -7,9 +7,10 @@
 //! operations on the GPU.
 //!
 //! **Placement** (see [`crate::placement`]): trunk layers `0 .. first_gpu_layer` run on the
-//! host, layers `first_gpu_layer ..` and the head (final norm, LM head, MTP block) on the GPU. A pass embeds its tokens on the host, runs the host layers, hands the residual
-//! rows to the GPU through a pinned buffer, runs the GPU layers and head, and copies the final
-//! hidden states and the requested logits back through pinned buffers.
+//! host, layers `first_gpu_layer ..` and the head (final norm, LM head, MTP block) on the
+//! GPU. A pass embeds its tokens on the host, runs the host layers, hands the residual rows to
+//! the GPU through a pinned buffer, runs the GPU layers and head, and copies the final hidden
+//! states and the requested logits back through pinned buffers.
 //!
 //! **Sequence state** lives where its layer runs: the KV cache of host attention layers in
 //! host memory, of GPU attention layers (and the MTP head) in device memory; the recurrent
@@ -400,7 +401,6 @@ impl Executor for CudaExecutor {
         let x = gpu_model.scratch.act_mut(Act::X);
         gpu_model.gpu.copy_to_device(&d.pinned_in, m * e, x, 0)?;
         gpu_model.forward_layers(model, &rows)?;
-        let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
         if placement.head_on_gpu {
             gpu_model.head(model, &rows, logit_from)?;
             let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
@@ -417,6 +417,7 @@ impl Executor for CudaExecutor {
             logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
             Ok(())
         } else {
+            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
             gpu.copy_to_host(scratch.act(Act::X), 0, m * e, &mut d.pinned_hidden)?;
             gpu.sync()?;
             host.residual()[..m * e].copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
@@ -474,16 +475,12 @@ impl Executor for CudaExecutor {
             position,
             batch_rows,
         } = *rows;
-        let Graph::Hybrid(h) = &model.graph else {
-            return Err(internal("MTP step on a model without the head"));
-        };
-        let weights = h
-            .weights
-            .mtp
-            .as_ref()
+        let weights = model
+            .graph
+            .mtp()
             .ok_or_else(|| internal("MTP step on a model without the head"))?;
-        let e = h.config.n_embd;
-        let vocab = h.config.n_vocab;
+        let e = model.graph.n_embd();
+        let vocab = model.hparams.vocab_size as usize;
         let n = tokens.len();
         let first_logit_row = n - logits.len() / vocab;
         let embed = weights.embed.view(&model.file)?;

@@ -630,13 +630,20 @@ fn gpu_models(device: &Device) -> Vec<std::path::PathBuf> {
     gpu_models_with(device, false)
 }
 
-/// Placements: automatic (everything on the GPU), split, and all layers named explicitly.
+/// Placements: automatic (everything on the GPU), split after the first layers (the last
+/// layer on the GPU: on the hybrid fixtures an attention layer; the last two: a Gated DeltaNet
+/// layer too, so both halves hold part of the ring), and all layers named explicitly.
 fn placements(device: &Device) -> &'static [&'static [(&'static str, &'static str)]] {
-    const ALL: [&[(&str, &str)]; 3] = [&[], &[("gpu_layers", "1")], &[("gpu_layers", "all")]];
+    const ALL: [&[(&str, &str)]; 4] = [
+        &[],
+        &[("gpu_layers", "1")],
+        &[("gpu_layers", "2")],
+        &[("gpu_layers", "all")],
+    ];
     if full(device) {
         &ALL
     } else {
-        &ALL[..2]
+        &ALL[..3]
     }
 }
 

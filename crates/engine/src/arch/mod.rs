@@ -5,7 +5,9 @@
 //! The weights the graphs read are loaded per family: the dense decoder of llama, qwen2 and
 //! qwen3 ([`dense`]), the Gated DeltaNet hybrid of qwen35 and qwen3next ([`hybrid`]) with its
 //! NextN / MTP block ([`nextn`]). A new architecture is a file here with its `layer` function
-//! (and its loading choices), plus its lines in [`Architecture`] and [`layer`].
+//! (its `mtp` too if it has an MTP block) and its loading choices, plus its registration: a
+//! variant of [`Architecture`] with its lines in `from_name`, `name` and `load`, [`SUPPORTED`],
+//! and its lines in [`layer`] (and [`mtp`]).
 
 pub mod dense;
 pub mod hybrid;
@@ -127,13 +129,9 @@ pub fn mtp<O: LayerOps>(
     rows: &Rows,
     first_logit: usize,
 ) -> Result<(), PluginError> {
-    let Graph::Hybrid(m) = &model.graph else {
-        return Err(graph_error("an MTP step on a model without an MTP head"));
-    };
-    let w = m
-        .weights
-        .mtp
-        .as_ref()
+    let w = model
+        .graph
+        .mtp()
         .ok_or_else(|| graph_error("an MTP step on a model without an MTP head"))?;
     match model.arch {
         Architecture::Qwen35 => qwen35::mtp(ops, w, rows, first_logit),

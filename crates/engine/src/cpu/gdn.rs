@@ -65,7 +65,8 @@ pub struct GdnRows<'a> {
 ///
 /// Row `i` is the `step0 + i`-th token after the ring's live state: it reads that state and
 /// writes the next plane (see [`SnapshotRing::conv_io`]); the caller advances the ring once the
-/// whole evaluation is done. The convolution runs row by row; then each value head runs all
+/// whole evaluation is done. The convolution runs the rows (in parallel when there are
+/// several; a row depends only on the inputs before it); then each value head runs all
 /// `m` rows with its S matrix hot in cache, the heads in parallel (one fork-join per layer
 /// however many rows are verified). Every row takes the same steps as a single-token call.
 #[allow(clippy::too_many_arguments)]

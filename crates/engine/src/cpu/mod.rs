@@ -149,10 +149,21 @@ impl CpuExecutor {
         self.scratch.act_mut(Act::X)
     }
 
-    /// The operations of one pass over this executor's buffers and caches, its logits going
-    /// to `logits`.
-    fn ops<'a>(&'a mut self, model: &'a Model, logits: &'a mut [f32]) -> CpuOps<'a> {
-        CpuOps {
+    /// The operations of one pass of `n` rows over this executor's buffers and caches, its
+    /// logits going to `logits`.
+    fn ops<'a>(
+        &'a mut self,
+        model: &'a Model,
+        n: usize,
+        logits: &'a mut [f32],
+    ) -> Result<CpuOps<'a>, PluginError> {
+        if n > self.scratch.rows() {
+            return Err(internal(&format!(
+                "a pass of {n} rows, but the buffers hold {}",
+                self.scratch.rows()
+            )));
+        }
+        Ok(CpuOps {
             dims: &self.dims,
             file: &model.file,
             scratch: &mut self.scratch,
@@ -160,20 +171,25 @@ impl CpuExecutor {
             ring: self.ring.as_mut(),
             mtp_kv: self.mtp_kv.as_mut(),
             logits,
-        }
+        })
     }
 
     /// Embeds the chunk's tokens into the residual rows and runs this part's trunk layers
     /// over them (on the current thread's pool).
     pub fn run_layers(&mut self, model: &Model, chunk: &Chunk<'_>) -> Result<(), PluginError> {
         let e = self.dims.n_embd;
-        let embedding = model.graph.token_embd().view(&model.file)?;
-        for (row, &token) in self.residual().chunks_exact_mut(e).zip(chunk.tokens) {
-            embedding.dequantize_row(token as usize, row);
-        }
         let rows = chunk.pass_rows();
         let layers = self.part.layers;
-        let mut ops = self.ops(model, &mut []);
+        let mut ops = self.ops(model, rows.n, &mut [])?;
+        let embedding = model.graph.token_embd().view(&model.file)?;
+        for (row, &token) in ops
+            .scratch
+            .act_mut(Act::X)
+            .chunks_exact_mut(e)
+            .zip(chunk.tokens)
+        {
+            embedding.dequantize_row(token as usize, row);
+        }
         for layer in 0..layers {
             arch::layer(model, &mut ops, layer, &rows)?;
         }
@@ -190,9 +206,12 @@ impl CpuExecutor {
         hidden: &mut [f32],
         logits: &mut [f32],
     ) -> Result<(), PluginError> {
-        let mut ops = self.ops(model, logits);
-        arch::head(model, &mut ops, rows, logit_from)?;
         let e = self.dims.n_embd;
+        if hidden.len() != rows.n * e {
+            return Err(internal("the hidden states do not fit the rows"));
+        }
+        let mut ops = self.ops(model, rows.n, logits)?;
+        arch::head(model, &mut ops, rows, logit_from)?;
         hidden.copy_from_slice(&self.scratch.act(Act::Hidden)[..rows.n * e]);
         Ok(())
     }
@@ -206,13 +225,9 @@ impl CpuExecutor {
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError> {
-        let Graph::Hybrid(h) = &model.graph else {
-            return Err(internal("MTP step on a model without an MTP head"));
-        };
-        let embed = &h
-            .weights
-            .mtp
-            .as_ref()
+        let embed = &model
+            .graph
+            .mtp()
             .ok_or_else(|| internal("MTP step on a model without an MTP head"))?
             .embed
             .view(&model.file)?;
@@ -243,7 +258,7 @@ impl CpuExecutor {
                 pos0: position,
                 ring_step0: 0,
             };
-            let mut ops = self.ops(model, chunk_logits);
+            let mut ops = self.ops(model, m, chunk_logits)?;
             arch::mtp(model, &mut ops, &pass, first_logit)?;
             hidden_out[start * e..(start + m) * e]
                 .copy_from_slice(&self.scratch.act(Act::Hidden)[..m * e]);

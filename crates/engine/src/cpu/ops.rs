@@ -29,6 +29,8 @@ use crate::recurrent::SnapshotRing;
 /// operations need besides.
 #[derive(Debug)]
 pub struct Scratch {
+    /// Rows a pass may have.
+    rows: usize,
     acts: [Vec<f32>; Act::ALL.len()],
     attention: AttentionScratch,
     /// RoPE angles of the rows' positions, shared by every layer of a pass.
@@ -44,10 +46,11 @@ impl Scratch {
     /// Buffers for passes of up to `rows` rows over a context of `n_ctx` positions.
     pub fn new(dims: &Dims, rows: usize, n_ctx: usize) -> Self {
         Self {
+            rows,
             acts: Act::ALL.map(|act| vec![0.0; rows * act.width(dims)]),
             attention: AttentionScratch::new(&dims.attention, n_ctx),
             angles: RopeAngles::new(&dims.rope, rows),
-            gate: vec![0.0; rows * dims.attention.q_width()],
+            gate: vec![0.0; Act::QGate.width(dims) / 2 * rows],
             gdn: dims
                 .gdn
                 .map_or_else(GdnScratch::default, |g| GdnScratch::new(&g, rows)),
@@ -56,6 +59,11 @@ impl Scratch {
                 .map_or_else(MoeScratch::default, |m| MoeScratch::new(m, rows)),
             matmul: MatmulScratch::new(),
         }
+    }
+
+    /// Rows a pass may have.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 
     /// Buffer `act`, all its rows.
@@ -94,6 +102,25 @@ pub struct CpuOps<'a> {
     pub logits: &'a mut [f32],
 }
 
+/// The cache of `slot` among a pass's caches, and its layer there.
+fn cache_of<'c>(
+    kv: &'c mut KvCache,
+    mtp_kv: Option<&'c mut KvCache>,
+    slot: KvSlot,
+) -> Result<(&'c mut KvCache, usize), PluginError> {
+    let (cache, layer) = match slot.cache {
+        Cache::Trunk(layer) => (kv, layer),
+        Cache::Mtp => (
+            mtp_kv.ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+            0,
+        ),
+    };
+    if layer >= cache.n_layers() {
+        return Err(graph_error(&format!("attention layer {layer} is not here")));
+    }
+    Ok((cache, layer))
+}
+
 impl LayerOps for CpuOps<'_> {
     fn rms_norm(
         &mut self,
@@ -102,11 +129,11 @@ impl LayerOps for CpuOps<'_> {
         dst: Cols,
         rows: &Rows,
     ) -> Result<(), PluginError> {
-        let (ws, wd) = (self.dims.width(src.act)?, self.dims.width(dst.act)?);
         let (n, len, eps) = (rows.n, weight.len(), self.dims.rms_eps);
-        if src.first + len > ws || dst.first + len > wd {
-            return Err(graph_error("rms_norm: columns beyond the buffer"));
-        }
+        let (ws, wd) = (
+            self.dims.cols_width(src, len)?,
+            self.dims.cols_width(dst, len)?,
+        );
         let (from, to) = (src.first..src.first + len, dst.first..dst.first + len);
         if src.act == dst.act {
             if from != to {
@@ -130,14 +157,9 @@ impl LayerOps for CpuOps<'_> {
         jobs: &[(&MatrixRef, Act)],
         rows: &Rows,
     ) -> Result<(), PluginError> {
-        let (n, ws) = (rows.n, self.dims.width(src)?);
+        let n = rows.n;
         for (i, &(w, dst)) in jobs.iter().enumerate() {
-            if w.cols != ws || w.rows != self.dims.width(dst)? {
-                return Err(graph_error(&format!(
-                    "'{}' ({} × {}) does not map {src:?} to {dst:?}",
-                    w.name, w.rows, w.cols
-                )));
-            }
+            self.dims.check_product(w, src, dst)?;
             let view = w.view(self.file)?;
             let [x, out] = disjoint(&mut self.scratch.acts, [src, dst])?;
             let (x, out) = (&x[..n * w.cols], &mut out[..n * w.rows]);
@@ -147,13 +169,7 @@ impl LayerOps for CpuOps<'_> {
     }
 
     fn add_bias(&mut self, dst: Act, bias: &Vector, rows: &Rows) -> Result<(), PluginError> {
-        let w = self.dims.width(dst)?;
-        if bias.len() != w {
-            return Err(graph_error(&format!(
-                "'{}' does not fit {dst:?}",
-                bias.name
-            )));
-        }
+        let w = self.dims.check_row_vector(bias, dst)?;
         for row in self.scratch.acts[dst.index()][..rows.n * w].chunks_exact_mut(w) {
             ops::add_in_place(row, bias);
         }
@@ -161,19 +177,14 @@ impl LayerOps for CpuOps<'_> {
     }
 
     fn add(&mut self, dst: Act, src: Act, rows: &Rows) -> Result<(), PluginError> {
-        let w = self.dims.width(dst)?;
-        if self.dims.width(src)? != w {
-            return Err(graph_error(&format!(
-                "add: {src:?} and {dst:?} differ in width"
-            )));
-        }
+        let w = self.dims.common_width(dst, src)?;
         let [d, s] = disjoint(&mut self.scratch.acts, [dst, src])?;
         ops::add_in_place(&mut d[..rows.n * w], &s[..rows.n * w]);
         Ok(())
     }
 
     fn swiglu(&mut self, gate: Act, up: Act, rows: &Rows) -> Result<(), PluginError> {
-        let w = self.dims.width(gate)?;
+        let w = self.dims.common_width(gate, up)?;
         let [g, u] = disjoint(&mut self.scratch.acts, [gate, up])?;
         activations::swiglu_in_place(&mut g[..rows.n * w], &u[..rows.n * w]);
         Ok(())
@@ -188,6 +199,7 @@ impl LayerOps for CpuOps<'_> {
         rows: &Rows,
     ) -> Result<(), PluginError> {
         let (dims, n) = (self.dims, rows.n);
+        dims.check_qk(q, k)?;
         let (rope, eps, hd) = (&dims.rope, dims.rms_eps, dims.attention.head_dim);
         let (qw, kw) = (dims.attention.q_width(), dims.attention.k_width());
         let (q_norm, k_norm) = match norms {
@@ -228,17 +240,10 @@ impl LayerOps for CpuOps<'_> {
     }
 
     fn store_kv(&mut self, slot: KvSlot, k: Act, v: Act, rows: &Rows) -> Result<(), PluginError> {
-        let (kw, vw) = (self.dims.width(k)?, self.dims.width(v)?);
+        self.dims.check_kv(k, v)?;
+        let (kw, vw) = (self.dims.attention.k_width(), self.dims.attention.v_width());
         let n = rows.n;
-        let (cache, layer) = match slot.cache {
-            Cache::Trunk(layer) => (&mut *self.kv, layer),
-            Cache::Mtp => (
-                self.mtp_kv
-                    .as_deref_mut()
-                    .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
-                0,
-            ),
-        };
+        let (cache, layer) = cache_of(self.kv, self.mtp_kv.as_deref_mut(), slot)?;
         let acts = &self.scratch.acts;
         let (keys, values) = (&acts[k.index()][..n * kw], &acts[v.index()][..n * vw]);
         cache.store(layer, rows.pos0, keys, values);
@@ -254,17 +259,10 @@ impl LayerOps for CpuOps<'_> {
         rows: &Rows,
     ) -> Result<(), PluginError> {
         let dims = self.dims;
+        dims.check_attend(q, gate, dst)?;
         let shape = &dims.attention;
         let (n, pos0, qw, ow) = (rows.n, rows.pos0, shape.q_width(), shape.out_width());
-        let (kv, layer) = match slot.cache {
-            Cache::Trunk(layer) => (&*self.kv, layer),
-            Cache::Mtp => (
-                self.mtp_kv
-                    .as_deref()
-                    .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
-                0,
-            ),
-        };
+        let (kv, layer) = cache_of(self.kv, self.mtp_kv.as_deref_mut(), slot)?;
         let s = &mut *self.scratch;
         let [queries, out] = disjoint(&mut s.acts, [q, dst])?;
         attend_rows(
@@ -298,14 +296,12 @@ impl LayerOps for CpuOps<'_> {
         dst: Act,
         rows: &Rows,
     ) -> Result<(), PluginError> {
-        let shape = self
-            .dims
-            .gdn
-            .ok_or_else(|| graph_error("a Gated DeltaNet layer in a model without any"))?;
+        let shape = self.dims.check_gdn(&inputs, dst)?;
         let state = self
             .ring
             .as_deref_mut()
-            .ok_or_else(|| graph_error("a Gated DeltaNet layer without a snapshot ring"))?;
+            .filter(|state| ring < state.layout().n_layers)
+            .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not here")))?;
         let s = &mut *self.scratch;
         let n = rows.n;
         let vd = shape.value_dim();
@@ -352,10 +348,7 @@ impl LayerOps for CpuOps<'_> {
     }
 
     fn moe(&mut self, w: &MoeWeights, src: Act, dst: Act, rows: &Rows) -> Result<(), PluginError> {
-        let shape = *self
-            .dims
-            .moe()
-            .ok_or_else(|| graph_error("MoE weights in a model with a dense FFN"))?;
+        let shape = self.dims.check_moe(src, dst)?;
         let (n, e) = (rows.n, shape.n_embd);
         let s = &mut *self.scratch;
         let [x, out] = disjoint(&mut s.acts, [src, dst])?;

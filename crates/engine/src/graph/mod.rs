@@ -5,7 +5,9 @@
 //! which weights multiply which buffers in which order, and nothing about where that runs. The
 //! CPU executor ([`crate::cpu`]) implements the operations with the kernels of
 //! `specula-kernels`, cuda-hybrid's with CUDA kernels; each is monomorphised over the graph,
-//! so dispatch costs one call per operation per layer (tens per pass), never per row.
+//! so dispatch costs one call per operation (about ten per layer), never per row. Every
+//! operation checks the buffers it is given against the model ([`Dims`]'s `check_*`), so a
+//! wrong graph fails with an error naming the buffer instead of reading the wrong values.
 //!
 //! **Buffers by role.** The graph names buffers ([`Act`]); the executor owns them, one per
 //! role, each `rows × width` values with the width fixed by the model ([`Act::width`]), so
@@ -26,7 +28,7 @@ use specula_plugin_api::{ErrorKind, PluginError};
 
 use crate::blocks::attention::AttentionShape;
 use crate::blocks::ffn::FfnShape;
-use crate::blocks::gdn::{GdnShape, GdnWeights};
+use crate::blocks::gdn::{BetaAlphaLayout, GdnShape, GdnWeights};
 use crate::blocks::moe::{MoeShape, MoeWeights};
 use crate::model::weights::{MatrixRef, Vector};
 
@@ -118,7 +120,8 @@ impl Act {
                 }
             }
             Act::Q => a.q_width(),
-            Act::QGate => 2 * a.q_width(),
+            Act::QGate if dims.gated_attention => 2 * a.q_width(),
+            Act::QGate => 0,
             Act::K => a.k_width(),
             Act::V => a.v_width(),
             Act::Attn => a.out_width(),
@@ -128,8 +131,14 @@ impl Act {
             },
             Act::Mixed => gdn(GdnShape::channels),
             Act::Z | Act::GdnOut => gdn(GdnShape::value_dim),
-            Act::Beta | Act::Alpha => gdn(|g| g.n_v_heads),
-            Act::BetaAlpha => gdn(|g| 2 * g.n_v_heads),
+            Act::Beta | Act::Alpha => gdn(|g| match g.beta_alpha {
+                BetaAlphaLayout::Separate => g.n_v_heads,
+                BetaAlphaLayout::Grouped => 0,
+            }),
+            Act::BetaAlpha => gdn(|g| match g.beta_alpha {
+                BetaAlphaLayout::Separate => 0,
+                BetaAlphaLayout::Grouped => 2 * g.n_v_heads,
+            }),
         }
     }
 
@@ -163,6 +172,8 @@ pub struct Dims {
     pub rms_eps: f32,
     /// Every attention layer's shape (trunk and MTP head).
     pub attention: AttentionShape,
+    /// Whether the attention layers project an output gate with their queries (the hybrids').
+    pub gated_attention: bool,
     pub rope: Rope,
     /// The Gated DeltaNet layers' shape (hybrid models).
     pub gdn: Option<GdnShape>,
@@ -182,6 +193,115 @@ impl Dims {
             ))),
             w => Ok(w),
         }
+    }
+
+    /// The row width of `cols.act` after checking that `len` columns from `cols.first` fit
+    /// in it.
+    pub fn cols_width(&self, cols: Cols, len: usize) -> Result<usize, PluginError> {
+        let width = self.width(cols.act)?;
+        if cols.first + len > width {
+            return Err(graph_error(&format!(
+                "{len} columns from {} do not fit {:?} ({width} wide)",
+                cols.first, cols.act
+            )));
+        }
+        Ok(width)
+    }
+
+    /// Checks that `w` maps rows of `src` to rows of `dst`.
+    pub fn check_product(&self, w: &MatrixRef, src: Act, dst: Act) -> Result<(), PluginError> {
+        if w.cols != self.width(src)? || w.rows != self.width(dst)? {
+            return Err(graph_error(&format!(
+                "'{}' ({} × {}) does not map {src:?} to {dst:?}",
+                w.name, w.rows, w.cols
+            )));
+        }
+        Ok(())
+    }
+
+    /// The row width of `a` and `b`, which must have the same.
+    pub fn common_width(&self, a: Act, b: Act) -> Result<usize, PluginError> {
+        let width = self.width(a)?;
+        if self.width(b)? != width {
+            return Err(graph_error(&format!("{a:?} and {b:?} differ in width")));
+        }
+        Ok(width)
+    }
+
+    /// Checks that `v` has one value per column of `act`.
+    pub fn check_row_vector(&self, v: &Vector, act: Act) -> Result<usize, PluginError> {
+        let width = self.width(act)?;
+        if v.len() != width {
+            return Err(graph_error(&format!("'{}' does not fit {act:?}", v.name)));
+        }
+        Ok(width)
+    }
+
+    /// Checks that `act` is `width` wide (an operation's fixed operand).
+    fn expect(&self, act: Act, width: usize) -> Result<(), PluginError> {
+        match self.width(act)? {
+            w if w == width => Ok(()),
+            w => Err(graph_error(&format!(
+                "{act:?} ({w} wide) where {width} values per row are read"
+            ))),
+        }
+    }
+
+    /// Checks the buffers of [`LayerOps::qk_norm_rope`].
+    pub fn check_qk(&self, q: Query, k: Act) -> Result<(), PluginError> {
+        let a = &self.attention;
+        match q {
+            Query::Plain(q) => self.expect(q, a.q_width())?,
+            Query::Gated { from, into } => {
+                self.expect(from, 2 * a.q_width())?;
+                self.expect(into, a.q_width())?;
+            }
+        }
+        self.expect(k, a.k_width())
+    }
+
+    /// Checks the buffers of [`LayerOps::store_kv`].
+    pub fn check_kv(&self, k: Act, v: Act) -> Result<(), PluginError> {
+        self.expect(k, self.attention.k_width())?;
+        self.expect(v, self.attention.v_width())
+    }
+
+    /// Checks the buffers of [`LayerOps::attend`].
+    pub fn check_attend(&self, q: Act, gate: Option<Act>, dst: Act) -> Result<(), PluginError> {
+        let a = &self.attention;
+        self.expect(q, a.q_width())?;
+        if let Some(gate) = gate {
+            self.expect(gate, 2 * a.q_width())?;
+        }
+        self.expect(dst, a.out_width())
+    }
+
+    /// Checks the buffers of [`LayerOps::gated_delta_net`] and returns the layers' shape.
+    pub fn check_gdn(&self, inputs: &GdnInputs, dst: Act) -> Result<GdnShape, PluginError> {
+        let g = self
+            .gdn
+            .ok_or_else(|| graph_error("a Gated DeltaNet layer in a model without any"))?;
+        self.expect(inputs.mixed, g.channels())?;
+        self.expect(inputs.z, g.value_dim())?;
+        match inputs.beta_alpha {
+            BetaAlphaRows::Separate { beta, alpha } => {
+                self.expect(beta, g.n_v_heads)?;
+                self.expect(alpha, g.n_v_heads)?;
+            }
+            BetaAlphaRows::Grouped(ba) => self.expect(ba, 2 * g.n_v_heads)?,
+        }
+        self.expect(dst, g.value_dim())?;
+        Ok(g)
+    }
+
+    /// Checks the buffers of [`LayerOps::moe`] and returns the FFN's shape.
+    pub fn check_moe(&self, src: Act, dst: Act) -> Result<MoeShape, PluginError> {
+        let shape = *self
+            .moe()
+            .ok_or_else(|| graph_error("MoE weights in a model with a dense FFN"))?;
+        self.expect(src, shape.n_embd)?;
+        self.expect(dst, shape.n_embd)?;
+        Ok(shape)
     }
 
     /// The MoE shape, when the FFN is a mixture of experts.

@@ -11,6 +11,7 @@ use specula_plugin_api::{ErrorKind, ModelInfo, PluginError};
 
 use crate::arch::dense::DenseModel;
 use crate::arch::hybrid::HybridModel;
+use crate::arch::nextn::MtpWeights;
 use crate::arch::Architecture;
 use crate::blocks::ffn::FfnShape;
 use crate::graph::Dims;
@@ -151,6 +152,14 @@ impl Graph {
         out
     }
 
+    /// The MTP / NextN head, when the model has one.
+    pub fn mtp(&self) -> Option<&MtpWeights> {
+        match self {
+            Graph::Dense(_) => None,
+            Graph::Hybrid(h) => h.weights.mtp.as_ref(),
+        }
+    }
+
     /// The dimensions that shape a pass over this model.
     pub fn dims(&self) -> Dims {
         match self {
@@ -161,6 +170,7 @@ impl Graph {
                     n_vocab: d.weights.output.rows,
                     rms_eps: c.rms_eps,
                     attention: c.attention,
+                    gated_attention: false,
                     rope: c.rope.clone(),
                     gdn: None,
                     ffn: FfnShape::Dense {
@@ -177,6 +187,7 @@ impl Graph {
                     n_vocab: c.n_vocab,
                     rms_eps: c.rms_eps,
                     attention: c.attention,
+                    gated_attention: true,
                     rope: c.rope.clone(),
                     gdn: Some(c.gdn),
                     ffn: c.ffn,
@@ -242,7 +253,7 @@ impl Model {
 
     /// Whether the model has an MTP / NextN head.
     pub fn has_mtp_head(&self) -> bool {
-        matches!(&self.graph, Graph::Hybrid(h) if h.weights.mtp.is_some())
+        self.graph.mtp().is_some()
     }
 
     /// What the host is told about the model, with `n_ctx` the context size in effect.

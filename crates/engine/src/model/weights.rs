@@ -224,7 +224,8 @@ pub fn load_f32(file: &GgufFile, name: &str, dims: &[u64]) -> Result<Vec<f32>, L
 
 /// A vector of the file (a norm's weights, a bias, a per-head constant), decoded to f32 at
 /// load and named by its tensor, so an executor that keeps its own copy (a GPU) finds it by
-/// name, as it finds a [`MatrixRef`]'s.
+/// name, as it finds a [`MatrixRef`]'s: `name` is always the tensor's, and two vectors of one
+/// name hold the same values.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Vector {
     pub name: String,

@@ -81,7 +81,11 @@ impl LayerOps for GpuOps<'_> {
         dst: Cols,
         rows: &Rows,
     ) -> Result<(), PluginError> {
-        let (ws, wd) = (self.m.dims.width(src.act)?, self.m.dims.width(dst.act)?);
+        let len = weight.len();
+        let (ws, wd) = (
+            self.m.dims.cols_width(src, len)?,
+            self.m.dims.cols_width(dst, len)?,
+        );
         let w = self.m.store.vector(weight)?;
         let (x, out) = (self.at(src), self.at(dst));
         let eps = self.m.dims.rms_eps;
@@ -96,7 +100,10 @@ impl LayerOps for GpuOps<'_> {
     ) -> Result<(), PluginError> {
         let matrices = jobs
             .iter()
-            .map(|(w, dst)| Ok((self.m.store.matrix(w)?, self.ptr(*dst))))
+            .map(|&(w, dst)| {
+                self.m.dims.check_product(w, src, dst)?;
+                Ok((self.m.store.matrix(w)?, self.ptr(dst)))
+            })
             .collect::<Result<Vec<_>, PluginError>>()?;
         let jobs: Vec<_> = matrices.iter().map(|(w, out)| (w, *out)).collect();
         let s = &self.m.scratch;
@@ -104,17 +111,19 @@ impl LayerOps for GpuOps<'_> {
     }
 
     fn add_bias(&mut self, dst: Act, bias: &Vector, rows: &Rows) -> Result<(), PluginError> {
+        self.m.dims.check_row_vector(bias, dst)?;
         let bias = self.m.store.vector(bias)?;
         ops::add_row_bias(&self.m.gpu, self.ptr(dst), &bias, rows.n)
     }
 
     fn add(&mut self, dst: Act, src: Act, rows: &Rows) -> Result<(), PluginError> {
-        let n = rows.n * self.m.dims.width(dst)?;
+        let w = self.m.dims.common_width(dst, src)?;
+        let n = rows.n * w;
         ops::add_in_place(&self.m.gpu, self.ptr(dst), self.ptr(src), n)
     }
 
     fn swiglu(&mut self, gate: Act, up: Act, rows: &Rows) -> Result<(), PluginError> {
-        let n = rows.n * self.m.dims.width(gate)?;
+        let n = rows.n * self.m.dims.common_width(gate, up)?;
         ops::swiglu(&self.m.gpu, self.ptr(gate), self.ptr(up), n)
     }
 
@@ -126,6 +135,7 @@ impl LayerOps for GpuOps<'_> {
         slot: KvSlot,
         rows: &Rows,
     ) -> Result<(), PluginError> {
+        self.m.dims.check_qk(q, k)?;
         let a = self.m.dims.attention;
         let (hd, qw, kw) = (a.head_dim, a.q_width(), a.k_width());
         let (q_in, q_out) = match q {
@@ -185,7 +195,9 @@ impl LayerOps for GpuOps<'_> {
     }
 
     fn store_kv(&mut self, slot: KvSlot, k: Act, v: Act, rows: &Rows) -> Result<(), PluginError> {
-        let (kw, vw) = (self.m.dims.width(k)?, self.m.dims.width(v)?);
+        self.m.dims.check_kv(k, v)?;
+        let a = &self.m.dims.attention;
+        let (kw, vw) = (a.k_width(), a.v_width());
         let (n, pos0) = (rows.n, rows.pos0);
         let GpuModel {
             gpu,
@@ -208,6 +220,7 @@ impl LayerOps for GpuOps<'_> {
         dst: Act,
         rows: &Rows,
     ) -> Result<(), PluginError> {
+        self.m.dims.check_attend(q, gate, dst)?;
         let dims = self.attention_dims();
         let (hd, qw) = (dims.head_dim, dims.n_head * dims.head_dim);
         let queries = Heads {
@@ -249,7 +262,8 @@ impl LayerOps for GpuOps<'_> {
         rows: &Rows,
     ) -> Result<(), PluginError> {
         let m = &*self.m;
-        let (Some(shape), Some(state)) = (&m.dims.gdn, &m.ring) else {
+        let shape = &m.dims.check_gdn(&inputs, dst)?;
+        let Some(state) = &m.ring else {
             return Err(graph_error("a Gated DeltaNet layer without a device ring"));
         };
         let local = ring
@@ -342,10 +356,7 @@ impl LayerOps for GpuOps<'_> {
 
     fn moe(&mut self, w: &MoeWeights, src: Act, dst: Act, rows: &Rows) -> Result<(), PluginError> {
         let m = &*self.m;
-        let shape = m
-            .dims
-            .moe()
-            .ok_or_else(|| graph_error("MoE weights in a model with a dense FFN"))?;
+        let shape = m.dims.check_moe(src, dst)?;
         let (gpu, s, store) = (&m.gpu, &m.scratch, &m.store);
         let x = &s.extras;
         let (e, k, n) = (shape.n_embd, shape.n_used, rows.n);

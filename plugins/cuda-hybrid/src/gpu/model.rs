@@ -361,8 +361,23 @@ impl GpuModel {
         })
     }
 
+    /// Checks that `rows` fit the activation buffers.
+    fn check_rows(&self, rows: &Rows) -> Result<(), PluginError> {
+        if rows.n > self.scratch.rows {
+            return Err(PluginError::new(
+                specula_plugin_api::ErrorKind::Internal,
+                format!(
+                    "cuda-hybrid: a pass of {} rows, but the device buffers hold {}",
+                    rows.n, self.scratch.rows
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Runs the GPU trunk layers over the rows in [`Act::X`].
     pub fn forward_layers(&mut self, model: &Model, rows: &Rows) -> Result<(), PluginError> {
+        self.check_rows(rows)?;
         let layers = self.first_layer..self.n_layers;
         let mut ops = GpuOps::new(self);
         for layer in layers {
@@ -385,6 +400,7 @@ impl GpuModel {
                 "cuda-hybrid: the head is not on the GPU",
             ));
         }
+        self.check_rows(rows)?;
         arch::head(model, &mut GpuOps::new(self), rows, first_logit)
     }
 
@@ -402,6 +418,7 @@ impl GpuModel {
                 "cuda-hybrid: no MTP head on the GPU",
             ));
         }
+        self.check_rows(rows)?;
         arch::mtp(model, &mut GpuOps::new(self), rows, first_logit)
     }
 }
