@@ -1,7 +1,11 @@
 //! Activations ([`crate::activations`]): softmax's exponentials and their sum, SiLU, SwiGLU and
 //! the SiLU / sigmoid gates, AVX2 and AVX-512 kernels (bit-identical to the scalar references:
-//! the same operations on the same `exp`, lane by lane) and their safe entry points.
+//! the same operations on the same `exp`, lane by lane) and their safe entry points. Besides
+//! the softmax's maximum, the levels differ only in width: the kernels are written once over
+//! [`F32Lanes`] and instantiated by each level.
 
+#[cfg(target_arch = "x86_64")]
+use super::lanes::F32Lanes;
 use super::SimdLevel;
 
 /// The exponentials and their sum of [`crate::activations::softmax_in_place_at`] at a SIMD
@@ -131,53 +135,129 @@ unsafe fn gate_mul<const SIGMOID: bool>(
     }
 }
 
+/// `e^x` per lane: the operations of [`crate::activations::exp`], in its order.
+///
+/// # Safety
+///
+/// `V`'s instruction set available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn exp_lanes<V: F32Lanes>(x: V) -> V {
+    use crate::activations::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E};
+    // SAFETY: the instruction set is the caller's.
+    unsafe {
+        // `max` gives its second operand for a NaN lane, as `f32::max` gives the non-NaN one.
+        let x = x.max(V::splat(EXP_MIN)).min(V::splat(EXP_MAX));
+        let n = x.mul(V::splat(LOG2_E)).round();
+        let r = n.mul_add(V::splat(-LN2_HI), x);
+        let r = n.mul_add(V::splat(-LN2_LO), r);
+        let mut p = V::splat(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = p.mul_add(r, V::splat(*c));
+        }
+        let y = p.mul_add(r.mul(r), r).add(V::splat(1.0));
+        y.mul(n.exp2_whole())
+    }
+}
+
+/// `x / (1 + e^-x)` per lane, as [`crate::activations::silu`].
+///
+/// # Safety
+///
+/// `V`'s instruction set available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn silu_lanes<V: F32Lanes>(x: V) -> V {
+    // SAFETY: the instruction set is the caller's.
+    unsafe { x.div(V::splat(1.0).add(exp_lanes(x.neg()))) }
+}
+
+/// `1 / (1 + e^-x)` per lane, as [`crate::activations::sigmoid`].
+///
+/// # Safety
+///
+/// `V`'s instruction set available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sigmoid_lanes<V: F32Lanes>(x: V) -> V {
+    // SAFETY: the instruction set is the caller's.
+    unsafe {
+        let one = V::splat(1.0);
+        one.div(one.add(exp_lanes(x.neg())))
+    }
+}
+
+/// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
+/// the sigmoid, for the whole registers of `V` among `len` values; returns how many it did
+/// (the caller finishes the tail).
+///
+/// # Safety
+///
+/// `V`'s instruction set available; `gate` and `other` readable and `out` writable for `len`
+/// values. `out` may be `gate` or `other`: each value is read before it is written.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn gate_mul_lanes<V: F32Lanes, const SIGMOID: bool>(
+    gate: *const f32,
+    other: Option<*const f32>,
+    out: *mut f32,
+    len: usize,
+) -> usize {
+    let full = len / V::LANES;
+    // SAFETY: register `c < full` covers values `c·LANES ..` behind every pointer (the
+    // caller's contract), and the instruction set is the caller's.
+    unsafe {
+        for c in 0..full {
+            let at = c * V::LANES;
+            let g = V::load(gate.add(at));
+            let mut v = if SIGMOID {
+                sigmoid_lanes(g)
+            } else {
+                silu_lanes(g)
+            };
+            if let Some(other) = other {
+                v = v.mul(V::load(other.add(at)));
+            }
+            v.store(out.add(at));
+        }
+    }
+    full * V::LANES
+}
+
+/// `x[i] = exp(x[i] - max)` over whole chunks of 16, returning the sums of lanes 0–15 (value
+/// `i` of a chunk into lane `i`), for [`softmax_exp_sum`].
+///
+/// # Safety
+///
+/// `V`'s instruction set available; `V` has 8 or 16 lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn exp_sum_chunks<V: F32Lanes>(x: &mut [f32], max: f32) -> [f32; 16] {
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: each part of a chunk holds `LANES` values, `lanes` 16; the instruction set is
+    // the caller's.
+    unsafe {
+        let shift = V::splat(max);
+        let mut sums = [V::splat(0.0); 2];
+        for chunk in x.chunks_exact_mut(16) {
+            for (part, sum) in chunk.chunks_exact_mut(V::LANES).zip(&mut sums) {
+                let e = exp_lanes(V::load(part.as_ptr()).sub(shift));
+                e.store(part.as_mut_ptr());
+                *sum = sum.add(e);
+            }
+        }
+        for (k, sum) in sums.iter().take(16 / V::LANES).enumerate() {
+            sum.store(lanes.as_mut_ptr().add(k * V::LANES));
+        }
+    }
+    lanes
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// `e^x` per lane: the operations of [`crate::activations::exp`], in its order.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn exp_ps(x: __m256) -> __m256 {
-        use crate::activations::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E};
-        // `max` returns its second operand for a NaN lane, as `f32::max` returns the non-NaN one.
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
-            _mm256_set1_ps(EXP_MAX),
-        );
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(LOG2_E)),
-        );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-        let mut p = _mm256_set1_ps(EXP_POLY[0]);
-        for c in &EXP_POLY[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
-        }
-        let y = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
-    }
-
-    /// `x / (1 + e^-x)` per lane, as [`crate::activations::silu`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn silu_ps(x: __m256) -> __m256 {
-        let negated = _mm256_xor_ps(x, _mm256_set1_ps(-0.0));
-        _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), exp_ps(negated)))
-    }
-
-    /// `1 / (1 + e^-x)` per lane, as [`crate::activations::sigmoid`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn sigmoid_ps(x: __m256) -> __m256 {
-        let negated = _mm256_xor_ps(x, _mm256_set1_ps(-0.0));
-        let one = _mm256_set1_ps(1.0);
-        _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(negated)))
-    }
+    use crate::simd::lanes::Avx2;
 
     /// The largest value of `x` (whole chunks of 16) or -∞, for [`super::softmax_exp_sum`].
     ///
@@ -197,41 +277,22 @@ mod avx2 {
         lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
     }
 
-    /// `x[i] = exp(x[i] - max)` over whole chunks of 16 (two registers of lanes, 0–7 and 8–15),
-    /// returning the sums of lanes 0–15, for [`super::softmax_exp_sum`].
+    /// [`super::exp_sum_chunks`] with 8 lanes (lanes 0–7 and 8–15 in two registers).
     ///
     /// # Safety
     ///
     /// AVX2 and FMA must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn exp_sum_chunks(x: &mut [f32], max: f32) -> [f32; 16] {
-        let shift = _mm256_set1_ps(max);
-        let mut sums = [_mm256_setzero_ps(); 2];
-        for chunk in x.chunks_exact_mut(16) {
-            for (half, sum) in chunk.chunks_exact_mut(8).zip(&mut sums) {
-                // SAFETY: the half chunk holds 8 values.
-                unsafe {
-                    let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(half.as_ptr()), shift));
-                    _mm256_storeu_ps(half.as_mut_ptr(), e);
-                    *sum = _mm256_add_ps(*sum, e);
-                }
-            }
-        }
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: `lanes` holds 16 values.
-        unsafe {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), sums[0]);
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), sums[1]);
-        }
-        lanes
+        // SAFETY: AVX2 is available here.
+        unsafe { super::exp_sum_chunks::<Avx2>(x, max) }
     }
 
-    /// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
-    /// the sigmoid, for the whole registers of 8 among `len` values; returns how many it did
-    /// (the caller finishes the tail).
+    /// [`super::gate_mul_lanes`] with 8 lanes.
     ///
-    /// AVX2 and FMA must be available; `gate` and `other` readable and `out` writable for `len`
-    /// values. `out` may be `gate` or `other`: each value is read before it is written.
+    /// # Safety
+    ///
+    /// AVX2 and FMA must be available; the pointers as [`super::gate_mul_lanes`] says.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
         gate: *const f32,
@@ -239,25 +300,16 @@ mod avx2 {
         out: *mut f32,
         len: usize,
     ) -> usize {
-        let full = len / 8;
-        for c in 0..full {
-            // SAFETY: values `8c .. 8c + 8` exist behind every pointer (caller's contract).
-            unsafe {
-                let g = _mm256_loadu_ps(gate.add(8 * c));
-                let mut v = if SIGMOID { sigmoid_ps(g) } else { silu_ps(g) };
-                if let Some(other) = other {
-                    v = _mm256_mul_ps(v, _mm256_loadu_ps(other.add(8 * c)));
-                }
-                _mm256_storeu_ps(out.add(8 * c), v);
-            }
-        }
-        8 * full
+        // SAFETY: AVX2 is available here; the pointers are the caller's contract.
+        unsafe { super::gate_mul_lanes::<Avx2, SIGMOID>(gate, other, out, len) }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+
+    use crate::simd::lanes::Avx512;
 
     /// The largest value of `x` (whole chunks of 16) or -∞, for [`super::softmax_exp_sum`].
     ///
@@ -274,86 +326,22 @@ mod avx512 {
         _mm512_reduce_max_ps(max)
     }
 
-    /// `x[i] = exp(x[i] - max)` over whole chunks of 16, returning the sums of lanes 0–15, for
-    /// [`super::softmax_exp_sum`].
+    /// [`super::exp_sum_chunks`] with 16 lanes.
     ///
     /// # Safety
     ///
     /// AVX-512 must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(crate) unsafe fn exp_sum_chunks(x: &mut [f32], max: f32) -> [f32; 16] {
-        let shift = _mm512_set1_ps(max);
-        let mut sums = _mm512_setzero_ps();
-        for chunk in x.chunks_exact_mut(16) {
-            // SAFETY: the chunk holds 16 values.
-            unsafe {
-                let e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(chunk.as_ptr()), shift));
-                _mm512_storeu_ps(chunk.as_mut_ptr(), e);
-                sums = _mm512_add_ps(sums, e);
-            }
-        }
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: `lanes` holds 16 values.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
-        lanes
+        // SAFETY: AVX-512 is available here.
+        unsafe { super::exp_sum_chunks::<Avx512>(x, max) }
     }
 
-    /// `e^x` per lane: the operations of [`crate::activations::exp`], in its order.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[inline]
-    fn exp_ps(x: __m512) -> __m512 {
-        use crate::activations::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E};
-        // `max` returns its second operand for a NaN lane, as `f32::max` returns the non-NaN one.
-        let x = _mm512_min_ps(
-            _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
-            _mm512_set1_ps(EXP_MAX),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)),
-        );
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-        let mut p = _mm512_set1_ps(EXP_POLY[0]);
-        for c in &EXP_POLY[1..] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
-        }
-        let y = _mm512_add_ps(
-            _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
-            _mm512_set1_ps(1.0),
-        );
-        let biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-        _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
-    }
-
-    /// `x / (1 + e^-x)` per lane, as [`crate::activations::silu`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[inline]
-    fn silu_ps(x: __m512) -> __m512 {
-        let negated = _mm512_castsi512_ps(_mm512_xor_si512(
-            _mm512_castps_si512(x),
-            _mm512_set1_epi32(i32::MIN),
-        ));
-        _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), exp_ps(negated)))
-    }
-
-    /// `1 / (1 + e^-x)` per lane, as [`crate::activations::sigmoid`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[inline]
-    fn sigmoid_ps(x: __m512) -> __m512 {
-        let negated = _mm512_castsi512_ps(_mm512_xor_si512(
-            _mm512_castps_si512(x),
-            _mm512_set1_epi32(i32::MIN),
-        ));
-        let one = _mm512_set1_ps(1.0);
-        _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(negated)))
-    }
-
-    /// `out[i] = f(gate[i]) · other[i]` (without `other`: `f(gate[i])`), `f` SiLU or (`SIGMOID`)
-    /// the sigmoid, for the whole registers of 16 among `len` values; returns how many it did
-    /// (the caller finishes the tail).
+    /// [`super::gate_mul_lanes`] with 16 lanes.
     ///
-    /// The AVX-512 level must be available; `gate` and `other` readable and `out` writable for
-    /// `len` values. `out` may be `gate` or `other`: each value is read before it is written.
+    /// # Safety
+    ///
+    /// The AVX-512 level must be available; the pointers as [`super::gate_mul_lanes`] says.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(crate) unsafe fn gate_mul<const SIGMOID: bool>(
         gate: *const f32,
@@ -361,18 +349,7 @@ mod avx512 {
         out: *mut f32,
         len: usize,
     ) -> usize {
-        let full = len / 16;
-        for c in 0..full {
-            // SAFETY: values `16c .. 16c + 16` exist behind every pointer (caller's contract).
-            unsafe {
-                let g = _mm512_loadu_ps(gate.add(16 * c));
-                let mut v = if SIGMOID { sigmoid_ps(g) } else { silu_ps(g) };
-                if let Some(other) = other {
-                    v = _mm512_mul_ps(v, _mm512_loadu_ps(other.add(16 * c)));
-                }
-                _mm512_storeu_ps(out.add(16 * c), v);
-            }
-        }
-        16 * full
+        // SAFETY: AVX-512 is available here; the pointers are the caller's contract.
+        unsafe { super::gate_mul_lanes::<Avx512, SIGMOID>(gate, other, out, len) }
     }
 }

@@ -29,9 +29,11 @@
 //!
 //! Shared by them: `rows` (the row views [`Rows`] and `OutRows`, the per-pair
 //! [`Accumulator`], the loops that run a kernel over weight rows and passes of activation rows,
-//! and the AVX-512 whole-row sums of the integer kernels) and `x86` (the float-encoding tags
+//! and the AVX-512 whole-row sums of the integer kernels), `x86` (the float-encoding tags
 //! and the per-ISA helper intrinsics several concerns use: widening loads, accumulator lanes,
-//! horizontal sums, prefetches).
+//! horizontal sums, prefetches) and `lanes` (a register of f32 lanes, 8 or 16 wide: the kernels
+//! that differ between the levels only in width — RMSNorm's scaling, RoPE's rotation, the
+//! activations' exponential, SiLU, sigmoid and gates — are written once over it).
 //!
 //! # Multi-input kernels
 //!
@@ -62,6 +64,8 @@ mod delta_rule;
 mod float;
 mod interleaved;
 mod k_quant;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod norm_rope;
 mod quantize;
 mod rows;

@@ -1,7 +1,11 @@
 //! RMSNorm and RoPE ([`crate::ops`]): the sum of squares in f64 lanes, the scaling by the norm
 //! and the weight, and the rotation of RoPE's pairs, AVX2 and AVX-512 kernels over whole
 //! registers (the callers finish the tail with the scalar reference) and their entry points.
+//! The scaling and the rotation differ between the levels only in width: they are written once
+//! over [`F32Lanes`] and instantiated by each level.
 
+#[cfg(target_arch = "x86_64")]
+use super::lanes::F32Lanes;
 use super::SimdLevel;
 
 /// The squares of `x` (squared in f32) summed in f64 into 8 lanes, value `i` into lane
@@ -80,9 +84,72 @@ pub(crate) fn rotate_pairs(
     0
 }
 
+/// `out[i] = (x[i] · scale) · weight[i]` for the whole registers of `V` among `len` values;
+/// returns how many it did.
+///
+/// # Safety
+///
+/// `V`'s instruction set available; `x` and `weight` readable and `out` writable for `len`
+/// values (`out` may be `x`: each register is read before it is written).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scale_mul_lanes<V: F32Lanes>(
+    x: *const f32,
+    scale: f32,
+    weight: *const f32,
+    out: *mut f32,
+    len: usize,
+) -> usize {
+    let full = len / V::LANES;
+    // SAFETY: register `c < full` covers values `c·LANES ..` of every pointer (the caller's
+    // contract), and the instruction set is the caller's.
+    unsafe {
+        let s = V::splat(scale);
+        for c in 0..full {
+            let at = c * V::LANES;
+            let v = V::load(x.add(at)).mul(s).mul(V::load(weight.add(at)));
+            v.store(out.add(at));
+        }
+    }
+    full * V::LANES
+}
+
+/// Rotates pairs `(a, b) = (x0[i], x1[i])` to `(a·c − b·s, a·s + b·c)` by `cos[i]`, `sin[i]`
+/// for the whole registers of `V` among `len` pairs; returns how many it did.
+///
+/// # Safety
+///
+/// `V`'s instruction set available; `x0` and `x1` writable (not overlapping) and `cos`, `sin`
+/// readable for `len` values.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rotate_pairs_lanes<V: F32Lanes>(
+    x0: *mut f32,
+    x1: *mut f32,
+    cos: *const f32,
+    sin: *const f32,
+    len: usize,
+) -> usize {
+    let full = len / V::LANES;
+    // SAFETY: register `i < full` covers values `i·LANES ..` of every pointer (the caller's
+    // contract), and the instruction set is the caller's.
+    unsafe {
+        for i in 0..full {
+            let at = i * V::LANES;
+            let (a, b) = (V::load(x0.add(at)), V::load(x1.add(at)));
+            let (c, s) = (V::load(cos.add(at)), V::load(sin.add(at)));
+            a.mul(c).sub(b.mul(s)).store(x0.add(at));
+            a.mul(s).add(b.mul(c)).store(x1.add(at));
+        }
+    }
+    full * V::LANES
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
+
+    use crate::simd::lanes::Avx2;
 
     /// [`super::avx512::sum_squares_f64`] with AVX2: lanes 0-3 and 4-7 in two registers.
     ///
@@ -109,11 +176,11 @@ mod avx2 {
         (lanes, 8 * chunks)
     }
 
-    /// [`super::avx512::scale_mul`] with AVX2 (whole registers of 8).
+    /// [`super::scale_mul`]'s kernel with 8 lanes.
     ///
     /// # Safety
     ///
-    /// As the AVX-512 kernel, with AVX2 and FMA available.
+    /// AVX2 and FMA must be available; the pointers as [`super::scale_mul`] says.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn scale_mul(
         x: *const f32,
@@ -122,24 +189,16 @@ mod avx2 {
         out: *mut f32,
         len: usize,
     ) -> usize {
-        let full = len / 8;
-        let s = _mm256_set1_ps(scale);
-        for c in 0..full {
-            // SAFETY: values `8c .. 8c + 8` exist behind every pointer (caller's contract).
-            unsafe {
-                let v = _mm256_mul_ps(_mm256_loadu_ps(x.add(8 * c)), s);
-                let v = _mm256_mul_ps(v, _mm256_loadu_ps(weight.add(8 * c)));
-                _mm256_storeu_ps(out.add(8 * c), v);
-            }
-        }
-        8 * full
+        // SAFETY: AVX2 is available here; the pointers are the caller's contract.
+        unsafe { super::scale_mul_lanes::<Avx2>(x, scale, weight, out, len) }
     }
 
-    /// [`super::avx512::rotate_pairs`] with AVX2 (whole registers of 8).
+    /// [`super::rotate_pairs`]'s kernel with 8 lanes.
     ///
     /// # Safety
     ///
-    /// As the AVX-512 kernel, with AVX2 and FMA available.
+    /// AVX2 and FMA must be available; `x0` and `x1` writable (not overlapping) and `cos`,
+    /// `sin` readable for `len` values.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn rotate_pairs(
         x0: *mut f32,
@@ -148,31 +207,16 @@ mod avx2 {
         sin: *const f32,
         len: usize,
     ) -> usize {
-        let full = len / 8;
-        for i in 0..full {
-            // SAFETY: values `8i .. 8i + 8` exist behind every pointer (caller's contract).
-            unsafe {
-                let (a, b) = (
-                    _mm256_loadu_ps(x0.add(8 * i)),
-                    _mm256_loadu_ps(x1.add(8 * i)),
-                );
-                let (c, s) = (
-                    _mm256_loadu_ps(cos.add(8 * i)),
-                    _mm256_loadu_ps(sin.add(8 * i)),
-                );
-                let first = _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s));
-                let second = _mm256_add_ps(_mm256_mul_ps(a, s), _mm256_mul_ps(b, c));
-                _mm256_storeu_ps(x0.add(8 * i), first);
-                _mm256_storeu_ps(x1.add(8 * i), second);
-            }
-        }
-        8 * full
+        // SAFETY: AVX2 is available here; the pointers are the caller's contract.
+        unsafe { super::rotate_pairs_lanes::<Avx2>(x0, x1, cos, sin, len) }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+
+    use crate::simd::lanes::Avx512;
 
     /// The squares of `x`'s values (squared in f32) summed in f64 into 8 lanes, value `i` into
     /// lane `i % 8`, over the whole chunks of 8; returns the lanes and how many values it took.
@@ -195,13 +239,11 @@ mod avx512 {
         (lanes, 8 * chunks)
     }
 
-    /// `out[i] = (x[i] · scale) · weight[i]` for the whole registers of 16 among `len` values;
-    /// returns how many it did.
+    /// [`super::scale_mul`]'s kernel with 16 lanes.
     ///
     /// # Safety
     ///
-    /// The AVX-512 level must be available; `x` and `weight` readable and `out` writable for `len`
-    /// values (`out` may be `x`).
+    /// The AVX-512 level must be available; the pointers as [`super::scale_mul`] says.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(crate) unsafe fn scale_mul(
         x: *const f32,
@@ -210,21 +252,11 @@ mod avx512 {
         out: *mut f32,
         len: usize,
     ) -> usize {
-        let full = len / 16;
-        let s = _mm512_set1_ps(scale);
-        for c in 0..full {
-            // SAFETY: values `16c .. 16c + 16` exist behind every pointer (caller's contract).
-            unsafe {
-                let v = _mm512_mul_ps(_mm512_loadu_ps(x.add(16 * c)), s);
-                let v = _mm512_mul_ps(v, _mm512_loadu_ps(weight.add(16 * c)));
-                _mm512_storeu_ps(out.add(16 * c), v);
-            }
-        }
-        16 * full
+        // SAFETY: AVX-512 is available here; the pointers are the caller's contract.
+        unsafe { super::scale_mul_lanes::<Avx512>(x, scale, weight, out, len) }
     }
 
-    /// Rotates pairs `(a, b) = (x0[i], x1[i])` to `(a·c − b·s, a·s + b·c)` by `cos[i]`, `sin[i]`
-    /// for the whole registers of 16 among `len` pairs; returns how many it did.
+    /// [`super::rotate_pairs`]'s kernel with 16 lanes.
     ///
     /// # Safety
     ///
@@ -238,24 +270,7 @@ mod avx512 {
         sin: *const f32,
         len: usize,
     ) -> usize {
-        let full = len / 16;
-        for i in 0..full {
-            // SAFETY: values `16i .. 16i + 16` exist behind every pointer (caller's contract).
-            unsafe {
-                let (a, b) = (
-                    _mm512_loadu_ps(x0.add(16 * i)),
-                    _mm512_loadu_ps(x1.add(16 * i)),
-                );
-                let (c, s) = (
-                    _mm512_loadu_ps(cos.add(16 * i)),
-                    _mm512_loadu_ps(sin.add(16 * i)),
-                );
-                let first = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s));
-                let second = _mm512_add_ps(_mm512_mul_ps(a, s), _mm512_mul_ps(b, c));
-                _mm512_storeu_ps(x0.add(16 * i), first);
-                _mm512_storeu_ps(x1.add(16 * i), second);
-            }
-        }
-        16 * full
+        // SAFETY: AVX-512 is available here; the pointers are the caller's contract.
+        unsafe { super::rotate_pairs_lanes::<Avx512>(x0, x1, cos, sin, len) }
     }
 }
