@@ -41,7 +41,7 @@ use specula_engine::backend::opening::{self, Opening};
 use specula_engine::backend::{Backend, Chunk, Executor, MtpRows};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
-use specula_engine::graph::{Act, Rows};
+use specula_engine::graph::Act;
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::weights::MatrixRef;
 use specula_engine::model::{Graph, MatrixSite, Model};
@@ -469,65 +469,35 @@ impl Executor for CudaExecutor {
         let Some(d) = self.device.as_mut().filter(|_| self.placement.head_on_gpu) else {
             return self.host.mtp(model, pool, rows, logits, hidden_out);
         };
-        let MtpRows {
-            hidden,
-            tokens,
-            position,
-            batch_rows,
-        } = *rows;
         let weights = model
             .graph
             .mtp()
             .ok_or_else(|| internal("MTP step on a model without the head"))?;
         let e = model.graph.n_embd();
         let vocab = model.hparams.vocab_size as usize;
-        let n = tokens.len();
-        let first_logit_row = n - logits.len() / vocab;
-        let embed = weights.embed.view(&model.file)?;
-        let mut start = 0;
-        while start < n {
-            let m = batch_rows.min(n - start);
-            let logit_from = first_logit_row.max(start).min(start + m) - start;
-            {
-                let input = d.pinned_in.as_mut_slice()?;
-                for i in 0..m {
-                    let row = &mut input[i * 2 * e..(i + 1) * 2 * e];
-                    embed.dequantize_row(tokens[start + i] as usize, &mut row[..e]);
-                    row[e..].copy_from_slice(&hidden[(start + i) * e..(start + i + 1) * e]);
-                }
-            }
-            let gpu_model = &mut d.model;
-            let input = gpu_model.scratch.act_mut(Act::MtpIn);
-            gpu_model
-                .gpu
-                .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
-            let pass = Rows {
-                n: m,
-                pos0: position + start,
-                ring_step0: 0,
-            };
-            gpu_model.mtp(model, &pass, logit_from)?;
-            let n_rows = m - logit_from;
-            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
-            gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
-            gpu.copy_to_host(
-                &scratch.extras.logits,
-                0,
-                n_rows * vocab,
-                &mut d.pinned_logits,
-            )?;
-            gpu.sync()?;
-            hidden_out[start * e..(start + m) * e]
-                .copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            if n_rows > 0 {
-                // Rows before `first_logit_row` get no logits; this chunk's first logit row
-                // is logit row `to`.
-                let to = start + logit_from - first_logit_row;
-                logits[to * vocab..(to + n_rows) * vocab]
-                    .copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
-            }
-            start += m;
-        }
+        let m = rows.rows();
+        rows.write_inputs(
+            &weights.embed.view(&model.file)?,
+            d.pinned_in.as_mut_slice()?,
+        );
+        let gpu_model = &mut d.model;
+        let input = gpu_model.scratch.act_mut(Act::MtpIn);
+        gpu_model
+            .gpu
+            .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
+        gpu_model.mtp(model, &rows.pass_rows(), rows.logit_from)?;
+        let n_rows = m - rows.logit_from;
+        let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
+        gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
+        gpu.copy_to_host(
+            &scratch.extras.logits,
+            0,
+            n_rows * vocab,
+            &mut d.pinned_logits,
+        )?;
+        gpu.sync()?;
+        hidden_out.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
+        logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
         Ok(())
     }
 }

@@ -2,6 +2,8 @@
 
 use std::ops::RangeInclusive;
 
+use specula_kernels::WeightMatrix;
+
 use crate::graph::Rows;
 use crate::model::Model;
 use rayon::ThreadPool;
@@ -36,15 +38,46 @@ impl Chunk<'_> {
     }
 }
 
-/// The rows of one MTP-head call: the trunk's final hidden states (`tokens.len() × n_embd`)
-/// and the tokens after them, at positions `position ..`.
+/// The rows of one MTP-head pass (at most the executor's `batch_rows`): the trunk's final
+/// hidden states (`tokens.len() × n_embd`) and the tokens after them, at positions
+/// `position ..`; rows `logit_from ..` get logits.
 #[derive(Debug, Clone, Copy)]
 pub struct MtpRows<'a> {
     pub hidden: &'a [f32],
     pub tokens: &'a [u32],
     pub position: usize,
-    /// The most rows per pass (the executor's scratch holds this many).
-    pub batch_rows: usize,
+    pub logit_from: usize,
+}
+
+impl MtpRows<'_> {
+    /// Rows in the pass.
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The pass's rows as the graphs see them.
+    pub fn pass_rows(&self) -> Rows {
+        Rows {
+            n: self.tokens.len(),
+            pos0: self.position,
+            ring_step0: 0,
+        }
+    }
+
+    /// Writes the head's input rows `[embedding(token) | trunk hidden]` (`rows × 2·n_embd`,
+    /// `embed` the head's embedding) to the start of `out`.
+    pub fn write_inputs(&self, embed: &WeightMatrix<'_>, out: &mut [f32]) {
+        let e = self.hidden.len() / self.tokens.len().max(1);
+        let rows = out
+            .chunks_exact_mut(2 * e)
+            .zip(self.tokens)
+            .zip(self.hidden.chunks_exact(e));
+        for ((row, &token), hidden) in rows {
+            let (embedded, trunk) = row.split_at_mut(e);
+            embed.dequantize_row(token as usize, embedded);
+            trunk.copy_from_slice(hidden);
+        }
+    }
 }
 
 /// Runs a model's layers and owns the sequence's caches (attention KV, recurrent-state ring,
@@ -79,10 +112,10 @@ pub trait Executor: Send + Sync {
     /// Back to the empty sequence.
     fn reset(&mut self) -> Result<(), PluginError>;
 
-    /// Runs the MTP head over `rows` in passes of at most `rows.batch_rows`: its cache is cut
-    /// to `rows.position` entries and extended; `logits` holds the last `logits.len() / vocab`
-    /// rows' logits, `hidden_out` every row's head output. Only called when the capabilities
-    /// say the model has the head.
+    /// Runs the MTP head over one pass of `rows`: its cache is cut to `rows.position` entries
+    /// and extended by the rows; `logits` gets the logits of rows `rows.logit_from ..`,
+    /// `hidden_out` every row's head output. Only called when the capabilities say the model
+    /// has the head.
     fn mtp(
         &mut self,
         model: &Model,

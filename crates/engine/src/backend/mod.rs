@@ -380,15 +380,30 @@ impl<X: Executor> Backend<X> {
         logits.resize(rows.count(n) * vocab, 0.0);
         hidden_out.clear();
         hidden_out.resize(n * e, 0.0);
-        let rows = MtpRows {
-            hidden,
-            tokens,
-            position,
-            batch_rows: self.setup.batch_rows,
-        };
-        let result = self
-            .executor
-            .mtp(&self.model, &self.pool, &rows, logits, hidden_out);
+        // In passes of at most `batch_rows` rows (chunking changes no bits: every row is
+        // computed as a one-row call); rows `first_logit_row ..` of the call get logits.
+        let first_logit_row = n - rows.count(n);
+        let mut result = Ok(());
+        let mut start = 0;
+        while start < n && result.is_ok() {
+            let end = n.min(start + self.setup.batch_rows);
+            let lo = first_logit_row.clamp(start, end);
+            let at = lo.saturating_sub(first_logit_row) * vocab;
+            let pass = MtpRows {
+                hidden: &hidden[start * e..end * e],
+                tokens: &tokens[start..end],
+                position: position + start,
+                logit_from: lo - start,
+            };
+            result = self.executor.mtp(
+                &self.model,
+                &self.pool,
+                &pass,
+                &mut logits[at..at + (end - lo) * vocab],
+                &mut hidden_out[start * e..end * e],
+            );
+            start = end;
+        }
         // The head's cache was cut to `position` before the rows were appended.
         self.mtp_len = Some(match result {
             Ok(()) => position + n,

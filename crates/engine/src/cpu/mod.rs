@@ -216,9 +216,8 @@ impl CpuExecutor {
         Ok(())
     }
 
-    /// The MTP head over `rows` in passes of at most `rows.batch_rows` (see
-    /// [`Executor::mtp`]). Chunking changes no bits: every row is computed as a one-row call.
-    fn mtp_chunked(
+    /// The MTP head over one pass of `rows` (see [`Executor::mtp`]).
+    fn mtp_pass(
         &mut self,
         model: &Model,
         rows: &MtpRows<'_>,
@@ -231,41 +230,21 @@ impl CpuExecutor {
             .ok_or_else(|| internal("MTP step on a model without an MTP head"))?
             .embed
             .view(&model.file)?;
-        let (e, vocab, n) = (self.dims.n_embd, self.dims.n_vocab, rows.tokens.len());
-        let first_logit_row = n - logits.len() / vocab;
-        let mut start = 0;
-        while start < n {
-            let m = rows.batch_rows.max(1).min(n - start);
-            let position = rows.position + start;
-            let kv = self
-                .mtp_kv
-                .as_mut()
-                .ok_or_else(|| internal("MTP step without an MTP head on the CPU"))?;
-            kv.set_len(position);
-            let input = self.scratch.act_mut(Act::MtpIn);
-            for (i, row) in input[..m * 2 * e].chunks_exact_mut(2 * e).enumerate() {
-                let (embedded, hidden) = row.split_at_mut(e);
-                embed.dequantize_row(rows.tokens[start + i] as usize, embedded);
-                hidden.copy_from_slice(&rows.hidden[(start + i) * e..(start + i + 1) * e]);
-            }
-            // Rows `first_logit_row ..` of the call get logits; in this chunk, rows `lo ..`.
-            let lo = first_logit_row.clamp(start, start + m);
-            let at = lo.saturating_sub(first_logit_row) * vocab;
-            let chunk_logits = &mut logits[at..at + (start + m - lo) * vocab];
-            let first_logit = lo - start;
-            let pass = Rows {
-                n: m,
-                pos0: position,
-                ring_step0: 0,
-            };
-            let mut ops = self.ops(model, m, chunk_logits)?;
-            arch::mtp(model, &mut ops, &pass, first_logit)?;
-            hidden_out[start * e..(start + m) * e]
-                .copy_from_slice(&self.scratch.act(Act::Hidden)[..m * e]);
-            if let Some(kv) = self.mtp_kv.as_mut() {
-                kv.set_len(position + m);
-            }
-            start += m;
+        let (e, m) = (self.dims.n_embd, rows.rows());
+        if hidden_out.len() != m * e {
+            return Err(internal("the MTP hidden states do not fit the rows"));
+        }
+        let kv = self
+            .mtp_kv
+            .as_mut()
+            .ok_or_else(|| internal("MTP step without an MTP head on the CPU"))?;
+        kv.set_len(rows.position);
+        rows.write_inputs(embed, self.scratch.act_mut(Act::MtpIn));
+        let mut ops = self.ops(model, m, logits)?;
+        arch::mtp(model, &mut ops, &rows.pass_rows(), rows.logit_from)?;
+        hidden_out.copy_from_slice(&self.scratch.act(Act::Hidden)[..m * e]);
+        if let Some(kv) = self.mtp_kv.as_mut() {
+            kv.set_len(rows.position + m);
         }
         Ok(())
     }
@@ -339,6 +318,6 @@ impl Executor for CpuExecutor {
         if self.mtp_kv.is_none() {
             return Err(internal("MTP step without an MTP head on the CPU"));
         }
-        install_busy(pool, || self.mtp_chunked(model, rows, logits, hidden_out))
+        install_busy(pool, || self.mtp_pass(model, rows, logits, hidden_out))
     }
 }
