@@ -27,5 +27,6 @@ pub mod plugins;
 pub mod profile;
 pub mod request;
 pub mod sampling;
+pub mod sequence;
 pub mod serve;
 pub mod spec;

@@ -5,10 +5,11 @@ use std::path::Path;
 
 use anyhow::Context;
 use specula_gguf::GgufFile;
-use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, ModelInfo, PluginKind};
+use specula_plugin_api::{BoxedDrafter, ModelInfo, PluginKind};
 
 use crate::plugins::{backend_params, drafter_params, PluginProvenance, SearchPath};
 use crate::profile::{options_as_text, DrafterSection, Profile};
+use crate::sequence::SeqModel;
 use specula_tokenizer::Tokenizer;
 
 /// A drafter and the draft model the host opened for it.
@@ -16,13 +17,14 @@ pub struct DrafterSlot {
     /// The plugin name from the profile (`lookup`, `model`, `mtp`).
     pub name: String,
     pub drafter: BoxedDrafter,
-    /// The separate draft model, for model drafting.
-    pub draft_model: Option<BoxedForwardPass>,
+    /// The separate draft model and the drafter's sequence of it, for model drafting.
+    pub draft_model: Option<SeqModel>,
 }
 
 /// A loaded profile: target model, tokenizer and optional drafter.
 pub struct Pipeline {
-    pub target: BoxedForwardPass,
+    /// The target model and the sequence this pipeline decodes.
+    pub target: SeqModel,
     pub tokenizer: Tokenizer,
     pub info: ModelInfo,
     pub drafter: Option<DrafterSlot>,
@@ -58,6 +60,9 @@ impl Pipeline {
         );
         let backend = plugin.open_backend(&params)?;
         let info = backend.model_info();
+        let backend = SeqModel::new(backend)
+            .into_result()
+            .context("cannot create a sequence of the target model")?;
         if info.vocab_size as usize != tokenizer.vocab_size() {
             tracing::warn!(
                 model_vocab = info.vocab_size,
@@ -122,10 +127,13 @@ fn open_drafter(
                 profile.speculation.draft_max + 1,
                 Vec::new(),
             );
+            let backend = plugin
+                .open_backend(&params)
+                .with_context(|| format!("cannot open the draft model {}", model.display()))?;
             Some(
-                plugin
-                    .open_backend(&params)
-                    .with_context(|| format!("cannot open the draft model {}", model.display()))?,
+                SeqModel::new(backend)
+                    .into_result()
+                    .context("cannot create a sequence of the draft model")?,
             )
         }
         None => None,

@@ -1,11 +1,11 @@
 //! Loading plugins through the host's loader: the real cpu-simd library, libraries built
 //! against another ABI, libraries that are not plugins, and files that are not libraries.
 
-use abi_stable::std_types::{RSlice, RVec};
+use abi_stable::std_types::RVec;
 use specula_host::plugins::{
     backend_params, library_file_name, load_library, PluginError, SearchPath,
 };
-use specula_plugin_api::{ErrorKind, LogitRows, PluginKind, ABI_VERSION};
+use specula_plugin_api::{ErrorKind, LogitRows, PluginKind, SequenceCalls, ABI_VERSION};
 mod common;
 
 use common::*;
@@ -19,6 +19,7 @@ fn cpu_simd_loads_and_evaluates_across_the_abi() {
 
     let params = backend_params(&shared("models/stories260K.gguf"), 2, 256, 8, vec![]);
     let mut backend = plugin.open_backend(&params).unwrap();
+    let seq = backend.seq_create().into_result().unwrap();
     let model = backend.model_info();
     assert_eq!(model.architecture.as_str(), "llama");
     assert_eq!(model.vocab_size, 512);
@@ -28,15 +29,15 @@ fn cpu_simd_loads_and_evaluates_across_the_abi() {
     let prompt = [1u32, 403, 407, 261, 378];
     let mut batch = RVec::new();
     backend
-        .eval(RSlice::from_slice(&prompt), LogitRows::All, &mut batch)
+        .eval(seq, &prompt, LogitRows::All, &mut batch)
         .into_result()
         .unwrap();
     assert_eq!(batch.len(), prompt.len() * 512);
-    backend.truncate(0).into_result().unwrap();
+    backend.truncate(seq, 0).into_result().unwrap();
     let mut single = RVec::new();
     for (i, &t) in prompt.iter().enumerate() {
         backend
-            .eval(RSlice::from_slice(&[t]), LogitRows::Last, &mut single)
+            .eval(seq, &[t], LogitRows::Last, &mut single)
             .into_result()
             .unwrap();
         let row = &batch[i * 512..(i + 1) * 512];
@@ -50,17 +51,18 @@ fn cpu_simd_loads_and_evaluates_across_the_abi() {
 
     // Bad input comes back as errors, not panics.
     let err = backend
-        .eval(RSlice::from_slice(&[9999]), LogitRows::Last, &mut single)
+        .eval(seq, &[9999], LogitRows::Last, &mut single)
         .into_result()
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
-    let err = backend.truncate(1000).into_result().unwrap_err();
+    let err = backend.truncate(seq, 1000).into_result().unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     let mut hidden = RVec::new();
     let err = backend
         .mtp_eval(
-            RSlice::from_slice(&[0.0; 64]),
-            RSlice::from_slice(&[1]),
+            seq,
+            &[0.0; 64],
+            &[1],
             0,
             LogitRows::All,
             &mut single,

@@ -423,7 +423,7 @@ fn expected_pairs(
     let mut first = Vec::new();
     p.target.truncate(0).into_result().unwrap();
     p.target
-        .eval(RSlice::from_slice(prompt), LogitRows::Last, &mut logits)
+        .eval(prompt, LogitRows::Last, &mut logits)
         .into_result()
         .unwrap();
     sampler.distribution(&logits[..vocab], prompt, &mut first);
@@ -431,7 +431,7 @@ fn expected_pairs(
     for c1 in &first {
         p.target.truncate(prompt.len()).into_result().unwrap();
         p.target
-            .eval(RSlice::from_slice(&[c1.id]), LogitRows::Last, &mut logits)
+            .eval(&[c1.id], LogitRows::Last, &mut logits)
             .into_result()
             .unwrap();
         let mut history = prompt.to_vec();

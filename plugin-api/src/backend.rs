@@ -1,4 +1,4 @@
-//! The backend contract: one model, one sequence state.
+//! The backend contract: one model, many sequences, one forward pass over all of them.
 
 // abi_stable's `#[sabi_trait]` expands to impls inside a const block.
 #![allow(non_local_definitions)]
@@ -24,6 +24,8 @@ pub struct BackendParams {
     /// The largest verify batch the host intends to use (the snapshot-ring depth of recurrent
     /// models); the backend may advertise less.
     pub max_verify_tokens: u32,
+    /// The most sequences the host keeps at once; 0 means 1.
+    pub max_sequences: u32,
     /// Backend-specific settings from the profile's `[target.options]` table, as text.
     pub options: RVec<Tuple2<RString, RString>>,
 }
@@ -55,20 +57,27 @@ pub struct ModelInfo {
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
-    /// The most tokens one [`ForwardPass::eval`] verifies with per-row logits.
+    /// The most tokens of one sequence the host should verify in one pass (the snapshot ring
+    /// keeps this many states per sequence).
     pub max_verify_tokens: u32,
     /// How many tokens back [`ForwardPass::truncate`] can go without recomputation:
     /// `u32::MAX` for pure-attention models, the snapshot-ring depth for recurrent ones.
     pub rollback_depth: u32,
+    /// The most sequences live at once.
+    pub max_sequences: u32,
+    /// The most rows (over all chunks) one forward pass takes; larger batches run in several.
+    pub max_batch_rows: u32,
+    /// Attention KV capacity in tokens, over all sequences.
+    pub kv_tokens: u64,
     /// [`ForwardPass::hidden_states`] works.
     pub hidden_state_export: bool,
-    /// [`ForwardPass::mtp_eval`] works.
+    /// [`ForwardPass::mtp_eval_batch`] works.
     pub mtp_head: bool,
     /// Bytes one recurrent-state snapshot slot occupies (0 for pure-attention models).
     pub snapshot_bytes_per_slot: u64,
 }
 
-/// Which rows of an [`ForwardPass::eval`] get logits.
+/// Which rows of an [`EvalChunk`] get logits.
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitRows {
@@ -91,10 +100,49 @@ impl LogitRows {
     }
 }
 
-/// One model with one sequence state (KV cache and recurrent state).
+/// A sequence of one backend instance: the handle [`ForwardPass::seq_create`] returns.
+#[repr(transparent)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u32);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sequence {}", self.0)
+    }
+}
+
+/// One sequence's part of an [`ForwardPass::eval_batch`]: `tokens` appended at the positions
+/// after the sequence, the logits of `rows` of them returned.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct EvalChunk<'a> {
+    pub seq: SeqId,
+    pub tokens: RSlice<'a, u32>,
+    pub rows: LogitRows,
+}
+
+/// One sequence's part of an [`ForwardPass::mtp_eval_batch`]: the MTP head over consecutive
+/// positions `position ..` of the sequence. Row `i` takes the final-norm hidden state of
+/// position `position + i` (`hidden`, row-major, `hidden_size` per row) and the token at
+/// `position + i + 1` (`tokens[i]`), and gives the logits for position `position + i + 2`.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct MtpChunk<'a> {
+    pub seq: SeqId,
+    pub hidden: RSlice<'a, f32>,
+    pub tokens: RSlice<'a, u32>,
+    pub position: usize,
+    pub rows: LogitRows,
+}
+
+/// One model and the sequences evaluated over it (each with its KV cache, recurrent state and
+/// snapshot ring).
 ///
-/// Positions are implicit: the sequence holds [`seq_len`](ForwardPass::seq_len) tokens, and
-/// `eval` appends at the positions that follow.
+/// Positions are implicit: a sequence holds [`seq_len`](ForwardPass::seq_len) tokens, and an
+/// evaluation appends at the positions that follow. One [`eval_batch`](ForwardPass::eval_batch)
+/// evaluates chunks of several sequences in one forward pass (every weight matrix read once for
+/// all rows); each row is bit-identical to the same token evaluated alone in its sequence,
+/// whatever else shares the pass. The single-sequence calls of [`SequenceCalls`] wrap it.
 #[sabi_trait]
 pub trait ForwardPass: Send + Sync {
     /// Facts about the loaded model.
@@ -103,58 +151,108 @@ pub trait ForwardPass: Send + Sync {
     /// What this backend instance can do.
     fn capabilities(&self) -> Capabilities;
 
-    /// Number of tokens in the sequence state; an error once the instance is unusable (an
-    /// earlier call panicked).
-    fn seq_len(&self) -> PluginResult<usize>;
+    /// A new, empty sequence; an error ([`crate::ErrorKind::ContextFull`]) when
+    /// [`Capabilities::max_sequences`] are live.
+    fn seq_create(&mut self) -> PluginResult<SeqId>;
 
-    /// Evaluates `tokens` at positions `seq_len() ..`, in one pass, and writes the logits of
-    /// the requested rows into `logits` (row-major, `vocab_size` per row; resized).
+    /// A new sequence holding what `seq` holds (its tokens, caches, recurrent state and
+    /// rollback window): attention pages are shared until either writes them.
+    fn seq_fork(&mut self, seq: SeqId) -> PluginResult<SeqId>;
+
+    /// Ends `seq` and releases what it held.
+    fn seq_free(&mut self, seq: SeqId) -> PluginResult<()>;
+
+    /// Number of tokens in `seq`; an error once the instance is unusable (an earlier call
+    /// panicked).
+    fn seq_len(&self, seq: SeqId) -> PluginResult<usize>;
+
+    /// Evaluates every chunk's tokens at the positions after its sequence, all in one forward
+    /// pass (several passes of [`Capabilities::max_batch_rows`] rows when they do not fit one),
+    /// and writes the logits of the requested rows into `logits`: chunk by chunk in order,
+    /// row-major, `vocab_size` per row (resized). A sequence appears at most once per batch.
     ///
-    /// Row `i` of a multi-token eval is bit-identical to the logits a single-token eval of
-    /// `tokens[i]` at the same position would return.
-    fn eval(
+    /// Every row is bit-identical to the logits a single-token eval of that token at the same
+    /// position of its sequence would return.
+    fn eval_batch(
         &mut self,
-        tokens: RSlice<'_, u32>,
-        rows: LogitRows,
+        chunks: RSlice<'_, EvalChunk<'_>>,
         logits: &mut RVec<f32>,
     ) -> PluginResult<()>;
 
-    /// Cuts the sequence back to `len` tokens: attention KV is cut, recurrent state restored
-    /// from the snapshot ring. Fails with a clear error if `len` is beyond the rollback window
-    /// of a recurrent model.
-    fn truncate(&mut self, len: usize) -> PluginResult<()>;
+    /// Cuts `seq` back to `len` tokens: attention KV is cut, recurrent state restored from the
+    /// sequence's snapshot ring. Fails with a clear error if `len` is beyond the rollback
+    /// window of a recurrent model.
+    fn truncate(&mut self, seq: SeqId, len: usize) -> PluginResult<()>;
 
-    /// The final-norm hidden states of every row of the last `eval`
+    /// The final-norm hidden states of every row `seq` had in the last evaluation of it
     /// (row-major, `hidden_size` per row; resized).
-    fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()>;
+    fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()>;
 
-    /// The MTP head over consecutive positions, in one pass: row `i` takes the final-norm
-    /// hidden state of position `position + i` (`hidden`, row-major, `hidden_size` per row)
-    /// and the token at `position + i + 1` (`tokens[i]`), and gives the logits for position
-    /// `position + i + 2` and the head's own final-norm hidden state, which feeds a chained
-    /// step. `hidden_out` receives every row's hidden state; `logits` the rows asked for
-    /// (row-major, `vocab_size` per row; resized).
+    /// The MTP head over every chunk, in one pass: `hidden_out` receives every row's
+    /// final-norm hidden state of the head (which feeds a chained step), chunk by chunk;
+    /// `logits` the rows asked for (row-major, `vocab_size` per row; resized).
     ///
-    /// The head keeps its own KV cache, one entry per position. A call at `position` first
-    /// cuts that cache to `position` entries (so `position` may not exceed its length), then
-    /// appends one entry per row: feeding every accepted position keeps the cache in step with
-    /// the trunk, and chained draft steps overwrite each other's speculative entries.
-    /// [`truncate`] cuts it together with the trunk. Row `i` is bit-identical to a one-row
-    /// call at `position + i`.
+    /// The head keeps its own KV cache per sequence, one entry per position. A chunk at
+    /// `position` first cuts its sequence's head cache to `position` entries (so `position`
+    /// may not exceed its length), then appends one entry per row: feeding every accepted
+    /// position keeps the cache in step with the trunk, and chained draft steps overwrite each
+    /// other's speculative entries. [`truncate`] cuts it together with the trunk. Row `i` is
+    /// bit-identical to a one-row call at `position + i`.
     ///
     /// [`truncate`]: ForwardPass::truncate
     #[sabi(last_prefix_field)]
-    #[allow(clippy::too_many_arguments)]
-    fn mtp_eval(
+    fn mtp_eval_batch(
         &mut self,
-        hidden: RSlice<'_, f32>,
-        tokens: RSlice<'_, u32>,
-        position: usize,
-        rows: LogitRows,
+        chunks: RSlice<'_, MtpChunk<'_>>,
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()>;
 }
+
+/// One-sequence calls over [`ForwardPass`]'s batched ones (a batch of one chunk).
+pub trait SequenceCalls: ForwardPass {
+    /// Evaluates `tokens` at the positions after `seq` ([`ForwardPass::eval_batch`] of one
+    /// chunk).
+    fn eval(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        let chunk = EvalChunk {
+            seq,
+            tokens: RSlice::from_slice(tokens),
+            rows,
+        };
+        self.eval_batch(RSlice::from_slice(&[chunk]), logits)
+    }
+
+    /// The MTP head over consecutive positions of `seq` ([`ForwardPass::mtp_eval_batch`] of one
+    /// chunk).
+    #[allow(clippy::too_many_arguments)]
+    fn mtp_eval(
+        &mut self,
+        seq: SeqId,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        let chunk = MtpChunk {
+            seq,
+            hidden: RSlice::from_slice(hidden),
+            tokens: RSlice::from_slice(tokens),
+            position,
+            rows,
+        };
+        self.mtp_eval_batch(RSlice::from_slice(&[chunk]), logits, hidden_out)
+    }
+}
+
+impl<T: ForwardPass + ?Sized> SequenceCalls for T {}
 
 /// An owned backend instance as returned by a backend plugin.
 pub type BoxedForwardPass = ForwardPass_TO<'static, RBox<()>>;

@@ -8,7 +8,7 @@ use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{RBox, ROption, RSlice, RString, RVec, Tuple2};
 use abi_stable::StableAbi;
 
-use crate::backend::{ForwardPassMut, ModelInfo};
+use crate::backend::{Capabilities, ForwardPassMut, LogitRows, ModelInfo, SeqId, SequenceCalls};
 use crate::error::PluginResult;
 
 /// How a drafter is created (from the profile's `[drafter]` section).
@@ -26,15 +26,77 @@ pub struct DrafterParams {
     pub corpus: RVec<u32>,
 }
 
+/// A model lent to a drafter for one call, with the sequence the call is about: the
+/// request's sequence of the target, or the drafter's own sequence of the draft model.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct LentSequence<'a> {
+    pub model: ForwardPassMut<'a>,
+    pub seq: SeqId,
+}
+
+impl LentSequence<'_> {
+    /// Facts about the model.
+    pub fn model_info(&self) -> ModelInfo {
+        self.model.model_info()
+    }
+
+    /// What the backend instance can do.
+    pub fn capabilities(&self) -> Capabilities {
+        self.model.capabilities()
+    }
+
+    /// Tokens in the sequence.
+    pub fn len(&self) -> PluginResult<usize> {
+        self.model.seq_len(self.seq)
+    }
+
+    /// Evaluates `tokens` after the sequence ([`SequenceCalls::eval`]).
+    pub fn eval(
+        &mut self,
+        tokens: &[u32],
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        self.model.eval(self.seq, tokens, rows, logits)
+    }
+
+    /// Cuts the sequence to `len` tokens ([`crate::ForwardPass::truncate`]).
+    pub fn truncate(&mut self, len: usize) -> PluginResult<()> {
+        self.model.truncate(self.seq, len)
+    }
+
+    /// The hidden states of the sequence's last evaluated rows ([`crate::ForwardPass::hidden_states`]).
+    pub fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()> {
+        self.model.hidden_states(self.seq, out)
+    }
+
+    /// The MTP head over positions `position ..` of the sequence ([`SequenceCalls::mtp_eval`]).
+    pub fn mtp_eval(
+        &mut self,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        self.model
+            .mtp_eval(self.seq, hidden, tokens, position, rows, logits, hidden_out)
+    }
+}
+
 /// The models a drafter may use during one call. The host owns them and lends them per call;
-/// a drafter never opens a backend itself.
+/// a drafter never opens a backend itself. A drafter instance serves one sequence: the host
+/// creates one per sequence it decodes.
 #[repr(C)]
 #[derive(StableAbi)]
 pub struct DrafterModels<'a> {
-    /// The target model (used by MTP self-speculation).
-    pub target: ROption<ForwardPassMut<'a>>,
-    /// The separate draft model (used by draft-model speculation).
-    pub draft: ROption<ForwardPassMut<'a>>,
+    /// The target model and the request's sequence (used by MTP self-speculation).
+    pub target: ROption<LentSequence<'a>>,
+    /// The separate draft model and this drafter's sequence of it (used by draft-model
+    /// speculation).
+    pub draft: ROption<LentSequence<'a>>,
 }
 
 /// What the host asks of one [`Drafter::propose`] call.
@@ -162,14 +224,14 @@ impl DrafterParams {
 
 impl<'a> DrafterModels<'a> {
     /// The lent target model, or an error saying the host lent none.
-    pub fn target_model(&mut self) -> Result<&mut ForwardPassMut<'a>, crate::PluginError> {
+    pub fn target_model(&mut self) -> Result<&mut LentSequence<'a>, crate::PluginError> {
         self.target.as_mut().into_option().ok_or_else(|| {
             crate::PluginError::invalid_input("the host lent no target model to this drafter")
         })
     }
 
     /// The lent draft model, or an error saying the host lent none.
-    pub fn draft_model(&mut self) -> Result<&mut ForwardPassMut<'a>, crate::PluginError> {
+    pub fn draft_model(&mut self) -> Result<&mut LentSequence<'a>, crate::PluginError> {
         self.draft.as_mut().into_option().ok_or_else(|| {
             crate::PluginError::invalid_input(
                 "the host lent no draft model to this drafter (set `[drafter] model = FILE`)",

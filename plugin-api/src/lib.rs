@@ -24,19 +24,19 @@ pub mod testing;
 
 pub use abi_stable;
 pub use backend::{
-    box_forward_pass, BackendParams, BoxedForwardPass, Capabilities, ForwardPass, ForwardPassMut,
-    ForwardPass_TO, LogitRows, ModelInfo,
+    box_forward_pass, BackendParams, BoxedForwardPass, Capabilities, EvalChunk, ForwardPass,
+    ForwardPassMut, ForwardPass_TO, LogitRows, ModelInfo, MtpChunk, SeqId, SequenceCalls,
 };
 pub use drafter::{
     box_drafter, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
-    Drafter_TO,
+    Drafter_TO, LentSequence,
 };
 pub use error::{guard, ErrorKind, PanicFence, PluginError, PluginResult};
 pub use module::{PluginInfo, PluginKind, PluginModule, PluginModuleRef};
 
 /// The ABI version this crate defines. The host accepts a plugin only when the plugin reports
 /// exactly this number. Bump it on any change to a type reachable from [`PluginModule`].
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
 /// Name of the plain `extern "C" fn() -> u32` every plugin exports, returning its [`ABI_VERSION`].
 pub const ABI_VERSION_SYMBOL: &str = "specula_plugin_abi_version";

@@ -2,7 +2,10 @@
 
 use abi_stable::std_types::{RSlice, RString, RVec, Tuple2};
 
-use crate::{BackendParams, ErrorKind, ForwardPass, LogitRows, PanicFence, PluginError};
+use crate::{
+    BackendParams, ErrorKind, EvalChunk, ForwardPass, LogitRows, MtpChunk, PanicFence, PluginError,
+    SeqId, SequenceCalls,
+};
 
 /// The parameters opening the model at `model_path` with `threads` threads, a context of
 /// `context_size` tokens (0: the trained length), a verify capacity of `max_verify_tokens`
@@ -19,6 +22,7 @@ pub fn backend_params(
         threads,
         context_size,
         max_verify_tokens,
+        max_sequences: 0,
         options: options
             .iter()
             .map(|(k, v)| Tuple2(RString::from(*k), RString::from(*v)))
@@ -68,11 +72,12 @@ pub fn assert_refuses_every_call_after_a_panic<B: ForwardPass>(
     plugin: &str,
 ) {
     let mut logits = RVec::new();
+    let seq = new_seq(backend);
     backend
-        .eval(RSlice::from_slice(&[1, 2]), LogitRows::Last, &mut logits)
+        .eval(seq, &[1, 2], LogitRows::Last, &mut logits)
         .into_result()
         .expect("a first eval");
-    assert_eq!(backend.seq_len().into_result(), Ok(2));
+    assert_eq!(backend.seq_len(seq).into_result(), Ok(2));
 
     let panicked = fence
         .guard(plugin, || -> Result<(), PluginError> {
@@ -90,21 +95,25 @@ pub fn assert_refuses_every_call_after_a_panic<B: ForwardPass>(
             "{e}"
         );
     };
-    refused(backend.seq_len().into_result().map(|_| ()));
+    refused(backend.seq_len(seq).into_result().map(|_| ()));
     refused(
         backend
-            .eval(RSlice::from_slice(&[3]), LogitRows::Last, &mut logits)
+            .eval(seq, &[3], LogitRows::Last, &mut logits)
             .into_result(),
     );
-    refused(backend.truncate(1).into_result());
+    refused(backend.truncate(seq, 1).into_result());
+    refused(backend.seq_create().into_result().map(|_| ()));
+    refused(backend.seq_fork(seq).into_result().map(|_| ()));
+    refused(backend.seq_free(seq).into_result());
     let mut hidden = RVec::new();
-    refused(backend.hidden_states(&mut hidden).into_result());
+    refused(backend.hidden_states(seq, &mut hidden).into_result());
     let e = backend.model_info().hidden_size as usize;
     refused(
         backend
             .mtp_eval(
-                RSlice::from_slice(&vec![0.0; e]),
-                RSlice::from_slice(&[1]),
+                seq,
+                &vec![0.0; e],
+                &[1],
                 0,
                 LogitRows::All,
                 &mut logits,
@@ -117,30 +126,129 @@ pub fn assert_refuses_every_call_after_a_panic<B: ForwardPass>(
     let _ = backend.capabilities();
 }
 
-/// Evaluates `tokens` and returns the requested logits (panicking, naming the tokens, on an
-/// error).
-pub fn eval<B: ForwardPass>(b: &mut B, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
-    let mut logits = RVec::new();
-    b.eval(RSlice::from(tokens), rows, &mut logits)
+/// A backend instance and one sequence of it: what single-sequence tests need. Derefs to the
+/// backend for everything else.
+pub struct Solo<B> {
+    pub backend: B,
+    pub seq: SeqId,
+}
+
+impl<B: ForwardPass> Solo<B> {
+    /// `backend` with a new sequence.
+    pub fn new(mut backend: B) -> Self {
+        let seq = new_seq(&mut backend);
+        Self { backend, seq }
+    }
+
+    /// Evaluates `tokens` after the sequence and returns the requested logits.
+    pub fn eval(&mut self, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
+        eval(&mut self.backend, self.seq, tokens, rows)
+    }
+
+    /// [`SequenceCalls::eval`] on the sequence, errors returned.
+    pub fn try_eval(
+        &mut self,
+        tokens: &[u32],
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+    ) -> Result<(), PluginError> {
+        self.backend
+            .eval(self.seq, tokens, rows, logits)
+            .into_result()
+    }
+
+    /// The hidden states of the sequence's last evaluated rows.
+    pub fn hidden(&self) -> Vec<f32> {
+        hidden(&self.backend, self.seq)
+    }
+
+    /// Tokens in the sequence.
+    pub fn len(&self) -> usize {
+        seq_len(&self.backend, self.seq)
+    }
+
+    /// Whether the sequence is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Cuts the sequence to `len` tokens, errors returned.
+    pub fn truncate_to(&mut self, len: usize) -> Result<(), PluginError> {
+        self.backend.truncate(self.seq, len).into_result()
+    }
+
+    /// [`SequenceCalls::mtp_eval`] on the sequence, errors returned.
+    pub fn mtp_eval(
+        &mut self,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), PluginError> {
+        self.backend
+            .mtp_eval(self.seq, hidden, tokens, position, rows, logits, hidden_out)
+            .into_result()
+    }
+}
+
+impl<B> std::ops::Deref for Solo<B> {
+    type Target = B;
+    fn deref(&self) -> &B {
+        &self.backend
+    }
+}
+
+impl<B> std::ops::DerefMut for Solo<B> {
+    fn deref_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+}
+
+/// A new sequence of `b` (panicking on an error).
+pub fn new_seq<B: ForwardPass + ?Sized>(b: &mut B) -> SeqId {
+    b.seq_create()
         .into_result()
-        .unwrap_or_else(|e| panic!("eval of {tokens:?}: {e}"));
+        .unwrap_or_else(|e| panic!("seq_create: {e}"))
+}
+
+/// Evaluates `tokens` after `seq` and returns the requested logits (panicking, naming the
+/// tokens, on an error).
+pub fn eval<B: ForwardPass + ?Sized>(
+    b: &mut B,
+    seq: SeqId,
+    tokens: &[u32],
+    rows: LogitRows,
+) -> Vec<f32> {
+    let mut logits = RVec::new();
+    b.eval(seq, tokens, rows, &mut logits)
+        .into_result()
+        .unwrap_or_else(|e| panic!("eval of {tokens:?} in {seq}: {e}"));
     logits.to_vec()
 }
 
-/// The hidden states of the last eval's rows.
-pub fn hidden<B: ForwardPass>(b: &B) -> Vec<f32> {
+/// The hidden states of `seq`'s last evaluated rows.
+pub fn hidden<B: ForwardPass + ?Sized>(b: &B, seq: SeqId) -> Vec<f32> {
     let mut out = RVec::new();
-    b.hidden_states(&mut out)
+    b.hidden_states(seq, &mut out)
         .into_result()
-        .unwrap_or_else(|e| panic!("hidden_states: {e}"));
+        .unwrap_or_else(|e| panic!("hidden_states of {seq}: {e}"));
     out.to_vec()
 }
 
-/// Truncates the sequence to `len` tokens.
-pub fn truncate<B: ForwardPass>(b: &mut B, len: usize) {
-    b.truncate(len)
+/// Truncates `seq` to `len` tokens.
+pub fn truncate<B: ForwardPass + ?Sized>(b: &mut B, seq: SeqId, len: usize) {
+    b.truncate(seq, len)
         .into_result()
-        .unwrap_or_else(|e| panic!("truncate to {len}: {e}"));
+        .unwrap_or_else(|e| panic!("truncate {seq} to {len}: {e}"));
+}
+
+/// The length of `seq`.
+pub fn seq_len<B: ForwardPass + ?Sized>(b: &B, seq: SeqId) -> usize {
+    b.seq_len(seq)
+        .into_result()
+        .unwrap_or_else(|e| panic!("seq_len of {seq}: {e}"))
 }
 
 /// The index of the largest logit (the first of equals).
@@ -154,16 +262,21 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
-pub fn greedy<B: ForwardPass>(b: &mut B, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut next = argmax(&eval(b, prompt, LogitRows::Last));
+/// Greedy decoding of `n` tokens after `prompt` in `seq`, one token per eval.
+pub fn greedy<B: ForwardPass + ?Sized>(
+    b: &mut B,
+    seq: SeqId,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
+    let mut next = argmax(&eval(b, seq, prompt, LogitRows::Last));
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
         out.push(next);
         if out.len() == n {
             break;
         }
-        let logits = eval(b, &[next], LogitRows::Last);
+        let logits = eval(b, seq, &[next], LogitRows::Last);
         assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
         next = argmax(&logits);
     }
@@ -181,12 +294,13 @@ pub fn row(values: &[f32], i: usize, width: usize) -> &[f32] {
 }
 
 /// Asserts the verify-row contract of a backend (`batched` and `single` fresh instances of
-/// one model): `prompt` evaluated in one call gives every row's logits and hidden states bit
-/// for bit as token-by-token evals, and so does a k-token eval of random tokens (seeded by
-/// `seed`) for every k of `ks`; a k-token `Last` eval gives the last row of an `All` eval.
+/// one model, each with an empty sequence): `prompt` evaluated in one call gives every row's
+/// logits and hidden states bit for bit as token-by-token evals, and so does a k-token eval of
+/// random tokens (seeded by `seed`) for every k of `ks`; a k-token `Last` eval gives the last
+/// row of an `All` eval.
 pub fn assert_verify_rows_match_single_evals<B: ForwardPass>(
-    batched: &mut B,
-    single: &mut B,
+    batched: &mut Solo<B>,
+    single: &mut Solo<B>,
     prompt: &[u32],
     ks: &[usize],
     seed: u64,
@@ -194,10 +308,12 @@ pub fn assert_verify_rows_match_single_evals<B: ForwardPass>(
 ) {
     let info = batched.model_info();
     let (vocab, e) = (info.vocab_size as usize, info.hidden_size as usize);
-    let prefill = eval(batched, prompt, LogitRows::All);
-    let prefill_hidden = hidden(batched);
+    let (bs, ss) = (batched.seq, single.seq);
+    let (batched, single) = (&mut batched.backend, &mut single.backend);
+    let prefill = eval(batched, bs, prompt, LogitRows::All);
+    let prefill_hidden = hidden(batched, bs);
     for (i, &t) in prompt.iter().enumerate() {
-        let r = eval(single, &[t], LogitRows::Last);
+        let r = eval(single, ss, &[t], LogitRows::Last);
         assert_eq!(
             bits(row(&prefill, i, vocab)),
             bits(&r),
@@ -205,18 +321,18 @@ pub fn assert_verify_rows_match_single_evals<B: ForwardPass>(
         );
         assert_eq!(
             bits(row(&prefill_hidden, i, e)),
-            bits(&hidden(single)),
+            bits(&hidden(single, ss)),
             "{name}: prompt hidden {i}"
         );
     }
     let mut rng = Rng::new(seed);
     for &k in ks {
         let tokens = rng.tokens(k, vocab as u32);
-        let all = eval(batched, &tokens, LogitRows::All);
-        let all_hidden = hidden(batched);
+        let all = eval(batched, bs, &tokens, LogitRows::All);
+        let all_hidden = hidden(batched, bs);
         assert_eq!((all.len(), all_hidden.len()), (k * vocab, k * e), "{name}");
         for (i, &t) in tokens.iter().enumerate() {
-            let r = eval(single, &[t], LogitRows::Last);
+            let r = eval(single, ss, &[t], LogitRows::Last);
             assert!(r.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
             assert_eq!(
                 bits(row(&all, i, vocab)),
@@ -225,24 +341,202 @@ pub fn assert_verify_rows_match_single_evals<B: ForwardPass>(
             );
             assert_eq!(
                 bits(row(&all_hidden, i, e)),
-                bits(&hidden(single)),
+                bits(&hidden(single, ss)),
                 "{name}: k={k}, hidden row {i}"
             );
         }
         let last_tokens = rng.tokens(k, vocab as u32);
-        let last = eval(batched, &last_tokens, LogitRows::Last);
-        let reference = eval(single, &last_tokens, LogitRows::All);
+        let last = eval(batched, bs, &last_tokens, LogitRows::Last);
+        let reference = eval(single, ss, &last_tokens, LogitRows::All);
         assert_eq!(
             bits(&last),
             bits(row(&reference, k - 1, vocab)),
             "{name}: k={k}, Last"
         );
     }
-    assert_eq!(
-        batched.seq_len().into_result(),
-        single.seq_len().into_result(),
-        "{name}"
-    );
+    assert_eq!(seq_len(batched, bs), seq_len(single, ss), "{name}");
+}
+
+/// One sequence of [`assert_batches_match_sequences_alone`]: its id in the batched instance
+/// and in the reference instance.
+#[derive(Debug, Clone, Copy)]
+struct Pair {
+    batched: SeqId,
+    alone: SeqId,
+}
+
+/// Asserts the many-sequence contract (`batched` and `alone` fresh instances of one model,
+/// each allowing `n_seqs` sequences): over `steps` rounds of random work (seeded by `seed`),
+/// every row of an [`ForwardPass::eval_batch`] over up to `n_seqs` sequences of mixed lengths
+/// — prefill chunks beside verify rows of mixed widths, some rows with logits and some
+/// without — gets the logits and hidden states, bit for bit, that the same chunk evaluated
+/// alone in its sequence gets; and so do the MTP head's rows of an
+/// [`ForwardPass::mtp_eval_batch`] where the model has the head. Between rounds sequences are
+/// truncated (within `rollback`), forked, freed and created.
+pub fn assert_batches_match_sequences_alone<B: ForwardPass>(
+    batched: &mut B,
+    alone: &mut B,
+    n_seqs: usize,
+    steps: usize,
+    rollback: usize,
+    seed: u64,
+    name: &str,
+) {
+    let info = batched.model_info();
+    let (vocab, e) = (info.vocab_size as usize, info.hidden_size as usize);
+    let context = info.context_size as usize;
+    let mut rng = Rng::new(seed);
+    let mut seqs: Vec<Pair> = Vec::new();
+    let mut hidden_in: Vec<Vec<f32>> = Vec::new();
+    for step in 0..steps {
+        while seqs.len() < n_seqs.min(step + 1).max(1) {
+            seqs.push(Pair {
+                batched: new_seq(batched),
+                alone: new_seq(alone),
+            });
+        }
+        // Each sequence brings a prefill chunk (long, first) or a verify chunk of 1..=5 rows.
+        let mut plan: Vec<(usize, Vec<u32>, LogitRows)> = Vec::new();
+        for (i, pair) in seqs.iter().enumerate() {
+            let len = seq_len(batched, pair.batched);
+            let n = if len == 0 || rng.below(4) == 0 {
+                1 + rng.below(40) as usize
+            } else {
+                1 + rng.below(5) as usize
+            };
+            if len + n + 8 > context || rng.below(8) == 0 {
+                continue;
+            }
+            let rows = match rng.below(3) {
+                0 => LogitRows::Last,
+                1 if n > 1 => LogitRows::None,
+                _ => LogitRows::All,
+            };
+            plan.push((i, rng.tokens(n, vocab as u32), rows));
+        }
+        if plan.is_empty() {
+            continue;
+        }
+        let chunks: Vec<EvalChunk<'_>> = plan
+            .iter()
+            .map(|(i, tokens, rows)| EvalChunk {
+                seq: seqs[*i].batched,
+                tokens: RSlice::from_slice(tokens),
+                rows: *rows,
+            })
+            .collect();
+        let mut logits = RVec::new();
+        batched
+            .eval_batch(RSlice::from_slice(&chunks), &mut logits)
+            .into_result()
+            .unwrap_or_else(|e| panic!("{name}: step {step}: eval_batch: {e}"));
+        let mut at = 0;
+        hidden_in.clear();
+        for (i, tokens, rows) in &plan {
+            let pair = seqs[*i];
+            let alone_logits = eval(alone, pair.alone, tokens, *rows);
+            let count = rows.count(tokens.len()) * vocab;
+            assert_eq!(
+                bits(&logits[at..at + count]),
+                bits(&alone_logits),
+                "{name}: step {step}: logits of {} ({} tokens, {rows:?}) in a batch of {} chunks",
+                pair.batched,
+                tokens.len(),
+                plan.len()
+            );
+            at += count;
+            let h = hidden(batched, pair.batched);
+            assert_eq!(
+                bits(&h),
+                bits(&hidden(alone, pair.alone)),
+                "{name}: step {step}: hidden states of {}",
+                pair.batched
+            );
+            hidden_in.push(h);
+        }
+        assert_eq!(at, logits.len(), "{name}: step {step}: logits returned");
+        if info.has_mtp_head {
+            let positions: Vec<usize> = plan
+                .iter()
+                .map(|(i, tokens, _)| seq_len(batched, seqs[*i].batched) - tokens.len())
+                .collect();
+            let chunks: Vec<MtpChunk<'_>> = plan
+                .iter()
+                .zip(&hidden_in)
+                .zip(&positions)
+                .map(|(((i, tokens, rows), h), &position)| MtpChunk {
+                    seq: seqs[*i].batched,
+                    hidden: RSlice::from_slice(h),
+                    tokens: RSlice::from_slice(tokens),
+                    position,
+                    rows: *rows,
+                })
+                .collect();
+            let (mut logits, mut hidden_out) = (RVec::new(), RVec::new());
+            batched
+                .mtp_eval_batch(RSlice::from_slice(&chunks), &mut logits, &mut hidden_out)
+                .into_result()
+                .unwrap_or_else(|e| panic!("{name}: step {step}: mtp_eval_batch: {e}"));
+            let (mut at, mut hat) = (0, 0);
+            for (((i, tokens, rows), h), &position) in plan.iter().zip(&hidden_in).zip(&positions) {
+                let (mut l, mut ho) = (RVec::new(), RVec::new());
+                alone
+                    .mtp_eval(seqs[*i].alone, h, tokens, position, *rows, &mut l, &mut ho)
+                    .into_result()
+                    .unwrap_or_else(|e| panic!("{name}: step {step}: mtp_eval: {e}"));
+                assert_eq!(
+                    bits(&logits[at..at + l.len()]),
+                    bits(&l),
+                    "{name}: step {step}: MTP logits of {}",
+                    seqs[*i].batched
+                );
+                assert_eq!(
+                    bits(&hidden_out[hat..hat + ho.len()]),
+                    bits(&ho),
+                    "{name}: step {step}: MTP hidden states of {}",
+                    seqs[*i].batched
+                );
+                at += l.len();
+                hat += ho.len();
+            }
+            assert_eq!((at, hat), (logits.len(), tokens_rows(&plan) * e), "{name}");
+        }
+        // Between rounds: truncations within the rollback window, forks, frees.
+        for (i, tokens, _) in &plan {
+            let pair = seqs[*i];
+            let back = (rng.below(tokens.len() as u32 + 1) as usize).min(rollback);
+            let len = seq_len(batched, pair.batched) - back;
+            truncate(batched, pair.batched, len);
+            truncate(alone, pair.alone, len);
+        }
+        match rng.below(6) {
+            0 if seqs.len() < n_seqs => {
+                let from = seqs[rng.below(seqs.len() as u32) as usize];
+                let fork = |b: &mut B, s| {
+                    b.seq_fork(s)
+                        .into_result()
+                        .unwrap_or_else(|e| panic!("{name}: step {step}: seq_fork: {e}"))
+                };
+                seqs.push(Pair {
+                    batched: fork(batched, from.batched),
+                    alone: fork(alone, from.alone),
+                });
+            }
+            1 if seqs.len() > 1 => {
+                let gone = seqs.swap_remove(rng.below(seqs.len() as u32) as usize);
+                for (b, s) in [(&mut *batched, gone.batched), (&mut *alone, gone.alone)] {
+                    b.seq_free(s)
+                        .into_result()
+                        .unwrap_or_else(|e| panic!("{name}: step {step}: seq_free: {e}"));
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn tokens_rows(plan: &[(usize, Vec<u32>, LogitRows)]) -> usize {
+    plan.iter().map(|(_, tokens, _)| tokens.len()).sum()
 }
 
 /// FNV-1a over the bits of f32 values: [`fingerprint`]'s hash.
@@ -272,13 +566,15 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
     let mut fp = Fnv(0xcbf2_9ce4_8422_2325);
     let (mut logits, mut hidden) = (RVec::new(), RVec::new());
     let (mut mtp_logits, mut mtp_hidden) = (RVec::new(), RVec::new());
+    let seq = b.seq_create().into_result()?;
     let mut mtp = |b: &mut B, hidden: &[f32], tokens: &[u32], at, rows, fp: &mut Fnv| {
         if !info.has_mtp_head {
             return Ok(());
         }
         b.mtp_eval(
-            RSlice::from_slice(hidden),
-            RSlice::from_slice(tokens),
+            seq,
+            hidden,
+            tokens,
             at,
             rows,
             &mut mtp_logits,
@@ -291,9 +587,9 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
     };
 
     let prompt: Vec<u32> = (0..100).map(|i| (i * 37 + 1) % vocab).collect();
-    b.eval(RSlice::from_slice(&prompt), LogitRows::All, &mut logits)
+    b.eval(seq, &prompt, LogitRows::All, &mut logits)
         .into_result()?;
-    b.hidden_states(&mut hidden).into_result()?;
+    b.hidden_states(seq, &mut hidden).into_result()?;
     fp.add(&logits);
     fp.add(&hidden);
     for rows in [LogitRows::All, LogitRows::Last] {
@@ -301,17 +597,17 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
     }
     for step in 0..6u32 {
         let draft: Vec<u32> = (0..5).map(|i| (step * 101 + i * 13 + 7) % vocab).collect();
-        let len = b.seq_len().into_result()?;
-        b.eval(RSlice::from_slice(&draft), LogitRows::All, &mut logits)
+        let len = b.seq_len(seq).into_result()?;
+        b.eval(seq, &draft, LogitRows::All, &mut logits)
             .into_result()?;
-        b.hidden_states(&mut hidden).into_result()?;
+        b.hidden_states(seq, &mut hidden).into_result()?;
         fp.add(&logits);
         fp.add(&hidden);
         mtp(b, &hidden, &draft, len, LogitRows::All, &mut fp)?;
-        b.truncate(len + step as usize % 4).into_result()?;
+        b.truncate(seq, len + step as usize % 4).into_result()?;
     }
-    b.truncate(10).into_result()?;
-    b.eval(RSlice::from_slice(&[3, 4, 5]), LogitRows::Last, &mut logits)
+    b.truncate(seq, 10).into_result()?;
+    b.eval(seq, &[3, 4, 5], LogitRows::Last, &mut logits)
         .into_result()?;
     fp.add(&logits);
     Ok(fp.0)

@@ -271,6 +271,58 @@ impl KvCache {
         }
     }
 
+    /// Makes positions `0 .. len` of every layer hold `other`'s, and the length `len`: a
+    /// forked sequence starts with its parent's cache.
+    ///
+    /// # Panics
+    ///
+    /// If the caches differ in shape, or `len` is beyond `other`'s length.
+    pub fn copy_prefix_from(&mut self, other: &KvCache, len: usize) {
+        assert!(
+            (
+                self.n_ctx,
+                self.heads,
+                self.key_dim,
+                self.value_dim,
+                self.ty,
+                self.keys.len()
+            ) == (
+                other.n_ctx,
+                other.heads,
+                other.key_dim,
+                other.value_dim,
+                other.ty,
+                other.keys.len()
+            ) && len <= other.len,
+            "kv cache: copying a cache of another shape"
+        );
+        fn copy<T: Copy>(dst: &mut [T], src: &[T], region: usize, len: usize) {
+            for (d, s) in dst.chunks_exact_mut(region).zip(src.chunks_exact(region)) {
+                d[..len].copy_from_slice(&s[..len]);
+            }
+        }
+        let (n_ctx, key_dim, value_dim) = (self.n_ctx, self.key_dim, self.value_dim);
+        let pairs = self
+            .keys
+            .iter_mut()
+            .zip(&other.keys)
+            .map(|(d, s)| (d, s, key_dim))
+            .chain(
+                self.values
+                    .iter_mut()
+                    .zip(&other.values)
+                    .map(|(d, s)| (d, s, value_dim)),
+            );
+        for (dst, src, dim) in pairs {
+            match (dst, src) {
+                (Rows::F32(d), Rows::F32(s)) => copy(d, s, n_ctx * dim, len * dim),
+                (Rows::F16(d), Rows::F16(s)) => copy(d, s, n_ctx * dim, len * dim),
+                _ => unreachable!("kv cache: storage types checked equal"),
+            }
+        }
+        self.len = len;
+    }
+
     /// Bytes of cache memory.
     pub fn n_bytes(&self) -> usize {
         let row = self.heads * (self.key_dim + self.value_dim);

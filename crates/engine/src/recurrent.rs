@@ -333,6 +333,24 @@ impl SnapshotRing {
         self.index.restore(len)
     }
 
+    /// Makes this ring hold what `other` holds (every plane and which length each holds): a
+    /// forked sequence keeps its parent's state and rollback window.
+    ///
+    /// # Panics
+    ///
+    /// If the rings differ in layout or depth.
+    pub fn copy_from(&mut self, other: &Self) {
+        assert!(
+            self.layout == other.layout && self.index.n_planes() == other.index.n_planes(),
+            "snapshot ring: copying a ring of another shape"
+        );
+        self.conv.copy_from_slice(&other.conv);
+        self.ssm
+            .as_mut_slice()
+            .copy_from_slice(other.ssm.as_slice());
+        self.index = other.index;
+    }
+
     /// Back to the empty sequence: the live plane is zeroed, every snapshot forgotten.
     pub fn reset(&mut self) {
         let live = self.index.live_plane();

@@ -194,8 +194,11 @@ impl Rope {
 /// per layer.
 #[derive(Debug, Clone, Default)]
 pub struct RopeAngles {
-    /// The rotation and the positions (first, count) held; `None` until [`RopeAngles::cover`].
-    held: Option<(Rope, usize, usize)>,
+    /// The rotation and the runs of positions `(first, count)` held; `None` until
+    /// [`RopeAngles::cover`].
+    held: Option<(Rope, Vec<(usize, usize)>)>,
+    /// Positions held.
+    count: usize,
     /// `count` rows of `n_rot / 2` values.
     cos: Vec<f32>,
     sin: Vec<f32>,
@@ -207,6 +210,7 @@ impl RopeAngles {
         let len = rows * (rope.n_rot / 2);
         Self {
             held: None,
+            count: 0,
             cos: vec![0.0; len],
             sin: vec![0.0; len],
         }
@@ -215,40 +219,50 @@ impl RopeAngles {
     /// Makes the table hold the angles of positions `first .. first + count` of `rope`
     /// ([`Rope::angles`]), computing them only when it holds others.
     pub fn cover(&mut self, rope: &Rope, first: usize, count: usize) {
-        if let Some((held, f, c)) = &self.held {
-            if (*f, *c) == (first, count) && held == rope {
+        self.cover_runs(rope, &[(first, count)]);
+    }
+
+    /// Makes the table hold the angles of the positions of `runs` (each `(first, count)`:
+    /// positions `first .. first + count`), one row per position in order — the rows of a pass
+    /// over several sequences —, computing them only when it holds others.
+    pub fn cover_runs(&mut self, rope: &Rope, runs: &[(usize, usize)]) {
+        if let Some((held, held_runs)) = &self.held {
+            if held_runs == runs && held == rope {
                 return;
             }
         }
         let pairs = rope.n_rot / 2;
+        let count: usize = runs.iter().map(|&(_, c)| c).sum();
         if self.cos.len() < count * pairs {
             self.cos.resize(count * pairs, 0.0);
             self.sin.resize(count * pairs, 0.0);
         }
-        for (i, (cos, sin)) in self
-            .cos
-            .chunks_exact_mut(pairs.max(1))
-            .zip(self.sin.chunks_exact_mut(pairs.max(1)))
-            .take(count)
-            .enumerate()
-        {
-            rope.angles(first + i, &mut cos[..pairs], &mut sin[..pairs]);
+        let positions = runs.iter().flat_map(|&(first, c)| first..first + c);
+        for (position, (cos, sin)) in positions.zip(
+            self.cos
+                .chunks_exact_mut(pairs.max(1))
+                .zip(self.sin.chunks_exact_mut(pairs.max(1))),
+        ) {
+            rope.angles(position, &mut cos[..pairs], &mut sin[..pairs]);
         }
         match &mut self.held {
-            Some((held, f, c)) => {
+            Some((held, held_runs)) => {
                 held.clone_from(rope);
-                (*f, *c) = (first, count);
+                held_runs.clear();
+                held_runs.extend_from_slice(runs);
             }
-            None => self.held = Some((rope.clone(), first, count)),
+            None => self.held = Some((rope.clone(), runs.to_vec())),
         }
+        self.count = count;
     }
 
     /// Cosines and sines of the `i`-th position covered.
     pub fn row(&self, i: usize) -> (&[f32], &[f32]) {
-        let Some((rope, _, count)) = &self.held else {
+        let Some((rope, _)) = &self.held else {
             panic!("rope angles: nothing covered");
         };
-        assert!(i < *count, "rope angles: row {i} of {count}");
+        let count = self.count;
+        assert!(i < count, "rope angles: row {i} of {count}");
         let pairs = rope.n_rot / 2;
         (
             &self.cos[i * pairs..(i + 1) * pairs],

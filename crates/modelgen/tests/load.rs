@@ -1,12 +1,12 @@
 //! Every architecture the writer produces loads in the CPU backend and generates.
 
-use abi_stable::std_types::{RSlice, RVec, Tuple2};
+use abi_stable::std_types::{RVec, Tuple2};
 use specula_cpu_simd::backend::CpuBackend;
 use specula_gguf::GgmlType;
 use specula_modelgen::{
     write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, Vocab,
 };
-use specula_plugin_api::{BackendParams, ForwardPass, LogitRows};
+use specula_plugin_api::{BackendParams, ForwardPass, LogitRows, SequenceCalls};
 
 fn hybrid(arch: Arch, mtp: bool) -> ModelSpec {
     ModelSpec {
@@ -36,6 +36,7 @@ fn open(path: &std::path::Path) -> CpuBackend {
         threads: 1,
         context_size: 64,
         max_verify_tokens: 4,
+        max_sequences: 0,
         options: RVec::<Tuple2<_, _>>::new(),
     };
     specula_cpu_simd::open(&params).unwrap()
@@ -71,17 +72,14 @@ fn every_architecture_loads_and_generates() {
             )
             .unwrap();
             let mut backend = open(&path);
+            let seq = backend.seq_create().into_result().unwrap();
             let info = backend.model_info();
             assert_eq!(info.architecture.as_str(), spec.arch.gguf_name());
             assert_eq!(info.vocab_size, 300);
             assert_eq!(info.has_mtp_head, spec.mtp, "{spec:?}");
             let mut logits = RVec::new();
             backend
-                .eval(
-                    RSlice::from_slice(&[1, 5, 9, 200]),
-                    LogitRows::All,
-                    &mut logits,
-                )
+                .eval(seq, &[1, 5, 9, 200], LogitRows::All, &mut logits)
                 .into_result()
                 .unwrap_or_else(|e| panic!("{:?} {ty}: {e}", spec.arch));
             assert_eq!(logits.len(), 4 * 300);

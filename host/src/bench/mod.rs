@@ -14,13 +14,14 @@
 //! runs taking turns), and the oracle's ideal against the verify cost measured there too.
 
 mod bandwidth;
+pub mod concurrency;
 mod plot;
 
-pub use plot::write_svg;
+pub use plot::{write_concurrency_svg, write_svg};
 
 use std::time::Instant;
 
-use abi_stable::std_types::{RSlice, RVec};
+use abi_stable::std_types::RVec;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -33,6 +34,7 @@ use crate::pipeline::Pipeline;
 use crate::profile::{DrafterSection, Profile};
 use crate::request::{Outcome, Request};
 use crate::sampling::SamplingParams;
+use crate::sequence::SeqModel;
 use crate::spec::{generate, SpecSettings};
 
 /// What to measure.
@@ -198,11 +200,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         target.truncate(0).into_result()?;
         let start = Instant::now();
         target
-            .eval(
-                RSlice::from_slice(&prompt_ids),
-                LogitRows::Last,
-                &mut logits,
-            )
+            .eval(&prompt_ids, LogitRows::Last, &mut logits)
             .into_result()?;
         prefill.push(prompt_ids.len() as f64 / start.elapsed().as_secs_f64());
         bar.inc(1);
@@ -363,7 +361,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
 /// again), so a drift of the machine's speed moves every k alike instead of skewing their
 /// ratios; a first round warms up and is not counted.
 fn verify_seconds(
-    target: &mut specula_plugin_api::BoxedForwardPass,
+    target: &mut SeqModel,
     prompt: &[u32],
     batch: &[u32],
     ks: &[usize],
@@ -373,7 +371,7 @@ fn verify_seconds(
     let mut logits = RVec::new();
     target.truncate(0).into_result()?;
     target
-        .eval(RSlice::from_slice(prompt), LogitRows::Last, &mut logits)
+        .eval(prompt, LogitRows::Last, &mut logits)
         .into_result()?;
     let mut times = vec![Vec::new(); ks.len()];
     for round in 0..=rounds {
@@ -381,7 +379,7 @@ fn verify_seconds(
             target.truncate(prompt.len()).into_result()?;
             let start = Instant::now();
             target
-                .eval(RSlice::from_slice(&batch[..k]), LogitRows::All, &mut logits)
+                .eval(&batch[..k], LogitRows::All, &mut logits)
                 .into_result()?;
             if round > 0 {
                 times.push(start.elapsed().as_secs_f64());

@@ -11,6 +11,7 @@ use std::path::Path;
 use anyhow::Context;
 use plotters::prelude::*;
 
+use super::concurrency::ConcurrencyReport;
 use super::BenchReport;
 
 const WIDTH: u32 = 1100;
@@ -146,6 +147,107 @@ fn draw(report: &BenchReport, path: &Path) -> anyhow::Result<()> {
         .border_style(BLACK)
         .background_style(WHITE.mix(0.8))
         .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Writes the two charts of a `--concurrency` report to `path` as SVG: aggregate decode t/s
+/// against the sequences decoding together (with N × one sequence, the ideal), and the cost of
+/// one pass against its rows.
+pub fn write_concurrency_svg(report: &ConcurrencyReport, path: &Path) -> anyhow::Result<()> {
+    draw_concurrency(report, path)
+        .with_context(|| format!("cannot draw the plot {}", path.display()))
+}
+
+fn draw_concurrency(report: &ConcurrencyReport, path: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !report.decode.is_empty() && !report.pass_cost.is_empty(),
+        "nothing was measured"
+    );
+    let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(
+        &format!(
+            "{} ({}), {} threads: many sequences in one instance",
+            report.model, report.architecture, report.threads
+        ),
+        ("sans-serif", 18),
+    )?;
+    let (left, right) = root.split_horizontally(WIDTH / 2);
+
+    let one = report.decode[0].tokens_per_second / report.decode[0].sequences as f64;
+    let measured: Vec<(f64, f64)> = report
+        .decode
+        .iter()
+        .map(|d| (d.sequences as f64, d.tokens_per_second))
+        .collect();
+    let ideal: Vec<(f64, f64)> = measured.iter().map(|&(n, _)| (n, n * one)).collect();
+    let n_max = measured.iter().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = ideal
+        .iter()
+        .chain(&measured)
+        .map(|p| p.1)
+        .fold(1.0, f64::max);
+    let mut decode = ChartBuilder::on(&left)
+        .caption("aggregate greedy decode", ("sans-serif", 16))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.5..n_max + 0.5, 0.0..y_max * 1.15)?;
+    decode
+        .configure_mesh()
+        .x_desc("sequences decoding together")
+        .y_desc("tokens per second")
+        .draw()?;
+    let gray = RGBColor(150, 150, 150);
+    decode
+        .draw_series(LineSeries::new(ideal.iter().copied(), gray.stroke_width(1)))?
+        .label("N × one sequence")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], gray));
+    decode
+        .draw_series(LineSeries::new(
+            measured.iter().copied(),
+            CURVE.stroke_width(2),
+        ))?
+        .label("measured")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], CURVE));
+    decode.draw_series(measured.iter().map(|&p| Circle::new(p, 3, CURVE.filled())))?;
+    decode.draw_series(report.decode.iter().map(|d| {
+        Text::new(
+            format!("{:.1} ({:.2}x)", d.tokens_per_second, d.scaling),
+            (d.sequences as f64, d.tokens_per_second + y_max * 0.03),
+            ("sans-serif", 11),
+        )
+    }))?;
+    decode
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()?;
+
+    let points: Vec<(f64, f64)> = report
+        .pass_cost
+        .iter()
+        .map(|c| (c.rows as f64, c.ratio))
+        .collect();
+    let r_max = points.iter().map(|p| p.0).fold(1.0, f64::max);
+    let ratio_max = points.iter().map(|p| p.1).fold(1.0, f64::max);
+    let mut cost = ChartBuilder::on(&right)
+        .caption("cost of one pass of r rows", ("sans-serif", 16))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.5..r_max + 0.5, 0.0..ratio_max * 1.2)?;
+    cost.configure_mesh()
+        .x_desc("rows in the pass")
+        .y_desc("cost(r) / cost(1)")
+        .draw()?;
+    cost.draw_series(LineSeries::new(
+        points.iter().copied(),
+        CURVE.stroke_width(2),
+    ))?;
+    cost.draw_series(points.iter().map(|&p| Circle::new(p, 3, CURVE.filled())))?;
     root.present()?;
     Ok(())
 }

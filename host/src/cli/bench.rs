@@ -2,7 +2,8 @@
 
 use std::process::ExitCode;
 
-use crate::bench::{render, run, write_svg, BenchOptions};
+use crate::bench::concurrency::{self, ConcurrencyOptions};
+use crate::bench::{render, run, write_concurrency_svg, write_svg, BenchOptions};
 use crate::profile::Profile;
 
 #[derive(Debug, clap::Args)]
@@ -32,6 +33,11 @@ pub struct BenchArgs {
     /// Worker threads (overrides the profile).
     #[arg(short, long)]
     threads: Option<u32>,
+    /// Instead of the drafters: aggregate decode t/s with N sequences decoding together in one
+    /// instance for each N given (comma-separated, e.g. 1,2,4,8), the cost of one pass of
+    /// 1..16 rows, and the prefill of a repeated 400-token prompt.
+    #[arg(long, value_delimiter = ',', value_name = "N,...")]
+    concurrency: Option<Vec<usize>>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -45,6 +51,26 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let mut profile = Profile::load(&args.profile)?;
     if let Some(t) = args.threads {
         profile.target.threads = t;
+    }
+    if let Some(sequences) = args.concurrency {
+        let options = ConcurrencyOptions {
+            sequences,
+            runs: args.runs,
+            prompt_tokens: args.prompt_tokens,
+            decode_tokens: args.tokens,
+            ..ConcurrencyOptions::default()
+        };
+        let report = concurrency::run(&profile, &options)?;
+        if let Some(path) = &args.plot {
+            write_concurrency_svg(&report, path)?;
+            eprintln!("plot written to {}", path.display());
+        }
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{}", concurrency::render(&report));
+        }
+        return Ok(ExitCode::SUCCESS);
     }
     let options = BenchOptions {
         runs: args.runs,

@@ -592,7 +592,8 @@ pub fn list(search: &SearchPath) -> Vec<Listing> {
         .collect()
 }
 
-/// Backend parameters from a profile's target section.
+/// Backend parameters from a profile's target section, for one sequence (set `max_sequences`
+/// for more).
 pub fn backend_params(
     model: &Path,
     threads: u32,
@@ -605,6 +606,7 @@ pub fn backend_params(
         threads,
         context_size,
         max_verify_tokens,
+        max_sequences: 1,
         options: option_pairs(options),
     }
 }

@@ -27,9 +27,7 @@ use abi_stable::std_types::{RSlice, RVec};
 use anyhow::{bail, Context};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
-use specula_plugin_api::{
-    BoxedForwardPass, Draft, DraftRequest, DrafterModels, ErrorKind, LogitRows,
-};
+use specula_plugin_api::{Draft, DraftRequest, DrafterModels, ErrorKind, LogitRows};
 
 pub use acceptance::{Judge, Verdict};
 pub use adaptive::DraftLength;
@@ -38,6 +36,7 @@ pub use stats::SpecStats;
 use crate::pipeline::Pipeline;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
 use crate::sampling::Sampler;
+use crate::sequence::SeqModel;
 use specula_tokenizer::StreamDecoder;
 
 /// How much to speculate (from the profile's `[speculation]` section and CLI flags).
@@ -182,11 +181,7 @@ fn run(
         target.truncate(0).into_result()?;
     }
     target
-        .eval(
-            RSlice::from_slice(&prompt[reused..]),
-            LogitRows::Last,
-            &mut logits,
-        )
+        .eval(&prompt[reused..], LogitRows::Last, &mut logits)
         .into_result()
         .context("prompt evaluation failed")?;
     stats.target_passes += 1;
@@ -300,7 +295,7 @@ fn run(
             batch.extend_from_slice(&draft.tokens);
             let t = Instant::now();
             match target
-                .eval(RSlice::from_slice(&batch), LogitRows::All, &mut logits)
+                .eval(&batch, LogitRows::All, &mut logits)
                 .into_result()
             {
                 Ok(()) => {}
@@ -423,13 +418,10 @@ fn run(
 }
 
 /// Lends the target and the draft model to a drafter for one call.
-fn lend<'a>(
-    target: &'a mut BoxedForwardPass,
-    draft: &'a mut Option<BoxedForwardPass>,
-) -> DrafterModels<'a> {
+fn lend<'a>(target: &'a mut SeqModel, draft: &'a mut Option<SeqModel>) -> DrafterModels<'a> {
     DrafterModels {
-        target: Some(target.sabi_reborrow_mut()).into(),
-        draft: draft.as_mut().map(|m| m.sabi_reborrow_mut()).into(),
+        target: Some(target.lend()).into(),
+        draft: draft.as_mut().map(SeqModel::lend).into(),
     }
 }
 

@@ -113,7 +113,7 @@ pub fn probe(params: &BackendParams) -> Result<ModelInfo, PluginError> {
     Ok(model.info(n_ctx as u32))
 }
 
-/// Opens the model named by `params` and sets up an empty sequence.
+/// Opens the model named by `params`, with room for `params.max_sequences` sequences.
 pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
     let options = Options::parse(params)?;
     let mut opening = Opening::start(PLUGIN, params, options.common)?;
@@ -136,8 +136,15 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
     let (model, n_ctx) = (&opening.model, opening.n_ctx);
     let (capabilities, ring_depth) = opening.capabilities()?;
     let batch_rows = Opening::batch_rows(&capabilities);
-    let executor = CpuExecutor::whole_model(model, n_ctx, batch_rows, options.kv_type, ring_depth)
-        .map_err(|e| attribute(PLUGIN, e))?;
+    let executor = CpuExecutor::whole_model(
+        model,
+        n_ctx,
+        batch_rows,
+        options.kv_type,
+        ring_depth,
+        opening.max_sequences,
+    )
+    .map_err(|e| attribute(PLUGIN, e))?;
     let depth = executor.ring_depth();
     let capabilities = if matches!(model.graph, Graph::Hybrid(_)) && depth < ring_depth {
         tracing::warn!(
@@ -153,11 +160,12 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         capabilities
     };
     tracing::debug!(
-        "{PLUGIN}: opened {} ({}, {} layers, {} threads, context {n_ctx}, KV cache {} bytes, {} snapshot bytes per slot × {})",
+        "{PLUGIN}: opened {} ({}, {} layers, {} threads, context {n_ctx}, up to {} sequences of a KV cache of {} bytes, {} snapshot bytes per slot × {})",
         path.display(),
         model.arch.name(),
         model.hparams.block_count,
         opening.pool.current_num_threads(),
+        capabilities.max_sequences,
         executor.kv_bytes(),
         capabilities.snapshot_bytes_per_slot,
         capabilities.rollback_depth

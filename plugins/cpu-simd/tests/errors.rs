@@ -6,10 +6,10 @@ mod common;
 
 use std::path::Path;
 
-use abi_stable::std_types::{RSlice, RVec};
+use abi_stable::std_types::RVec;
 use common::*;
 use specula_gguf::GgmlType;
-use specula_plugin_api::{ErrorKind, LogitRows, PluginError};
+use specula_plugin_api::{ErrorKind, LogitRows, PluginError, SequenceCalls};
 
 fn open_err(path: &Path) -> PluginError {
     specula_cpu_simd::open(&params(path, 1, 0)).expect_err("open must fail")
@@ -170,10 +170,12 @@ fn mtp_eval_errors() {
     let mut backend = open_backend(&params(&tiny_llama(), 1, 16))
         .into_result()
         .unwrap();
+    let seq = backend.seq_create().into_result().unwrap();
     let err = backend
         .mtp_eval(
-            RSlice::from_slice(&[0.0; 64]),
-            RSlice::from_slice(&[1]),
+            seq,
+            &[0.0; 64],
+            &[1],
             0,
             LogitRows::All,
             &mut logits,
@@ -338,29 +340,31 @@ fn context_larger_than_trained_is_clamped() {
 
 #[test]
 fn bad_inputs_are_invalid_input_errors() {
-    let mut backend = specula_plugin_api::backend::box_forward_pass(open(&stories(), 1, 32));
+    let mut backend = specula_plugin_api::backend::box_forward_pass(open_raw(&stories(), 1, 32));
+    let seq = backend.seq_create().into_result().unwrap();
     let mut logits = RVec::new();
     let err = backend
-        .eval(RSlice::from_slice(&[]), LogitRows::Last, &mut logits)
+        .eval(seq, &[], LogitRows::Last, &mut logits)
         .into_result()
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
     let err = backend
-        .eval(RSlice::from_slice(&[1, 512]), LogitRows::Last, &mut logits)
+        .eval(seq, &[1, 512], LogitRows::Last, &mut logits)
         .into_result()
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
     assert!(err.message.contains("512"), "{}", err.message);
-    assert_eq!(backend.seq_len().unwrap(), 0);
+    assert_eq!(backend.seq_len(seq).unwrap(), 0);
 
-    let err = backend.truncate(1).into_result().unwrap_err();
+    let err = backend.truncate(seq, 1).into_result().unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
 
     let mut hidden = RVec::new();
     let err = backend
         .mtp_eval(
-            RSlice::from_slice(&[0.0; 64]),
-            RSlice::from_slice(&[1]),
+            seq,
+            &[0.0; 64],
+            &[1],
             0,
             LogitRows::All,
             &mut logits,

@@ -7,9 +7,8 @@ mod common;
 use abi_stable::std_types::RVec;
 use common::*;
 use specula_cpu_simd::blocks::gdn::{BetaAlphaLayout, GdnShape, HeadMap};
-use specula_cpu_simd::CpuBackend;
 use specula_gguf::{GgufFile, HParams, HybridParams};
-use specula_plugin_api::{ForwardPass, LogitRows};
+use specula_plugin_api::{ForwardPass, LogitRows, SequenceCalls};
 
 const LILY: &str = "Once upon a time, there was a little girl named Lily";
 
@@ -272,13 +271,14 @@ fn ring_bytes_per_slot() {
 /// capabilities, verify, hidden states, MTP steps, rollback.
 #[test]
 fn hybrid_through_the_plugin_module_and_trait_object() {
-    use abi_stable::std_types::{RSlice, RVec};
+    use abi_stable::std_types::RVec;
 
     let module = specula_cpu_simd::plugin_module();
     let open_backend = module.open_backend().into_option().expect("open_backend");
     let mut p = params(&fixture("tiny-qwen3next-mtp.gguf"), 2, 64);
     p.max_verify_tokens = 4;
     let mut backend = open_backend(&p).into_result().unwrap();
+    let seq = backend.seq_create().into_result().unwrap();
     let caps = backend.capabilities();
     assert_eq!((caps.max_verify_tokens, caps.rollback_depth), (4, 4));
     assert!(caps.hidden_state_export && caps.mtp_head);
@@ -289,23 +289,23 @@ fn hybrid_through_the_plugin_module_and_trait_object() {
 
     let mut logits = RVec::new();
     backend
-        .eval(
-            RSlice::from_slice(&[1, 403, 261, 378]),
-            LogitRows::All,
-            &mut logits,
-        )
+        .eval(seq, &[1, 403, 261, 378], LogitRows::All, &mut logits)
         .into_result()
         .unwrap();
     assert_eq!(logits.len(), 4 * 512);
     let mut hidden = RVec::new();
-    backend.hidden_states(&mut hidden).into_result().unwrap();
+    backend
+        .hidden_states(seq, &mut hidden)
+        .into_result()
+        .unwrap();
     assert_eq!(hidden.len(), 4 * 64);
     let (mut mtp_logits, mut mtp_hidden) = (RVec::new(), RVec::new());
     for position in 0..3 {
         backend
             .mtp_eval(
-                RSlice::from_slice(&hidden[position * 64..(position + 1) * 64]),
-                RSlice::from_slice(&[[403, 261, 378][position]]),
+                seq,
+                &hidden[position * 64..(position + 1) * 64],
+                &[[403, 261, 378][position]],
                 position,
                 LogitRows::All,
                 &mut mtp_logits,
@@ -316,24 +316,20 @@ fn hybrid_through_the_plugin_module_and_trait_object() {
     }
     assert_eq!((mtp_logits.len(), mtp_hidden.len()), (512, 64));
     let kept = logits[512..1024].to_vec();
-    backend.truncate(1).into_result().unwrap();
-    assert_eq!(backend.seq_len().unwrap(), 1);
+    backend.truncate(seq, 1).into_result().unwrap();
+    assert_eq!(backend.seq_len(seq).unwrap(), 1);
     backend
-        .eval(RSlice::from_slice(&[403]), LogitRows::Last, &mut logits)
+        .eval(seq, &[403], LogitRows::Last, &mut logits)
         .into_result()
         .unwrap();
     assert_eq!(bits(&logits), bits(&kept));
     // Out-of-window truncation through the ABI: the default slow path.
     backend
-        .eval(
-            RSlice::from_slice(&[5, 6, 7, 8, 9]),
-            LogitRows::None,
-            &mut logits,
-        )
+        .eval(seq, &[5, 6, 7, 8, 9], LogitRows::None, &mut logits)
         .into_result()
         .unwrap();
-    backend.truncate(1).into_result().unwrap();
-    assert_eq!(backend.seq_len().unwrap(), 1);
+    backend.truncate(seq, 1).into_result().unwrap();
+    assert_eq!(backend.seq_len(seq).unwrap(), 1);
 }
 
 #[test]
@@ -405,7 +401,7 @@ fn mtp_rows_beyond_one_pass_keep_their_bits() {
         let hidden = b.last_hidden_states().to_vec();
         let e = hidden.len() / prompt.len();
         let n = prompt.len() - 1;
-        let call = |b: &mut CpuBackend, rows| {
+        let call = |b: &mut Solo, rows| {
             let (mut logits, mut out) = (RVec::new(), RVec::new());
             b.mtp_eval_into(
                 &hidden[..n * e],

@@ -2,9 +2,9 @@
 
 mod common;
 
-use abi_stable::std_types::{RSlice, RVec};
+use abi_stable::std_types::RVec;
 use common::*;
-use specula_plugin_api::{LogitRows, PluginKind};
+use specula_plugin_api::{LogitRows, PluginKind, SequenceCalls};
 
 #[test]
 fn stories260k_greedy_story_from_bos() {
@@ -77,6 +77,7 @@ fn through_the_plugin_module_and_trait_object() {
     let mut backend = open_backend(&params(&stories(), 2, 64))
         .into_result()
         .unwrap();
+    let seq = backend.seq_create().into_result().unwrap();
 
     let caps = backend.capabilities();
     assert_eq!(caps.max_verify_tokens, 8);
@@ -87,16 +88,19 @@ fn through_the_plugin_module_and_trait_object() {
 
     let mut logits = RVec::new();
     backend
-        .eval(RSlice::from_slice(&[1, 403]), LogitRows::All, &mut logits)
+        .eval(seq, &[1, 403], LogitRows::All, &mut logits)
         .into_result()
         .unwrap();
     assert_eq!(logits.len(), 2 * 512);
-    assert_eq!(backend.seq_len().unwrap(), 2);
+    assert_eq!(backend.seq_len(seq).unwrap(), 2);
     let mut hidden = RVec::new();
-    backend.hidden_states(&mut hidden).into_result().unwrap();
+    backend
+        .hidden_states(seq, &mut hidden)
+        .into_result()
+        .unwrap();
     assert_eq!(hidden.len(), 2 * 64);
-    backend.truncate(1).into_result().unwrap();
-    assert_eq!(backend.seq_len().unwrap(), 1);
+    backend.truncate(seq, 1).into_result().unwrap();
+    assert_eq!(backend.seq_len(seq).unwrap(), 1);
 
     // Errors come back as values, never as panics.
     let err = open_backend(&params(std::path::Path::new("/no/such/model.gguf"), 1, 0))

@@ -41,7 +41,7 @@ use specula_engine::backend::opening::{self, Opening};
 use specula_engine::backend::{Backend, Chunk, Executor, MtpRows};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
-use specula_engine::graph::Act;
+use specula_engine::graph::{Act, Rows};
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::weights::MatrixRef;
 use specula_engine::model::{Graph, MatrixSite, Model};
@@ -237,6 +237,14 @@ fn open_with(
     let (n_ctx, requested_verify) = (opening.n_ctx, opening.requested_verify);
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
+    // The device caches hold one sequence (many sequences per pass run on cpu-simd so far).
+    if opening.max_sequences > 1 {
+        tracing::warn!(
+            "{PLUGIN}: {} sequences asked for, but this backend keeps one sequence per instance",
+            opening.max_sequences
+        );
+        opening.max_sequences = 1;
+    }
     let (capabilities, ring_depth) = opening.capabilities()?;
     let Opening { model, pool, .. } = &mut opening;
     let (depth, n_planes) = match &model.graph {
@@ -304,6 +312,7 @@ fn open_with(
             batch_rows,
             kv_type: KvType::F32,
             ring_depth: depth,
+            max_sequences: 1,
         },
     )
     .map_err(|e| specula_engine::backend::attribute(PLUGIN, e))?;
@@ -373,11 +382,26 @@ fn pinned(buffer: &HostBuf) -> Result<&[f32], PluginError> {
 }
 
 impl Executor for CudaExecutor {
-    fn forward_chunk(
+    fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError> {
+        self.host.add_sequence(seq)?;
+        self.reset_device()
+    }
+
+    fn fork_sequence(&mut self, _from: usize, _to: usize, _len: usize) -> Result<(), PluginError> {
+        Err(PluginError::unsupported(format!(
+            "{PLUGIN}: this backend keeps one sequence per instance; it cannot fork one"
+        )))
+    }
+
+    fn remove_sequence(&mut self, seq: usize) {
+        self.host.remove_sequence(seq);
+    }
+
+    fn forward(
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        chunk: &Chunk<'_>,
+        chunks: &[Chunk<'_>],
         hidden: &mut [f32],
         logits: &mut [f32],
     ) -> Result<(), PluginError> {
@@ -389,12 +413,13 @@ impl Executor for CudaExecutor {
         } = self;
         let e = model.graph.n_embd();
         let vocab = model.hparams.vocab_size as usize;
-        let rows = chunk.pass_rows();
+        let spans = Chunk::spans(chunks);
+        let rows = Rows::new(&spans);
         let m = rows.n;
-        let logit_from = chunk.logit_from;
-        pool.install(|| host.run_layers(model, chunk))?;
+        let n_logits = m - rows.single()?.logit_from;
+        pool.install(|| host.run_layers(model, chunks))?;
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
-            return pool.install(|| host.head(model, &rows, logit_from, hidden, logits));
+            return pool.install(|| host.head(model, &rows, hidden, logits));
         };
         d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
         let gpu_model = &mut d.model;
@@ -402,38 +427,37 @@ impl Executor for CudaExecutor {
         gpu_model.gpu.copy_to_device(&d.pinned_in, m * e, x, 0)?;
         gpu_model.forward_layers(model, &rows)?;
         if placement.head_on_gpu {
-            gpu_model.head(model, &rows, logit_from)?;
+            gpu_model.head(model, &rows)?;
             let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
             gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
-            let n_rows = m - logit_from;
             gpu.copy_to_host(
                 &scratch.extras.logits,
                 0,
-                n_rows * vocab,
+                n_logits * vocab,
                 &mut d.pinned_logits,
             )?;
             gpu.sync()?;
             hidden.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
+            logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
             Ok(())
         } else {
             let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
             gpu.copy_to_host(scratch.act(Act::X), 0, m * e, &mut d.pinned_hidden)?;
             gpu.sync()?;
             host.residual()[..m * e].copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            pool.install(|| host.head(model, &rows, logit_from, hidden, logits))
+            pool.install(|| host.head(model, &rows, hidden, logits))
         }
     }
 
-    fn commit(&mut self, start: usize, n: usize) {
-        self.host.commit(start, n);
+    fn commit(&mut self, seq: usize, start: usize, n: usize) {
+        self.host.commit(seq, start, n);
         if let Some(ring) = self.device.as_mut().and_then(|d| d.model.ring.as_mut()) {
             ring.index.advance(n);
         }
     }
 
-    fn rollback(&mut self, len: usize) -> Result<bool, PluginError> {
-        if !self.host.rollback(len)? {
+    fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
+        if !self.host.rollback(seq, len)? {
             return Ok(false);
         }
         if let Some(ring) = self.device.as_mut().and_then(|d| d.model.ring.as_mut()) {
@@ -444,30 +468,25 @@ impl Executor for CudaExecutor {
         Ok(true)
     }
 
-    fn window(&self, seq_len: usize) -> std::ops::RangeInclusive<usize> {
-        self.host.window(seq_len)
+    fn window(&self, seq: usize, seq_len: usize) -> std::ops::RangeInclusive<usize> {
+        self.host.window(seq, seq_len)
     }
 
-    fn reset(&mut self) -> Result<(), PluginError> {
-        self.host.reset()?;
-        if let Some(d) = &mut self.device {
-            if let Some(ring) = &mut d.model.ring {
-                ring.reset(&d.model.gpu)?;
-            }
-        }
-        Ok(())
+    fn reset(&mut self, seq: usize) -> Result<(), PluginError> {
+        self.host.reset(seq)?;
+        self.reset_device()
     }
 
     fn mtp(
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        rows: &MtpRows<'_>,
+        chunks: &[MtpRows<'_>],
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError> {
         let Some(d) = self.device.as_mut().filter(|_| self.placement.head_on_gpu) else {
-            return self.host.mtp(model, pool, rows, logits, hidden_out);
+            return self.host.mtp(model, pool, chunks, logits, hidden_out);
         };
         let weights = model
             .graph
@@ -475,8 +494,12 @@ impl Executor for CudaExecutor {
             .ok_or_else(|| internal("MTP step on a model without the head"))?;
         let e = model.graph.n_embd();
         let vocab = model.hparams.vocab_size as usize;
-        let m = rows.rows();
-        rows.write_inputs(
+        let spans = MtpRows::spans(chunks);
+        let rows = Rows::new(&spans);
+        let m = rows.n;
+        let n_logits = m - rows.single()?.logit_from;
+        MtpRows::write_all_inputs(
+            chunks,
             &weights.embed.view(&model.file)?,
             d.pinned_in.as_mut_slice()?,
         );
@@ -485,19 +508,30 @@ impl Executor for CudaExecutor {
         gpu_model
             .gpu
             .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
-        gpu_model.mtp(model, &rows.pass_rows(), rows.logit_from)?;
-        let n_rows = m - rows.logit_from;
+        gpu_model.mtp(model, &rows)?;
         let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
         gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
         gpu.copy_to_host(
             &scratch.extras.logits,
             0,
-            n_rows * vocab,
+            n_logits * vocab,
             &mut d.pinned_logits,
         )?;
         gpu.sync()?;
         hidden_out.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-        logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_rows * vocab]);
+        logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
+        Ok(())
+    }
+}
+
+impl CudaExecutor {
+    /// The device's sequence state back to empty (its ring; the caches are cut by length).
+    fn reset_device(&mut self) -> Result<(), PluginError> {
+        if let Some(d) = &mut self.device {
+            if let Some(ring) = &mut d.model.ring {
+                ring.reset(&d.model.gpu)?;
+            }
+        }
         Ok(())
     }
 }

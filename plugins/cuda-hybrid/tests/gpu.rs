@@ -31,7 +31,7 @@ use specula_engine::blocks::attention::AttentionShape;
 use specula_engine::cpu::attention;
 use specula_gguf::GgmlType;
 use specula_kernels::{f16, Rope, RopeMode, RopeSections};
-use specula_plugin_api::{ErrorKind, ForwardPass, LogitRows};
+use specula_plugin_api::{ErrorKind, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 
@@ -593,9 +593,11 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
 
 // ---- model level ---------------------------------------------------------------------------
 
-fn cuda(device: &Device, path: &std::path::Path, options: &[(&str, &str)]) -> CudaBackend {
-    open_backend(device, path, options)
-        .unwrap_or_else(|e| panic!("cuda-hybrid on {}: {e}", path.display()))
+fn cuda(device: &Device, path: &std::path::Path, options: &[(&str, &str)]) -> Solo<CudaBackend> {
+    Solo::new(
+        open_backend(device, path, options)
+            .unwrap_or_else(|e| panic!("cuda-hybrid on {}: {e}", path.display())),
+    )
 }
 
 /// Every case on a real GPU (or with `SPECULA_EMULATOR_FULL=1`); on the emulator by default a
@@ -994,7 +996,7 @@ fn deep_rollback_re_decodes_or_is_refused_on_the_gpu() {
     }
     let mut refusing = cuda(&device, &path, &[("deep_rollback", "refuse")]);
     eval(&mut refusing, &tokens, LogitRows::Last);
-    let err = refusing.truncate(10).into_result().unwrap_err();
+    let err = refusing.truncate_to(10).unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
 }
 

@@ -11,12 +11,15 @@ use specula_plugin_api::{BoxedForwardPass, ErrorKind, ForwardPass, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 
-fn pair(path: &std::path::Path, options: &[(&str, &str)]) -> (BoxedForwardPass, CudaBackend) {
+fn pair(
+    path: &std::path::Path,
+    options: &[(&str, &str)],
+) -> (Solo<BoxedForwardPass>, Solo<CudaBackend>) {
     let p = params(path, 256, options);
     let cpu = cpu_simd(&p);
     let cuda = specula_cuda_hybrid::backend::open_host_only(&p)
         .unwrap_or_else(|e| panic!("cuda-hybrid {}: {e}", path.display()));
-    (cpu, cuda)
+    (cpu, Solo::new(cuda))
 }
 
 #[test]
@@ -44,7 +47,7 @@ fn every_architecture_matches_cpu_simd_bit_for_bit() {
                 assert_eq!(bits(&a), bits(&b), "{name}: {k} tokens, {rows:?}");
             }
         }
-        assert_eq!(cpu.seq_len().unwrap(), cuda.seq_len().unwrap());
+        assert_eq!(cpu.len(), cuda.len());
     }
 }
 
@@ -87,7 +90,7 @@ fn rollback_and_the_mtp_step_follow_cpu_simd() {
                 let (lb, hb) = mtp(&mut cuda, &h, &next, len);
                 assert_eq!(bits(&la), bits(&lb), "{model} step {step}: MTP logits");
                 assert_eq!(bits(&ha), bits(&hb), "{model} step {step}: MTP hidden");
-                assert_eq!(cuda.mtp_len(), Some(len + k));
+                assert_eq!(cuda.mtp_len(cuda.seq).unwrap(), Some(len + k));
                 // A chained draft step overwrites the speculative entry.
                 let (la, _) = mtp(&mut cpu, row(&ha, k - 1, e), &next[..1], len + k - 1);
                 let (lb, _) = mtp(&mut cuda, row(&hb, k - 1, e), &next[..1], len + k - 1);
@@ -97,9 +100,9 @@ fn rollback_and_the_mtp_step_follow_cpu_simd() {
             truncate(&mut cpu, keep);
             truncate(&mut cuda, keep);
             len = keep;
-            assert_eq!(cuda.seq_len().unwrap(), len);
+            assert_eq!(cuda.len(), len);
             if has_mtp {
-                assert!(cuda.mtp_len().unwrap() <= len);
+                assert!(cuda.mtp_len(cuda.seq).unwrap().unwrap() <= len);
             }
         }
         assert_eq!(cuda.slow_rollbacks(), 0, "{model}");
@@ -117,7 +120,7 @@ fn truncation_beyond_the_ring_re_decodes_or_is_refused() {
     let tokens = rng.tokens(30, VOCAB as u32);
     eval(&mut cpu, &tokens, LogitRows::Last);
     eval(&mut cuda, &tokens, LogitRows::Last);
-    assert_eq!(cuda.rollback_window(), 22..=30);
+    assert_eq!(cuda.rollback_window(cuda.seq).unwrap(), 22..=30);
     truncate(&mut cpu, 10);
     truncate(&mut cuda, 10);
     assert_eq!(cuda.slow_rollbacks(), 1);
@@ -127,7 +130,7 @@ fn truncation_beyond_the_ring_re_decodes_or_is_refused() {
 
     let (_, mut refusing) = pair(&path, &[("deep_rollback", "refuse")]);
     eval(&mut refusing, &tokens, LogitRows::Last);
-    let err = refusing.truncate(10).into_result().unwrap_err();
+    let err = refusing.truncate_to(10).unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
     assert!(
         err.message.contains("22..=30") && err.message.contains("refuse"),

@@ -11,8 +11,8 @@
 use abi_stable::std_types::{ROption, RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
-    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ErrorKind, ForwardPassMut,
-    LogitRows, PanicFence, PluginError, PluginResult,
+    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ErrorKind, LentSequence, LogitRows,
+    PanicFence, PluginError, PluginResult,
 };
 
 /// The draft-model drafter.
@@ -59,7 +59,7 @@ impl ModelDrafter {
     /// token, and leaves its logits in `self.logits`.
     fn catch_up(
         &mut self,
-        model: &mut ForwardPassMut<'_>,
+        model: &mut LentSequence<'_>,
         context: &[u32],
     ) -> Result<(), PluginError> {
         let common = self
@@ -69,7 +69,7 @@ impl ModelDrafter {
             .take_while(|(a, b)| a == b)
             .count()
             .min(context.len() - 1)
-            .min(model.seq_len().into_result()?);
+            .min(model.len().into_result()?);
         if model.truncate(common).into_result().is_err() {
             // Beyond a recurrent model's rollback window: start over.
             model.truncate(0).into_result()?;
@@ -80,13 +80,9 @@ impl ModelDrafter {
         self.eval(model, &context[common..])
     }
 
-    fn eval(&mut self, model: &mut ForwardPassMut<'_>, tokens: &[u32]) -> Result<(), PluginError> {
+    fn eval(&mut self, model: &mut LentSequence<'_>, tokens: &[u32]) -> Result<(), PluginError> {
         model
-            .eval(
-                RSlice::from_slice(tokens),
-                LogitRows::Last,
-                &mut self.logits,
-            )
+            .eval(tokens, LogitRows::Last, &mut self.logits)
             .into_result()?;
         self.cached.extend_from_slice(tokens);
         Ok(())
@@ -95,7 +91,7 @@ impl ModelDrafter {
     /// Drafts up to `request.max_tokens` tokens with the draft model.
     pub fn draft(
         &mut self,
-        model: &mut ForwardPassMut<'_>,
+        model: &mut LentSequence<'_>,
         request: &DraftRequest<'_>,
         out: &mut Draft,
     ) -> Result<(), PluginError> {

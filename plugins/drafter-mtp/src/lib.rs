@@ -13,7 +13,7 @@
 use abi_stable::std_types::{RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
-    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ForwardPassMut, LogitRows,
+    Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, LentSequence, LogitRows,
     PanicFence, PluginError, PluginResult,
 };
 
@@ -79,7 +79,7 @@ impl MtpDrafter {
     /// `position`.
     fn keep_rows(
         &mut self,
-        target: &ForwardPassMut<'_>,
+        target: &LentSequence<'_>,
         position: usize,
         n: usize,
     ) -> Result<(), PluginError> {
@@ -105,7 +105,7 @@ impl MtpDrafter {
     /// chains up to `max` drafts.
     fn draft(
         &mut self,
-        target: &mut ForwardPassMut<'_>,
+        target: &mut LentSequence<'_>,
         request: &DraftRequest<'_>,
         out: &mut Draft,
     ) -> Result<(), PluginError> {
@@ -131,8 +131,8 @@ impl MtpDrafter {
         let to = (certain_at - self.pending_from) * h;
         target
             .mtp_eval(
-                RSlice::from_slice(&self.pending[from..to]),
-                RSlice::from_slice(&context[self.real + 1..=certain_at]),
+                &self.pending[from..to],
+                &context[self.real + 1..=certain_at],
                 self.real,
                 LogitRows::Last,
                 &mut self.logits,
@@ -153,8 +153,8 @@ impl MtpDrafter {
                 std::mem::swap(&mut self.chained, &mut self.hidden);
                 target
                     .mtp_eval(
-                        RSlice::from_slice(&self.chained),
-                        RSlice::from_slice(&[token]),
+                        &self.chained,
+                        &[token],
                         certain_at + i,
                         LogitRows::Last,
                         &mut self.logits,
@@ -231,7 +231,7 @@ impl Drafter for MtpDrafter {
             // left the last emitted token unevaluated.
             let position = self.pending_from + self.pending_rows();
             let kept = 1 + n_accepted as usize;
-            let held = target.seq_len().into_result()?;
+            let held = target.len().into_result()?;
             if held < position || held > position + kept {
                 // The drafter missed a pass: stop drafting until restarted.
                 self.in_step = false;

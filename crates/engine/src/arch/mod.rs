@@ -110,45 +110,37 @@ pub fn layer<O: LayerOps>(
 }
 
 /// The head of `model` over the residual rows in [`Act::X`]: the final norm into
-/// [`Act::Hidden`], and the logits of rows `first_logit ..` into the pass's logits.
-pub fn head(
-    model: &Model,
-    ops: &mut impl LayerOps,
-    rows: &Rows,
-    first_logit: usize,
-) -> Result<(), PluginError> {
+/// [`Act::Hidden`], and the logits of the rows that get them ([`Span::logit_from`]) into the
+/// pass's logits.
+///
+/// [`Span::logit_from`]: crate::graph::Span::logit_from
+pub fn head(model: &Model, ops: &mut impl LayerOps, rows: &Rows) -> Result<(), PluginError> {
     let graph = &model.graph;
-    output_head(ops, graph.output_norm(), graph.output(), rows, first_logit)
+    output_head(ops, graph.output_norm(), graph.output(), rows)
 }
 
 /// The MTP head of `model` over the rows whose inputs `[embedding | trunk hidden]` are in
 /// [`Act::MtpIn`] (see [`nextn::forward`]).
-pub fn mtp<O: LayerOps>(
-    model: &Model,
-    ops: &mut O,
-    rows: &Rows,
-    first_logit: usize,
-) -> Result<(), PluginError> {
+pub fn mtp<O: LayerOps>(model: &Model, ops: &mut O, rows: &Rows) -> Result<(), PluginError> {
     let w = model
         .graph
         .mtp()
         .ok_or_else(|| graph_error("an MTP step on a model without an MTP head"))?;
     match model.arch {
-        Architecture::Qwen35 => qwen35::mtp(ops, w, rows, first_logit),
-        Architecture::Qwen3Next => qwen3next::mtp(ops, w, rows, first_logit),
+        Architecture::Qwen35 => qwen35::mtp(ops, w, rows),
+        Architecture::Qwen3Next => qwen3next::mtp(ops, w, rows),
         _ => Err(graph_error("the architecture and its weights disagree")),
     }
 }
 
 /// The final norm of the residual rows ([`Act::X`]) into [`Act::Hidden`], and the LM head's
-/// logits of rows `first_logit ..`: the end of every architecture's graph.
+/// logits of the rows that get them: the end of every architecture's graph.
 pub fn output_head(
     ops: &mut impl LayerOps,
     norm: &Vector,
     output: &MatrixRef,
     rows: &Rows,
-    first_logit: usize,
 ) -> Result<(), PluginError> {
     ops.rms_norm(Act::X.into(), norm, Act::Hidden.into(), rows)?;
-    ops.logits(output, Act::Hidden, first_logit, rows)
+    ops.logits(output, Act::Hidden, rows)
 }

@@ -93,13 +93,12 @@ impl MtpWeights {
 
 /// The MTP head over `rows` whose inputs `[embedding | trunk hidden]` are in [`Act::MtpIn`]:
 /// the input projection, the architecture's `decoder` layer run on the head's block, and the
-/// shared head — its final-norm hidden states into [`Act::Hidden`], the logits of rows
-/// `first_logit ..` into the pass's logits.
+/// shared head — its final-norm hidden states into [`Act::Hidden`], the logits of the rows
+/// that get them into the pass's logits.
 pub fn forward<O: LayerOps>(
     ops: &mut O,
     w: &MtpWeights,
     rows: &Rows,
-    first_logit: usize,
     decoder: impl FnOnce(&mut O, &HybridLayer, &Rows) -> Result<(), PluginError>,
 ) -> Result<(), PluginError> {
     let e = w.enorm.len();
@@ -108,5 +107,5 @@ pub fn forward<O: LayerOps>(
     ops.rms_norm(hidden, &w.hnorm, hidden, rows)?;
     ops.matmul(&w.eh_proj, Act::MtpIn, Act::X, rows)?;
     decoder(ops, &w.block, rows)?;
-    super::output_head(ops, &w.head_norm, &w.head, rows, first_logit)
+    super::output_head(ops, &w.head_norm, &w.head, rows)
 }

@@ -40,13 +40,6 @@ pub fn layer(ops: &mut impl LayerOps, l: &HybridLayer, rows: &Rows) -> Result<()
 }
 
 /// The MTP head: its decoder block is a qwen35 layer.
-pub fn mtp<O: LayerOps>(
-    ops: &mut O,
-    w: &MtpWeights,
-    rows: &Rows,
-    first_logit: usize,
-) -> Result<(), PluginError> {
-    nextn::forward(ops, w, rows, first_logit, |ops, block, rows| {
-        layer(ops, block, rows)
-    })
+pub fn mtp<O: LayerOps>(ops: &mut O, w: &MtpWeights, rows: &Rows) -> Result<(), PluginError> {
+    nextn::forward(ops, w, rows, |ops, block, rows| layer(ops, block, rows))
 }

@@ -1,17 +1,18 @@
-//! What a backend supplies: where the layers run and where the sequence's caches live.
+//! What a backend supplies: where the layers run and where the sequences' caches live.
 
 use std::ops::RangeInclusive;
 
 use specula_kernels::WeightMatrix;
 
-use crate::graph::Rows;
+use crate::graph::Span;
 use crate::model::Model;
 use rayon::ThreadPool;
 use specula_plugin_api::PluginError;
 
-/// One chunk of an evaluation: at most `batch_rows` consecutive tokens of it.
+/// One sequence's rows in a pass: consecutive tokens of one evaluation of sequence slot `seq`.
 #[derive(Debug, Clone, Copy)]
 pub struct Chunk<'a> {
+    pub seq: usize,
     pub tokens: &'a [u32],
     /// Position of the first token in the sequence.
     pub pos0: usize,
@@ -29,20 +30,28 @@ impl Chunk<'_> {
     }
 
     /// The chunk's rows as the graphs see them.
-    pub fn pass_rows(&self) -> Rows {
-        Rows {
+    pub fn span(&self) -> Span {
+        Span {
+            seq: self.seq,
             n: self.tokens.len(),
             pos0: self.pos0,
             ring_step0: self.first,
+            logit_from: self.logit_from,
         }
+    }
+
+    /// The spans of a pass over `chunks`, in order (build [`crate::graph::Rows`] over them).
+    pub fn spans(chunks: &[Chunk<'_>]) -> Vec<Span> {
+        chunks.iter().map(Chunk::span).collect()
     }
 }
 
-/// The rows of one MTP-head pass (at most the executor's `batch_rows`): the trunk's final
-/// hidden states (`tokens.len() × n_embd`) and the tokens after them, at positions
-/// `position ..`; rows `logit_from ..` get logits.
+/// One sequence's rows of an MTP-head pass: the trunk's final hidden states
+/// (`tokens.len() × n_embd`) and the tokens after them, at positions `position ..` of sequence
+/// slot `seq`; rows `logit_from ..` get logits.
 #[derive(Debug, Clone, Copy)]
 pub struct MtpRows<'a> {
+    pub seq: usize,
     pub hidden: &'a [f32],
     pub tokens: &'a [u32],
     pub position: usize,
@@ -55,12 +64,29 @@ impl MtpRows<'_> {
         self.tokens.len()
     }
 
-    /// The pass's rows as the graphs see them.
-    pub fn pass_rows(&self) -> Rows {
-        Rows {
+    /// The rows as the graphs see them.
+    pub fn span(&self) -> Span {
+        Span {
+            seq: self.seq,
             n: self.tokens.len(),
             pos0: self.position,
             ring_step0: 0,
+            logit_from: self.logit_from,
+        }
+    }
+
+    /// The spans of a pass over `chunks`, in order.
+    pub fn spans(chunks: &[MtpRows<'_>]) -> Vec<Span> {
+        chunks.iter().map(MtpRows::span).collect()
+    }
+
+    /// Writes the input rows of every chunk of a pass, one after another ([`Self::write_inputs`]).
+    pub fn write_all_inputs(chunks: &[MtpRows<'_>], embed: &WeightMatrix<'_>, out: &mut [f32]) {
+        let mut at = 0;
+        for chunk in chunks {
+            let width = 2 * chunk.hidden.len() / chunk.rows().max(1);
+            chunk.write_inputs(embed, &mut out[at..]);
+            at += chunk.rows() * width;
         }
     }
 
@@ -80,47 +106,60 @@ impl MtpRows<'_> {
     }
 }
 
-/// Runs a model's layers and owns the sequence's caches (attention KV, recurrent-state ring,
-/// the MTP head's cache); [`Backend`](super::Backend) does the rest.
+/// Runs a model's layers and owns the sequences' caches (attention KV, recurrent-state ring,
+/// the MTP head's cache), each sequence in a slot `0 .. max_sequences`;
+/// [`Backend`](super::Backend) does the rest.
 ///
-/// Every row of a chunk must get exactly the bits a one-row chunk at its position would.
+/// A pass runs chunks of several sequences together; every row must get exactly the bits a
+/// one-row pass of its sequence at its position would.
 pub trait Executor: Send + Sync {
-    /// Runs `chunk` through the whole model: its keys, values and recurrent states go into
-    /// the caches at its positions (not yet committed); the final-norm hidden states of its
-    /// rows go to `hidden` (`rows × n_embd`) and the logits of rows `logit_from ..` to
-    /// `logits`.
-    fn forward_chunk(
+    /// Gives slot `seq` the caches of an empty sequence.
+    fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError>;
+
+    /// Gives slot `to` (added, empty) the caches of slot `from`, a sequence of `len` tokens.
+    fn fork_sequence(&mut self, from: usize, to: usize, len: usize) -> Result<(), PluginError>;
+
+    /// Releases slot `seq`'s caches.
+    fn remove_sequence(&mut self, seq: usize);
+
+    /// Runs one pass over `chunks` (at most `batch_rows` rows, each sequence at most once)
+    /// through the whole model: their keys, values and recurrent states go into their
+    /// sequences' caches (not yet committed); the final-norm hidden states of every row go to
+    /// `hidden` (`rows × n_embd`, chunk after chunk) and the logits of each chunk's rows
+    /// `logit_from ..` to `logits`, chunk after chunk.
+    fn forward(
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        chunk: &Chunk<'_>,
+        chunks: &[Chunk<'_>],
         hidden: &mut [f32],
         logits: &mut [f32],
     ) -> Result<(), PluginError>;
 
-    /// Makes the `n` tokens evaluated from position `start` part of the sequence.
-    fn commit(&mut self, start: usize, n: usize);
+    /// Makes the `n` tokens evaluated from position `start` part of sequence `seq`.
+    fn commit(&mut self, seq: usize, start: usize, n: usize);
 
-    /// Cuts the sequence to `len` tokens in O(1) and returns true, or returns false (changing
-    /// nothing of the trunk) when the recurrent state of that length is no longer kept. Either
-    /// way it cuts the MTP head's cache to at most `len` entries.
-    fn rollback(&mut self, len: usize) -> Result<bool, PluginError>;
+    /// Cuts sequence `seq` to `len` tokens in O(1) and returns true, or returns false
+    /// (changing nothing of the trunk) when the recurrent state of that length is no longer
+    /// kept. Either way it cuts the MTP head's cache to at most `len` entries.
+    fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError>;
 
-    /// The lengths [`rollback`](Self::rollback) can restore, for a sequence of `seq_len`.
-    fn window(&self, seq_len: usize) -> RangeInclusive<usize>;
+    /// The lengths [`rollback`](Self::rollback) can restore, for sequence `seq` of `seq_len`.
+    fn window(&self, seq: usize, seq_len: usize) -> RangeInclusive<usize>;
 
-    /// Back to the empty sequence.
-    fn reset(&mut self) -> Result<(), PluginError>;
+    /// Sequence `seq` back to empty.
+    fn reset(&mut self, seq: usize) -> Result<(), PluginError>;
 
-    /// Runs the MTP head over one pass of `rows`: its cache is cut to `rows.position` entries
-    /// and extended by the rows; `logits` gets the logits of rows `rows.logit_from ..`,
-    /// `hidden_out` every row's head output. Only called when the capabilities say the model
-    /// has the head.
+    /// Runs the MTP head over one pass of `chunks` (at most `batch_rows` rows, each sequence
+    /// at most once): each sequence's head cache is cut to its chunk's `position` entries and
+    /// extended by the rows; `logits` gets the logits of each chunk's rows `logit_from ..`,
+    /// `hidden_out` every row's head output, chunk after chunk. Only called when the
+    /// capabilities say the model has the head.
     fn mtp(
         &mut self,
         model: &Model,
         pool: &ThreadPool,
-        rows: &MtpRows<'_>,
+        chunks: &[MtpRows<'_>],
         logits: &mut [f32],
         hidden_out: &mut [f32],
     ) -> Result<(), PluginError>;

@@ -2,12 +2,12 @@
 //! cpu-simd and cuda-hybrid.
 //!
 //! A backend is a [`Backend`] over an [`Executor`]. [`Backend`] implements the plugin ABI's
-//! [`ForwardPass`]: it validates every call, keeps the sequence (its tokens, the hidden
-//! states of the last eval, the MTP head's length), splits an eval into chunks of at most
-//! `batch_rows` rows, and implements truncation — O(1) inside the executor's rollback window,
-//! otherwise re-decoding the kept prefix or refusing, as the `deep_rollback` option says. A
-//! panicked instance refuses every later call ([`PanicFence`]). Every error leaving it names
-//! the plugin.
+//! [`ForwardPass`]: it validates every call, keeps the sequences (their tokens, the hidden
+//! states of their last evaluation, the MTP head's length), splits a batch into passes of at
+//! most `batch_rows` rows (several sequences share a pass; a long chunk spans several), and
+//! implements truncation — O(1) inside the executor's rollback window, otherwise re-decoding
+//! the kept prefix or refusing, as the `deep_rollback` option says. A panicked instance refuses
+//! every later call ([`PanicFence`]). Every error leaving it names the plugin.
 //!
 //! The [`Executor`] owns the caches and runs the layers: [`crate::cpu::CpuExecutor`] on the
 //! host, cuda-hybrid's executor on a GPU (with a host prefix run by a `CpuExecutor`).
@@ -22,8 +22,8 @@ use std::ops::RangeInclusive;
 use abi_stable::std_types::{RSlice, RVec};
 use rayon::ThreadPool;
 use specula_plugin_api::{
-    guard, Capabilities, ErrorKind, ForwardPass, LogitRows, ModelInfo, PanicFence, PluginError,
-    PluginResult,
+    guard, Capabilities, ErrorKind, EvalChunk, ForwardPass, LogitRows, ModelInfo, MtpChunk,
+    PanicFence, PluginError, PluginResult, SeqId,
 };
 
 pub use executor::{Chunk, Executor, MtpRows};
@@ -35,8 +35,8 @@ use crate::model::Model;
 pub const DEFAULT_MAX_VERIFY_TOKENS: u32 = 8;
 
 /// Rows pushed through the layers together, at least ([`opening::Opening::batch_rows`]: the
-/// verify capacity when larger). Longer evaluations (prefill) run in chunks of this many rows;
-/// chunking changes no result, it only bounds scratch memory.
+/// verify capacity of every sequence when larger). Longer evaluations (prefill) run in passes
+/// of this many rows; splitting changes no result, it only bounds scratch memory.
 pub const MIN_BATCH_ROWS: usize = 64;
 
 /// How a backend instance was set up: what [`Backend::new`] needs besides the model and the
@@ -45,15 +45,29 @@ pub const MIN_BATCH_ROWS: usize = 64;
 pub struct Setup {
     /// The plugin's name, the first word of every error message.
     pub plugin: &'static str,
+    /// What the instance advertises, `max_sequences` included (the executor's slots).
     pub capabilities: Capabilities,
     /// The context size in effect.
     pub n_ctx: usize,
-    /// Rows per chunk (the executor's scratch holds this many).
+    /// Rows per pass (the executor's scratch holds this many).
     pub batch_rows: usize,
     pub deep_rollback: DeepRollback,
 }
 
-/// One model, one sequence, evaluated by `X`: the [`ForwardPass`] of a backend plugin.
+/// One sequence of a [`Backend`].
+#[derive(Debug, Clone)]
+struct Sequence {
+    id: SeqId,
+    /// Every token of the sequence (the slow rollback path replays them).
+    tokens: Vec<u32>,
+    /// Final-norm hidden states of the rows of its last evaluation, `hidden_rows × n_embd`.
+    hidden: Vec<f32>,
+    hidden_rows: usize,
+    /// Entries in the MTP head's KV cache (`None` without a head).
+    mtp_len: Option<usize>,
+}
+
+/// One model and its sequences, evaluated by `X`: the [`ForwardPass`] of a backend plugin.
 pub struct Backend<X> {
     setup: Setup,
     model: Model,
@@ -62,17 +76,16 @@ pub struct Backend<X> {
     executor: X,
     /// Set by the first panic of a call: every later call is refused.
     fence: PanicFence,
-    /// Every token of the sequence (the slow rollback path replays them).
-    tokens: Vec<u32>,
-    /// Final-norm hidden states of the rows of the last eval, `hidden_rows × n_embd`.
-    hidden: Vec<f32>,
-    hidden_rows: usize,
-    /// Entries in the MTP head's KV cache (`None` without a head).
-    mtp_len: Option<usize>,
+    /// The executor's sequence slots: the sequence each holds.
+    slots: Vec<Option<Sequence>>,
+    /// The id the next new sequence gets (ids are never reused).
+    next_id: u32,
+    /// Final-norm hidden states of one pass's rows.
+    pass_hidden: Vec<f32>,
     /// Truncations that took the slow path (re-decoding).
     slow_rollbacks: u64,
     /// Set when resetting the executor's state failed: its caches may disagree with the
-    /// sequence, so every later call is refused.
+    /// sequences, so every later call is refused.
     broken: Option<String>,
 }
 
@@ -81,7 +94,7 @@ impl<X> std::fmt::Debug for Backend<X> {
         f.debug_struct(self.setup.plugin)
             .field("model", &self.model)
             .field("threads", &self.pool.current_num_threads())
-            .field("seq_len", &self.tokens.len())
+            .field("sequences", &self.slots.iter().flatten().count())
             .finish_non_exhaustive()
     }
 }
@@ -100,19 +113,73 @@ pub fn attribute(plugin: &str, e: PluginError) -> PluginError {
     }
 }
 
+/// One sequence's share of a batch, validated: its slot, its tokens, and where they go.
+#[derive(Debug, Clone, Copy)]
+struct Work<'a> {
+    slot: usize,
+    tokens: &'a [u32],
+    rows: LogitRows,
+    /// The sequence's length before the batch.
+    start: usize,
+}
+
+/// One sequence's share of an MTP batch, validated.
+#[derive(Debug, Clone, Copy)]
+struct MtpWork<'a> {
+    slot: usize,
+    hidden: &'a [f32],
+    tokens: &'a [u32],
+    position: usize,
+    rows: LogitRows,
+}
+
+/// Splits the rows of `sizes` (rows per chunk, in order) into passes of at most `batch_rows`
+/// rows: each pass is a list of `(chunk, first row, rows)` pieces.
+fn plan_passes(sizes: impl Iterator<Item = usize>, batch_rows: usize) -> Vec<Vec<[usize; 3]>> {
+    let mut passes = vec![Vec::new()];
+    let mut room = batch_rows;
+    for (chunk, n) in sizes.enumerate() {
+        let mut done = 0;
+        while done < n {
+            if room == 0 {
+                passes.push(Vec::new());
+                room = batch_rows;
+            }
+            let take = room.min(n - done);
+            passes
+                .last_mut()
+                .expect("one pass")
+                .push([chunk, done, take]);
+            done += take;
+            room -= take;
+        }
+    }
+    passes.retain(|pass| !pass.is_empty());
+    passes
+}
+
+/// Rows `first .. first + take` of a chunk of `n` rows that asks for `rows`: which of them
+/// (from the returned index) get logits.
+fn piece_logit_from(rows: LogitRows, n: usize, first: usize, take: usize) -> usize {
+    let from = n - rows.count(n);
+    from.clamp(first, first + take) - first
+}
+
 impl<X: Executor> Backend<X> {
-    /// An empty sequence over `model`, evaluated by `executor` on `pool`.
+    /// `executor` over `model` with no sequence yet, on `pool`.
     pub fn new(model: Model, pool: ThreadPool, executor: X, setup: Setup) -> Self {
         let info = model.info(u32::try_from(setup.n_ctx).unwrap_or(u32::MAX));
+        let slots = (0..setup.capabilities.max_sequences.max(1))
+            .map(|_| None)
+            .collect();
         Self {
             info,
             pool,
             executor,
             fence: PanicFence::default(),
-            tokens: Vec::with_capacity(setup.n_ctx),
-            hidden: Vec::new(),
-            hidden_rows: 0,
-            mtp_len: setup.capabilities.mtp_head.then_some(0),
+            slots,
+            next_id: 0,
+            pass_hidden: Vec::new(),
             slow_rollbacks: 0,
             broken: None,
             setup,
@@ -125,7 +192,7 @@ impl<X: Executor> Backend<X> {
         &self.info
     }
 
-    /// What this instance can do (verify capacity, rollback depth, snapshot size, MTP head).
+    /// What this instance can do (verify capacity, rollback depth, sequences, MTP head).
     pub fn caps(&self) -> Capabilities {
         self.setup.capabilities
     }
@@ -135,200 +202,350 @@ impl<X: Executor> Backend<X> {
         &self.executor
     }
 
-    /// Tokens in the sequence.
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-
-    /// Whether the sequence is empty.
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
-    /// The sequence lengths [`truncate_to`](Self::truncate_to) restores in O(1): every length
-    /// for a pure-attention model, the snapshot ring's window for a hybrid one.
-    pub fn rollback_window(&self) -> RangeInclusive<usize> {
-        self.executor.window(self.tokens.len())
-    }
-
-    /// How many truncations went beyond the snapshot ring and re-decoded (0 for dense models).
+    /// How many truncations went beyond a snapshot ring and re-decoded (0 for dense models).
     pub fn slow_rollbacks(&self) -> u64 {
         self.slow_rollbacks
     }
 
-    /// Entries in the MTP head's KV cache (`None` without a head).
-    pub fn mtp_len(&self) -> Option<usize> {
-        self.mtp_len
+    fn plugin_error(&self, kind: ErrorKind, what: String) -> PluginError {
+        PluginError::new(kind, format!("{}: {what}", self.setup.plugin))
     }
 
-    /// Final-norm hidden states of every row of the last eval (`rows × hidden_size`).
-    pub fn last_hidden_states(&self) -> &[f32] {
-        &self.hidden[..self.hidden_rows * self.model.graph.n_embd()]
+    /// The slot holding `seq`.
+    fn slot_of(&self, seq: SeqId) -> Result<usize, PluginError> {
+        self.slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.id == seq))
+            .ok_or_else(|| {
+                self.plugin_error(
+                    ErrorKind::InvalidInput,
+                    format!("unknown {seq} (never created, or freed); create one with seq_create"),
+                )
+            })
     }
 
-    /// [`ForwardPass::eval`] without the panic guard.
-    pub fn eval_tokens(
-        &mut self,
-        tokens: &[u32],
-        rows: LogitRows,
-        logits: &mut RVec<f32>,
-    ) -> Result<(), PluginError> {
-        self.validate(tokens)?;
-        self.forward(tokens, rows, logits)
-            .map_err(|e| attribute(self.setup.plugin, e))
+    fn sequence(&self, seq: SeqId) -> Result<&Sequence, PluginError> {
+        let slot = self.slot_of(seq)?;
+        Ok(self.slots[slot].as_ref().expect("slot_of found it"))
+    }
+
+    fn sequence_mut(&mut self, slot: usize) -> &mut Sequence {
+        self.slots[slot].as_mut().expect("a slot found by slot_of")
+    }
+
+    /// A free slot, or the error saying all are taken.
+    fn free_slot(&self) -> Result<usize, PluginError> {
+        self.slots.iter().position(Option::is_none).ok_or_else(|| {
+            self.plugin_error(
+                ErrorKind::ContextFull,
+                format!(
+                    "all {} sequences are in use; free one first, or open the backend with a larger max_sequences",
+                    self.slots.len()
+                ),
+            )
+        })
+    }
+
+    /// A new, empty sequence.
+    pub fn create_sequence(&mut self) -> Result<SeqId, PluginError> {
+        self.usable()?;
+        let slot = self.free_slot()?;
+        self.executor
+            .add_sequence(slot)
+            .map_err(|e| attribute(self.setup.plugin, e))?;
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.slots[slot] = Some(Sequence {
+            id,
+            tokens: Vec::new(),
+            hidden: Vec::new(),
+            hidden_rows: 0,
+            mtp_len: self.setup.capabilities.mtp_head.then_some(0),
+        });
+        Ok(id)
+    }
+
+    /// A new sequence holding what `seq` holds.
+    pub fn fork_sequence(&mut self, seq: SeqId) -> Result<SeqId, PluginError> {
+        self.usable()?;
+        let from = self.slot_of(seq)?;
+        let to = self.free_slot()?;
+        let parent = self.slots[from].clone().expect("slot_of found it");
+        self.executor
+            .fork_sequence(from, to, parent.tokens.len())
+            .map_err(|e| attribute(self.setup.plugin, e))?;
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.slots[to] = Some(Sequence { id, ..parent });
+        Ok(id)
+    }
+
+    /// Ends `seq`.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), PluginError> {
+        let slot = self.slot_of(seq)?;
+        self.executor.remove_sequence(slot);
+        self.slots[slot] = None;
+        Ok(())
+    }
+
+    /// Tokens in `seq`.
+    pub fn seq_length(&self, seq: SeqId) -> Result<usize, PluginError> {
+        Ok(self.sequence(seq)?.tokens.len())
+    }
+
+    /// The lengths of `seq` [`truncate_to`](Self::truncate_to) restores in O(1): every length
+    /// for a pure-attention model, the snapshot ring's window for a hybrid one.
+    pub fn rollback_window(&self, seq: SeqId) -> Result<RangeInclusive<usize>, PluginError> {
+        let slot = self.slot_of(seq)?;
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.tokens.len());
+        Ok(self.executor.window(slot, len))
+    }
+
+    /// Entries in `seq`'s MTP head cache (`None` without a head).
+    pub fn mtp_len(&self, seq: SeqId) -> Result<Option<usize>, PluginError> {
+        Ok(self.sequence(seq)?.mtp_len)
+    }
+
+    /// Final-norm hidden states of every row of `seq`'s last evaluation (`rows × hidden_size`).
+    pub fn last_hidden_states(&self, seq: SeqId) -> Result<&[f32], PluginError> {
+        let s = self.sequence(seq)?;
+        Ok(&s.hidden[..s.hidden_rows * self.model.graph.n_embd()])
     }
 
     /// Refuses every call once the executor's state could not be reset.
     fn usable(&self) -> Result<(), PluginError> {
         match &self.broken {
             None => Ok(()),
-            Some(why) => Err(PluginError::new(
+            Some(why) => Err(self.plugin_error(
                 ErrorKind::Internal,
-                format!(
-                    "{}: this instance refuses every call since resetting its state failed ({why}); open a new instance",
-                    self.setup.plugin
-                ),
+                format!("this instance refuses every call since resetting its state failed ({why}); open a new instance"),
             )),
         }
     }
 
-    fn validate(&self, tokens: &[u32]) -> Result<(), PluginError> {
-        self.usable()?;
-        let plugin = self.setup.plugin;
-        if tokens.is_empty() {
-            return Err(PluginError::invalid_input(format!(
-                "{plugin}: eval called with no tokens"
-            )));
-        }
-        let vocab = self.info.vocab_size;
-        if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
-            return Err(PluginError::invalid_input(format!(
-                "{plugin}: token id {bad} is out of range (vocabulary size {vocab})"
-            )));
-        }
-        let (len, n_ctx) = (self.tokens.len(), self.setup.n_ctx);
-        if len + tokens.len() > n_ctx {
-            return Err(PluginError::new(
-                ErrorKind::ContextFull,
-                format!(
-                    "{plugin}: context full: {len} tokens in the sequence + {} new exceed the context size {n_ctx}",
-                    tokens.len()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Evaluates `tokens` at the positions after the sequence (already validated), in chunks
-    /// of at most `batch_rows` rows.
-    fn forward(
+    /// One sequence's evaluation ([`Self::eval_batch_into`] of one chunk).
+    pub fn eval_tokens(
         &mut self,
+        seq: SeqId,
         tokens: &[u32],
         rows: LogitRows,
         logits: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
+        let chunk = EvalChunk {
+            seq,
+            tokens: RSlice::from_slice(tokens),
+            rows,
+        };
+        self.eval_batch_into(&[chunk], logits)
+    }
+
+    /// [`ForwardPass::eval_batch`] without the panic guard.
+    pub fn eval_batch_into(
+        &mut self,
+        chunks: &[EvalChunk<'_>],
+        logits: &mut RVec<f32>,
+    ) -> Result<(), PluginError> {
+        let work = self.validate(chunks)?;
+        self.forward(&work, logits)
+            .map_err(|e| attribute(self.setup.plugin, e))
+    }
+
+    fn validate<'a>(&self, chunks: &[EvalChunk<'a>]) -> Result<Vec<Work<'a>>, PluginError> {
+        self.usable()?;
+        if chunks.is_empty() {
+            return Err(self.plugin_error(
+                ErrorKind::InvalidInput,
+                "eval_batch called with no chunks".into(),
+            ));
+        }
+        let vocab = self.info.vocab_size;
+        let n_ctx = self.setup.n_ctx;
+        let mut work: Vec<Work<'a>> = Vec::with_capacity(chunks.len());
+        for chunk in chunks {
+            let (seq, tokens) = (chunk.seq, chunk.tokens.as_slice());
+            let slot = self.slot_of(seq)?;
+            if work.iter().any(|w| w.slot == slot) {
+                return Err(self.plugin_error(
+                    ErrorKind::InvalidInput,
+                    format!("{seq} appears twice in one eval_batch; give each sequence one chunk"),
+                ));
+            }
+            if tokens.is_empty() {
+                return Err(self.plugin_error(
+                    ErrorKind::InvalidInput,
+                    format!("eval called with no tokens for {seq}"),
+                ));
+            }
+            if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
+                return Err(self.plugin_error(
+                    ErrorKind::InvalidInput,
+                    format!("token id {bad} is out of range (vocabulary size {vocab})"),
+                ));
+            }
+            let len = self.slots[slot].as_ref().map_or(0, |s| s.tokens.len());
+            if len + tokens.len() > n_ctx {
+                return Err(self.plugin_error(
+                    ErrorKind::ContextFull,
+                    format!(
+                        "context full: {len} tokens in {seq} + {} new exceed the context size {n_ctx}",
+                        tokens.len()
+                    ),
+                ));
+            }
+            work.push(Work {
+                slot,
+                tokens,
+                rows: chunk.rows,
+                start: len,
+            });
+        }
+        Ok(work)
+    }
+
+    /// Evaluates validated `work` in passes of at most `batch_rows` rows: logits chunk by
+    /// chunk into `logits`, each sequence's hidden states into its own buffer.
+    fn forward(&mut self, work: &[Work<'_>], logits: &mut RVec<f32>) -> Result<(), PluginError> {
         let e = self.model.graph.n_embd();
         let vocab = self.info.vocab_size as usize;
-        let batch_rows = self.setup.batch_rows;
-        let n = tokens.len();
-        let start = self.tokens.len();
-
-        self.hidden_rows = 0;
-        self.hidden.resize(n * e, 0.0);
         logits.clear();
-        logits.resize(rows.count(n) * vocab, 0.0);
-        for (chunk_index, chunk_tokens) in tokens.chunks(batch_rows).enumerate() {
-            let first = chunk_index * batch_rows;
-            let m = chunk_tokens.len();
-            // Rows `logit_from .. m` of this chunk get logits, at logit row `logit_to ..`.
-            let (logit_from, logit_to) = match rows {
-                LogitRows::All => (0, first),
-                LogitRows::Last if first + m == n => (m - 1, 0),
-                _ => (m, 0),
-            };
-            let chunk = Chunk {
-                tokens: chunk_tokens,
-                pos0: start + first,
-                first,
-                logit_from,
-            };
-            self.executor.forward_chunk(
+        logits.resize(
+            work.iter()
+                .map(|w| w.rows.count(w.tokens.len()))
+                .sum::<usize>()
+                * vocab,
+            0.0,
+        );
+        for w in work {
+            let seq = self.sequence_mut(w.slot);
+            seq.hidden_rows = 0;
+            seq.hidden.resize(w.tokens.len() * e, 0.0);
+        }
+        self.pass_hidden.resize(self.setup.batch_rows * e, 0.0);
+        let mut logit_at = 0;
+        for pass in plan_passes(work.iter().map(|w| w.tokens.len()), self.setup.batch_rows) {
+            let chunks: Vec<Chunk<'_>> = pass
+                .iter()
+                .map(|&[c, first, take]| {
+                    let w = &work[c];
+                    Chunk {
+                        seq: w.slot,
+                        tokens: &w.tokens[first..first + take],
+                        pos0: w.start + first,
+                        first,
+                        logit_from: piece_logit_from(w.rows, w.tokens.len(), first, take),
+                    }
+                })
+                .collect();
+            let m: usize = chunks.iter().map(Chunk::rows).sum();
+            let n_logits: usize = chunks.iter().map(|c| c.rows() - c.logit_from).sum();
+            let hidden = &mut self.pass_hidden[..m * e];
+            self.executor.forward(
                 &self.model,
                 &self.pool,
-                &chunk,
-                &mut self.hidden[first * e..(first + m) * e],
-                &mut logits[logit_to * vocab..(logit_to + m - logit_from) * vocab],
+                &chunks,
+                hidden,
+                &mut logits[logit_at..logit_at + n_logits * vocab],
             )?;
+            logit_at += n_logits * vocab;
+            let mut row = 0;
+            for &[c, first, take] in &pass {
+                let slot = work[c].slot;
+                let seq = self.slots[slot].as_mut().expect("validated");
+                seq.hidden[first * e..(first + take) * e]
+                    .copy_from_slice(&self.pass_hidden[row * e..(row + take) * e]);
+                row += take;
+            }
         }
-        self.executor.commit(start, n);
-        self.tokens.extend_from_slice(tokens);
-        self.hidden_rows = n;
+        for w in work {
+            self.executor.commit(w.slot, w.start, w.tokens.len());
+            let seq = self.sequence_mut(w.slot);
+            seq.tokens.extend_from_slice(w.tokens);
+            seq.hidden_rows = w.tokens.len();
+        }
         Ok(())
     }
 
     /// [`ForwardPass::truncate`] without the panic guard.
-    pub fn truncate_to(&mut self, len: usize) -> Result<(), PluginError> {
+    pub fn truncate_to(&mut self, seq: SeqId, len: usize) -> Result<(), PluginError> {
         self.usable()?;
         let plugin = self.setup.plugin;
-        let seq_len = self.tokens.len();
+        let slot = self.slot_of(seq)?;
+        let seq_len = self.sequence_mut(slot).tokens.len();
         if len > seq_len {
-            return Err(PluginError::invalid_input(format!(
-                "{plugin}: cannot truncate to {len} tokens: the sequence has only {seq_len}"
-            )));
+            return Err(self.plugin_error(
+                ErrorKind::InvalidInput,
+                format!("cannot truncate {seq} to {len} tokens: it has only {seq_len}"),
+            ));
         }
-        if let Some(mtp_len) = &mut self.mtp_len {
+        if let Some(mtp_len) = &mut self.sequence_mut(slot).mtp_len {
             *mtp_len = (*mtp_len).min(len);
         }
-        let window = self.executor.window(seq_len);
+        let window = self.executor.window(slot, seq_len);
         if self
             .executor
-            .rollback(len)
+            .rollback(slot, len)
             .map_err(|e| attribute(plugin, e))?
         {
-            self.tokens.truncate(len);
+            self.sequence_mut(slot).tokens.truncate(len);
             return Ok(());
         }
         match self.setup.deep_rollback {
-            DeepRollback::Refuse => Err(PluginError::invalid_input(format!(
-                "{plugin}: cannot truncate to {len} tokens: the recurrent state is kept only for lengths {}..={} (rollback depth {}), and option '{}' = 'refuse' forbids re-decoding",
-                window.start(),
-                window.end(),
-                self.setup.capabilities.rollback_depth,
-                options::OPTION_DEEP_ROLLBACK,
-            ))),
+            DeepRollback::Refuse => Err(self.plugin_error(
+                ErrorKind::InvalidInput,
+                format!(
+                    "cannot truncate {seq} to {len} tokens: the recurrent state is kept only for lengths {}..={} (rollback depth {}), and option '{}' = 'refuse' forbids re-decoding",
+                    window.start(),
+                    window.end(),
+                    self.setup.capabilities.rollback_depth,
+                    options::OPTION_DEEP_ROLLBACK,
+                ),
+            )),
             DeepRollback::Redecode => {
                 tracing::debug!(
-                    "{plugin}: truncating to {len} tokens is outside the rollback window {}..={}; re-decoding them",
+                    "{plugin}: truncating {seq} to {len} tokens is outside the rollback window {}..={}; re-decoding them",
                     window.start(),
                     window.end()
                 );
-                self.redecode(len).map_err(|e| attribute(plugin, e))
+                self.redecode(slot, len).map_err(|e| attribute(plugin, e))
             }
         }
     }
 
-    /// The slow rollback path: back to the empty state, then one pass over the kept tokens.
-    fn redecode(&mut self, len: usize) -> Result<(), PluginError> {
+    /// The slow rollback path: sequence `slot` back to empty, then one evaluation of the kept
+    /// tokens.
+    fn redecode(&mut self, slot: usize, len: usize) -> Result<(), PluginError> {
         self.slow_rollbacks += 1;
-        if let Err(e) = self.executor.reset() {
+        if let Err(e) = self.executor.reset(slot) {
             self.broken = Some(e.message.to_string());
             return Err(e);
         }
-        let mut replay = std::mem::take(&mut self.tokens);
+        let seq = self.sequence_mut(slot);
+        let mut replay = std::mem::take(&mut seq.tokens);
         replay.truncate(len);
         if replay.is_empty() {
             return Ok(());
         }
-        let hidden = (std::mem::take(&mut self.hidden), self.hidden_rows);
-        let mut scratch_logits = RVec::new();
-        let result = self.forward(&replay, LogitRows::None, &mut scratch_logits);
-        (self.hidden, self.hidden_rows) = hidden;
+        let hidden = (std::mem::take(&mut seq.hidden), seq.hidden_rows);
+        let work = [Work {
+            slot,
+            tokens: &replay,
+            rows: LogitRows::None,
+            start: 0,
+        }];
+        let result = self.forward(&work, &mut RVec::new());
+        let seq = self.sequence_mut(slot);
+        (seq.hidden, seq.hidden_rows) = hidden;
+        if result.is_err() {
+            // The sequence is empty now: what was evaluated of it is not kept.
+            let _ = self.executor.reset(slot);
+        }
         result
     }
 
     /// One MTP step (a one-row [`mtp_eval_into`](Self::mtp_eval_into) with logits).
     pub fn mtp_step_into(
         &mut self,
+        seq: SeqId,
         hidden: &[f32],
         token: u32,
         position: usize,
@@ -336,6 +553,7 @@ impl<X: Executor> Backend<X> {
         hidden_out: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
         self.mtp_eval_into(
+            seq,
             hidden,
             &[token],
             position,
@@ -345,9 +563,11 @@ impl<X: Executor> Backend<X> {
         )
     }
 
-    /// [`ForwardPass::mtp_eval`] without the panic guard.
+    /// One sequence's MTP-head rows ([`Self::mtp_batch_into`] of one chunk).
+    #[allow(clippy::too_many_arguments)]
     pub fn mtp_eval_into(
         &mut self,
+        seq: SeqId,
         hidden: &[f32],
         tokens: &[u32],
         position: usize,
@@ -355,60 +575,118 @@ impl<X: Executor> Backend<X> {
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
+        let chunk = MtpChunk {
+            seq,
+            hidden: RSlice::from_slice(hidden),
+            tokens: RSlice::from_slice(tokens),
+            position,
+            rows,
+        };
+        self.mtp_batch_into(&[chunk], logits, hidden_out)
+    }
+
+    /// [`ForwardPass::mtp_eval_batch`] without the panic guard.
+    pub fn mtp_batch_into(
+        &mut self,
+        chunks: &[MtpChunk<'_>],
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), PluginError> {
         self.usable()?;
         let plugin = self.setup.plugin;
-        let Some(cached) = self.mtp_len else {
+        if !self.setup.capabilities.mtp_head {
             return Err(PluginError::unsupported(format!(
                 "{plugin}: {} ({}) has no MTP head",
                 self.info.name, self.info.architecture
             )));
-        };
+        }
         let e = self.model.graph.n_embd();
         let vocab = self.info.vocab_size as usize;
-        let n = tokens.len();
-        validate::mtp_input(
-            plugin,
-            hidden,
-            tokens,
-            position,
-            e,
-            vocab,
-            cached,
-            self.setup.n_ctx,
-        )?;
+        let mut work: Vec<MtpWork<'_>> = Vec::with_capacity(chunks.len());
+        for chunk in chunks {
+            let slot = self.slot_of(chunk.seq)?;
+            if work.iter().any(|w| w.slot == slot) {
+                return Err(self.plugin_error(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "{} appears twice in one mtp_eval_batch; give each sequence one chunk",
+                        chunk.seq
+                    ),
+                ));
+            }
+            let cached = self.sequence_mut(slot).mtp_len.unwrap_or(0);
+            let (hidden, tokens) = (chunk.hidden.as_slice(), chunk.tokens.as_slice());
+            validate::mtp_input(
+                plugin,
+                hidden,
+                tokens,
+                chunk.position,
+                e,
+                vocab,
+                cached,
+                self.setup.n_ctx,
+            )?;
+            work.push(MtpWork {
+                slot,
+                hidden,
+                tokens,
+                position: chunk.position,
+                rows: chunk.rows,
+            });
+        }
+        let n_rows: usize = work.iter().map(|w| w.tokens.len()).sum();
         logits.clear();
-        logits.resize(rows.count(n) * vocab, 0.0);
+        logits.resize(
+            work.iter()
+                .map(|w| w.rows.count(w.tokens.len()))
+                .sum::<usize>()
+                * vocab,
+            0.0,
+        );
         hidden_out.clear();
-        hidden_out.resize(n * e, 0.0);
-        // In passes of at most `batch_rows` rows (chunking changes no bits: every row is
-        // computed as a one-row call); rows `first_logit_row ..` of the call get logits.
-        let first_logit_row = n - rows.count(n);
+        hidden_out.resize(n_rows * e, 0.0);
+        let (mut logit_at, mut row_at) = (0, 0);
         let mut result = Ok(());
-        let mut start = 0;
-        while start < n && result.is_ok() {
-            let end = n.min(start + self.setup.batch_rows);
-            let lo = first_logit_row.clamp(start, end);
-            let at = lo.saturating_sub(first_logit_row) * vocab;
-            let pass = MtpRows {
-                hidden: &hidden[start * e..end * e],
-                tokens: &tokens[start..end],
-                position: position + start,
-                logit_from: lo - start,
-            };
+        for pass in plan_passes(work.iter().map(|w| w.tokens.len()), self.setup.batch_rows) {
+            let chunks: Vec<MtpRows<'_>> = pass
+                .iter()
+                .map(|&[c, first, take]| {
+                    let w = &work[c];
+                    MtpRows {
+                        seq: w.slot,
+                        hidden: &w.hidden[first * e..(first + take) * e],
+                        tokens: &w.tokens[first..first + take],
+                        position: w.position + first,
+                        logit_from: piece_logit_from(w.rows, w.tokens.len(), first, take),
+                    }
+                })
+                .collect();
+            let m: usize = chunks.iter().map(MtpRows::rows).sum();
+            let n_logits: usize = chunks.iter().map(|c| c.rows() - c.logit_from).sum();
             result = self.executor.mtp(
                 &self.model,
                 &self.pool,
-                &pass,
-                &mut logits[at..at + (end - lo) * vocab],
-                &mut hidden_out[start * e..end * e],
+                &chunks,
+                &mut logits[logit_at..logit_at + n_logits * vocab],
+                &mut hidden_out[row_at * e..(row_at + m) * e],
             );
-            start = end;
+            if result.is_err() {
+                break;
+            }
+            logit_at += n_logits * vocab;
+            row_at += m;
         }
-        // The head's cache was cut to `position` before the rows were appended.
-        self.mtp_len = Some(match result {
-            Ok(()) => position + n,
-            Err(_) => cached.min(position),
-        });
+        // Each head cache was cut to its chunk's position before the rows were appended.
+        let ok = result.is_ok();
+        for w in &work {
+            let seq = self.sequence_mut(w.slot);
+            let cached = seq.mtp_len.unwrap_or(0);
+            seq.mtp_len = Some(if ok {
+                w.position + w.tokens.len()
+            } else {
+                cached.min(w.position)
+            });
+        }
         result.map_err(|e| attribute(plugin, e))
     }
 
@@ -439,54 +717,60 @@ impl<X: Executor> ForwardPass for Backend<X> {
         guarded(|| self.setup.capabilities, || self.setup.capabilities)
     }
 
-    fn seq_len(&self) -> PluginResult<usize> {
+    fn seq_create(&mut self) -> PluginResult<SeqId> {
         self.fence
-            .guard(self.setup.plugin, || Ok(self.tokens.len()))
+            .clone()
+            .guard(self.setup.plugin, || self.create_sequence())
     }
 
-    fn eval(
+    fn seq_fork(&mut self, seq: SeqId) -> PluginResult<SeqId> {
+        self.fence
+            .clone()
+            .guard(self.setup.plugin, || self.fork_sequence(seq))
+    }
+
+    fn seq_free(&mut self, seq: SeqId) -> PluginResult<()> {
+        self.fence
+            .clone()
+            .guard(self.setup.plugin, || self.free_sequence(seq))
+    }
+
+    fn seq_len(&self, seq: SeqId) -> PluginResult<usize> {
+        self.fence.guard(self.setup.plugin, || self.seq_length(seq))
+    }
+
+    fn eval_batch(
         &mut self,
-        tokens: RSlice<'_, u32>,
-        rows: LogitRows,
+        chunks: RSlice<'_, EvalChunk<'_>>,
         logits: &mut RVec<f32>,
     ) -> PluginResult<()> {
         self.fence.clone().guard(self.setup.plugin, || {
-            self.eval_tokens(tokens.as_slice(), rows, logits)
+            self.eval_batch_into(chunks.as_slice(), logits)
         })
     }
 
-    fn truncate(&mut self, len: usize) -> PluginResult<()> {
+    fn truncate(&mut self, seq: SeqId, len: usize) -> PluginResult<()> {
         self.fence
             .clone()
-            .guard(self.setup.plugin, || self.truncate_to(len))
+            .guard(self.setup.plugin, || self.truncate_to(seq, len))
     }
 
-    fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()> {
+    fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()> {
         self.fence.guard(self.setup.plugin, || {
             out.clear();
-            out.extend_from_slice(self.last_hidden_states());
+            out.extend_from_slice(self.last_hidden_states(seq)?);
             Ok(())
         })
     }
 
-    fn mtp_eval(
+    fn mtp_eval_batch(
         &mut self,
-        hidden: RSlice<'_, f32>,
-        tokens: RSlice<'_, u32>,
-        position: usize,
-        rows: LogitRows,
+        chunks: RSlice<'_, MtpChunk<'_>>,
         logits: &mut RVec<f32>,
         hidden_out: &mut RVec<f32>,
     ) -> PluginResult<()> {
         self.fence.clone().guard(self.setup.plugin, || {
-            self.mtp_eval_into(
-                hidden.as_slice(),
-                tokens.as_slice(),
-                position,
-                rows,
-                logits,
-                hidden_out,
-            )
+            self.mtp_batch_into(chunks.as_slice(), logits, hidden_out)
         })
     }
 }
@@ -505,12 +789,15 @@ mod tests {
         );
         let params = testing::backend_params(path, 1, 64, 4, &[]);
         let (model, n_ctx) = opening::load_model("test", &params).unwrap();
-        let executor = CpuExecutor::whole_model(&model, n_ctx, 64, KvType::F32, 4).unwrap();
+        let executor = CpuExecutor::whole_model(&model, n_ctx, 64, KvType::F32, 4, 1).unwrap();
         let setup = Setup {
             plugin: "test",
             capabilities: Capabilities {
                 max_verify_tokens: 4,
                 rollback_depth: 4,
+                max_sequences: 1,
+                max_batch_rows: 64,
+                kv_tokens: n_ctx as u64,
                 hidden_state_export: true,
                 mtp_head: true,
                 snapshot_bytes_per_slot: 0,
@@ -527,37 +814,46 @@ mod tests {
     struct FailingReset(CpuExecutor);
 
     impl Executor for FailingReset {
-        fn forward_chunk(
+        fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError> {
+            self.0.add_sequence(seq)
+        }
+        fn fork_sequence(&mut self, from: usize, to: usize, len: usize) -> Result<(), PluginError> {
+            self.0.fork_sequence(from, to, len)
+        }
+        fn remove_sequence(&mut self, seq: usize) {
+            self.0.remove_sequence(seq)
+        }
+        fn forward(
             &mut self,
             model: &Model,
             pool: &ThreadPool,
-            chunk: &Chunk<'_>,
+            chunks: &[Chunk<'_>],
             hidden: &mut [f32],
             logits: &mut [f32],
         ) -> Result<(), PluginError> {
-            self.0.forward_chunk(model, pool, chunk, hidden, logits)
+            self.0.forward(model, pool, chunks, hidden, logits)
         }
-        fn commit(&mut self, start: usize, n: usize) {
-            self.0.commit(start, n)
+        fn commit(&mut self, seq: usize, start: usize, n: usize) {
+            self.0.commit(seq, start, n)
         }
-        fn rollback(&mut self, len: usize) -> Result<bool, PluginError> {
-            self.0.rollback(len)
+        fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
+            self.0.rollback(seq, len)
         }
-        fn window(&self, seq_len: usize) -> RangeInclusive<usize> {
-            self.0.window(seq_len)
+        fn window(&self, seq: usize, seq_len: usize) -> RangeInclusive<usize> {
+            self.0.window(seq, seq_len)
         }
-        fn reset(&mut self) -> Result<(), PluginError> {
+        fn reset(&mut self, _seq: usize) -> Result<(), PluginError> {
             Err(PluginError::new(ErrorKind::Internal, "device gone"))
         }
         fn mtp(
             &mut self,
             model: &Model,
             pool: &ThreadPool,
-            rows: &MtpRows<'_>,
+            chunks: &[MtpRows<'_>],
             logits: &mut [f32],
             hidden_out: &mut [f32],
         ) -> Result<(), PluginError> {
-            self.0.mtp(model, pool, rows, logits, hidden_out)
+            self.0.mtp(model, pool, chunks, logits, hidden_out)
         }
     }
 
@@ -568,16 +864,18 @@ mod tests {
         let mut backend = open_test_backend(FailingReset);
         let mut logits = RVec::new();
         let tokens: Vec<u32> = (1..=12).collect();
+        let seq = backend.create_sequence().unwrap();
         backend
-            .eval_tokens(&tokens, LogitRows::Last, &mut logits)
+            .eval_tokens(seq, &tokens, LogitRows::Last, &mut logits)
             .unwrap();
-        let err = backend.truncate_to(2).unwrap_err();
+        let err = backend.truncate_to(seq, 2).unwrap_err();
         assert!(err.message.contains("device gone"), "{err}");
         for err in [
             backend
-                .eval_tokens(&[1], LogitRows::Last, &mut logits)
+                .eval_tokens(seq, &[1], LogitRows::Last, &mut logits)
                 .unwrap_err(),
-            backend.truncate_to(1).unwrap_err(),
+            backend.truncate_to(seq, 1).unwrap_err(),
+            backend.create_sequence().unwrap_err(),
         ] {
             assert_eq!(err.kind, ErrorKind::Internal);
             assert!(

@@ -23,6 +23,8 @@ pub struct Opening {
     pub common: CommonOptions,
     /// The verify capacity asked for ([`requested_verify`]).
     pub requested_verify: usize,
+    /// Sequence slots asked for (at least 1).
+    pub max_sequences: usize,
 }
 
 impl Opening {
@@ -42,6 +44,7 @@ impl Opening {
             pool,
             common,
             requested_verify: requested_verify(params),
+            max_sequences: params.max_sequences.max(1) as usize,
         })
     }
 
@@ -49,13 +52,21 @@ impl Opening {
     /// capacity asked for, lowered for a hybrid model to what the `ring_budget_bytes` option
     /// holds (with a warning); rollback without limit where no layer is recurrent, else as deep
     /// as the ring. (Dense models: a depth of 0, no ring.)
+    ///
+    /// Every sequence gets a KV cache of the context size, so the KV capacity is
+    /// `max_sequences × n_ctx` tokens; `max_batch_rows` is [`Self::batch_rows`].
     pub fn capabilities(&self) -> Result<(Capabilities, usize), PluginError> {
         let requested = self.requested_verify;
-        Ok(match &self.model.graph {
+        let max_sequences = self.max_sequences as u32;
+        let kv_tokens = (self.max_sequences * self.n_ctx) as u64;
+        let (mut capabilities, depth) = match &self.model.graph {
             Graph::Dense(_) => (
                 Capabilities {
                     max_verify_tokens: requested as u32,
                     rollback_depth: u32::MAX,
+                    max_sequences,
+                    max_batch_rows: 0,
+                    kv_tokens,
                     hidden_state_export: true,
                     mtp_head: false,
                     snapshot_bytes_per_slot: 0,
@@ -78,19 +89,25 @@ impl Opening {
                     } else {
                         depth as u32
                     },
+                    max_sequences,
+                    max_batch_rows: 0,
+                    kv_tokens,
                     hidden_state_export: true,
                     mtp_head: h.weights.mtp.is_some(),
                     snapshot_bytes_per_slot: layout.plane_bytes(),
                 };
                 (capabilities, depth)
             }
-        })
+        };
+        capabilities.max_batch_rows = Self::batch_rows(&capabilities) as u32;
+        Ok((capabilities, depth))
     }
 
-    /// Rows per chunk for an instance advertising `capabilities`: a verify pass is never
-    /// split, and prefill runs in chunks of at least [`MIN_BATCH_ROWS`].
+    /// Rows per pass for an instance advertising `capabilities`: every sequence's verify
+    /// batch fits one pass, and prefill runs in passes of at least [`MIN_BATCH_ROWS`].
     pub fn batch_rows(capabilities: &Capabilities) -> usize {
-        MIN_BATCH_ROWS.max(capabilities.max_verify_tokens as usize)
+        let verify = capabilities.max_verify_tokens as usize;
+        MIN_BATCH_ROWS.max(verify * capabilities.max_sequences.max(1) as usize)
     }
 
     /// The backend: `executor` over the model with an empty sequence, advertising

@@ -40,6 +40,8 @@ pub struct Scratch {
     gdn: GdnScratch,
     moe: MoeScratch,
     matmul: MatmulScratch,
+    /// The hidden rows that get logits, gathered when they are not contiguous.
+    logit_rows: Vec<f32>,
 }
 
 impl Scratch {
@@ -58,6 +60,7 @@ impl Scratch {
                 .moe()
                 .map_or_else(MoeScratch::default, |m| MoeScratch::new(m, rows)),
             matmul: MatmulScratch::new(),
+            logit_rows: Vec::new(),
         }
     }
 
@@ -86,32 +89,45 @@ fn disjoint<const N: usize>(
         .map_err(|_| graph_error(&format!("one buffer both read and written: {acts:?}")))
 }
 
-/// One pass's view of a [`super::CpuExecutor`]: its buffers, the caches the layers read and
-/// write, and where the logits go.
+/// One sequence's caches on the CPU: the attention KV cache and the recurrent state of the
+/// layers run here, and the MTP head's cache.
+#[derive(Debug)]
+pub struct SeqCaches {
+    /// The trunk's attention cache (the layers run here).
+    pub kv: KvCache,
+    /// The recurrent state of the GDN layers run here.
+    pub ring: Option<SnapshotRing>,
+    /// The MTP head's cache.
+    pub mtp_kv: Option<KvCache>,
+}
+
+/// One pass's view of a [`super::CpuExecutor`]: its buffers, the sequences' caches the layers
+/// read and write (indexed by [`crate::graph::Span::seq`]), and where the logits go.
 pub struct CpuOps<'a> {
     pub dims: &'a Dims,
     pub file: &'a GgufFile,
     pub scratch: &'a mut Scratch,
-    /// The trunk's attention cache (the layers run here).
-    pub kv: &'a mut KvCache,
-    /// The recurrent state of the GDN layers run here.
-    pub ring: Option<&'a mut SnapshotRing>,
-    /// The MTP head's cache.
-    pub mtp_kv: Option<&'a mut KvCache>,
+    pub seqs: &'a mut [Option<SeqCaches>],
     /// The logits of the pass's rows that get them.
     pub logits: &'a mut [f32],
 }
 
-/// The cache of `slot` among a pass's caches, and its layer there.
-fn cache_of<'c>(
-    kv: &'c mut KvCache,
-    mtp_kv: Option<&'c mut KvCache>,
-    slot: KvSlot,
-) -> Result<(&'c mut KvCache, usize), PluginError> {
+/// The caches of sequence `seq`.
+fn seq_caches(seqs: &mut [Option<SeqCaches>], seq: usize) -> Result<&mut SeqCaches, PluginError> {
+    seqs.get_mut(seq)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| graph_error(&format!("sequence slot {seq} has no caches")))
+}
+
+/// The cache of `slot` among a sequence's caches, and its layer there.
+fn cache_of(caches: &mut SeqCaches, slot: KvSlot) -> Result<(&mut KvCache, usize), PluginError> {
     let (cache, layer) = match slot.cache {
-        Cache::Trunk(layer) => (kv, layer),
+        Cache::Trunk(layer) => (&mut caches.kv, layer),
         Cache::Mtp => (
-            mtp_kv.ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+            caches
+                .mtp_kv
+                .as_mut()
+                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
             0,
         ),
     };
@@ -207,7 +223,12 @@ impl LayerOps for CpuOps<'_> {
             None => (None, None),
         };
         let s = &mut *self.scratch;
-        s.angles.cover(rope, rows.pos0 + slot.rope_offset, n);
+        let runs: Vec<(usize, usize)> = rows
+            .spans
+            .iter()
+            .map(|span| (span.pos0 + slot.rope_offset, span.n))
+            .collect();
+        s.angles.cover_runs(rope, &runs);
         let angles = &s.angles;
         // Rows on the pool's threads (a single row stays on this one).
         match q {
@@ -242,11 +263,13 @@ impl LayerOps for CpuOps<'_> {
     fn store_kv(&mut self, slot: KvSlot, k: Act, v: Act, rows: &Rows) -> Result<(), PluginError> {
         self.dims.check_kv(k, v)?;
         let (kw, vw) = (self.dims.attention.k_width(), self.dims.attention.v_width());
-        let n = rows.n;
-        let (cache, layer) = cache_of(self.kv, self.mtp_kv.as_deref_mut(), slot)?;
         let acts = &self.scratch.acts;
-        let (keys, values) = (&acts[k.index()][..n * kw], &acts[v.index()][..n * vw]);
-        cache.store(layer, rows.pos0, keys, values);
+        for (first, span) in rows.with_offsets() {
+            let (cache, layer) = cache_of(seq_caches(self.seqs, span.seq)?, slot)?;
+            let range = |w: usize| first * w..(first + span.n) * w;
+            let (keys, values) = (&acts[k.index()][range(kw)], &acts[v.index()][range(vw)]);
+            cache.store(layer, span.pos0, keys, values);
+        }
         Ok(())
     }
 
@@ -261,19 +284,22 @@ impl LayerOps for CpuOps<'_> {
         let dims = self.dims;
         dims.check_attend(q, gate, dst)?;
         let shape = &dims.attention;
-        let (n, pos0, qw, ow) = (rows.n, rows.pos0, shape.q_width(), shape.out_width());
-        let (kv, layer) = cache_of(self.kv, self.mtp_kv.as_deref_mut(), slot)?;
+        let (n, qw, ow) = (rows.n, shape.q_width(), shape.out_width());
         let s = &mut *self.scratch;
         let [queries, out] = disjoint(&mut s.acts, [q, dst])?;
-        attend_rows(
-            shape,
-            &queries[..n * qw],
-            pos0 + 1,
-            kv.keys(layer, pos0 + n),
-            kv.values(layer, pos0 + n),
-            &mut s.attention,
-            &mut out[..n * ow],
-        );
+        for (first, span) in rows.with_offsets() {
+            let (kv, layer) = cache_of(seq_caches(self.seqs, span.seq)?, slot)?;
+            let (pos0, end) = (span.pos0, first + span.n);
+            attend_rows(
+                shape,
+                &queries[first * qw..end * qw],
+                pos0 + 1,
+                kv.keys(layer, pos0 + span.n),
+                kv.values(layer, pos0 + span.n),
+                &mut s.attention,
+                &mut out[first * ow..end * ow],
+            );
+        }
         if let Some(gate) = gate {
             let hd = shape.head_dim;
             let [full, out] = disjoint(&mut s.acts, [gate, dst])?;
@@ -297,14 +323,9 @@ impl LayerOps for CpuOps<'_> {
         rows: &Rows,
     ) -> Result<(), PluginError> {
         let shape = self.dims.check_gdn(&inputs, dst)?;
-        let state = self
-            .ring
-            .as_deref_mut()
-            .filter(|state| ring < state.layout().n_layers)
-            .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not here")))?;
         let s = &mut *self.scratch;
-        let n = rows.n;
         let vd = shape.value_dim();
+        let (c, hv) = (shape.channels(), shape.n_v_heads);
         let (input, out) = match inputs.beta_alpha {
             BetaAlphaRows::Separate { beta, alpha } => {
                 let [mixed, z, beta, alpha, out] =
@@ -332,18 +353,35 @@ impl LayerOps for CpuOps<'_> {
                 )
             }
         };
-        let (slot, step0) = (ring, rows.ring_step0);
-        gdn::recurrence(
-            &shape,
-            w,
-            input,
-            n,
-            state,
-            slot,
-            step0,
-            &mut s.gdn,
-            &mut out[..n * vd],
-        );
+        for (first, span) in rows.with_offsets() {
+            let state = seq_caches(self.seqs, span.seq)?
+                .ring
+                .as_mut()
+                .filter(|state| ring < state.layout().n_layers)
+                .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not here")))?;
+            let span_input = GdnRows {
+                mixed: &input.mixed[first * c..],
+                z: &input.z[first * vd..],
+                beta_alpha: match input.beta_alpha {
+                    BetaAlphaIn::Separate { beta, alpha } => BetaAlphaIn::Separate {
+                        beta: &beta[first * hv..],
+                        alpha: &alpha[first * hv..],
+                    },
+                    BetaAlphaIn::Grouped(ba) => BetaAlphaIn::Grouped(&ba[first * 2 * hv..]),
+                },
+            };
+            gdn::recurrence(
+                &shape,
+                w,
+                span_input,
+                span.n,
+                state,
+                ring,
+                span.ring_step0,
+                &mut s.gdn,
+                &mut out[first * vd..(first + span.n) * vd],
+            );
+        }
         Ok(())
     }
 
@@ -364,25 +402,38 @@ impl LayerOps for CpuOps<'_> {
         )
     }
 
-    fn logits(
-        &mut self,
-        output: &MatrixRef,
-        hidden: Act,
-        first_row: usize,
-        rows: &Rows,
-    ) -> Result<(), PluginError> {
-        let (n, e) = (rows.n, self.dims.width(hidden)?);
-        if first_row >= n {
+    fn logits(&mut self, output: &MatrixRef, hidden: Act, rows: &Rows) -> Result<(), PluginError> {
+        let e = self.dims.width(hidden)?;
+        let n_logits = rows.logit_rows();
+        if n_logits == 0 {
             return Ok(());
         }
-        if self.logits.len() != (n - first_row) * output.rows || output.cols != e {
+        if self.logits.len() != n_logits * output.rows || output.cols != e {
             return Err(graph_error(
                 "logits: the output does not fit the rows asked for",
             ));
         }
         let view = output.view(self.file)?;
-        let h = &self.scratch.acts[hidden.index()][first_row * e..n * e];
-        matmul(&view, h, self.logits, &mut self.scratch.matmul);
+        let s = &mut *self.scratch;
+        let all = &s.acts[hidden.index()];
+        // The rows that get logits, contiguous when they already are (one span); each row's
+        // product does not depend on the rows beside it.
+        let ranges: Vec<_> = rows
+            .with_offsets()
+            .filter(|(_, span)| span.logit_from < span.n)
+            .map(|(first, span)| (first + span.logit_from) * e..(first + span.n) * e)
+            .collect();
+        let h = match ranges.as_slice() {
+            [range] => &all[range.clone()],
+            _ => {
+                s.logit_rows.clear();
+                for range in ranges {
+                    s.logit_rows.extend_from_slice(&all[range]);
+                }
+                &s.logit_rows[..]
+            }
+        };
+        matmul(&view, h, self.logits, &mut s.matmul);
         Ok(())
     }
 }

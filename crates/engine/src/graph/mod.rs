@@ -313,14 +313,62 @@ impl Dims {
     }
 }
 
-/// The rows of one pass through the layers: `n` tokens at consecutive positions `pos0 ..` of
-/// the sequence, which are the `ring_step0`-th .. tokens after its recurrent state's live
-/// snapshot (the ring advances only when an evaluation is committed).
+/// The rows of one pass through the layers: `n` rows, made of one [`Span`] per sequence in the
+/// pass. Row-wise operations (norms, products, activations) run over all `n` rows at once —
+/// every weight is read once for every sequence —; the operations that read a sequence's
+/// caches (RoPE, the KV cache, attention, the recurrence) run span by span.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    pub n: usize,
+    pub spans: &'a [Span],
+}
+
+/// One sequence's rows in a pass: `n` tokens at consecutive positions `pos0 ..` of sequence
+/// `seq` (the executor's index), which are the `ring_step0`-th .. tokens after its recurrent
+/// state's live snapshot (the ring advances only when an evaluation is committed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rows {
+pub struct Span {
+    pub seq: usize,
     pub n: usize,
     pub pos0: usize,
     pub ring_step0: usize,
+    /// Rows `logit_from .. n` of the span get logits (`n` for none).
+    pub logit_from: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// The rows of `spans`, in order.
+    pub fn new(spans: &'a [Span]) -> Self {
+        Self {
+            n: spans.iter().map(|s| s.n).sum(),
+            spans,
+        }
+    }
+
+    /// Each span with the index of its first row in the pass.
+    pub fn with_offsets(&self) -> impl Iterator<Item = (usize, &'a Span)> + 'a {
+        self.spans.iter().scan(0, |first, span| {
+            let at = *first;
+            *first += span.n;
+            Some((at, span))
+        })
+    }
+
+    /// Rows that get logits.
+    pub fn logit_rows(&self) -> usize {
+        self.spans.iter().map(|s| s.n - s.logit_from.min(s.n)).sum()
+    }
+
+    /// The pass's only span: for executors that run one sequence per pass.
+    pub fn single(&self) -> Result<&'a Span, PluginError> {
+        match self.spans {
+            [span] => Ok(span),
+            _ => Err(graph_error(&format!(
+                "this executor runs one sequence per pass, but the pass has {}",
+                self.spans.len()
+            ))),
+        }
+    }
 }
 
 /// Which attention cache a layer keeps its keys and values in.
@@ -487,15 +535,10 @@ pub trait LayerOps {
     /// experts' SwiGLU outputs weighted and summed in rank order, the gated shared expert.
     fn moe(&mut self, w: &MoeWeights, src: Act, dst: Act, rows: &Rows) -> Result<(), PluginError>;
 
-    /// The LM head: `output · hidden` of rows `first_row ..` into the pass's logits (one row
-    /// of `n_vocab` per row from `first_row`).
-    fn logits(
-        &mut self,
-        output: &MatrixRef,
-        hidden: Act,
-        first_row: usize,
-        rows: &Rows,
-    ) -> Result<(), PluginError>;
+    /// The LM head: `output · hidden` of each span's rows from its
+    /// [`logit_from`](Span::logit_from) into the pass's logits (one row of `n_vocab` per such
+    /// row, in row order).
+    fn logits(&mut self, output: &MatrixRef, hidden: Act, rows: &Rows) -> Result<(), PluginError>;
 }
 
 /// An error for a graph whose weights and architecture disagree (a bug, not bad input: the

@@ -44,14 +44,40 @@ pub fn params(path: &Path, threads: u32, context_size: u32) -> BackendParams {
         threads,
         context_size,
         max_verify_tokens: 0,
+        max_sequences: 0,
         options: RVec::new(),
     }
 }
 
-/// Opens `path` with `threads` workers and a context of `context_size` (0: the model's).
-pub fn open(path: &Path, threads: u32, context_size: u32) -> CpuBackend {
+/// A cpu-simd instance and one sequence of it.
+pub type Solo = specula_plugin_api::testing::Solo<CpuBackend>;
+
+/// Opens `path` with `threads` workers and a context of `context_size` (0: the model's), with
+/// one sequence.
+pub fn open(path: &Path, threads: u32, context_size: u32) -> Solo {
+    Solo::new(open_raw(path, threads, context_size))
+}
+
+/// Opens `path` as [`open`] does, with no sequence yet.
+pub fn open_raw(path: &Path, threads: u32, context_size: u32) -> CpuBackend {
     specula_cpu_simd::open(&params(path, threads, context_size))
         .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+}
+
+/// Evaluates `tokens` after the sequence and returns the requested logits.
+pub fn eval(b: &mut Solo, tokens: &[u32], rows: specula_plugin_api::LogitRows) -> Vec<f32> {
+    b.eval(tokens, rows)
+}
+
+/// The hidden states of the sequence's last evaluated rows.
+pub fn hidden(b: &Solo) -> Vec<f32> {
+    b.hidden()
+}
+
+/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
+pub fn greedy(b: &mut Solo, prompt: &[u32], n: usize) -> Vec<u32> {
+    let seq = b.seq;
+    specula_plugin_api::testing::greedy(&mut b.backend, seq, prompt, n)
 }
 
 /// The pieces of `tokenizer.ggml.tokens`.
@@ -88,7 +114,8 @@ pub fn decode(ids: &[u32], vocab: &[String]) -> String {
 
 #[allow(unused_imports)]
 pub use specula_plugin_api::testing::{
-    argmax, assert_verify_rows_match_single_evals, bits, eval, greedy, hidden, row, Rng,
+    argmax, assert_batches_match_sequences_alone, assert_verify_rows_match_single_evals, bits, row,
+    Rng,
 };
 
 /// Copies every `tokenizer.*` key of `src` into `w`.
@@ -295,6 +322,23 @@ pub fn open_with(
     context_size: u32,
     max_verify: u32,
     options: &[(&str, &str)],
+) -> Solo {
+    Solo::new(open_raw_with(
+        path,
+        threads,
+        context_size,
+        max_verify,
+        options,
+    ))
+}
+
+/// Opens `path` as [`open_with`] does, with no sequence yet.
+pub fn open_raw_with(
+    path: &Path,
+    threads: u32,
+    context_size: u32,
+    max_verify: u32,
+    options: &[(&str, &str)],
 ) -> CpuBackend {
     let mut p = params(path, threads, context_size);
     p.max_verify_tokens = max_verify;
@@ -309,14 +353,16 @@ pub fn open_with(
 
 /// One MTP step; returns (logits, hidden).
 pub fn mtp(
-    backend: &mut CpuBackend,
+    backend: &mut Solo,
     hidden: &[f32],
     token: u32,
     position: usize,
 ) -> (Vec<f32>, Vec<f32>) {
     let (mut logits, mut out) = (RVec::new(), RVec::new());
+    let seq = backend.seq;
     backend
-        .mtp_step_into(hidden, token, position, &mut logits, &mut out)
+        .backend
+        .mtp_step_into(seq, hidden, token, position, &mut logits, &mut out)
         .unwrap_or_else(|e| panic!("mtp_step at {position}: {e}"));
     (logits.to_vec(), out.to_vec())
 }
@@ -408,4 +454,83 @@ pub fn write_qwen35(path: &Path, ty: GgmlType, seed: u64) {
         }
     }
     w.write(path).unwrap();
+}
+
+/// The engine backend's own calls on the one sequence of a [`Solo`] (they shadow the
+/// backend's, which take the sequence).
+#[allow(dead_code)]
+pub trait SoloCalls {
+    fn mtp_len(&self) -> Option<usize>;
+    fn last_hidden_states(&self) -> &[f32];
+    fn rollback_window(&self) -> std::ops::RangeInclusive<usize>;
+    fn eval_tokens(
+        &mut self,
+        tokens: &[u32],
+        rows: specula_plugin_api::LogitRows,
+        logits: &mut RVec<f32>,
+    ) -> Result<(), specula_plugin_api::PluginError>;
+    fn mtp_step_into(
+        &mut self,
+        hidden: &[f32],
+        token: u32,
+        position: usize,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), specula_plugin_api::PluginError>;
+    #[allow(clippy::too_many_arguments)]
+    fn mtp_eval_into(
+        &mut self,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        rows: specula_plugin_api::LogitRows,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), specula_plugin_api::PluginError>;
+}
+
+impl SoloCalls for Solo {
+    fn mtp_len(&self) -> Option<usize> {
+        self.backend.mtp_len(self.seq).unwrap()
+    }
+    fn last_hidden_states(&self) -> &[f32] {
+        self.backend.last_hidden_states(self.seq).unwrap()
+    }
+    fn rollback_window(&self) -> std::ops::RangeInclusive<usize> {
+        self.backend.rollback_window(self.seq).unwrap()
+    }
+    fn eval_tokens(
+        &mut self,
+        tokens: &[u32],
+        rows: specula_plugin_api::LogitRows,
+        logits: &mut RVec<f32>,
+    ) -> Result<(), specula_plugin_api::PluginError> {
+        let seq = self.seq;
+        self.backend.eval_tokens(seq, tokens, rows, logits)
+    }
+    fn mtp_step_into(
+        &mut self,
+        hidden: &[f32],
+        token: u32,
+        position: usize,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), specula_plugin_api::PluginError> {
+        let seq = self.seq;
+        self.backend
+            .mtp_step_into(seq, hidden, token, position, logits, hidden_out)
+    }
+    fn mtp_eval_into(
+        &mut self,
+        hidden: &[f32],
+        tokens: &[u32],
+        position: usize,
+        rows: specula_plugin_api::LogitRows,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> Result<(), specula_plugin_api::PluginError> {
+        let seq = self.seq;
+        self.backend
+            .mtp_eval_into(seq, hidden, tokens, position, rows, logits, hidden_out)
+    }
 }

@@ -186,7 +186,7 @@ impl LayerOps for GpuOps<'_> {
                 hd,
                 norm.as_ref(),
                 eps,
-                rows.pos0,
+                rows.single()?.pos0,
                 offset,
                 &m.rope,
             )?;
@@ -198,7 +198,7 @@ impl LayerOps for GpuOps<'_> {
         self.m.dims.check_kv(k, v)?;
         let a = &self.m.dims.attention;
         let (kw, vw) = (a.k_width(), a.v_width());
-        let (n, pos0) = (rows.n, rows.pos0);
+        let (n, pos0) = (rows.n, rows.single()?.pos0);
         let GpuModel {
             gpu,
             kv,
@@ -244,7 +244,7 @@ impl LayerOps for GpuOps<'_> {
             queries,
             keys,
             values,
-            rows.pos0,
+            rows.single()?.pos0,
             rows.n,
             &s.extras.scores,
             s.n_ctx,
@@ -304,11 +304,12 @@ impl LayerOps for GpuOps<'_> {
         let q_scale = 1.0 / (sd as f32).sqrt();
         // At most depth tokens per launch, so no token overwrites the plane the launch starts
         // from (the convolution reads it for every token).
+        let ring_step0 = rows.single()?.ring_step0;
         let depth = state.index.depth();
         let mut first = 0;
         while first < rows.n {
             let n = depth.min(rows.n - first);
-            let (start, _) = state.index.step_planes(rows.ring_step0 + first);
+            let (start, _) = state.index.step_planes(ring_step0 + first);
             ops::gdn_conv(
                 &m.gpu,
                 mixed.at(first * c),
@@ -401,13 +402,11 @@ impl LayerOps for GpuOps<'_> {
         Ok(())
     }
 
-    fn logits(
-        &mut self,
-        output: &MatrixRef,
-        hidden: Act,
-        first_row: usize,
-        rows: &Rows,
-    ) -> Result<(), PluginError> {
+    fn logits(&mut self, output: &MatrixRef, hidden: Act, rows: &Rows) -> Result<(), PluginError> {
+        if rows.n == 0 {
+            return Ok(());
+        }
+        let first_row = rows.single()?.logit_from;
         if first_row >= rows.n {
             return Ok(());
         }
@@ -533,13 +532,7 @@ impl LayerOps for Uploader<'_> {
         Ok(())
     }
 
-    fn logits(
-        &mut self,
-        output: &MatrixRef,
-        _: Act,
-        _: usize,
-        _: &Rows,
-    ) -> Result<(), PluginError> {
+    fn logits(&mut self, output: &MatrixRef, _: Act, _: &Rows) -> Result<(), PluginError> {
         self.matrix(output)
     }
 }

@@ -298,18 +298,14 @@ impl GpuModel {
         let mut store = WeightStore::default();
         {
             let mut uploader = Uploader::new(&gpu, &model.file, &mut store);
-            let rows = Rows {
-                n: 0,
-                pos0: 0,
-                ring_step0: 0,
-            };
+            let rows = Rows::new(&[]);
             for layer in plan.first_layer..n_layers {
                 arch::layer(model, &mut uploader, layer, &rows)?;
             }
             if plan.head {
-                arch::head(model, &mut uploader, &rows, 0)?;
+                arch::head(model, &mut uploader, &rows)?;
                 if dims.mtp {
-                    arch::mtp(model, &mut uploader, &rows, 0)?;
+                    arch::mtp(model, &mut uploader, &rows)?;
                 }
             }
         }
@@ -387,13 +383,8 @@ impl GpuModel {
     }
 
     /// The head over the rows in [`Act::X`]: final norm into [`Act::Hidden`], and the logits
-    /// of rows `first_logit ..` into the logits buffer.
-    pub fn head(
-        &mut self,
-        model: &Model,
-        rows: &Rows,
-        first_logit: usize,
-    ) -> Result<(), PluginError> {
+    /// of the rows that get them into the logits buffer.
+    pub fn head(&mut self, model: &Model, rows: &Rows) -> Result<(), PluginError> {
         if !self.head {
             return Err(PluginError::new(
                 specula_plugin_api::ErrorKind::Internal,
@@ -401,24 +392,19 @@ impl GpuModel {
             ));
         }
         self.check_rows(rows)?;
-        arch::head(model, &mut GpuOps::new(self), rows, first_logit)
+        arch::head(model, &mut GpuOps::new(self), rows)
     }
 
     /// The MTP block over rows whose raw inputs `[embedding | trunk hidden]` are in
-    /// [`Act::MtpIn`] (cache rows `rows.pos0 ..`): the head's final-norm hidden states into
-    /// [`Act::Hidden`], and the logits of rows `first_logit ..` into the logits buffer.
-    pub fn mtp(
-        &mut self,
-        model: &Model,
-        rows: &Rows,
-        first_logit: usize,
-    ) -> Result<(), PluginError> {
+    /// [`Act::MtpIn`] (cache rows from the span's `pos0`): the head's final-norm hidden states
+    /// into [`Act::Hidden`], and the logits of the rows that get them into the logits buffer.
+    pub fn mtp(&mut self, model: &Model, rows: &Rows) -> Result<(), PluginError> {
         if self.mtp_kv.is_none() {
             return Err(PluginError::unsupported(
                 "cuda-hybrid: no MTP head on the GPU",
             ));
         }
         self.check_rows(rows)?;
-        arch::mtp(model, &mut GpuOps::new(self), rows, first_logit)
+        arch::mtp(model, &mut GpuOps::new(self), rows)
     }
 }

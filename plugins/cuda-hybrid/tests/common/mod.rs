@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use abi_stable::std_types::{RSlice, RString, RVec, Tuple2};
+use abi_stable::std_types::{RString, RVec, Tuple2};
 use specula_plugin_api::{BackendParams, BoxedForwardPass, ForwardPass, LogitRows};
 
 pub const VOCAB: usize = 512;
@@ -59,6 +59,7 @@ pub fn params(path: &Path, context_size: u32, options: &[(&str, &str)]) -> Backe
         threads: 2,
         context_size,
         max_verify_tokens: 0,
+        max_sequences: 0,
         options: options
             .iter()
             .map(|(k, v)| Tuple2(RString::from(*k), RString::from(*v)))
@@ -67,8 +68,9 @@ pub fn params(path: &Path, context_size: u32, options: &[(&str, &str)]) -> Backe
 }
 
 /// The cpu-simd backend for `params`, from its plugin library beside this test executable
-/// (built because cpu-simd is a dev-dependency; it cannot be linked in beside cuda-hybrid).
-pub fn cpu_simd(params: &BackendParams) -> BoxedForwardPass {
+/// (built because cpu-simd is a dev-dependency; it cannot be linked in beside cuda-hybrid),
+/// with one sequence.
+pub fn cpu_simd(params: &BackendParams) -> Solo<BoxedForwardPass> {
     let exe = std::env::current_exe().expect("test executable");
     let lib = exe.parent().expect("deps dir").join(format!(
         "{}specula_cpu_simd{}",
@@ -77,28 +79,51 @@ pub fn cpu_simd(params: &BackendParams) -> BoxedForwardPass {
     ));
     let plugin = specula_host::plugins::load_library(&lib)
         .unwrap_or_else(|e| panic!("loading {}: {e}", lib.display()));
-    plugin
-        .open_backend(params)
-        .unwrap_or_else(|e| panic!("cpu-simd on {}: {e}", params.model_path))
+    Solo::new(
+        plugin
+            .open_backend(params)
+            .unwrap_or_else(|e| panic!("cpu-simd on {}: {e}", params.model_path)),
+    )
+}
+
+/// Evaluates `tokens` after the sequence and returns the requested logits.
+pub fn eval<B: ForwardPass>(b: &mut Solo<B>, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
+    b.eval(tokens, rows)
+}
+
+/// The hidden states of the sequence's last evaluated rows.
+pub fn hidden<B: ForwardPass>(b: &Solo<B>) -> Vec<f32> {
+    b.hidden()
+}
+
+/// Greedy decoding of `n` tokens after `prompt`, one token per eval.
+pub fn greedy<B: ForwardPass>(b: &mut Solo<B>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let seq = b.seq;
+    specula_plugin_api::testing::greedy(&mut b.backend, seq, prompt, n)
+}
+
+/// Cuts the sequence to `len` tokens.
+pub fn truncate<B: ForwardPass>(b: &mut Solo<B>, len: usize) {
+    b.truncate_to(len)
+        .unwrap_or_else(|e| panic!("truncate to {len}: {e}"));
 }
 
 /// One MTP call: (logits of every row, hidden states of every row).
 pub fn mtp<B: ForwardPass>(
-    b: &mut B,
+    b: &mut Solo<B>,
     hidden: &[f32],
     tokens: &[u32],
     position: usize,
 ) -> (Vec<f32>, Vec<f32>) {
     let (mut logits, mut out) = (RVec::new(), RVec::new());
     b.mtp_eval(
-        RSlice::from(hidden),
-        RSlice::from(tokens),
+        hidden,
+        tokens,
         position,
         LogitRows::All,
         &mut logits,
         &mut out,
     )
-    .into_result()
     .unwrap_or_else(|e| panic!("mtp_eval at {position}: {e}"));
     (logits.to_vec(), out.to_vec())
 }
@@ -114,7 +139,8 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[allow(unused_imports)]
 pub use specula_plugin_api::testing::{
-    argmax, assert_verify_rows_match_single_evals, bits, eval, greedy, hidden, row, truncate, Rng,
+    argmax, assert_batches_match_sequences_alone, assert_verify_rows_match_single_evals, bits, row,
+    Rng, Solo,
 };
 
 /// `true` when a CUDA device can be used (driver, NVRTC and at least one device); otherwise

@@ -1,0 +1,62 @@
+//! A backend instance paired with the one sequence of it a pipeline decodes: the
+//! single-sequence calls the speculative loop and the benchmarks make.
+
+use abi_stable::std_types::RVec;
+use specula_plugin_api::{
+    BoxedForwardPass, Capabilities, LentSequence, LogitRows, ModelInfo, PluginResult, SeqId,
+    SequenceCalls,
+};
+
+/// A backend instance and the sequence of it this pipeline decodes.
+pub struct SeqModel {
+    pub backend: BoxedForwardPass,
+    pub seq: SeqId,
+}
+
+impl SeqModel {
+    /// `backend` with a new, empty sequence.
+    pub fn new(mut backend: BoxedForwardPass) -> PluginResult<Self> {
+        backend.seq_create().map(|seq| Self { backend, seq })
+    }
+
+    pub fn model_info(&self) -> ModelInfo {
+        self.backend.model_info()
+    }
+
+    pub fn capabilities(&self) -> Capabilities {
+        self.backend.capabilities()
+    }
+
+    /// Tokens in the sequence.
+    pub fn seq_len(&self) -> PluginResult<usize> {
+        self.backend.seq_len(self.seq)
+    }
+
+    /// Evaluates `tokens` after the sequence.
+    pub fn eval(
+        &mut self,
+        tokens: &[u32],
+        rows: LogitRows,
+        logits: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        self.backend.eval(self.seq, tokens, rows, logits)
+    }
+
+    /// Cuts the sequence to `len` tokens.
+    pub fn truncate(&mut self, len: usize) -> PluginResult<()> {
+        self.backend.truncate(self.seq, len)
+    }
+
+    /// The hidden states of the sequence's last evaluated rows.
+    pub fn hidden_states(&self, out: &mut RVec<f32>) -> PluginResult<()> {
+        self.backend.hidden_states(self.seq, out)
+    }
+
+    /// The model and the sequence, lent to a drafter for one call.
+    pub fn lend(&mut self) -> LentSequence<'_> {
+        LentSequence {
+            model: self.backend.sabi_reborrow_mut(),
+            seq: self.seq,
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Many sequences in one instance: every row of a batched pass — whatever other sequences,
+//! lengths, prefill chunks and verify widths share it — is bit-identical to the same chunk
+//! evaluated alone in its sequence; forks continue as their parent would; sequences are
+//! bounded and checked.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use abi_stable::std_types::{RSlice, RVec};
+use common::*;
+use specula_cpu_simd::CpuBackend;
+use specula_gguf::GgmlType;
+use specula_plugin_api::{ErrorKind, EvalChunk, ForwardPass, LogitRows, SeqId, SequenceCalls};
+
+/// Opens `path` with room for `max_sequences` sequences and backend `options`.
+fn open_many(path: &Path, max_sequences: u32, options: &[(&str, &str)]) -> CpuBackend {
+    let mut p = params(path, 2, 256);
+    p.max_sequences = max_sequences;
+    for (key, value) in options {
+        p.options.push(abi_stable::std_types::Tuple2(
+            (*key).into(),
+            (*value).into(),
+        ));
+    }
+    specula_cpu_simd::open(&p).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+}
+
+/// Every architecture (dense llama, qwen2, qwen3; hybrid qwen35 and qwen3next, with and without
+/// an MTP head) and every weight type.
+fn models(dir: &Path) -> Vec<(String, PathBuf)> {
+    let mut models = vec![
+        ("stories260K f32".to_string(), stories()),
+        ("tiny-llama f32".to_string(), tiny_llama()),
+        ("tiny-qwen2 f32".to_string(), tiny_qwen2()),
+        ("stories-qwen35 q8_0".to_string(), trained_qwen35("q8_0")),
+    ];
+    models.extend(
+        HYBRID_FIXTURES
+            .iter()
+            .map(|(f, _, _)| (f.to_string(), fixture(f))),
+    );
+    for ty in [
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+    ] {
+        for (name, src) in [
+            ("tiny-llama", tiny_llama()),
+            ("tiny-qwen35-4l-mtp", fixture("tiny-qwen35-4l-mtp.gguf")),
+        ] {
+            let dst = dir.join(format!("{name}-{ty}.gguf"));
+            let rewrite = Rewrite {
+                matrix_type: Some(ty),
+                ..Default::default()
+            };
+            rewrite_model(&src, &dst, &rewrite);
+            models.push((format!("{name} {ty}"), dst));
+        }
+    }
+    for ty in [GgmlType::F32, GgmlType::Q8_0] {
+        let dst = dir.join(format!("qwen3-{ty}.gguf"));
+        write_qwen3(&dst, ty, 7);
+        models.push((format!("qwen3 {ty}"), dst));
+    }
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        let dst = dir.join(format!("qwen3-{ty}.gguf"));
+        write_qwen3_shaped(&dst, ty, 7, Qwen3Shape::K_QUANT);
+        models.push((format!("qwen3 {ty}"), dst));
+    }
+    let dst = dir.join("qwen35-wide-q8_0.gguf");
+    write_qwen35(&dst, GgmlType::Q8_0, 3);
+    models.push(("qwen35 wide q8_0".into(), dst));
+    models
+}
+
+/// 1, 3 and 8 sequences of mixed lengths, prefill chunks beside verify rows, forks, frees and
+/// truncations: every row and every MTP row bit-identical to its sequence evaluated alone.
+#[test]
+fn batched_rows_are_bit_identical_to_each_sequence_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, path) in models(dir.path()) {
+        for n_seqs in [1, 3, 8] {
+            let mut batched = open_many(&path, n_seqs, &[]);
+            let mut alone = open_many(&path, n_seqs, &[]);
+            let caps = batched.capabilities();
+            assert_eq!(caps.max_sequences, n_seqs, "{name}");
+            let rollback = (caps.rollback_depth as usize).min(8);
+            let name = format!("{name}, {n_seqs} sequences");
+            assert_batches_match_sequences_alone(
+                &mut batched,
+                &mut alone,
+                n_seqs as usize,
+                12,
+                rollback,
+                u64::from(n_seqs),
+                &name,
+            );
+            assert_eq!(batched.slow_rollbacks(), alone.slow_rollbacks(), "{name}");
+        }
+    }
+}
+
+/// The same with an f16 KV cache and with the row-major weight layout.
+#[test]
+fn batched_rows_stay_bit_identical_with_other_cache_and_weight_layouts() {
+    for options in [&[("kv_type", "f16")][..], &[("weight_layout", "file")][..]] {
+        for path in [tiny_llama(), fixture("tiny-qwen3next-mtp.gguf")] {
+            let mut batched = open_many(&path, 6, options);
+            let mut alone = open_many(&path, 6, options);
+            let name = format!("{} {options:?}", path.display());
+            assert_batches_match_sequences_alone(&mut batched, &mut alone, 6, 10, 8, 5, &name);
+        }
+    }
+}
+
+fn eval_in(b: &mut CpuBackend, seq: SeqId, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
+    let mut logits = RVec::new();
+    b.eval(seq, tokens, rows, &mut logits)
+        .into_result()
+        .unwrap_or_else(|e| panic!("eval in {seq}: {e}"));
+    logits.to_vec()
+}
+
+/// A fork holds its parent's tokens, caches and recurrent state (and its rollback window):
+/// parent and fork continue, and roll back, exactly as a fresh sequence fed the same tokens.
+#[test]
+fn a_fork_continues_and_rolls_back_as_its_parent_would() {
+    const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
+    for path in [
+        stories(),
+        fixture("tiny-qwen35-4l-mtp.gguf"),
+        fixture("tiny-qwen3next.gguf"),
+    ] {
+        let name = path.display().to_string();
+        let mut b = open_many(&path, 4, &[]);
+        let parent = b.seq_create().into_result().unwrap();
+        eval_in(&mut b, parent, &PROMPT, LogitRows::Last);
+        eval_in(&mut b, parent, &[7, 8, 9, 10], LogitRows::All);
+        let fork = b.seq_fork(parent).into_result().unwrap();
+        assert_eq!(b.seq_len(fork).into_result(), Ok(PROMPT.len() + 4));
+        // Both roll back inside the window they share, then diverge.
+        b.truncate(fork, PROMPT.len() + 1).into_result().unwrap();
+        let from_fork = eval_in(&mut b, fork, &[41, 42], LogitRows::All);
+        let from_parent = eval_in(&mut b, parent, &[51], LogitRows::All);
+
+        let mut fresh = open_many(&path, 2, &[]);
+        let a = fresh.seq_create().into_result().unwrap();
+        let mut history = PROMPT.to_vec();
+        history.push(7);
+        eval_in(&mut fresh, a, &history, LogitRows::Last);
+        let want_fork = eval_in(&mut fresh, a, &[41, 42], LogitRows::All);
+        let c = fresh.seq_create().into_result().unwrap();
+        history.extend([8, 9, 10]);
+        eval_in(&mut fresh, c, &history, LogitRows::Last);
+        let want_parent = eval_in(&mut fresh, c, &[51], LogitRows::All);
+        assert_eq!(bits(&from_fork), bits(&want_fork), "{name}: fork");
+        assert_eq!(bits(&from_parent), bits(&want_parent), "{name}: parent");
+        assert_eq!(b.slow_rollbacks(), 0, "{name}");
+    }
+}
+
+/// Sequences are bounded by `max_sequences`, a freed one is gone for good (its id is never
+/// reused), and a batch naming a sequence twice or an unknown one is refused without
+/// changing any sequence.
+#[test]
+fn sequences_are_bounded_and_checked() {
+    let mut b = open_many(&stories(), 2, &[]);
+    let a = b.seq_create().into_result().unwrap();
+    let c = b.seq_create().into_result().unwrap();
+    let full = b.seq_create().into_result().unwrap_err();
+    assert_eq!(full.kind, ErrorKind::ContextFull, "{full}");
+    assert!(
+        full.message.contains("all 2 sequences are in use"),
+        "{full}"
+    );
+    assert_eq!(
+        b.seq_fork(a).into_result().unwrap_err().kind,
+        ErrorKind::ContextFull
+    );
+
+    eval_in(&mut b, a, &[1, 2, 3], LogitRows::Last);
+    let twice = [
+        EvalChunk {
+            seq: a,
+            tokens: RSlice::from_slice(&[4]),
+            rows: LogitRows::Last,
+        },
+        EvalChunk {
+            seq: a,
+            tokens: RSlice::from_slice(&[5]),
+            rows: LogitRows::Last,
+        },
+    ];
+    let mut logits = RVec::new();
+    let err = b
+        .eval_batch(RSlice::from_slice(&twice), &mut logits)
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput);
+    assert!(err.message.contains("appears twice"), "{err}");
+    assert_eq!(b.seq_len(a).into_result(), Ok(3));
+
+    b.seq_free(c).into_result().unwrap();
+    for err in [
+        b.seq_len(c).into_result().unwrap_err(),
+        b.truncate(c, 0).into_result().unwrap_err(),
+        b.eval(c, &[1], LogitRows::Last, &mut logits)
+            .into_result()
+            .unwrap_err(),
+        b.seq_free(c).into_result().unwrap_err(),
+    ] {
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+        assert!(err.message.contains("unknown sequence"), "{err}");
+    }
+    let d = b.seq_create().into_result().unwrap();
+    assert!(d != a && d != c, "ids are never reused");
+    assert_eq!(b.seq_len(d).into_result(), Ok(0));
+    let err = b
+        .eval_batch(RSlice::from_slice(&[]), &mut logits)
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput);
+}
