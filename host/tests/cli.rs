@@ -794,6 +794,68 @@ fn prompt_from_stdin_drops_the_final_line_end() {
     );
 }
 
+/// `specula bench --concurrency` end to end, on a dense and a hybrid model: a decode figure
+/// per sequence count (one sequence the unit), a pass cost per row count up to 16 (one row
+/// the unit, the rows spread over the sequences), the repeated-prompt prefill, and the plot.
+#[test]
+fn bench_concurrency_reports_every_figure_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in [
+        "models/stories260K.gguf",
+        "models/trained/stories-qwen35-mtp-q8_0.gguf",
+    ] {
+        let profile = write_profile(dir.path(), "p.toml", &shared(model), "");
+        let plot = dir.path().join("concurrency.svg");
+        let out = specula_ok(
+            &[
+                "bench",
+                "--profile",
+                profile.to_str().unwrap(),
+                "--concurrency",
+                "1,3,2",
+                "--runs",
+                "1",
+                "-n",
+                "8",
+                "--prompt-tokens",
+                "8",
+                "--json",
+                "--plot",
+                plot.to_str().unwrap(),
+            ],
+            dir.path(),
+        );
+        let report = json_of(&out);
+        let decode = report["decode"].as_array().expect("decode figures");
+        let counts: Vec<u64> = decode
+            .iter()
+            .map(|d| d["sequences"].as_u64().unwrap())
+            .collect();
+        assert_eq!(counts, [1, 2, 3], "{model}");
+        assert_eq!(decode[0]["scaling"], 1.0, "{model}");
+        assert!(decode
+            .iter()
+            .all(|d| d["tokens_per_second"].as_f64().unwrap() > 0.0));
+        let costs = report["pass_cost"].as_array().expect("pass costs");
+        // Up to 16 rows, fewer where 3 sequences' rollback windows hold fewer.
+        assert!(costs.len() >= 12 && costs.len() <= 16, "{model}: {costs:?}");
+        assert_eq!(costs[0]["ratio"], 1.0);
+        assert_eq!(costs[2]["sequences"], 3);
+        assert_eq!(costs[costs.len() - 1]["sequences"], 3);
+        let prefill = &report["repeated_prefill"];
+        assert!(
+            prefill["first_seconds"].as_f64().unwrap() > 0.0,
+            "{prefill}"
+        );
+        assert!(
+            prefill["prompt_tokens"].as_u64().unwrap() > 100,
+            "{prefill}"
+        );
+        let svg = std::fs::read_to_string(&plot).unwrap();
+        assert!(svg.contains("aggregate greedy decode"), "{model}");
+    }
+}
+
 /// `specula bench` end to end on the trained stories model: every batch size up to the
 /// backend's capacity has a verify cost (the first one the unit), the oracle drafter accepts
 /// everything and gives the plain output, and both bandwidth measurements are there.

@@ -313,9 +313,11 @@ pub fn run(profile: &Profile, options: &ConcurrencyOptions) -> anyhow::Result<Co
         .decode_tokens
         .min(context.saturating_sub(prompt_len + 1));
 
-    // At most a verify batch per sequence (a hybrid's rollback window).
-    let per_sequence = backend.capabilities().max_verify_tokens.max(1) as usize;
-    let max_rows = options.max_rows.clamp(1, widest.max(2) * per_sequence);
+    // Rows per sequence within a hybrid's rollback window, which every pass is rolled back by.
+    let depth = backend.capabilities().rollback_depth.max(1) as usize;
+    let max_rows = options
+        .max_rows
+        .clamp(1, widest.max(2).saturating_mul(depth));
     let row_counts: Vec<usize> = (1..=max_rows).collect();
     let rounds = runs.max(super::VERIFY_MIN_ROUNDS);
     let bar = ProgressBar::new((runs * counts.len() + rounds + 2) as u64);

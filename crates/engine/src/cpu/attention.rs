@@ -48,54 +48,131 @@ pub fn prepare_query_key(
 /// batches (prefill) in pieces of this many rows.
 pub const ATTENTION_ROWS: usize = 8;
 
-/// One key/value head's queries, scores, outputs and limits in [`AttentionScratch`].
-type HeadBuffers<'a> = (
-    ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]),
-    &'a mut [usize],
-);
+/// Most values the buffers of one wave of jobs hold (beyond one job, which always fits): waves
+/// bound the memory of many sequences' attention at long contexts.
+const WAVE_VALUES: usize = 1 << 22;
 
-/// Buffers of [`attend_rows`] over a context of up to `n_ctx` positions.
+/// The reusable buffers of [`attend_segments`]: grown to what the largest wave needed.
 #[derive(Debug, Default, Clone)]
 pub struct AttentionScratch {
-    /// Per key/value head: the queries of its query heads for every row.
+    /// Per job and key/value head: the queries of its query heads for every row.
     queries: Vec<f32>,
-    /// Per key/value head: one score row of `n_ctx` per query.
+    /// Per job and key/value head: one score row per query, as long as the job's keys.
     scores: Vec<f32>,
-    /// Per key/value head: one output row per query.
+    /// Per job and key/value head: one output row per query.
     outputs: Vec<f32>,
-    /// Per key/value head: how many keys each query sees.
+    /// Per job and key/value head: how many keys each query sees.
     limits: Vec<usize>,
-    n_ctx: usize,
 }
 
 impl AttentionScratch {
-    pub fn new(shape: &AttentionShape, n_ctx: usize) -> Self {
-        let queries = ATTENTION_ROWS * shape.n_head;
-        Self {
-            queries: vec![0.0; queries * shape.head_dim],
-            scores: vec![0.0; queries * n_ctx],
-            outputs: vec![0.0; queries * shape.value_dim],
-            limits: vec![0; queries],
-            n_ctx,
-        }
+    /// Empty buffers (they grow with the first passes).
+    pub fn new() -> Self {
+        Self::default()
     }
 }
 
-/// Attention of `m` query rows (`queries`, `m × q_width`) over `keys`/`values` (cached rows of
-/// `k_width` / `v_width`, f32 or f16): row `i` sees positions `0 .. first_len + i`. Writes
-/// `m × out_width` values to `out`.
+/// One sequence's rows of an attention: query rows `rows` (of the `queries` and `out` of
+/// [`attend_segments`]) over its cached `keys`/`values`; its first row sees positions
+/// `0 .. first_len`, each next row one more.
+#[derive(Debug, Clone)]
+pub struct Segment<'a> {
+    pub rows: std::ops::Range<usize>,
+    pub first_len: usize,
+    pub keys: CachedHeads<'a>,
+    pub values: CachedHeads<'a>,
+}
+
+/// At most [`ATTENTION_ROWS`] rows of one segment, attended together per key/value head.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    segment: usize,
+    /// First row, among the segment's.
+    first: usize,
+    rows: usize,
+    /// Keys the job's last row sees.
+    n_keys: usize,
+}
+
+/// One (job, key/value head) item's buffers.
+struct Item<'a> {
+    job: Job,
+    head: usize,
+    queries: &'a mut [f32],
+    scores: &'a mut [f32],
+    outputs: &'a mut [f32],
+    limits: &'a mut [usize],
+}
+
+/// Attention of query rows (`queries`, `rows × q_width`) of several sequences, each
+/// [`Segment`] over its own cache: writes `rows × out_width` values to `out`.
 ///
-/// Per key/value head, the rows' query heads that share it are multiplied together
-/// ([`specula_kernels::attention`]), so each cached row is read once per call rather than once
-/// per query head and row; key/value heads may run on different threads. A query's arithmetic
-/// does not depend on the others, so row `i` gets the bits of a single-row call.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_rows(
+/// The work is split into jobs of at most [`ATTENTION_ROWS`] rows of one segment; per job and
+/// key/value head, the rows' query heads that share that head are multiplied together
+/// ([`specula_kernels::attention`]), so each cached row is read once per job rather than once
+/// per query head and row. The (job, head) items of every sequence run on the pool's threads
+/// together — one fork-join for the whole pass, not one per sequence. A query's arithmetic does
+/// not depend on the others, so every row gets the bits of a single-row call.
+pub fn attend_segments(
     shape: &AttentionShape,
     queries: &[f32],
-    first_len: usize,
-    keys: CachedHeads<'_>,
-    values: CachedHeads<'_>,
+    segments: &[Segment<'_>],
+    s: &mut AttentionScratch,
+    out: &mut [f32],
+) {
+    let (qw, ow) = (shape.q_width(), shape.out_width());
+    let mut jobs = Vec::new();
+    for (i, seg) in segments.iter().enumerate() {
+        let m = seg.rows.len();
+        assert!(seg.rows.end * qw <= queries.len(), "attention: query rows");
+        assert!(seg.rows.end * ow <= out.len(), "attention: output rows");
+        let n_cached = seg.keys.count();
+        assert_eq!(
+            seg.values.count(),
+            n_cached,
+            "attention: keys and values differ in length"
+        );
+        assert!(
+            m == 0 || seg.first_len + m - 1 <= n_cached,
+            "attention: rows see more positions than are cached"
+        );
+        for first in (0..m).step_by(ATTENTION_ROWS) {
+            let rows = ATTENTION_ROWS.min(m - first);
+            jobs.push(Job {
+                segment: i,
+                first,
+                rows,
+                n_keys: seg.first_len + first + rows - 1,
+            });
+        }
+    }
+    let group = shape.n_head / shape.n_head_kv;
+    let item_values =
+        |job: &Job| job.rows * group * (shape.head_dim + job.n_keys + shape.value_dim);
+    let mut start = 0;
+    while start < jobs.len() {
+        // A wave: the next jobs whose buffers fit `WAVE_VALUES` (at least one).
+        let mut end = start + 1;
+        let mut values = item_values(&jobs[start]) * shape.n_head_kv;
+        while end < jobs.len() {
+            let more = item_values(&jobs[end]) * shape.n_head_kv;
+            if values + more > WAVE_VALUES {
+                break;
+            }
+            values += more;
+            end += 1;
+        }
+        attend_wave(shape, queries, segments, &jobs[start..end], s, out);
+        start = end;
+    }
+}
+
+/// Runs `jobs` (every key/value head of each) in one fork-join, then writes their outputs.
+fn attend_wave(
+    shape: &AttentionShape,
+    queries: &[f32],
+    segments: &[Segment<'_>],
+    jobs: &[Job],
     s: &mut AttentionScratch,
     out: &mut [f32],
 ) {
@@ -105,90 +182,148 @@ pub fn attend_rows(
         shape.q_width(),
         shape.out_width(),
     );
-    let m = queries.len() / qw;
-    assert_eq!(out.len(), m * ow, "attention: output size");
-    let n_cached = keys.count();
-    assert_eq!(
-        values.count(),
-        n_cached,
-        "attention: keys and values differ in length"
-    );
-    assert!(
-        m == 0 || first_len + m - 1 <= n_cached.min(s.n_ctx),
-        "attention: rows see more positions than are cached"
-    );
     let group = shape.n_head / shape.n_head_kv;
     let scale = shape.scale();
-    let per_head = ATTENTION_ROWS * group;
-    let n_ctx = s.n_ctx;
-    for first in (0..m).step_by(ATTENTION_ROWS) {
-        let rows = ATTENTION_ROWS.min(m - first);
-        let n_queries = rows * group;
-        let n_keys = first_len + first + rows - 1;
-        let head = |(g, (((q_buf, s_buf), o_buf), l_buf)): (usize, HeadBuffers<'_>)| {
-            for i in 0..rows {
-                let row = &queries[(first + i) * qw..(first + i + 1) * qw];
-                for h in 0..group {
-                    let query = i * group + h;
-                    let head = g * group + h;
-                    q_buf[query * hd..(query + 1) * hd]
-                        .copy_from_slice(&row[head * hd..(head + 1) * hd]);
-                    l_buf[query] = first_len + first + i;
-                }
-            }
-            let limits = &l_buf[..n_queries];
-            let query_rows = Rows::new(&q_buf[..n_queries * hd], hd, hd, n_queries);
-            let key_rows = keys.head(g, n_keys);
-            let value_rows = values.head(g, n_keys);
-            let s_buf = &mut s_buf[..n_queries * n_keys];
-            kattention::scores(query_rows, key_rows, limits, s_buf, n_keys);
-            for (row, &limit) in s_buf.chunks_exact_mut(n_keys).zip(limits) {
-                let row = &mut row[..limit];
-                for score in row.iter_mut() {
-                    *score *= scale;
-                }
-                activations::softmax_in_place(row);
-            }
-            let probs = Rows::new(s_buf, n_keys, n_keys, n_queries);
-            kattention::weighted_sums(probs, value_rows, limits, &mut o_buf[..n_queries * vd]);
-        };
-        let buffers = (
-            s.queries.chunks_mut(per_head * hd),
-            s.scores.chunks_mut(per_head * n_ctx),
-            s.outputs.chunks_mut(per_head * vd),
-            s.limits.chunks_mut(per_head),
-        );
-        if rows * shape.n_head * n_keys * (hd + vd) < PARALLEL_MIN_WORK {
-            buffers
-                .0
-                .zip(buffers.1)
-                .zip(buffers.2)
-                .zip(buffers.3)
-                .take(shape.n_head_kv)
-                .enumerate()
-                .for_each(head);
-        } else {
-            s.queries
-                .par_chunks_mut(per_head * hd)
-                .zip(s.scores.par_chunks_mut(per_head * n_ctx))
-                .zip(s.outputs.par_chunks_mut(per_head * vd))
-                .zip(s.limits.par_chunks_mut(per_head))
-                .take(shape.n_head_kv)
-                .enumerate()
-                .for_each(head);
+    let heads = shape.n_head_kv;
+    let sizes = |job: &Job| {
+        let n = job.rows * group;
+        (n * hd, n * job.n_keys, n * vd, n)
+    };
+    let totals = jobs.iter().fold((0, 0, 0, 0), |t, job| {
+        let (q, sc, o, l) = sizes(job);
+        (
+            t.0 + q * heads,
+            t.1 + sc * heads,
+            t.2 + o * heads,
+            t.3 + l * heads,
+        )
+    });
+    grow(&mut s.queries, totals.0);
+    grow(&mut s.scores, totals.1);
+    grow(&mut s.outputs, totals.2);
+    if s.limits.len() < totals.3 {
+        s.limits.resize(totals.3, 0);
+    }
+    let mut items = Vec::with_capacity(jobs.len() * heads);
+    let (mut q_rest, mut s_rest, mut o_rest, mut l_rest) = (
+        &mut s.queries[..],
+        &mut s.scores[..],
+        &mut s.outputs[..],
+        &mut s.limits[..],
+    );
+    for job in jobs {
+        let (q, sc, o, l) = sizes(job);
+        for head in 0..heads {
+            let (queries, q_next) = q_rest.split_at_mut(q);
+            let (scores, s_next) = s_rest.split_at_mut(sc);
+            let (outputs, o_next) = o_rest.split_at_mut(o);
+            let (limits, l_next) = l_rest.split_at_mut(l);
+            (q_rest, s_rest, o_rest, l_rest) = (q_next, s_next, o_next, l_next);
+            items.push(Item {
+                job: *job,
+                head,
+                queries,
+                scores,
+                outputs,
+                limits,
+            });
         }
-        for g in 0..shape.n_head_kv {
-            let o_buf = &s.outputs[g * per_head * vd..];
-            for i in 0..rows {
-                for h in 0..group {
-                    let query = i * group + h;
-                    let head = g * group + h;
-                    out[(first + i) * ow + head * vd..][..vd]
-                        .copy_from_slice(&o_buf[query * vd..(query + 1) * vd]);
-                }
+    }
+    let run = |item: &mut Item<'_>| {
+        let Job {
+            segment,
+            first,
+            rows,
+            n_keys,
+        } = item.job;
+        let seg = &segments[segment];
+        let g = item.head;
+        for i in 0..rows {
+            let row = seg.rows.start + first + i;
+            let row = &queries[row * qw..(row + 1) * qw];
+            for h in 0..group {
+                let query = i * group + h;
+                let head = g * group + h;
+                item.queries[query * hd..(query + 1) * hd]
+                    .copy_from_slice(&row[head * hd..(head + 1) * hd]);
+                item.limits[query] = seg.first_len + first + i;
+            }
+        }
+        let n_queries = rows * group;
+        let query_rows = Rows::new(item.queries, hd, hd, n_queries);
+        let key_rows = seg.keys.head(g, n_keys);
+        let value_rows = seg.values.head(g, n_keys);
+        kattention::scores(query_rows, key_rows, item.limits, item.scores, n_keys);
+        for (row, &limit) in item
+            .scores
+            .chunks_exact_mut(n_keys.max(1))
+            .zip(&*item.limits)
+        {
+            let row = &mut row[..limit];
+            for score in row.iter_mut() {
+                *score *= scale;
+            }
+            activations::softmax_in_place(row);
+        }
+        let probs = Rows::new(item.scores, n_keys, n_keys, n_queries);
+        kattention::weighted_sums(probs, value_rows, item.limits, item.outputs);
+    };
+    let work: usize = jobs
+        .iter()
+        .map(|j| j.rows * shape.n_head * j.n_keys * (hd + vd))
+        .sum();
+    if work < PARALLEL_MIN_WORK {
+        items.iter_mut().for_each(run);
+    } else {
+        items.par_iter_mut().for_each(run);
+    }
+    for item in &items {
+        let Job {
+            segment,
+            first,
+            rows,
+            ..
+        } = item.job;
+        let g = item.head;
+        for i in 0..rows {
+            let row = segments[segment].rows.start + first + i;
+            for h in 0..group {
+                let query = i * group + h;
+                let head = g * group + h;
+                out[row * ow + head * vd..][..vd]
+                    .copy_from_slice(&item.outputs[query * vd..(query + 1) * vd]);
             }
         }
     }
+}
+
+/// Grows `buffer` to at least `len` values.
+fn grow(buffer: &mut Vec<f32>, len: usize) {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+}
+
+/// Attention of `m` query rows of one sequence (`queries`, `m × q_width`) over `keys`/`values`:
+/// row `i` sees positions `0 .. first_len + i` ([`attend_segments`] of one segment).
+pub fn attend_rows(
+    shape: &AttentionShape,
+    queries: &[f32],
+    first_len: usize,
+    keys: CachedHeads<'_>,
+    values: CachedHeads<'_>,
+    s: &mut AttentionScratch,
+    out: &mut [f32],
+) {
+    let m = queries.len() / shape.q_width();
+    assert_eq!(out.len(), m * shape.out_width(), "attention: output size");
+    let segment = Segment {
+        rows: 0..m,
+        first_len,
+        keys,
+        values,
+    };
+    attend_segments(shape, queries, &[segment], s, out);
 }
 
 /// Attention of one query row over `keys`/`values` (`n_keys` cached rows of `k_width` /
@@ -196,7 +331,7 @@ pub fn attend_rows(
 /// single row, with its own buffers.
 pub fn attend(shape: &AttentionShape, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
     let n_keys = keys.len() / shape.k_width();
-    let mut scratch = AttentionScratch::new(shape, n_keys);
+    let mut scratch = AttentionScratch::new();
     let keys = CachedHeads::position_major(Cached::F32(keys), shape.head_dim, shape.n_head_kv);
     let values = CachedHeads::position_major(Cached::F32(values), shape.value_dim, shape.n_head_kv);
     attend_rows(shape, q, n_keys, keys, values, &mut scratch, out);

@@ -140,7 +140,7 @@ impl CpuExecutor {
                 ring,
                 mtp,
             },
-            scratch: Box::new(Scratch::new(&dims, part.batch_rows, part.n_ctx)),
+            scratch: Box::new(Scratch::new(&dims, part.batch_rows)),
             seqs: (0..part.max_sequences.max(1)).map(|_| None).collect(),
             ring_depth,
             recurrent: matches!(&model.graph, Graph::Hybrid(h) if h.config.n_gdn_layers > 0),

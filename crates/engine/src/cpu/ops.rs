@@ -12,7 +12,7 @@ use specula_kernels::activations::{self, Gate};
 use specula_kernels::{matmul, matmul_many_one, ops, MatmulScratch, RopeAngles};
 use specula_plugin_api::PluginError;
 
-use super::attention::{attend_rows, prepare_query_key, AttentionScratch};
+use super::attention::{attend_segments, prepare_query_key, AttentionScratch, Segment};
 use super::gdn::{self, BetaAlphaIn, GdnRows, GdnScratch};
 use super::moe::{self, MoeScratch};
 use crate::blocks::gdn::GdnWeights;
@@ -45,12 +45,12 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Buffers for passes of up to `rows` rows over a context of `n_ctx` positions.
-    pub fn new(dims: &Dims, rows: usize, n_ctx: usize) -> Self {
+    /// Buffers for passes of up to `rows` rows.
+    pub fn new(dims: &Dims, rows: usize) -> Self {
         Self {
             rows,
             acts: Act::ALL.map(|act| vec![0.0; rows * act.width(dims)]),
-            attention: AttentionScratch::new(&dims.attention, n_ctx),
+            attention: AttentionScratch::new(),
             angles: RopeAngles::new(&dims.rope, rows),
             gate: vec![0.0; Act::QGate.width(dims) / 2 * rows],
             gdn: dims
@@ -127,6 +127,24 @@ fn cache_of(caches: &mut SeqCaches, slot: KvSlot) -> Result<(&mut KvCache, usize
             caches
                 .mtp_kv
                 .as_mut()
+                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+            0,
+        ),
+    };
+    if layer >= cache.n_layers() {
+        return Err(graph_error(&format!("attention layer {layer} is not here")));
+    }
+    Ok((cache, layer))
+}
+
+/// The cache of `slot` among a sequence's caches, and its layer there (to read).
+fn cache_in(caches: &SeqCaches, slot: KvSlot) -> Result<(&KvCache, usize), PluginError> {
+    let (cache, layer) = match slot.cache {
+        Cache::Trunk(layer) => (&caches.kv, layer),
+        Cache::Mtp => (
+            caches
+                .mtp_kv
+                .as_ref()
                 .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
             0,
         ),
@@ -287,19 +305,29 @@ impl LayerOps for CpuOps<'_> {
         let (n, qw, ow) = (rows.n, shape.q_width(), shape.out_width());
         let s = &mut *self.scratch;
         let [queries, out] = disjoint(&mut s.acts, [q, dst])?;
+        let mut segments = Vec::with_capacity(rows.spans.len());
         for (first, span) in rows.with_offsets() {
-            let (kv, layer) = cache_of(seq_caches(self.seqs, span.seq)?, slot)?;
-            let (pos0, end) = (span.pos0, first + span.n);
-            attend_rows(
-                shape,
-                &queries[first * qw..end * qw],
-                pos0 + 1,
-                kv.keys(layer, pos0 + span.n),
-                kv.values(layer, pos0 + span.n),
-                &mut s.attention,
-                &mut out[first * ow..end * ow],
-            );
+            let caches = self
+                .seqs
+                .get(span.seq)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| graph_error(&format!("sequence slot {} has no caches", span.seq)))?;
+            let (kv, layer) = cache_in(caches, slot)?;
+            let end = span.pos0 + span.n;
+            segments.push(Segment {
+                rows: first..first + span.n,
+                first_len: span.pos0 + 1,
+                keys: kv.keys(layer, end),
+                values: kv.values(layer, end),
+            });
         }
+        attend_segments(
+            shape,
+            &queries[..n * qw],
+            &segments,
+            &mut s.attention,
+            &mut out[..n * ow],
+        );
         if let Some(gate) = gate {
             let hd = shape.head_dim;
             let [full, out] = disjoint(&mut s.acts, [gate, dst])?;
