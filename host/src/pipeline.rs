@@ -51,13 +51,14 @@ impl Pipeline {
         let verify_tokens = profile.speculation.draft_max + 1;
         let plugin = search.load(&target.backend, PluginKind::Backend)?;
         let mut plugins = vec![plugin.provenance()];
-        let params = backend_params(
+        let mut params = backend_params(
             &target.model,
             target.threads,
             target.context_size,
             verify_tokens,
             options_as_text(&target.options),
         );
+        params.kv_tokens = target.kv_tokens;
         let backend = plugin.open_backend(&params)?;
         let info = backend.model_info();
         let backend = SeqModel::new(backend)

@@ -89,6 +89,10 @@ pub struct TargetSection {
     /// Context size in tokens; 0 = the model's own context length.
     #[serde(default)]
     pub context_size: u32,
+    /// Attention KV positions the backend keeps over all its sequences (its block pool,
+    /// shared and prefix-cached); 0 = room for each sequence to fill the context.
+    #[serde(default)]
+    pub kv_tokens: u32,
     /// Backend-specific settings, passed to the plugin as text.
     #[serde(default)]
     pub options: BTreeMap<String, toml::Value>,
@@ -430,6 +434,7 @@ impl Profile {
                 model,
                 threads: 0,
                 context_size: 0,
+                kv_tokens: 0,
                 options: BTreeMap::new(),
             },
             drafter: None,

@@ -1,7 +1,7 @@
 //! A backend instance paired with the one sequence of it a pipeline decodes: the
 //! single-sequence calls the speculative loop and the benchmarks make.
 
-use abi_stable::std_types::RVec;
+use abi_stable::std_types::{RSlice, RVec};
 use specula_plugin_api::{
     BoxedForwardPass, Capabilities, LentSequence, LogitRows, ModelInfo, PluginResult, SeqId,
     SequenceCalls,
@@ -40,6 +40,13 @@ impl SeqModel {
         logits: &mut RVec<f32>,
     ) -> PluginResult<()> {
         self.backend.eval(self.seq, tokens, rows, logits)
+    }
+
+    /// Gives the empty sequence what the backend's prefix cache holds of `tokens`' start;
+    /// returns the tokens it now holds ([`specula_plugin_api::ForwardPass::seq_reuse_prefix`]).
+    pub fn reuse_prefix(&mut self, tokens: &[u32]) -> PluginResult<usize> {
+        self.backend
+            .seq_reuse_prefix(self.seq, RSlice::from_slice(tokens))
     }
 
     /// Cuts the sequence to `len` tokens.

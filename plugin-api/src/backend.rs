@@ -26,6 +26,9 @@ pub struct BackendParams {
     pub max_verify_tokens: u32,
     /// The most sequences the host keeps at once; 0 means 1.
     pub max_sequences: u32,
+    /// Attention KV positions the instance keeps over all its sequences (its block pool);
+    /// 0 means `max_sequences` times the context size.
+    pub kv_tokens: u32,
     /// Backend-specific settings from the profile's `[target.options]` table, as text.
     pub options: RVec<Tuple2<RString, RString>>,
 }
@@ -161,6 +164,16 @@ pub trait ForwardPass: Send + Sync {
 
     /// Ends `seq` and releases what it held.
     fn seq_free(&mut self, seq: SeqId) -> PluginResult<()>;
+
+    /// Gives the empty `seq` the longest start of `tokens` whose attention state the instance
+    /// still holds from earlier evaluations (the prefix cache: whole blocks of positions any
+    /// sequence evaluated with exactly these tokens before them), never the last token — its
+    /// logits are what the caller evaluates next — and returns how many tokens `seq` now
+    /// holds. The caller then evaluates `tokens[returned..]`: the logits are the bits a full
+    /// evaluation gives, and [`hidden_states`](ForwardPass::hidden_states) covers the
+    /// evaluated rows only. 0 when nothing is cached, or where the backend keeps no prefix
+    /// cache (models with recurrent state).
+    fn seq_reuse_prefix(&mut self, seq: SeqId, tokens: RSlice<'_, u32>) -> PluginResult<usize>;
 
     /// Number of tokens in `seq`; an error once the instance is unusable (an earlier call
     /// panicked).

@@ -23,6 +23,7 @@ pub fn backend_params(
         context_size,
         max_verify_tokens,
         max_sequences: 0,
+        kv_tokens: 0,
         options: options
             .iter()
             .map(|(k, v)| Tuple2(RString::from(*k), RString::from(*v)))
@@ -105,6 +106,12 @@ pub fn assert_refuses_every_call_after_a_panic<B: ForwardPass>(
     refused(backend.seq_create().into_result().map(|_| ()));
     refused(backend.seq_fork(seq).into_result().map(|_| ()));
     refused(backend.seq_free(seq).into_result());
+    refused(
+        backend
+            .seq_reuse_prefix(seq, RSlice::from_slice(&[1, 2]))
+            .into_result()
+            .map(|_| ()),
+    );
     let mut hidden = RVec::new();
     refused(backend.hidden_states(seq, &mut hidden).into_result());
     let e = backend.model_info().hidden_size as usize;

@@ -1,19 +1,37 @@
-//! The attention KV cache: keys and values per layer, sized to the context when the backend
-//! opens, stored as f32 or f16 ([`KvType`]).
+//! The attention KV cache: one pool of fixed-size blocks per backend instance, shared by its
+//! sequences through block tables (paged attention), stored as f32 or f16 ([`KvType`]), with a
+//! prefix cache of full blocks.
 //!
-//! Each layer keeps its keys (and values) **head-major**: all positions of key/value head 0,
-//! then of head 1, … — so attending over one head streams one contiguous block (a
-//! position-major layout puts every position's head in a different 4 KiB page, where the
-//! hardware prefetchers stop, and attention waits on memory latency row by row).
+//! A block holds [`BLOCK_TOKENS`] positions of every layer the pool serves, **head-major** inside
+//! the block: all its positions of key/value head 0, then of head 1, … — so attending over one
+//! head streams contiguous runs (a position-major layout puts every position's head in a
+//! different 4 KiB page, where the hardware prefetchers stop). A sequence's [`SeqKv`] lists its
+//! blocks in position order and its length.
 //!
-//! Positions `0 .. len` are the sequence. Truncation only moves `len` (O(1)); positions past
-//! it are overwritten by the next evaluation before anything reads them. Values are rounded to
-//! the storage type when stored, so a verify row and a single-token pass read the same bits.
+//! - **Sharing.** A block is referenced by every sequence whose table holds it. A fork shares its
+//!   parent's blocks; a write to a shared block (or to one the prefix cache holds) first copies
+//!   it (copy-on-write), so no sequence ever sees another's later tokens.
+//! - **Prefix cache.** Full blocks are keyed by their whole token prefix (a chained 128-bit
+//!   hash, and the block's own tokens compared exactly). A new sequence whose prompt starts
+//!   with cached blocks takes them ([`KvPool::reuse_prefix`]) and evaluates only the rest.
+//!   Cached blocks no sequence uses stay until the pool needs room; then the least recently
+//!   used goes first.
+//! - **Truncation** cuts a sequence's length and releases the blocks past it; positions past the
+//!   length are overwritten before anything reads them. Values are rounded to the storage type
+//!   when stored, so a verify row and a single-token pass read the same bits.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 
 use rayon::prelude::*;
 use specula_kernels::attention::{Cached, CachedRows};
+use specula_plugin_api::{ErrorKind, PluginError};
 
 use crate::blocks::attention::AttentionShape;
+
+/// Positions per block: the granularity of sharing, copy-on-write and the prefix cache.
+pub const BLOCK_TOKENS: usize = 32;
 
 /// How the cache stores keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,7 +60,8 @@ impl KvType {
             .find(|t| t.name() == name)
     }
 
-    fn bytes(self) -> usize {
+    /// Bytes per stored value.
+    pub fn bytes(self) -> usize {
         match self {
             KvType::F32 => 4,
             KvType::F16 => 2,
@@ -50,75 +69,105 @@ impl KvType {
     }
 }
 
-/// One layer's rows in the cache's storage type.
+/// One layer's keys (or values) of every block, in the storage type.
 #[derive(Debug)]
-enum Rows {
+enum Store {
     F32(Vec<f32>),
     F16(Vec<u16>),
 }
 
-impl Rows {
+impl Store {
     fn zeroed(ty: KvType, len: usize) -> Self {
         match ty {
-            KvType::F32 => Rows::F32(vec![0.0; len]),
-            KvType::F16 => Rows::F16(vec![0; len]),
-        }
-    }
-
-    /// Writes the `n` rows of `data` (each `heads` heads of `dim` values) at positions
-    /// `pos0 ..` of a head-major store of `n_ctx` positions per head; heads on the pool's
-    /// threads when there are several rows.
-    fn write_rows(&mut self, data: &[f32], dim: usize, n_ctx: usize, pos0: usize) {
-        fn write<T: Send>(
-            store: &mut [T],
-            data: &[f32],
-            dim: usize,
-            n_ctx: usize,
-            pos0: usize,
-            convert: impl Fn(f32) -> T + Sync,
-        ) {
-            let width = store.len() / n_ctx;
-            let n = data.len() / width;
-            let head = |(h, region): (usize, &mut [T])| {
-                for (i, row) in data.chunks_exact(width).enumerate() {
-                    let src = &row[h * dim..(h + 1) * dim];
-                    for (dst, v) in region[(pos0 + i) * dim..][..dim].iter_mut().zip(src) {
-                        *dst = convert(*v);
-                    }
-                }
-            };
-            if n > 1 && rayon::current_num_threads() > 1 {
-                store.par_chunks_mut(n_ctx * dim).enumerate().for_each(head);
-            } else {
-                store.chunks_mut(n_ctx * dim).enumerate().for_each(head);
-            }
-        }
-        match self {
-            Rows::F32(store) => write(store, data, dim, n_ctx, pos0, |v| v),
-            Rows::F16(store) => write(
-                store,
-                data,
-                dim,
-                n_ctx,
-                pos0,
-                specula_kernels::f16::from_f32,
-            ),
+            KvType::F32 => Store::F32(vec![0.0; len]),
+            KvType::F16 => Store::F16(vec![0; len]),
         }
     }
 
     fn all(&self) -> Cached<'_> {
         match self {
-            Rows::F32(rows) => Cached::F32(rows),
-            Rows::F16(rows) => Cached::F16(rows),
+            Store::F32(v) => Cached::F32(v),
+            Store::F16(v) => Cached::F16(v),
+        }
+    }
+
+    /// Copies block `from` onto block `to` (`block` values each).
+    fn copy_block(&mut self, from: usize, to: usize, block: usize) {
+        match self {
+            Store::F32(v) => v.copy_within(from * block..(from + 1) * block, to * block),
+            Store::F16(v) => v.copy_within(from * block..(from + 1) * block, to * block),
+        }
+    }
+
+    /// Writes rows of `data` (each `heads × dim` values, the rows of positions `pos0 ..`) into
+    /// the blocks `table` lists (head-major blocks of `BLOCK_TOKENS` positions); heads on the
+    /// pool's threads when there are several rows.
+    fn write_rows(&mut self, table: &[u32], data: &[f32], heads: usize, dim: usize, pos0: usize) {
+        fn write<T: Send>(
+            store: &mut [T],
+            table: &[u32],
+            data: &[f32],
+            (heads, dim, pos0): (usize, usize, usize),
+            convert: impl Fn(f32) -> T + Sync,
+        ) {
+            let width = heads * dim;
+            let n = data.len() / width;
+            let block = heads * BLOCK_TOKENS * dim;
+            // Each block written, split into its heads: (block index in the table, head, region).
+            let first_block = pos0 / BLOCK_TOKENS;
+            let last_block = (pos0 + n).div_ceil(BLOCK_TOKENS);
+            let mut regions: Vec<(usize, usize, &mut [T])> = Vec::new();
+            let mut rest: &mut [T] = store;
+            let mut consumed = 0;
+            let mut wanted: Vec<(usize, usize)> = (first_block..last_block)
+                .map(|b| (table[b] as usize, b))
+                .collect();
+            wanted.sort_unstable();
+            for (id, b) in wanted {
+                let (_, tail) = rest.split_at_mut(id * block - consumed);
+                let (this, tail) = tail.split_at_mut(block);
+                consumed = (id + 1) * block;
+                rest = tail;
+                for (h, head) in this.chunks_exact_mut(BLOCK_TOKENS * dim).enumerate() {
+                    regions.push((b, h, head));
+                }
+            }
+            let fill = |(b, h, region): &mut (usize, usize, &mut [T])| {
+                let start = *b * BLOCK_TOKENS;
+                for i in pos0.max(start)..(pos0 + n).min(start + BLOCK_TOKENS) {
+                    let src = &data[(i - pos0) * width + *h * dim..][..dim];
+                    let dst = &mut region[(i - start) * dim..][..dim];
+                    for (d, v) in dst.iter_mut().zip(src) {
+                        *d = convert(*v);
+                    }
+                }
+            };
+            if n > 1 && rayon::current_num_threads() > 1 {
+                regions.par_iter_mut().for_each(fill);
+            } else {
+                regions.iter_mut().for_each(fill);
+            }
+        }
+        let shape = (heads, dim, pos0);
+        match self {
+            Store::F32(store) => write(store, table, data, shape, |v| v),
+            Store::F16(store) => write(store, table, data, shape, specula_kernels::f16::from_f32),
         }
     }
 }
 
-/// The cached keys (or values) of positions `0 .. count` of one layer, head by head.
+/// The cached keys (or values) of positions `0 .. count` of one layer of one sequence, head by
+/// head and block by block: what attention reads.
 #[derive(Debug, Clone, Copy)]
 pub struct CachedHeads<'a> {
     data: Cached<'a>,
-    /// Values between the starts of consecutive heads.
+    /// Block ids in position order (for a contiguous cache, one block at 0).
+    blocks: &'a [u32],
+    /// Positions per block.
+    block_tokens: usize,
+    /// Values between the starts of consecutive block ids.
+    block_stride: usize,
+    /// Values between the starts of consecutive heads in a block.
     head_offset: usize,
     /// Values between consecutive positions of a head.
     row_stride: usize,
@@ -127,17 +176,24 @@ pub struct CachedHeads<'a> {
     count: usize,
 }
 
+/// The table of a contiguous cache: one block at 0.
+const ONE_BLOCK: [u32; 1] = [0];
+
 impl<'a> CachedHeads<'a> {
     /// Position-major rows (`count` rows of `heads · width` values, head `h` at `h · width`):
-    /// the layout of a plain `[position][head][value]` array.
+    /// the layout of a plain `[position][head][value]` array, as one block.
     pub fn position_major(data: Cached<'a>, width: usize, heads: usize) -> Self {
         let row = width * heads;
+        let count = data.len() / row.max(1);
         Self {
             data,
+            blocks: &ONE_BLOCK,
+            block_tokens: count.max(1),
+            block_stride: 0,
             head_offset: width,
             row_stride: row,
             width,
-            count: data.len() / row.max(1),
+            count,
         }
     }
 
@@ -146,64 +202,34 @@ impl<'a> CachedHeads<'a> {
         self.count
     }
 
-    /// Head `h` of positions `0 .. n` (`n <= count`).
-    pub fn head(&self, h: usize, n: usize) -> CachedRows<'a> {
-        assert!(n <= self.count, "kv cache: {n} positions of {}", self.count);
-        self.data
-            .rows(h * self.head_offset, self.row_stride, self.width, n)
+    /// Positions per block (the last block of `n` positions may hold fewer).
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's).
+    pub fn head_block(&self, h: usize, b: usize, n: usize) -> CachedRows<'a> {
+        assert!(
+            n <= self.block_tokens && b * self.block_tokens + n <= self.count,
+            "kv cache: {n} positions of block {b} beyond the {} held",
+            self.count
+        );
+        let first = self.blocks[b] as usize * self.block_stride + h * self.head_offset;
+        self.data.rows(first, self.row_stride, self.width, n)
     }
 }
 
-/// Keys and values of every layer for up to `n_ctx` positions.
-#[derive(Debug)]
-pub struct KvCache {
-    n_ctx: usize,
-    heads: usize,
-    key_dim: usize,
-    value_dim: usize,
-    ty: KvType,
-    keys: Vec<Rows>,
-    values: Vec<Rows>,
+/// One sequence's part of a [`KvPool`]: its blocks in position order and its length.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeqKv {
+    blocks: Vec<u32>,
     len: usize,
+    /// The prefix-cache keys of its first full blocks (as far as they were computed).
+    keys: Vec<(u64, u64)>,
 }
 
-impl KvCache {
-    /// A cache for `n_layers` layers of `n_ctx` positions of an attention of `shape` (its
-    /// key/value heads and their sizes), stored as `ty`. (Zeroed memory is mapped lazily by
-    /// the OS.)
-    pub fn new(n_layers: usize, n_ctx: usize, shape: &AttentionShape, ty: KvType) -> Self {
-        Self {
-            n_ctx,
-            heads: shape.n_head_kv,
-            key_dim: shape.head_dim,
-            value_dim: shape.value_dim,
-            ty,
-            keys: (0..n_layers)
-                .map(|_| Rows::zeroed(ty, n_ctx * shape.k_width()))
-                .collect(),
-            values: (0..n_layers)
-                .map(|_| Rows::zeroed(ty, n_ctx * shape.v_width()))
-                .collect(),
-            len: 0,
-        }
-    }
-
-    /// Attention layers the cache holds.
-    pub fn n_layers(&self) -> usize {
-        self.keys.len()
-    }
-
-    /// Positions the cache can hold.
-    pub fn capacity(&self) -> usize {
-        self.n_ctx
-    }
-
-    /// How keys and values are stored.
-    pub fn kv_type(&self) -> KvType {
-        self.ty
-    }
-
-    /// Positions currently in the sequence.
+impl SeqKv {
+    /// Positions in the sequence.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -212,21 +238,213 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Sets the sequence length after rows `len .. new_len` have been stored, or cuts it back.
-    pub fn set_len(&mut self, len: usize) {
-        assert!(
-            len <= self.n_ctx,
-            "kv cache: length {len} beyond capacity {}",
-            self.n_ctx
-        );
-        self.len = len;
+    /// Blocks the sequence holds.
+    pub fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+/// What the prefix cache knows of a full block.
+#[derive(Debug, Clone)]
+struct Cached128 {
+    /// The chained hash of every token up to the block's end.
+    key: (u64, u64),
+    /// The block's own tokens (compared exactly on a hit).
+    tokens: Vec<u32>,
+}
+
+/// The chained key of the block holding `tokens` after the prefix keyed `parent`: two
+/// independently seeded 64-bit hashes.
+fn chain_key(parent: (u64, u64), tokens: &[u32]) -> (u64, u64) {
+    let half = |seed: u64, parent: u64| {
+        let mut h = DefaultHasher::new();
+        (seed, parent, tokens).hash(&mut h);
+        h.finish()
+    };
+    (
+        half(0x5bd1_e995_0000_0001, parent.0),
+        half(0x9e37_79b9_7f4a_7c15, parent.1),
+    )
+}
+
+/// The key of the empty prefix.
+const ROOT_KEY: (u64, u64) = (0, 0);
+
+/// Why a pool could not give a block.
+fn pool_full(n_blocks: usize) -> PluginError {
+    PluginError::new(
+        ErrorKind::ContextFull,
+        format!(
+            "the KV cache is full: all {n_blocks} blocks of {BLOCK_TOKENS} positions are in use by live sequences; free or truncate sequences, or open the backend with a larger kv_tokens"
+        ),
+    )
+}
+
+/// Keys and values of some layers for a pool of blocks, shared by sequences.
+#[derive(Debug)]
+pub struct KvPool {
+    heads: usize,
+    key_dim: usize,
+    value_dim: usize,
+    ty: KvType,
+    n_blocks: usize,
+    keys: Vec<Store>,
+    values: Vec<Store>,
+    /// Per block: the sequences whose tables hold it.
+    refs: Vec<u32>,
+    /// Per block: its prefix-cache entry, while it has one.
+    cached: Vec<Option<Cached128>>,
+    /// Per block: when a sequence last took or released it (for LRU eviction).
+    last_used: Vec<u64>,
+    clock: u64,
+    /// Blocks no sequence holds and the prefix cache does not keep.
+    free: Vec<u32>,
+    /// The prefix cache: chained key → block. `None` when prefix caching is off.
+    prefix: Option<HashMap<(u64, u64), u32>>,
+}
+
+impl KvPool {
+    /// A pool of `n_blocks` blocks for `n_layers` layers of an attention of `shape`, stored as
+    /// `ty`, with a prefix cache when `prefix_cache`. (Zeroed memory is mapped lazily by the OS.)
+    pub fn new(
+        n_layers: usize,
+        n_blocks: usize,
+        shape: &AttentionShape,
+        ty: KvType,
+        prefix_cache: bool,
+    ) -> Self {
+        let per_block = |dim: usize| n_blocks * shape.n_head_kv * BLOCK_TOKENS * dim;
+        Self {
+            heads: shape.n_head_kv,
+            key_dim: shape.head_dim,
+            value_dim: shape.value_dim,
+            ty,
+            n_blocks,
+            keys: (0..n_layers)
+                .map(|_| Store::zeroed(ty, per_block(shape.head_dim)))
+                .collect(),
+            values: (0..n_layers)
+                .map(|_| Store::zeroed(ty, per_block(shape.value_dim)))
+                .collect(),
+            refs: vec![0; n_blocks],
+            cached: vec![None; n_blocks],
+            last_used: vec![0; n_blocks],
+            clock: 0,
+            free: (0..n_blocks as u32).rev().collect(),
+            prefix: prefix_cache.then(HashMap::new),
+        }
+    }
+
+    /// Blocks the pool holds for `tokens` positions.
+    pub fn blocks_for(tokens: usize) -> usize {
+        tokens.div_ceil(BLOCK_TOKENS)
+    }
+
+    /// Layers the pool holds.
+    pub fn n_layers(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Positions the pool holds over all sequences.
+    pub fn capacity(&self) -> usize {
+        self.n_blocks * BLOCK_TOKENS
+    }
+
+    /// How keys and values are stored.
+    pub fn kv_type(&self) -> KvType {
+        self.ty
+    }
+
+    /// Blocks no live sequence holds (free, or kept only by the prefix cache).
+    pub fn unused_blocks(&self) -> usize {
+        self.refs.iter().filter(|&&r| r == 0).count()
+    }
+
+    /// Bytes of cache memory.
+    pub fn n_bytes(&self) -> usize {
+        let row = self.heads * (self.key_dim + self.value_dim);
+        self.ty.bytes() * self.capacity() * row * self.keys.len()
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// A block no sequence holds: a free one, else the least recently used cached one (which
+    /// leaves the prefix cache).
+    fn take_block(&mut self) -> Result<u32, PluginError> {
+        if let Some(id) = self.free.pop() {
+            return Ok(id);
+        }
+        let victim = (0..self.n_blocks)
+            .filter(|&b| self.refs[b] == 0 && self.cached[b].is_some())
+            .min_by_key(|&b| self.last_used[b])
+            .ok_or_else(|| pool_full(self.n_blocks))?;
+        self.uncache(victim);
+        Ok(victim as u32)
+    }
+
+    /// Drops block `b`'s prefix-cache entry.
+    fn uncache(&mut self, b: usize) {
+        if let Some(entry) = self.cached[b].take() {
+            if let Some(map) = &mut self.prefix {
+                if map.get(&entry.key) == Some(&(b as u32)) {
+                    map.remove(&entry.key);
+                }
+            }
+        }
+    }
+
+    /// A sequence no longer holds block `id`.
+    fn release_block(&mut self, id: u32) {
+        let b = id as usize;
+        self.refs[b] -= 1;
+        if self.refs[b] == 0 {
+            self.last_used[b] = self.tick();
+            if self.cached[b].is_none() {
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// Makes `seq` hold blocks for positions `0 .. end`, of which `from ..` are about to be
+    /// written: a block among those that another sequence shares or the prefix cache keeps is
+    /// first copied (copy-on-write). Fails, changing no block of `seq`'s prefix, when the pool
+    /// has no block left.
+    pub fn reserve(&mut self, seq: &mut SeqKv, from: usize, end: usize) -> Result<(), PluginError> {
+        let needed = Self::blocks_for(end);
+        let first_written = from / BLOCK_TOKENS;
+        for b in first_written..seq.blocks.len().min(needed) {
+            let id = seq.blocks[b] as usize;
+            if self.refs[id] > 1 || self.cached[id].is_some() {
+                let copy = self.take_block()?;
+                for store in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                    let per_block = match store {
+                        Store::F32(v) => v.len(),
+                        Store::F16(v) => v.len(),
+                    } / self.n_blocks;
+                    store.copy_block(id, copy as usize, per_block);
+                }
+                self.refs[copy as usize] = 1;
+                self.release_block(id as u32);
+                seq.blocks[b] = copy;
+            }
+        }
+        while seq.blocks.len() < needed {
+            let id = self.take_block()?;
+            self.refs[id as usize] = 1;
+            seq.blocks.push(id);
+        }
+        Ok(())
     }
 
     /// Stores the key rows (each `heads × key_dim`) and value rows (each `heads × value_dim`)
-    /// of positions `pos0 ..` in `layer`, rounded to the storage type.
-    pub fn store(&mut self, layer: usize, pos0: usize, keys: &[f32], values: &[f32]) {
-        let (heads, n_ctx) = (self.heads, self.n_ctx);
-        for (rows, data, dim) in [
+    /// of positions `pos0 ..` of `seq` in `layer`, rounded to the storage type. The blocks must
+    /// have been [`reserve`](Self::reserve)d.
+    pub fn store(&mut self, layer: usize, seq: &SeqKv, pos0: usize, keys: &[f32], values: &[f32]) {
+        let heads = self.heads;
+        for (store, data, dim) in [
             (&mut self.keys[layer], keys, self.key_dim),
             (&mut self.values[layer], values, self.value_dim),
         ] {
@@ -238,95 +456,145 @@ impl KvCache {
             );
             let end = pos0 + data.len() / width;
             assert!(
-                end <= n_ctx,
-                "kv cache: position {} beyond {n_ctx}",
+                Self::blocks_for(end) <= seq.blocks.len(),
+                "kv cache: position {} beyond the reserved blocks",
                 end - 1
             );
-            rows.write_rows(data, dim, n_ctx, pos0);
+            store.write_rows(&seq.blocks, data, heads, dim, pos0);
         }
     }
 
-    /// Keys of positions `0 .. n` in `layer`.
-    pub fn keys(&self, layer: usize, n: usize) -> CachedHeads<'_> {
-        self.heads_of(&self.keys[layer], self.key_dim, n)
-    }
-
-    /// Values of positions `0 .. n` in `layer`.
-    pub fn values(&self, layer: usize, n: usize) -> CachedHeads<'_> {
-        self.heads_of(&self.values[layer], self.value_dim, n)
-    }
-
-    fn heads_of<'a>(&self, rows: &'a Rows, dim: usize, n: usize) -> CachedHeads<'a> {
+    /// Sets `seq`'s length after positions up to `len` have been stored.
+    pub fn set_len(&mut self, seq: &mut SeqKv, len: usize) {
         assert!(
-            n <= self.n_ctx,
-            "kv cache: {n} positions beyond {}",
-            self.n_ctx
+            Self::blocks_for(len) <= seq.blocks.len(),
+            "kv cache: length {len} beyond the reserved blocks"
+        );
+        seq.len = len;
+    }
+
+    /// Cuts `seq` to `len` positions (at most its length) and releases the blocks past them.
+    pub fn truncate(&mut self, seq: &mut SeqKv, len: usize) {
+        seq.len = seq.len.min(len);
+        seq.keys.truncate(seq.len / BLOCK_TOKENS);
+        let keep = Self::blocks_for(seq.len);
+        for id in seq.blocks.split_off(keep) {
+            self.release_block(id);
+        }
+    }
+
+    /// A new sequence holding what `seq` holds, sharing its blocks.
+    pub fn fork(&mut self, seq: &SeqKv) -> SeqKv {
+        for &id in &seq.blocks {
+            self.refs[id as usize] += 1;
+        }
+        seq.clone()
+    }
+
+    /// Releases every block of `seq`, which becomes empty.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.truncate(seq, 0);
+    }
+
+    /// Keys of positions `0 .. n` of `seq` in `layer`.
+    pub fn keys<'a>(&'a self, layer: usize, seq: &'a SeqKv, n: usize) -> CachedHeads<'a> {
+        self.heads_of(&self.keys[layer], seq, self.key_dim, n)
+    }
+
+    /// Values of positions `0 .. n` of `seq` in `layer`.
+    pub fn values<'a>(&'a self, layer: usize, seq: &'a SeqKv, n: usize) -> CachedHeads<'a> {
+        self.heads_of(&self.values[layer], seq, self.value_dim, n)
+    }
+
+    fn heads_of<'a>(
+        &self,
+        store: &'a Store,
+        seq: &'a SeqKv,
+        dim: usize,
+        n: usize,
+    ) -> CachedHeads<'a> {
+        assert!(
+            Self::blocks_for(n) <= seq.blocks.len(),
+            "kv cache: {n} positions beyond the reserved blocks"
         );
         CachedHeads {
-            data: rows.all(),
-            head_offset: self.n_ctx * dim,
+            data: store.all(),
+            blocks: &seq.blocks,
+            block_tokens: BLOCK_TOKENS,
+            block_stride: self.heads * BLOCK_TOKENS * dim,
+            head_offset: BLOCK_TOKENS * dim,
             row_stride: dim,
             width: dim,
             count: n,
         }
     }
 
-    /// Makes positions `0 .. len` of every layer hold `other`'s, and the length `len`: a
-    /// forked sequence starts with its parent's cache.
-    ///
-    /// # Panics
-    ///
-    /// If the caches differ in shape, or `len` is beyond `other`'s length.
-    pub fn copy_prefix_from(&mut self, other: &KvCache, len: usize) {
-        assert!(
-            (
-                self.n_ctx,
-                self.heads,
-                self.key_dim,
-                self.value_dim,
-                self.ty,
-                self.keys.len()
-            ) == (
-                other.n_ctx,
-                other.heads,
-                other.key_dim,
-                other.value_dim,
-                other.ty,
-                other.keys.len()
-            ) && len <= other.len,
-            "kv cache: copying a cache of another shape"
-        );
-        fn copy<T: Copy>(dst: &mut [T], src: &[T], region: usize, len: usize) {
-            for (d, s) in dst.chunks_exact_mut(region).zip(src.chunks_exact(region)) {
-                d[..len].copy_from_slice(&s[..len]);
-            }
-        }
-        let (n_ctx, key_dim, value_dim) = (self.n_ctx, self.key_dim, self.value_dim);
-        let pairs = self
-            .keys
-            .iter_mut()
-            .zip(&other.keys)
-            .map(|(d, s)| (d, s, key_dim))
-            .chain(
-                self.values
-                    .iter_mut()
-                    .zip(&other.values)
-                    .map(|(d, s)| (d, s, value_dim)),
-            );
-        for (dst, src, dim) in pairs {
-            match (dst, src) {
-                (Rows::F32(d), Rows::F32(s)) => copy(d, s, n_ctx * dim, len * dim),
-                (Rows::F16(d), Rows::F16(s)) => copy(d, s, n_ctx * dim, len * dim),
-                _ => unreachable!("kv cache: storage types checked equal"),
-            }
-        }
-        self.len = len;
+    /// Whether the pool keeps a prefix cache.
+    pub fn caches_prefixes(&self) -> bool {
+        self.prefix.is_some()
     }
 
-    /// Bytes of cache memory.
-    pub fn n_bytes(&self) -> usize {
-        let row = self.heads * (self.key_dim + self.value_dim);
-        self.ty.bytes() * self.n_ctx * row * self.keys.len()
+    /// Puts `seq`'s full blocks into the prefix cache, keyed by `tokens` (the sequence's tokens,
+    /// at least its length). Blocks already cached stay as they are; a block whose prefix is
+    /// cached in another block is not cached twice.
+    pub fn cache_prefix(&mut self, seq: &mut SeqKv, tokens: &[u32]) {
+        let Some(map) = &mut self.prefix else {
+            return;
+        };
+        let full = seq.len.min(tokens.len()) / BLOCK_TOKENS;
+        let mut key = seq.keys.last().copied().unwrap_or(ROOT_KEY);
+        for b in seq.keys.len()..full {
+            let own = &tokens[b * BLOCK_TOKENS..(b + 1) * BLOCK_TOKENS];
+            key = chain_key(key, own);
+            seq.keys.push(key);
+            let id = seq.blocks[b];
+            if self.cached[id as usize].is_some() || map.contains_key(&key) {
+                continue;
+            }
+            map.insert(key, id);
+            self.cached[id as usize] = Some(Cached128 {
+                key,
+                tokens: own.to_vec(),
+            });
+        }
+    }
+
+    /// Gives the empty `seq` the longest run of cached blocks that starts `tokens`, at most
+    /// `limit` positions of them; returns the positions it now holds.
+    pub fn reuse_prefix(&mut self, seq: &mut SeqKv, tokens: &[u32], limit: usize) -> usize {
+        assert!(
+            seq.blocks.is_empty(),
+            "kv cache: reusing a prefix in a non-empty sequence"
+        );
+        let Some(map) = &self.prefix else {
+            return 0;
+        };
+        let mut found = Vec::new();
+        let mut keys = Vec::new();
+        let mut key = ROOT_KEY;
+        for own in tokens[..limit.min(tokens.len())].chunks_exact(BLOCK_TOKENS) {
+            key = chain_key(key, own);
+            match map.get(&key) {
+                Some(&id)
+                    if self.cached[id as usize]
+                        .as_ref()
+                        .is_some_and(|c| c.key == key && c.tokens == own) =>
+                {
+                    found.push(id);
+                    keys.push(key);
+                }
+                _ => break,
+            }
+        }
+        let now = self.tick();
+        for &id in &found {
+            self.refs[id as usize] += 1;
+            self.last_used[id as usize] = now;
+        }
+        seq.len = found.len() * BLOCK_TOKENS;
+        seq.blocks = found;
+        seq.keys = keys;
+        seq.len
     }
 }
 
@@ -335,18 +603,20 @@ mod tests {
     use super::*;
 
     /// Head `h` of every position held, as f32 (read back through the attention kernel: one
-    /// probability of 1 per row).
+    /// probability of 1 per row, block by block).
     fn head(heads: CachedHeads<'_>, h: usize) -> Vec<f32> {
-        let rows = heads.head(h, heads.count());
         let mut out = Vec::new();
-        for j in 0..rows.count() {
-            let probs: Vec<f32> = (0..rows.count())
-                .map(|i| f32::from(u8::from(i == j)))
-                .collect();
-            let mut row = vec![0.0; rows.len()];
-            let p = specula_kernels::Rows::single(&probs);
-            specula_kernels::attention::weighted_sums(p, rows, &[rows.count()], &mut row);
-            out.extend(row);
+        let bt = heads.block_tokens();
+        for b in 0..heads.count().div_ceil(bt) {
+            let n = bt.min(heads.count() - b * bt);
+            let rows = heads.head_block(h, b, n);
+            for j in 0..n {
+                let probs: Vec<f32> = (0..n).map(|i| f32::from(u8::from(i == j))).collect();
+                let mut row = vec![0.0; rows.len()];
+                let p = specula_kernels::Rows::single(&probs);
+                specula_kernels::attention::weighted_sums(p, rows, &[n], &mut row);
+                out.extend(row);
+            }
         }
         out
     }
@@ -358,28 +628,137 @@ mod tests {
         value_dim: 2,
     };
 
-    #[test]
-    fn stores_rows_head_by_head_and_truncates_by_length() {
-        for ty in [KvType::F32, KvType::F16] {
-            let mut kv = KvCache::new(2, 4, &SHAPE, ty);
-            kv.store(1, 0, &[1.0, 2.0], &[3.0, 4.0, 5.0, 6.0]);
-            kv.store(1, 1, &[7.0, 8.0], &[9.0, 10.0, 11.0, 12.0]);
-            // The same two rows in one call, into layer 0.
-            let values = [3.0, 4.0, 5.0, 6.0, 9.0, 10.0, 11.0, 12.0];
-            kv.store(0, 0, &[1.0, 2.0, 7.0, 8.0], &values);
-            kv.set_len(2);
+    /// Rows of `n` positions: key head h of position p is `p + 0.5 h`, values `(p, -p - h)`.
+    fn rows(pos0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for p in pos0..pos0 + n {
             for h in 0..2 {
-                assert_eq!(head(kv.keys(0, 2), h), head(kv.keys(1, 2), h));
-                assert_eq!(head(kv.values(0, 2), h), head(kv.values(1, 2), h));
+                k.push(p as f32 + 0.5 * h as f32);
+                v.extend([p as f32, -(p as f32) - h as f32]);
             }
-            assert_eq!(head(kv.keys(1, 2), 0), [1.0, 7.0]);
-            assert_eq!(head(kv.keys(1, 2), 1), [2.0, 8.0]);
-            assert_eq!(head(kv.values(1, 2), 1), [5.0, 6.0, 11.0, 12.0]);
-            assert_eq!(head(kv.values(1, 1), 0), [3.0, 4.0]);
-            kv.set_len(1);
-            assert_eq!((kv.len(), kv.capacity()), (1, 4));
-            assert_eq!(kv.n_bytes(), ty.bytes() * 4 * 6 * 2);
         }
+        (k, v)
+    }
+
+    fn fill(pool: &mut KvPool, seq: &mut SeqKv, pos0: usize, n: usize) {
+        pool.reserve(seq, pos0, pos0 + n).unwrap();
+        let (k, v) = rows(pos0, n);
+        for layer in 0..pool.n_layers() {
+            pool.store(layer, seq, pos0, &k, &v);
+        }
+        pool.set_len(seq, pos0 + n);
+    }
+
+    fn want_keys(n: usize, h: usize) -> Vec<f32> {
+        (0..n).map(|p| p as f32 + 0.5 * h as f32).collect()
+    }
+
+    #[test]
+    fn stores_rows_across_blocks_head_by_head_and_truncates() {
+        for ty in [KvType::F32, KvType::F16] {
+            let mut pool = KvPool::new(2, 8, &SHAPE, ty, false);
+            let mut seq = SeqKv::default();
+            // One row, then a run crossing two block boundaries.
+            fill(&mut pool, &mut seq, 0, 1);
+            fill(&mut pool, &mut seq, 1, 2 * BLOCK_TOKENS + 3);
+            let n = seq.len();
+            assert_eq!(seq.blocks(), 3);
+            for layer in 0..2 {
+                for h in 0..2 {
+                    assert_eq!(head(pool.keys(layer, &seq, n), h), want_keys(n, h));
+                }
+                let values = head(pool.values(layer, &seq, n), 1);
+                assert_eq!(&values[..4], [0.0, -1.0, 1.0, -2.0]);
+            }
+            pool.truncate(&mut seq, BLOCK_TOKENS);
+            assert_eq!(
+                (seq.len(), seq.blocks(), pool.unused_blocks()),
+                (BLOCK_TOKENS, 1, 7)
+            );
+            assert_eq!(pool.capacity(), 8 * BLOCK_TOKENS);
+            assert_eq!(pool.n_bytes(), ty.bytes() * 8 * BLOCK_TOKENS * 6 * 2);
+        }
+    }
+
+    #[test]
+    fn a_fork_shares_blocks_until_either_writes_them() {
+        let mut pool = KvPool::new(1, 8, &SHAPE, KvType::F32, false);
+        let mut parent = SeqKv::default();
+        fill(&mut pool, &mut parent, 0, BLOCK_TOKENS + 5);
+        let mut child = pool.fork(&parent);
+        assert_eq!(pool.unused_blocks(), 6, "the fork copies nothing");
+        // The child rolls back into the shared second block and writes there: it gets a copy.
+        pool.truncate(&mut child, BLOCK_TOKENS + 2);
+        pool.reserve(&mut child, BLOCK_TOKENS + 2, BLOCK_TOKENS + 3)
+            .unwrap();
+        pool.store(0, &child, BLOCK_TOKENS + 2, &[100.0, 100.0], &[0.0; 4]);
+        pool.set_len(&mut child, BLOCK_TOKENS + 3);
+        assert_ne!(parent.blocks[1], child.blocks[1]);
+        assert_eq!(parent.blocks[0], child.blocks[0]);
+        let n = parent.len();
+        assert_eq!(head(pool.keys(0, &parent, n), 0), want_keys(n, 0));
+        let mut want = want_keys(BLOCK_TOKENS + 3, 0);
+        want[BLOCK_TOKENS + 2] = 100.0;
+        assert_eq!(head(pool.keys(0, &child, BLOCK_TOKENS + 3), 0), want);
+        pool.release(&mut parent);
+        pool.release(&mut child);
+        assert_eq!(pool.unused_blocks(), 8);
+    }
+
+    #[test]
+    fn cached_prefixes_are_reused_exactly_and_evicted_least_recently_used_first() {
+        let mut pool = KvPool::new(1, 4, &SHAPE, KvType::F32, true);
+        let tokens: Vec<u32> = (0..3 * BLOCK_TOKENS as u32).collect();
+        let mut first = SeqKv::default();
+        fill(&mut pool, &mut first, 0, 2 * BLOCK_TOKENS + 4);
+        pool.cache_prefix(&mut first, &tokens);
+        // A prompt that starts the same: both full blocks (not the partial third).
+        let mut second = SeqKv::default();
+        assert_eq!(
+            pool.reuse_prefix(&mut second, &tokens, tokens.len()),
+            2 * BLOCK_TOKENS
+        );
+        assert_eq!(second.blocks[..], first.blocks[..2]);
+        let n = second.len();
+        assert_eq!(head(pool.keys(0, &second, n), 1), want_keys(n, 1));
+        // At most `limit` positions; a prompt differing in the second block gets the first.
+        let mut third = SeqKv::default();
+        assert_eq!(
+            pool.reuse_prefix(&mut third, &tokens, 2 * BLOCK_TOKENS - 1),
+            BLOCK_TOKENS
+        );
+        let mut other = tokens.clone();
+        other[BLOCK_TOKENS + 3] = 9999;
+        let mut fourth = SeqKv::default();
+        assert_eq!(
+            pool.reuse_prefix(&mut fourth, &other, other.len()),
+            BLOCK_TOKENS
+        );
+        // Writing into a cached block copies it: the cache keeps the original.
+        pool.truncate(&mut second, BLOCK_TOKENS + 1);
+        pool.release(&mut third);
+        pool.release(&mut fourth);
+        fill(&mut pool, &mut second, BLOCK_TOKENS + 1, 1);
+        assert_ne!(second.blocks[1], first.blocks[1]);
+        // Every sequence gone: the cached blocks stay, and serve a new sequence.
+        for s in [&mut first, &mut second] {
+            pool.release(s);
+        }
+        let mut again = SeqKv::default();
+        assert_eq!(
+            pool.reuse_prefix(&mut again, &tokens, tokens.len()),
+            2 * BLOCK_TOKENS
+        );
+        pool.release(&mut again);
+        // A pool that needs room evicts cached blocks no sequence holds.
+        let mut big = SeqKv::default();
+        fill(&mut pool, &mut big, 0, 4 * BLOCK_TOKENS);
+        let mut none = SeqKv::default();
+        assert_eq!(pool.reuse_prefix(&mut none, &tokens, tokens.len()), 0);
+        let err = pool.reserve(&mut big, 0, 5 * BLOCK_TOKENS).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::ContextFull);
+        assert!(err.message.contains("kv_tokens"), "{err}");
     }
 
     #[test]
@@ -390,12 +769,15 @@ mod tests {
             head_dim: 1,
             value_dim: 1,
         };
-        let mut kv = KvCache::new(1, 1, &shape, KvType::F16);
+        let mut pool = KvPool::new(1, 1, &shape, KvType::F16, false);
+        let mut seq = SeqKv::default();
+        pool.reserve(&mut seq, 0, 1).unwrap();
         // 1 + 2^-11 lies halfway between two f16 values: it rounds to the even one, 1.0.
-        kv.store(0, 0, &[1.0 + 2f32.powi(-11)], &[0.1]);
-        assert_eq!(head(kv.keys(0, 1), 0), [1.0]);
+        pool.store(0, &seq, 0, &[1.0 + 2f32.powi(-11)], &[0.1]);
+        pool.set_len(&mut seq, 1);
+        assert_eq!(head(pool.keys(0, &seq, 1), 0), [1.0]);
         let tenth = specula_kernels::f16::to_f32(0x2e66);
-        assert_eq!(head(kv.values(0, 1), 0), [tenth]);
+        assert_eq!(head(pool.values(0, &seq, 1), 0), [tenth]);
         assert_eq!(KvType::from_name("f16"), Some(KvType::F16));
         assert_eq!(KvType::from_name("q8_0"), None);
     }

@@ -150,16 +150,30 @@ pub fn weighted_sums(
     limits: &[usize],
     out: &mut [f32],
 ) {
-    weighted_sums_with(simd::level(), probs, values, limits, out);
+    weighted_sums_with(simd::level(), probs, values, limits, out, false);
 }
 
-/// [`weighted_sums`] at `level` (which must be supported).
+/// `out[q] += Σ_{j < limits[q]} probs[q][j] · values[j]`, continuing [`weighted_sums`] of the
+/// keys before these: each output element's chain of multiply-adds goes on from the value in
+/// `out`, so summing a paged cache block by block gives the bits of one call over all keys.
+pub fn weighted_sums_onto(
+    probs: Rows<'_, f32>,
+    values: CachedRows<'_>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    weighted_sums_with(simd::level(), probs, values, limits, out, true);
+}
+
+/// [`weighted_sums`] at `level` (which must be supported); onto `out` when `onto`
+/// ([`weighted_sums_onto`]).
 pub fn weighted_sums_with(
     level: SimdLevel,
     probs: Rows<'_, f32>,
     values: CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
+    onto: bool,
 ) {
     let dim = values.len();
     assert_eq!(
@@ -177,7 +191,9 @@ pub fn weighted_sums_with(
     match level {
         SimdLevel::Scalar => {
             for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
-                o.fill(0.0);
+                if !onto {
+                    o.fill(0.0);
+                }
                 for j in 0..limit {
                     let p = probs.row(q)[j];
                     for (i, y) in o.iter_mut().enumerate() {
@@ -186,7 +202,7 @@ pub fn weighted_sums_with(
                 }
             }
         }
-        _ => simd::attention_weighted_sums(level, probs, values, limits, out),
+        _ => simd::attention_weighted_sums(level, probs, values, limits, out, onto),
     }
 }
 
@@ -255,7 +271,7 @@ mod tests {
                         .collect();
                     let mut out = vec![f32::NAN; n_queries * dim];
                     let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
-                    weighted_sums_with(level, p_rows, v_rows, &limits, &mut out);
+                    weighted_sums_with(level, p_rows, v_rows, &limits, &mut out, false);
                     let bound = 1e-5 * (dim as f64 + 1.0);
                     for (q, &limit) in limits.iter().enumerate() {
                         for j in 0..limit {
@@ -290,6 +306,53 @@ mod tests {
                                 "{level} dim {dim}: {got} vs {want}"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A paged cache's blocks summed one after another ([`weighted_sums_onto`] after a first
+    /// [`weighted_sums`]) give the bits of one call over every key, at every level, for head
+    /// sizes on and off the tiled paths, tiles of 1..8 queries and ragged limits.
+    #[test]
+    fn block_by_block_sums_are_bit_identical_to_one_call() {
+        for dim in [1, 7, 16, 40, 64, 128, 144] {
+            let (n_keys, n_queries) = (70, 11);
+            let values = random_vec(n_keys * dim, 1.0, dim as u64 + 9);
+            let (value_bits, _) = stored(&values);
+            let probs = random_vec(n_queries * n_keys, 0.1, dim as u64 + 10);
+            let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - 5 * q).collect();
+            let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
+            for v_cache in [Cached::F32(&values), Cached::F16(&value_bits)] {
+                for level in SimdLevel::supported() {
+                    let all = v_cache.rows(0, dim, dim, n_keys);
+                    let mut whole = vec![0.0; n_queries * dim];
+                    weighted_sums_with(level, p_rows, all, &limits, &mut whole, false);
+                    for block in [1, 16, 32, 33] {
+                        let mut paged = vec![f32::NAN; n_queries * dim];
+                        for first in (0..n_keys).step_by(block) {
+                            let count = block.min(n_keys - first);
+                            let keys = v_cache.rows(first * dim, dim, dim, count);
+                            let probs_here = Rows::new(&probs[first..], n_keys, count, n_queries);
+                            let here: Vec<usize> = limits
+                                .iter()
+                                .map(|&l| l.saturating_sub(first).min(count))
+                                .collect();
+                            weighted_sums_with(
+                                level,
+                                probs_here,
+                                keys,
+                                &here,
+                                &mut paged,
+                                first > 0,
+                            );
+                        }
+                        assert_eq!(
+                            paged.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "{level} dim {dim} blocks of {block} {v_cache:?}"
+                        );
                     }
                 }
             }

@@ -37,6 +37,7 @@ fn open(path: &std::path::Path) -> CpuBackend {
         context_size: 64,
         max_verify_tokens: 4,
         max_sequences: 0,
+        kv_tokens: 0,
         options: RVec::<Tuple2<_, _>>::new(),
     };
     specula_cpu_simd::open(&params).unwrap()

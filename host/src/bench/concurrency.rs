@@ -79,6 +79,8 @@ pub struct PassCost {
 #[derive(Debug, Clone, Serialize)]
 pub struct RepeatedPrefill {
     pub prompt_tokens: usize,
+    /// Tokens the second prefill took from the prefix cache.
+    pub reused_tokens: usize,
     pub first_seconds: f64,
     pub repeated_seconds: f64,
     /// `repeated_seconds` over `first_seconds`.
@@ -111,6 +113,7 @@ fn open_target(profile: &Profile, max_sequences: usize) -> anyhow::Result<BoxedF
         options_as_text(&target.options),
     );
     params.max_sequences = u32::try_from(max_sequences).unwrap_or(u32::MAX);
+    params.kv_tokens = target.kv_tokens;
     let backend = plugin.open_backend(&params)?;
     let caps = backend.capabilities();
     anyhow::ensure!(
@@ -244,27 +247,31 @@ fn pass_seconds(
         .collect())
 }
 
-/// Seconds to prefill `prompt` in a new sequence, then in another new sequence while the
-/// first still holds it (the prefix cache may serve the second).
+/// Seconds to prefill `prompt` in a new sequence, then in another new sequence after the
+/// first was freed (what the prefix cache kept of it serves the second: it evaluates only the
+/// rest), and the tokens the second took from the cache. The prefill of each asks the prefix
+/// cache first, as a server does; `salt` makes the prompt one no earlier run cached.
 fn repeated_prefill_seconds(
     backend: &mut BoxedForwardPass,
     prompt: &[u32],
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(f64, f64, usize)> {
     let mut logits = RVec::new();
-    let mut prefill = |backend: &mut BoxedForwardPass| -> anyhow::Result<(SeqId, f64)> {
+    let mut prefill = |backend: &mut BoxedForwardPass| -> anyhow::Result<(f64, usize)> {
         let seq = backend.seq_create().into_result()?;
         let start = Instant::now();
-        backend
-            .eval(seq, prompt, LogitRows::Last, &mut logits)
+        let reused = backend
+            .seq_reuse_prefix(seq, RSlice::from_slice(prompt))
             .into_result()?;
-        Ok((seq, start.elapsed().as_secs_f64()))
-    };
-    let (first, first_seconds) = prefill(backend)?;
-    let (second, repeated_seconds) = prefill(backend)?;
-    for seq in [first, second] {
+        backend
+            .eval(seq, &prompt[reused..], LogitRows::Last, &mut logits)
+            .into_result()?;
+        let seconds = start.elapsed().as_secs_f64();
         backend.seq_free(seq).into_result()?;
-    }
-    Ok((first_seconds, repeated_seconds))
+        Ok((seconds, reused))
+    };
+    let (first_seconds, _) = prefill(backend)?;
+    let (repeated_seconds, reused) = prefill(backend)?;
+    Ok((first_seconds, repeated_seconds, reused))
 }
 
 /// Runs the concurrency benchmark for `profile`.
@@ -375,10 +382,15 @@ pub fn run(profile: &Profile, options: &ConcurrencyOptions) -> anyhow::Result<Co
         .collect();
     let mut firsts = Vec::new();
     let mut agains = Vec::new();
-    for _ in 0..runs {
-        let (first, again) = repeated_prefill_seconds(&mut backend, &repeated)?;
+    let mut reused = 0;
+    for run in 0..runs {
+        // A prompt no earlier run left in the cache: the first prefill computes every row.
+        let mut prompt = repeated.clone();
+        prompt[0] = (prompt[0] + 1 + run as u32) % vocab as u32;
+        let (first, again, took) = repeated_prefill_seconds(&mut backend, &prompt)?;
         firsts.push(first);
         agains.push(again);
+        reused = took;
     }
     bar.inc(2);
     bar.finish_and_clear();
@@ -393,6 +405,7 @@ pub fn run(profile: &Profile, options: &ConcurrencyOptions) -> anyhow::Result<Co
         pass_cost,
         repeated_prefill: RepeatedPrefill {
             prompt_tokens: repeated.len(),
+            reused_tokens: reused,
             first_seconds,
             repeated_seconds,
             ratio: repeated_seconds / first_seconds,
@@ -431,11 +444,12 @@ pub fn render(report: &ConcurrencyReport) -> String {
     }
     let r = &report.repeated_prefill;
     out += &format!(
-        "prefill of a {}-token prompt in a new sequence: {:.1} ms the first time, {:.1} ms again ({:.1}% of the first)\n",
+        "prefill of a {}-token prompt in a new sequence: {:.1} ms the first time, {:.1} ms again ({:.1}% of the first; {} tokens from the prefix cache)\n",
         r.prompt_tokens,
         1e3 * r.first_seconds,
         1e3 * r.repeated_seconds,
-        100.0 * r.ratio
+        100.0 * r.ratio,
+        r.reused_tokens
     );
     out
 }

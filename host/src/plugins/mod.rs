@@ -607,6 +607,7 @@ pub fn backend_params(
         context_size,
         max_verify_tokens,
         max_sequences: 1,
+        kv_tokens: 0,
         options: option_pairs(options),
     }
 }

@@ -179,6 +179,10 @@ fn run(
     }
     if reused == 0 {
         target.truncate(0).into_result()?;
+        if reuse {
+            // What earlier sequences left in the backend's prefix cache (whole blocks).
+            reused = target.reuse_prefix(&prompt).into_result()?;
+        }
     }
     target
         .eval(&prompt[reused..], LogitRows::Last, &mut logits)

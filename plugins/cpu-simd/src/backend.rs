@@ -35,7 +35,7 @@ use std::path::Path;
 use specula_engine::backend::opening::{self, Opening};
 use specula_engine::backend::options::{self, CommonOptions, Parsed};
 use specula_engine::backend::{attribute, Backend};
-use specula_engine::cpu::CpuExecutor;
+use specula_engine::cpu::{CpuExecutor, CpuPart};
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::Graph;
 use specula_plugin_api::{BackendParams, Capabilities, ModelInfo, PluginError};
@@ -136,15 +136,16 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
     let (model, n_ctx) = (&opening.model, opening.n_ctx);
     let (capabilities, ring_depth) = opening.capabilities()?;
     let batch_rows = Opening::batch_rows(&capabilities);
-    let executor = CpuExecutor::whole_model(
-        model,
-        n_ctx,
+    let part = CpuPart {
+        layers: 0,
+        head: true,
         batch_rows,
-        options.kv_type,
+        kv_type: options.kv_type,
+        kv_tokens: opening.kv_tokens,
         ring_depth,
-        opening.max_sequences,
-    )
-    .map_err(|e| attribute(PLUGIN, e))?;
+        max_sequences: opening.max_sequences,
+    };
+    let executor = CpuExecutor::whole_model(model, part).map_err(|e| attribute(PLUGIN, e))?;
     let depth = executor.ring_depth();
     let capabilities = if matches!(model.graph, Graph::Hybrid(_)) && depth < ring_depth {
         tracing::warn!(
@@ -160,12 +161,13 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         capabilities
     };
     tracing::debug!(
-        "{PLUGIN}: opened {} ({}, {} layers, {} threads, context {n_ctx}, up to {} sequences of a KV cache of {} bytes, {} snapshot bytes per slot × {})",
+        "{PLUGIN}: opened {} ({}, {} layers, {} threads, context {n_ctx}, up to {} sequences, a KV pool of {} positions in {} bytes, {} snapshot bytes per slot × {})",
         path.display(),
         model.arch.name(),
         model.hparams.block_count,
         opening.pool.current_num_threads(),
         capabilities.max_sequences,
+        executor.kv_capacity(),
         executor.kv_bytes(),
         capabilities.snapshot_bytes_per_slot,
         capabilities.rollback_depth

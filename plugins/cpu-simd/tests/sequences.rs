@@ -223,3 +223,91 @@ fn sequences_are_bounded_and_checked() {
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput);
 }
+
+/// A new sequence whose prompt starts like an earlier one takes the cached blocks (whole
+/// blocks, never the last token) and evaluates only the rest: its logits are the bits of a
+/// full evaluation, also after the first sequence is gone; a prompt that differs inside a
+/// block takes only the blocks before it; hybrids keep no prefix cache.
+#[test]
+fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
+    let prompt: Vec<u32> = Rng::new(3).tokens(100, 512);
+    let mut b = open_many(&tiny_llama(), 3, &[]);
+    let first = b.seq_create().into_result().unwrap();
+    let want = eval_in(&mut b, first, &prompt, LogitRows::Last);
+    let reuse = |b: &mut CpuBackend, tokens: &[u32]| {
+        let seq = b.seq_create().into_result().unwrap();
+        let n = b
+            .seq_reuse_prefix(seq, RSlice::from_slice(tokens))
+            .into_result()
+            .unwrap();
+        assert_eq!(b.seq_len(seq).into_result(), Ok(n));
+        (seq, n)
+    };
+    let (second, n) = reuse(&mut b, &prompt);
+    assert_eq!(n, 96, "three blocks of 32 of the 100 tokens");
+    let got = eval_in(&mut b, second, &prompt[n..], LogitRows::Last);
+    assert_eq!(bits(&got), bits(&want));
+    // Not on a sequence that holds tokens.
+    let err = b
+        .seq_reuse_prefix(second, RSlice::from_slice(&prompt))
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    b.seq_free(first).into_result().unwrap();
+    b.seq_free(second).into_result().unwrap();
+
+    let mut other = prompt.clone();
+    other[40] = (other[40] + 1) % 512;
+    let (third, n) = reuse(&mut b, &other);
+    assert_eq!(n, 32);
+    let mut fresh = open_many(&tiny_llama(), 1, &[]);
+    let alone = fresh.seq_create().into_result().unwrap();
+    let want_other = eval_in(&mut fresh, alone, &other, LogitRows::Last);
+    let got = eval_in(&mut b, third, &other[n..], LogitRows::Last);
+    assert_eq!(bits(&got), bits(&want_other));
+    let (_, n) = reuse(&mut b, &prompt);
+    assert_eq!(n, 96, "the first prompt's blocks outlived its sequence");
+
+    let mut hybrid = open_many(&fixture("tiny-qwen35.gguf"), 2, &[]);
+    let h = hybrid.seq_create().into_result().unwrap();
+    eval_in(&mut hybrid, h, &prompt, LogitRows::Last);
+    let (_, n) = reuse(&mut hybrid, &prompt);
+    assert_eq!(n, 0);
+}
+
+/// The KV memory of all sequences is the pool's (`kv_tokens`), not sequences × context: a
+/// pass that needs more blocks than are free is refused as context-full, changing no
+/// sequence, and freeing a sequence makes room.
+#[test]
+fn the_kv_pool_bounds_every_sequence_together() {
+    let mut p = params(&tiny_llama(), 2, 256);
+    p.max_sequences = 4;
+    p.kv_tokens = 128;
+    let mut b = specula_cpu_simd::open(&p).unwrap();
+    assert_eq!(b.capabilities().kv_tokens, 128);
+    let tokens = Rng::new(5).tokens(60, 512);
+    let seqs: Vec<SeqId> = (0..2)
+        .map(|_| b.seq_create().into_result().unwrap())
+        .collect();
+    for &s in &seqs {
+        eval_in(&mut b, s, &tokens, LogitRows::Last);
+    }
+    let third = b.seq_create().into_result().unwrap();
+    let mut logits = RVec::new();
+    let err = b
+        .eval(third, &tokens, LogitRows::Last, &mut logits)
+        .into_result()
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ContextFull, "{err}");
+    assert!(err.message.contains("kv_tokens"), "{err}");
+    assert_eq!(b.seq_len(third).into_result(), Ok(0));
+    assert_eq!(b.seq_len(seqs[0]).into_result(), Ok(60));
+    b.seq_free(seqs[1]).into_result().unwrap();
+    let got = eval_in(&mut b, third, &tokens, LogitRows::Last);
+    let mut fresh = open_many(&tiny_llama(), 1, &[]);
+    let alone = fresh.seq_create().into_result().unwrap();
+    assert_eq!(
+        bits(&got),
+        bits(&eval_in(&mut fresh, alone, &tokens, LogitRows::Last))
+    );
+}

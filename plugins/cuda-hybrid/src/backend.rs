@@ -246,6 +246,7 @@ fn open_with(
         opening.max_sequences = 1;
     }
     let (capabilities, ring_depth) = opening.capabilities()?;
+    let kv_tokens = opening.kv_tokens;
     let Opening { model, pool, .. } = &mut opening;
     let (depth, n_planes) = match &model.graph {
         Graph::Dense(_) => (requested_verify, 2),
@@ -308,9 +309,9 @@ fn open_with(
         CpuPart {
             layers: first_gpu,
             head: !head_on_gpu,
-            n_ctx,
             batch_rows,
             kv_type: KvType::F32,
+            kv_tokens,
             ring_depth: depth,
             max_sequences: 1,
         },
@@ -397,6 +398,11 @@ impl Executor for CudaExecutor {
         self.host.remove_sequence(seq);
     }
 
+    /// The device's caches are not paged, so nothing is served from the host's prefix cache.
+    fn reuse_prefix(&mut self, _seq: usize, _tokens: &[u32]) -> Result<usize, PluginError> {
+        Ok(0)
+    }
+
     fn forward(
         &mut self,
         model: &Model,
@@ -449,8 +455,8 @@ impl Executor for CudaExecutor {
         }
     }
 
-    fn commit(&mut self, seq: usize, start: usize, n: usize) {
-        self.host.commit(seq, start, n);
+    fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
+        self.host.commit(seq, start, n, tokens);
         if let Some(ring) = self.device.as_mut().and_then(|d| d.model.ring.as_mut()) {
             ring.index.advance(n);
         }

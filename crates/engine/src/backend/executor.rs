@@ -136,8 +136,14 @@ pub trait Executor: Send + Sync {
         logits: &mut [f32],
     ) -> Result<(), PluginError>;
 
-    /// Makes the `n` tokens evaluated from position `start` part of sequence `seq`.
-    fn commit(&mut self, seq: usize, start: usize, n: usize);
+    /// Makes the `n` tokens evaluated from position `start` part of sequence `seq`, whose
+    /// tokens are now `tokens` (its full blocks may go into the prefix cache).
+    fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]);
+
+    /// Gives the empty sequence `seq` the longest start of `tokens` the prefix cache holds
+    /// (whole blocks, never the last token) and returns its length: 0 when nothing is cached,
+    /// or where the executor keeps no prefix cache.
+    fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError>;
 
     /// Cuts sequence `seq` to `len` tokens in O(1) and returns true, or returns false
     /// (changing nothing of the trunk) when the recurrent state of that length is no longer

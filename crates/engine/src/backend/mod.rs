@@ -288,6 +288,35 @@ impl<X: Executor> Backend<X> {
         Ok(())
     }
 
+    /// [`ForwardPass::seq_reuse_prefix`] without the panic guard.
+    pub fn reuse_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize, PluginError> {
+        self.usable()?;
+        let slot = self.slot_of(seq)?;
+        let len = self.sequence_mut(slot).tokens.len();
+        if len > 0 {
+            return Err(self.plugin_error(
+                ErrorKind::InvalidInput,
+                format!("seq_reuse_prefix needs an empty sequence, but {seq} holds {len} tokens"),
+            ));
+        }
+        let vocab = self.info.vocab_size;
+        if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
+            return Err(self.plugin_error(
+                ErrorKind::InvalidInput,
+                format!("token id {bad} is out of range (vocabulary size {vocab})"),
+            ));
+        }
+        let n_ctx = self.setup.n_ctx;
+        let reused = self
+            .executor
+            .reuse_prefix(slot, &tokens[..tokens.len().min(n_ctx)])
+            .map_err(|e| attribute(self.setup.plugin, e))?;
+        let seq = self.sequence_mut(slot);
+        seq.tokens.extend_from_slice(&tokens[..reused]);
+        seq.hidden_rows = 0;
+        Ok(reused)
+    }
+
     /// Tokens in `seq`.
     pub fn seq_length(&self, seq: SeqId) -> Result<usize, PluginError> {
         Ok(self.sequence(seq)?.tokens.len())
@@ -457,10 +486,11 @@ impl<X: Executor> Backend<X> {
             }
         }
         for w in work {
-            self.executor.commit(w.slot, w.start, w.tokens.len());
-            let seq = self.sequence_mut(w.slot);
+            let seq = self.slots[w.slot].as_mut().expect("validated");
             seq.tokens.extend_from_slice(w.tokens);
             seq.hidden_rows = w.tokens.len();
+            self.executor
+                .commit(w.slot, w.start, w.tokens.len(), &seq.tokens);
         }
         Ok(())
     }
@@ -735,6 +765,12 @@ impl<X: Executor> ForwardPass for Backend<X> {
             .guard(self.setup.plugin, || self.free_sequence(seq))
     }
 
+    fn seq_reuse_prefix(&mut self, seq: SeqId, tokens: RSlice<'_, u32>) -> PluginResult<usize> {
+        self.fence.clone().guard(self.setup.plugin, || {
+            self.reuse_prefix(seq, tokens.as_slice())
+        })
+    }
+
     fn seq_len(&self, seq: SeqId) -> PluginResult<usize> {
         self.fence.guard(self.setup.plugin, || self.seq_length(seq))
     }
@@ -789,7 +825,16 @@ mod tests {
         );
         let params = testing::backend_params(path, 1, 64, 4, &[]);
         let (model, n_ctx) = opening::load_model("test", &params).unwrap();
-        let executor = CpuExecutor::whole_model(&model, n_ctx, 64, KvType::F32, 4, 1).unwrap();
+        let part = crate::cpu::CpuPart {
+            layers: 0,
+            head: true,
+            batch_rows: 64,
+            kv_type: KvType::F32,
+            kv_tokens: n_ctx,
+            ring_depth: 4,
+            max_sequences: 1,
+        };
+        let executor = CpuExecutor::whole_model(&model, part).unwrap();
         let setup = Setup {
             plugin: "test",
             capabilities: Capabilities {
@@ -833,8 +878,11 @@ mod tests {
         ) -> Result<(), PluginError> {
             self.0.forward(model, pool, chunks, hidden, logits)
         }
-        fn commit(&mut self, seq: usize, start: usize, n: usize) {
-            self.0.commit(seq, start, n)
+        fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
+            self.0.commit(seq, start, n, tokens)
+        }
+        fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
+            self.0.reuse_prefix(seq, tokens)
         }
         fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
             self.0.rollback(seq, len)

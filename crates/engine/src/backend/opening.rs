@@ -9,6 +9,7 @@ use super::options::CommonOptions;
 use super::{
     attribute, options, Backend, Executor, Setup, DEFAULT_MAX_VERIFY_TOKENS, MIN_BATCH_ROWS,
 };
+use crate::kv_cache::{KvPool, BLOCK_TOKENS};
 use crate::model::{Graph, Model};
 
 /// A backend being opened: what every backend does first (its model loaded, its pool started)
@@ -25,6 +26,8 @@ pub struct Opening {
     pub requested_verify: usize,
     /// Sequence slots asked for (at least 1).
     pub max_sequences: usize,
+    /// Attention positions the block pool holds over all sequences (whole blocks).
+    pub kv_tokens: usize,
 }
 
 impl Opening {
@@ -45,6 +48,7 @@ impl Opening {
             common,
             requested_verify: requested_verify(params),
             max_sequences: params.max_sequences.max(1) as usize,
+            kv_tokens: kv_tokens(params, n_ctx),
         })
     }
 
@@ -53,12 +57,12 @@ impl Opening {
     /// holds (with a warning); rollback without limit where no layer is recurrent, else as deep
     /// as the ring. (Dense models: a depth of 0, no ring.)
     ///
-    /// Every sequence gets a KV cache of the context size, so the KV capacity is
-    /// `max_sequences × n_ctx` tokens; `max_batch_rows` is [`Self::batch_rows`].
+    /// The KV capacity is the block pool's (`kv_tokens`); `max_batch_rows` is
+    /// [`Self::batch_rows`].
     pub fn capabilities(&self) -> Result<(Capabilities, usize), PluginError> {
         let requested = self.requested_verify;
         let max_sequences = self.max_sequences as u32;
-        let kv_tokens = (self.max_sequences * self.n_ctx) as u64;
+        let kv_tokens = self.kv_tokens as u64;
         let (mut capabilities, depth) = match &self.model.graph {
             Graph::Dense(_) => (
                 Capabilities {
@@ -164,6 +168,16 @@ pub fn thread_pool(plugin: &str, params: &BackendParams) -> Result<ThreadPool, P
                 format!("{plugin}: cannot start {threads} worker threads: {e}"),
             )
         })
+}
+
+/// The attention positions of an instance's block pool: `params.kv_tokens`, or room for every
+/// sequence to fill the context (`max_sequences × n_ctx`) for 0; whole blocks.
+pub fn kv_tokens(params: &BackendParams, n_ctx: usize) -> usize {
+    let asked = match params.kv_tokens {
+        0 => params.max_sequences.max(1) as usize * n_ctx,
+        n => n as usize,
+    };
+    KvPool::blocks_for(asked.max(1)) * BLOCK_TOKENS
 }
 
 /// The verify capacity asked for: `params.max_verify_tokens`, or the default for 0.

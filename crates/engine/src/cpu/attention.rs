@@ -102,6 +102,8 @@ struct Item<'a> {
     scores: &'a mut [f32],
     outputs: &'a mut [f32],
     limits: &'a mut [usize],
+    /// The limits within one cache block.
+    block_limits: &'a mut [usize],
 }
 
 /// Attention of query rows (`queries`, `rows × q_width`) of several sequences, each
@@ -201,8 +203,8 @@ fn attend_wave(
     grow(&mut s.queries, totals.0);
     grow(&mut s.scores, totals.1);
     grow(&mut s.outputs, totals.2);
-    if s.limits.len() < totals.3 {
-        s.limits.resize(totals.3, 0);
+    if s.limits.len() < 2 * totals.3 {
+        s.limits.resize(2 * totals.3, 0);
     }
     let mut items = Vec::with_capacity(jobs.len() * heads);
     let (mut q_rest, mut s_rest, mut o_rest, mut l_rest) = (
@@ -218,6 +220,7 @@ fn attend_wave(
             let (scores, s_next) = s_rest.split_at_mut(sc);
             let (outputs, o_next) = o_rest.split_at_mut(o);
             let (limits, l_next) = l_rest.split_at_mut(l);
+            let (block_limits, l_next) = l_next.split_at_mut(l);
             (q_rest, s_rest, o_rest, l_rest) = (q_next, s_next, o_next, l_next);
             items.push(Item {
                 job: *job,
@@ -226,6 +229,7 @@ fn attend_wave(
                 scores,
                 outputs,
                 limits,
+                block_limits,
             });
         }
     }
@@ -251,9 +255,23 @@ fn attend_wave(
         }
         let n_queries = rows * group;
         let query_rows = Rows::new(item.queries, hd, hd, n_queries);
-        let key_rows = seg.keys.head(g, n_keys);
-        let value_rows = seg.values.head(g, n_keys);
-        kattention::scores(query_rows, key_rows, item.limits, item.scores, n_keys);
+        // The cache block by block: scores into their columns, then the weighted sums summed
+        // onto the outputs in key order (the bits of one pass over contiguous keys).
+        let bt = seg.keys.block_tokens();
+        let blocks = n_keys.div_ceil(bt);
+        let block_limits = |b: usize, here: &mut [usize], limits: &[usize]| {
+            let (first_key, count) = (b * bt, bt.min(n_keys - b * bt));
+            for (here, &limit) in here.iter_mut().zip(limits) {
+                *here = limit.saturating_sub(first_key).min(count);
+            }
+            (first_key, count)
+        };
+        for b in 0..blocks {
+            let (first_key, count) = block_limits(b, item.block_limits, item.limits);
+            let keys = seg.keys.head_block(g, b, count);
+            let scores = &mut item.scores[first_key..];
+            kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
+        }
         for (row, &limit) in item
             .scores
             .chunks_exact_mut(n_keys.max(1))
@@ -265,8 +283,16 @@ fn attend_wave(
             }
             activations::softmax_in_place(row);
         }
-        let probs = Rows::new(item.scores, n_keys, n_keys, n_queries);
-        kattention::weighted_sums(probs, value_rows, item.limits, item.outputs);
+        for b in 0..blocks {
+            let (first_key, count) = block_limits(b, item.block_limits, item.limits);
+            let values = seg.values.head_block(g, b, count);
+            let probs = Rows::new(&item.scores[first_key..], n_keys, count, n_queries);
+            if b == 0 {
+                kattention::weighted_sums(probs, values, item.block_limits, item.outputs);
+            } else {
+                kattention::weighted_sums_onto(probs, values, item.block_limits, item.outputs);
+            }
+        }
     };
     let work: usize = jobs
         .iter()

@@ -19,9 +19,8 @@ use specula_plugin_api::{ErrorKind, PluginError};
 use crate::arch::hybrid::Mixer;
 use crate::arch::{self};
 use crate::backend::{Chunk, Executor, MtpRows};
-use crate::blocks::attention::AttentionShape;
 use crate::graph::{Act, Dims, Rows};
-use crate::kv_cache::{KvCache, KvType};
+use crate::kv_cache::{KvPool, KvType, SeqKv};
 use crate::model::{Graph, Model};
 use crate::pool::install_busy;
 use crate::recurrent::{SnapshotRing, StateLayout};
@@ -34,24 +33,20 @@ pub struct CpuPart {
     pub layers: usize,
     /// Whether the final norm, the LM head and the MTP head run here.
     pub head: bool,
-    pub n_ctx: usize,
     /// Rows per pass.
     pub batch_rows: usize,
     pub kv_type: KvType,
+    /// Positions the attention pool holds over all sequences (rounded up to whole blocks).
+    pub kv_tokens: usize,
     /// Snapshots kept of the recurrent state (the rollback depth; hybrid models).
     pub ring_depth: usize,
     /// Sequence slots.
     pub max_sequences: usize,
 }
 
-/// What one sequence's caches on the CPU look like.
+/// What one sequence's recurrent state on the CPU looks like.
 #[derive(Debug, Clone, Copy)]
 struct CacheShape {
-    /// Attention layers run here.
-    kv_layers: usize,
-    attention: AttentionShape,
-    n_ctx: usize,
-    kv_type: KvType,
     /// The recurrent state of the GDN layers run here (hybrid models; possibly of zero
     /// layers, the ring then only keeps the bookkeeping).
     ring: Option<StateLayout>,
@@ -60,17 +55,23 @@ struct CacheShape {
 }
 
 /// Runs a prefix of a model's trunk, and optionally its head, on the CPU; holds the caches of
-/// those layers for every sequence.
+/// those layers for every sequence: one pool of attention blocks (and one for the MTP head)
+/// shared by the sequences' block tables, and a snapshot ring per sequence.
 pub struct CpuExecutor {
     part: CpuPart,
     dims: Dims,
     shape: CacheShape,
+    /// The attention layers run here, for every sequence.
+    pool: KvPool,
+    /// The MTP head's attention, for every sequence.
+    mtp_pool: Option<KvPool>,
     /// Per sequence slot: its caches, while the slot holds a sequence.
     seqs: Vec<Option<SeqCaches>>,
     /// Snapshots each sequence's ring holds (0 for dense models).
     ring_depth: usize,
     /// Whether the model has recurrent (GDN) layers anywhere: then truncation is limited to
-    /// the ring's window.
+    /// the ring's window, and prompts are not served from the prefix cache (it keeps attention
+    /// blocks only).
     recurrent: bool,
     scratch: Box<Scratch>,
 }
@@ -80,26 +81,14 @@ fn internal(what: &str) -> PluginError {
 }
 
 impl CpuExecutor {
-    /// The executor of a whole model (every layer and the head), with a ring of `ring_depth`
-    /// snapshots per sequence for hybrid models.
-    pub fn whole_model(
-        model: &Model,
-        n_ctx: usize,
-        batch_rows: usize,
-        kv_type: KvType,
-        ring_depth: usize,
-        max_sequences: usize,
-    ) -> Result<Self, PluginError> {
+    /// The executor of a whole model (every layer and the head).
+    pub fn whole_model(model: &Model, part: CpuPart) -> Result<Self, PluginError> {
         Self::new(
             model,
             CpuPart {
                 layers: model.graph.n_trunk_layers(),
                 head: true,
-                n_ctx,
-                batch_rows,
-                kv_type,
-                ring_depth,
-                max_sequences,
+                ..part
             },
         )
     }
@@ -131,19 +120,17 @@ impl CpuExecutor {
             }
             None => 0,
         };
+        let recurrent = matches!(&model.graph, Graph::Hybrid(h) if h.config.n_gdn_layers > 0);
+        let n_blocks = KvPool::blocks_for(part.kv_tokens.max(1));
+        let a = &dims.attention;
         Ok(Self {
-            shape: CacheShape {
-                kv_layers,
-                attention: dims.attention,
-                n_ctx: part.n_ctx,
-                kv_type: part.kv_type,
-                ring,
-                mtp,
-            },
+            shape: CacheShape { ring, mtp },
+            pool: KvPool::new(kv_layers, n_blocks, a, part.kv_type, !recurrent),
+            mtp_pool: mtp.then(|| KvPool::new(1, n_blocks, a, part.kv_type, false)),
             scratch: Box::new(Scratch::new(&dims, part.batch_rows)),
             seqs: (0..part.max_sequences.max(1)).map(|_| None).collect(),
             ring_depth,
-            recurrent: matches!(&model.graph, Graph::Hybrid(h) if h.config.n_gdn_layers > 0),
+            recurrent,
             part,
             dims,
         })
@@ -151,8 +138,7 @@ impl CpuExecutor {
 
     /// Empty caches for one sequence.
     fn new_caches(&self) -> Result<SeqCaches, PluginError> {
-        let shape = &self.shape;
-        let ring = match shape.ring {
+        let ring = match self.shape.ring {
             Some(layout) => {
                 let (ring, size) = SnapshotRing::allocate(layout, self.ring_depth, None)?;
                 if size.depth < self.ring_depth {
@@ -168,11 +154,10 @@ impl CpuExecutor {
             }
             None => None,
         };
-        let kv = |layers| KvCache::new(layers, shape.n_ctx, &shape.attention, shape.kv_type);
         Ok(SeqCaches {
-            kv: kv(shape.kv_layers),
+            kv: SeqKv::default(),
             ring,
-            mtp_kv: shape.mtp.then(|| kv(1)),
+            mtp_kv: self.shape.mtp.then(SeqKv::default),
         })
     }
 
@@ -182,27 +167,19 @@ impl CpuExecutor {
         self.ring_depth
     }
 
-    /// Bytes of one sequence's attention KV cache.
+    /// Positions the attention pool holds over all sequences.
+    pub fn kv_capacity(&self) -> usize {
+        self.pool.capacity()
+    }
+
+    /// Bytes of the attention pool.
     pub fn kv_bytes(&self) -> usize {
-        let a = &self.shape.attention;
-        let value = match self.shape.kv_type {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        };
-        value * self.shape.n_ctx * (a.k_width() + a.v_width()) * self.shape.kv_layers
+        self.pool.n_bytes()
     }
 
     /// The residual rows of the last [`run_layers`](Self::run_layers), `rows × n_embd`.
     pub fn residual(&mut self) -> &mut [f32] {
         self.scratch.act_mut(Act::X)
-    }
-
-    /// The caches of slot `seq`.
-    fn seq(&mut self, seq: usize) -> Result<&mut SeqCaches, PluginError> {
-        self.seqs
-            .get_mut(seq)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))
     }
 
     /// The operations of one pass of `n` rows over this executor's buffers and caches, its
@@ -223,14 +200,45 @@ impl CpuExecutor {
             dims: &self.dims,
             file: &model.file,
             scratch: &mut self.scratch,
+            pool: &mut self.pool,
+            mtp_pool: self.mtp_pool.as_mut(),
             seqs: &mut self.seqs,
             logits,
         })
     }
 
+    /// Gives every chunk's sequence the attention blocks its rows are written to; on failure
+    /// (the pool is full) releases what it gave and changes no sequence.
+    fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+        let Self { pool, seqs, .. } = self;
+        let mut result = Ok(());
+        for chunk in chunks {
+            let caches = seqs
+                .get_mut(chunk.seq)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| {
+                    internal(&format!("sequence slot {} holds no sequence", chunk.seq))
+                })?;
+            result = pool.reserve(&mut caches.kv, chunk.pos0, chunk.pos0 + chunk.rows());
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_err() {
+            for chunk in chunks {
+                if let Some(caches) = seqs.get_mut(chunk.seq).and_then(Option::as_mut) {
+                    let len = caches.kv.len();
+                    pool.truncate(&mut caches.kv, len);
+                }
+            }
+        }
+        result
+    }
+
     /// Embeds the chunks' tokens into the residual rows and runs this part's trunk layers
     /// over them (on the current thread's pool).
     pub fn run_layers(&mut self, model: &Model, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+        self.reserve(chunks)?;
         let e = self.dims.n_embd;
         let spans = Chunk::spans(chunks);
         let rows = Rows::new(&spans);
@@ -286,21 +294,32 @@ impl CpuExecutor {
         if hidden_out.len() != m * e {
             return Err(internal("the MTP hidden states do not fit the rows"));
         }
+        // Each head cache is cut to its chunk's position, then given blocks for the rows.
+        let no_head = || internal("MTP step without an MTP head on the CPU");
+        let Self { mtp_pool, seqs, .. } = self;
+        let pool = mtp_pool.as_mut().ok_or_else(no_head)?;
         for chunk in chunks {
-            let kv = self
-                .seq(chunk.seq)?
-                .mtp_kv
-                .as_mut()
-                .ok_or_else(|| internal("MTP step without an MTP head on the CPU"))?;
-            kv.set_len(chunk.position);
+            let kv = seqs
+                .get_mut(chunk.seq)
+                .and_then(Option::as_mut)
+                .and_then(|c| c.mtp_kv.as_mut())
+                .ok_or_else(no_head)?;
+            pool.truncate(kv, chunk.position);
+            pool.reserve(kv, chunk.position, chunk.position + chunk.rows())?;
         }
         MtpRows::write_all_inputs(chunks, embed, self.scratch.act_mut(Act::MtpIn));
         let mut ops = self.ops(model, m, logits)?;
         arch::mtp(model, &mut ops, &rows)?;
         hidden_out.copy_from_slice(&self.scratch.act(Act::Hidden)[..m * e]);
+        let Self { mtp_pool, seqs, .. } = self;
+        let pool = mtp_pool.as_mut().ok_or_else(no_head)?;
         for chunk in chunks {
-            if let Some(kv) = self.seq(chunk.seq)?.mtp_kv.as_mut() {
-                kv.set_len(chunk.position + chunk.rows());
+            if let Some(kv) = seqs
+                .get_mut(chunk.seq)
+                .and_then(Option::as_mut)
+                .and_then(|c| c.mtp_kv.as_mut())
+            {
+                pool.set_len(kv, chunk.position + chunk.rows());
             }
         }
         Ok(())
@@ -310,6 +329,7 @@ impl CpuExecutor {
 impl Executor for CpuExecutor {
     fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError> {
         let caches = self.new_caches()?;
+        self.remove_sequence(seq);
         let slot = self
             .seqs
             .get_mut(seq)
@@ -318,16 +338,26 @@ impl Executor for CpuExecutor {
         Ok(())
     }
 
-    fn fork_sequence(&mut self, from: usize, to: usize, len: usize) -> Result<(), PluginError> {
+    fn fork_sequence(&mut self, from: usize, to: usize, _len: usize) -> Result<(), PluginError> {
         let mut caches = self.new_caches()?;
-        let parent = self.seq(from)?;
-        caches.kv.copy_prefix_from(&parent.kv, len);
+        let Self {
+            pool,
+            mtp_pool,
+            seqs,
+            ..
+        } = self;
+        let parent = seqs
+            .get(from)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| internal(&format!("sequence slot {from} holds no sequence")))?;
+        caches.kv = pool.fork(&parent.kv);
         if let (Some(ring), Some(parent)) = (&mut caches.ring, &parent.ring) {
             ring.copy_from(parent);
         }
-        if let (Some(kv), Some(parent)) = (&mut caches.mtp_kv, &parent.mtp_kv) {
-            kv.copy_prefix_from(parent, parent.len());
+        if let (Some(pool), Some(parent)) = (mtp_pool.as_mut(), &parent.mtp_kv) {
+            caches.mtp_kv = Some(pool.fork(parent));
         }
+        self.remove_sequence(to);
         let slot = self
             .seqs
             .get_mut(to)
@@ -337,9 +367,28 @@ impl Executor for CpuExecutor {
     }
 
     fn remove_sequence(&mut self, seq: usize) {
-        if let Some(slot) = self.seqs.get_mut(seq) {
-            *slot = None;
+        if let Some(mut caches) = self.seqs.get_mut(seq).and_then(Option::take) {
+            self.pool.release(&mut caches.kv);
+            if let (Some(pool), Some(kv)) = (self.mtp_pool.as_mut(), caches.mtp_kv.as_mut()) {
+                pool.release(kv);
+            }
         }
+    }
+
+    fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
+        if self.recurrent {
+            return Ok(0);
+        }
+        let Self { pool, seqs, .. } = self;
+        let caches = seqs
+            .get_mut(seq)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))?;
+        if !caches.kv.is_empty() {
+            return Ok(0);
+        }
+        // The last token is left to evaluate: its logits are what the caller wants.
+        Ok(pool.reuse_prefix(&mut caches.kv, tokens, tokens.len().saturating_sub(1)))
     }
 
     fn forward(
@@ -360,9 +409,11 @@ impl Executor for CpuExecutor {
         })
     }
 
-    fn commit(&mut self, seq: usize, start: usize, n: usize) {
-        if let Ok(caches) = self.seq(seq) {
-            caches.kv.set_len(start + n);
+    fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
+        let Self { pool, seqs, .. } = self;
+        if let Some(caches) = seqs.get_mut(seq).and_then(Option::as_mut) {
+            pool.set_len(&mut caches.kv, start + n);
+            pool.cache_prefix(&mut caches.kv, tokens);
             if let Some(ring) = &mut caches.ring {
                 ring.advance(n);
             }
@@ -371,9 +422,18 @@ impl Executor for CpuExecutor {
 
     fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
         let recurrent = self.recurrent;
-        let caches = self.seq(seq)?;
-        if let Some(kv) = &mut caches.mtp_kv {
-            kv.set_len(kv.len().min(len));
+        let Self {
+            pool,
+            mtp_pool,
+            seqs,
+            ..
+        } = self;
+        let caches = seqs
+            .get_mut(seq)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))?;
+        if let (Some(pool), Some(kv)) = (mtp_pool.as_mut(), caches.mtp_kv.as_mut()) {
+            pool.truncate(kv, len);
         }
         if let Some(ring) = &mut caches.ring {
             if !recurrent {
@@ -384,7 +444,7 @@ impl Executor for CpuExecutor {
                 return Ok(false);
             }
         }
-        caches.kv.set_len(len);
+        pool.truncate(&mut caches.kv, len);
         Ok(true)
     }
 
@@ -398,11 +458,23 @@ impl Executor for CpuExecutor {
     }
 
     fn reset(&mut self, seq: usize) -> Result<(), PluginError> {
-        let caches = self.seq(seq)?;
+        let Self {
+            pool,
+            mtp_pool,
+            seqs,
+            ..
+        } = self;
+        let caches = seqs
+            .get_mut(seq)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))?;
         if let Some(ring) = &mut caches.ring {
             ring.reset();
         }
-        caches.kv.set_len(0);
+        pool.release(&mut caches.kv);
+        if let (Some(pool), Some(kv)) = (mtp_pool.as_mut(), caches.mtp_kv.as_mut()) {
+            pool.release(kv);
+        }
         Ok(())
     }
 

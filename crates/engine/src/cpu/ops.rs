@@ -21,7 +21,7 @@ use crate::graph::{
     graph_error, Act, BetaAlphaRows, Cache, Cols, Dims, GdnInputs, KvSlot, LayerOps, QkNorms,
     Query, Rows,
 };
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvPool, SeqKv};
 use crate::model::weights::{MatrixRef, Vector};
 use crate::recurrent::SnapshotRing;
 
@@ -89,70 +89,62 @@ fn disjoint<const N: usize>(
         .map_err(|_| graph_error(&format!("one buffer both read and written: {acts:?}")))
 }
 
-/// One sequence's caches on the CPU: the attention KV cache and the recurrent state of the
-/// layers run here, and the MTP head's cache.
+/// One sequence's caches on the CPU: its blocks of the attention KV pools and the recurrent
+/// state of the layers run here.
 #[derive(Debug)]
 pub struct SeqCaches {
-    /// The trunk's attention cache (the layers run here).
-    pub kv: KvCache,
+    /// Its part of the trunk's attention pool (the layers run here).
+    pub kv: SeqKv,
     /// The recurrent state of the GDN layers run here.
     pub ring: Option<SnapshotRing>,
-    /// The MTP head's cache.
-    pub mtp_kv: Option<KvCache>,
+    /// Its part of the MTP head's pool.
+    pub mtp_kv: Option<SeqKv>,
 }
 
-/// One pass's view of a [`super::CpuExecutor`]: its buffers, the sequences' caches the layers
-/// read and write (indexed by [`crate::graph::Span::seq`]), and where the logits go.
+/// One pass's view of a [`super::CpuExecutor`]: its buffers, the attention pools and the
+/// sequences' caches the layers read and write (indexed by [`crate::graph::Span::seq`]), and
+/// where the logits go.
 pub struct CpuOps<'a> {
     pub dims: &'a Dims,
     pub file: &'a GgufFile,
     pub scratch: &'a mut Scratch,
+    /// The trunk's attention pool.
+    pub pool: &'a mut KvPool,
+    /// The MTP head's pool.
+    pub mtp_pool: Option<&'a mut KvPool>,
     pub seqs: &'a mut [Option<SeqCaches>],
     /// The logits of the pass's rows that get them.
     pub logits: &'a mut [f32],
 }
 
-/// The caches of sequence `seq`.
-fn seq_caches(seqs: &mut [Option<SeqCaches>], seq: usize) -> Result<&mut SeqCaches, PluginError> {
-    seqs.get_mut(seq)
-        .and_then(Option::as_mut)
+/// The caches of sequence slot `seq`.
+fn seq_caches(seqs: &[Option<SeqCaches>], seq: usize) -> Result<&SeqCaches, PluginError> {
+    seqs.get(seq)
+        .and_then(Option::as_ref)
         .ok_or_else(|| graph_error(&format!("sequence slot {seq} has no caches")))
 }
 
-/// The cache of `slot` among a sequence's caches, and its layer there.
-fn cache_of(caches: &mut SeqCaches, slot: KvSlot) -> Result<(&mut KvCache, usize), PluginError> {
-    let (cache, layer) = match slot.cache {
-        Cache::Trunk(layer) => (&mut caches.kv, layer),
+/// The pool of `slot` (one of `pool` and `mtp_pool`), the layer there, and the sequence's part
+/// of it.
+fn cache_of<P: std::ops::Deref<Target = KvPool>>(
+    pool: P,
+    mtp_pool: Option<P>,
+    caches: &SeqCaches,
+    slot: KvSlot,
+) -> Result<(P, usize, &SeqKv), PluginError> {
+    let missing = || graph_error("the MTP head's cache is not here");
+    let (pool, layer, seq) = match slot.cache {
+        Cache::Trunk(layer) => (pool, layer, &caches.kv),
         Cache::Mtp => (
-            caches
-                .mtp_kv
-                .as_mut()
-                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+            mtp_pool.ok_or_else(missing)?,
             0,
+            caches.mtp_kv.as_ref().ok_or_else(missing)?,
         ),
     };
-    if layer >= cache.n_layers() {
+    if layer >= pool.n_layers() {
         return Err(graph_error(&format!("attention layer {layer} is not here")));
     }
-    Ok((cache, layer))
-}
-
-/// The cache of `slot` among a sequence's caches, and its layer there (to read).
-fn cache_in(caches: &SeqCaches, slot: KvSlot) -> Result<(&KvCache, usize), PluginError> {
-    let (cache, layer) = match slot.cache {
-        Cache::Trunk(layer) => (&caches.kv, layer),
-        Cache::Mtp => (
-            caches
-                .mtp_kv
-                .as_ref()
-                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
-            0,
-        ),
-    };
-    if layer >= cache.n_layers() {
-        return Err(graph_error(&format!("attention layer {layer} is not here")));
-    }
-    Ok((cache, layer))
+    Ok((pool, layer, seq))
 }
 
 impl LayerOps for CpuOps<'_> {
@@ -283,10 +275,12 @@ impl LayerOps for CpuOps<'_> {
         let (kw, vw) = (self.dims.attention.k_width(), self.dims.attention.v_width());
         let acts = &self.scratch.acts;
         for (first, span) in rows.with_offsets() {
-            let (cache, layer) = cache_of(seq_caches(self.seqs, span.seq)?, slot)?;
+            let caches = seq_caches(self.seqs, span.seq)?;
+            let (pool, layer, seq) =
+                cache_of(&mut *self.pool, self.mtp_pool.as_deref_mut(), caches, slot)?;
             let range = |w: usize| first * w..(first + span.n) * w;
             let (keys, values) = (&acts[k.index()][range(kw)], &acts[v.index()][range(vw)]);
-            cache.store(layer, span.pos0, keys, values);
+            pool.store(layer, seq, span.pos0, keys, values);
         }
         Ok(())
     }
@@ -307,18 +301,14 @@ impl LayerOps for CpuOps<'_> {
         let [queries, out] = disjoint(&mut s.acts, [q, dst])?;
         let mut segments = Vec::with_capacity(rows.spans.len());
         for (first, span) in rows.with_offsets() {
-            let caches = self
-                .seqs
-                .get(span.seq)
-                .and_then(Option::as_ref)
-                .ok_or_else(|| graph_error(&format!("sequence slot {} has no caches", span.seq)))?;
-            let (kv, layer) = cache_in(caches, slot)?;
+            let caches = seq_caches(self.seqs, span.seq)?;
+            let (pool, layer, seq) = cache_of(&*self.pool, self.mtp_pool.as_deref(), caches, slot)?;
             let end = span.pos0 + span.n;
             segments.push(Segment {
                 rows: first..first + span.n,
                 first_len: span.pos0 + 1,
-                keys: kv.keys(layer, end),
-                values: kv.values(layer, end),
+                keys: pool.keys(layer, seq, end),
+                values: pool.values(layer, seq, end),
             });
         }
         attend_segments(
@@ -382,7 +372,11 @@ impl LayerOps for CpuOps<'_> {
             }
         };
         for (first, span) in rows.with_offsets() {
-            let state = seq_caches(self.seqs, span.seq)?
+            let state = self
+                .seqs
+                .get_mut(span.seq)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| graph_error(&format!("sequence slot {} has no caches", span.seq)))?
                 .ring
                 .as_mut()
                 .filter(|state| ring < state.layout().n_layers)

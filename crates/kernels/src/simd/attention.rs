@@ -64,6 +64,7 @@ pub(crate) fn attention_weighted_sums(
     values: crate::attention::CachedRows<'_>,
     limits: &[usize],
     out: &mut [f32],
+    onto: bool,
 ) {
     assert!(
         out.len() == probs.count() * values.len()
@@ -85,13 +86,17 @@ pub(crate) fn attention_weighted_sums(
         let rows = values.rows;
         match (level, values.kind) {
             (SimdLevel::Avx2, CacheKind::F32) => {
-                avx2::attention_weighted_sums::<F32>(probs, rows, limits, out)
+                avx2::attention_weighted_sums::<F32>(probs, rows, limits, out, onto)
             }
             (SimdLevel::Avx2, CacheKind::F16) => {
-                avx2::attention_weighted_sums::<F16>(probs, rows, limits, out)
+                avx2::attention_weighted_sums::<F16>(probs, rows, limits, out, onto)
             }
-            (_, CacheKind::F32) => avx512::attention_weighted_sums::<F32>(probs, rows, limits, out),
-            (_, CacheKind::F16) => avx512::attention_weighted_sums::<F16>(probs, rows, limits, out),
+            (_, CacheKind::F32) => {
+                avx512::attention_weighted_sums::<F32>(probs, rows, limits, out, onto)
+            }
+            (_, CacheKind::F16) => {
+                avx512::attention_weighted_sums::<F16>(probs, rows, limits, out, onto)
+            }
         }
     }
 }
@@ -180,13 +185,18 @@ mod avx2 {
         values: Rows<'_, u8>,
         limits: &[usize],
         out: &mut [f32],
+        onto: bool,
     ) {
         let size = float_size(KIND);
         let dim = values.len() / size;
         let full = dim / 8;
         for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
-            o.fill(0.0);
             let mut tail = [0.0f32; 8];
+            if onto {
+                tail[..dim - 8 * full].copy_from_slice(&o[8 * full..]);
+            } else {
+                o.fill(0.0);
+            }
             for j in 0..limit {
                 let value = values.row(j);
                 // SAFETY: chunks `c < full` lie inside the value row and `o`; the tail goes
@@ -450,6 +460,7 @@ mod avx512 {
         values: Rows<'_, u8>,
         limits: &[usize],
         out: &mut [f32],
+        onto: bool,
     ) {
         let size = float_size(KIND);
         let dim = values.len() / size;
@@ -457,20 +468,22 @@ mod avx512 {
         unsafe {
             if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
                 match dim / 16 {
-                    1 => sums_tiled::<KIND, 1>(probs, values, limits, out),
-                    2 => sums_tiled::<KIND, 2>(probs, values, limits, out),
-                    3 => sums_tiled::<KIND, 3>(probs, values, limits, out),
-                    4 => sums_tiled::<KIND, 4>(probs, values, limits, out),
-                    5 => sums_tiled::<KIND, 5>(probs, values, limits, out),
-                    6 => sums_tiled::<KIND, 6>(probs, values, limits, out),
-                    7 => sums_tiled::<KIND, 7>(probs, values, limits, out),
-                    _ => sums_tiled::<KIND, 8>(probs, values, limits, out),
+                    1 => sums_tiled::<KIND, 1>(probs, values, limits, out, onto),
+                    2 => sums_tiled::<KIND, 2>(probs, values, limits, out, onto),
+                    3 => sums_tiled::<KIND, 3>(probs, values, limits, out, onto),
+                    4 => sums_tiled::<KIND, 4>(probs, values, limits, out, onto),
+                    5 => sums_tiled::<KIND, 5>(probs, values, limits, out, onto),
+                    6 => sums_tiled::<KIND, 6>(probs, values, limits, out, onto),
+                    7 => sums_tiled::<KIND, 7>(probs, values, limits, out, onto),
+                    _ => sums_tiled::<KIND, 8>(probs, values, limits, out, onto),
                 }
                 return;
             }
             let chunks = dim.div_ceil(16);
             for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
-                o.fill(0.0);
+                if !onto {
+                    o.fill(0.0);
+                }
                 let op = o.as_mut_ptr();
                 for j in 0..limit {
                     let p = _mm512_set1_ps(*probs.ptr(q).add(j));
@@ -508,6 +521,7 @@ mod avx512 {
         values: Rows<'_, u8>,
         limits: &[usize],
         out: &mut [f32],
+        onto: bool,
     ) {
         let mut first = 0;
         while first < limits.len() {
@@ -515,10 +529,10 @@ mod avx512 {
             // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
             unsafe {
                 first += match left {
-                    8.. => sums_tile::<KIND, C, 8>(probs, values, limits, out, first),
-                    4..=7 => sums_tile::<KIND, C, 4>(probs, values, limits, out, first),
-                    2 | 3 => sums_tile::<KIND, C, 2>(probs, values, limits, out, first),
-                    _ => sums_tile::<KIND, C, 1>(probs, values, limits, out, first),
+                    8.. => sums_tile::<KIND, C, 8>(probs, values, limits, out, first, onto),
+                    4..=7 => sums_tile::<KIND, C, 4>(probs, values, limits, out, first, onto),
+                    2 | 3 => sums_tile::<KIND, C, 2>(probs, values, limits, out, first, onto),
+                    _ => sums_tile::<KIND, C, 1>(probs, values, limits, out, first, onto),
                 };
             }
         }
@@ -536,6 +550,7 @@ mod avx512 {
         limits: &[usize],
         out: &mut [f32],
         first: usize,
+        onto: bool,
     ) -> usize {
         let (dim, size) = (16 * C, float_size(KIND));
         let tile_limits = &limits[first..first + T];
@@ -546,7 +561,13 @@ mod avx512 {
         unsafe {
             let p: [*const f32; T] = std::array::from_fn(|t| probs.ptr(first + t));
             for c in 0..C {
-                let mut acc = [_mm512_setzero_ps(); T];
+                let mut acc: [__m512; T] = std::array::from_fn(|t| {
+                    if onto {
+                        _mm512_loadu_ps(out.as_ptr().add((first + t) * dim + 16 * c))
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
                 // Values every query of the tile sees, then the causal tail checked per query.
                 for j in 0..shortest {
                     if c == 0 {

@@ -45,6 +45,7 @@ pub fn params(path: &Path, threads: u32, context_size: u32) -> BackendParams {
         context_size,
         max_verify_tokens: 0,
         max_sequences: 0,
+        kv_tokens: 0,
         options: RVec::new(),
     }
 }

@@ -60,6 +60,7 @@ pub fn params(path: &Path, context_size: u32, options: &[(&str, &str)]) -> Backe
         context_size,
         max_verify_tokens: 0,
         max_sequences: 0,
+        kv_tokens: 0,
         options: options
             .iter()
             .map(|(k, v)| Tuple2(RString::from(*k), RString::from(*v)))
