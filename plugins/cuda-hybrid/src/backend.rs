@@ -49,7 +49,7 @@ use specula_plugin_api::{BackendParams, ErrorKind, ModelInfo, PluginError};
 
 use crate::driver;
 use crate::gpu::emulator::Emulator;
-use crate::gpu::model::{scratch_bytes, DeviceKv, GpuModel, GpuPlan};
+use crate::gpu::model::{scratch_bytes, DeviceKv, DeviceRing, GpuModel, GpuPlan};
 use crate::gpu::{Gpu, HostBuf};
 use crate::options::Options;
 use crate::placement::{self, Costs, LayerCost, Placement};
@@ -125,12 +125,14 @@ fn mtp_bytes(w: &MtpWeights, output: &MatrixRef) -> u64 {
     w.eh_proj.n_bytes() + hybrid_layer_bytes(&w.block) + 4 * vectors as u64 + head
 }
 
-/// What every placeable part of `graph` costs on the device.
-fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize) -> Costs {
+/// What every placeable part of `graph` costs on the device, with caches and rings for
+/// `sequences` sequence slots.
+fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize, sequences: usize) -> Costs {
+    let sequences = sequences.max(1) as u64;
     match graph {
         Graph::Dense(d) => {
             let a = &d.config.attention;
-            let state = DeviceKv::bytes(1, n_ctx, a.k_width(), a.v_width());
+            let state = sequences * DeviceKv::bytes(1, n_ctx, a.k_width(), a.v_width());
             let w = &d.weights;
             Costs {
                 layers: w
@@ -150,8 +152,8 @@ fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize) -> Costs {
                 config, weights, ..
             } = &**h;
             let a = &config.attention;
-            let kv = DeviceKv::bytes(1, n_ctx, a.k_width(), a.v_width());
-            let ring = config.gdn.state_layout(1).plane_bytes() * n_planes as u64;
+            let kv = sequences * DeviceKv::bytes(1, n_ctx, a.k_width(), a.v_width());
+            let ring = sequences * config.gdn.state_layout(1).plane_bytes() * n_planes as u64;
             let mtp = weights
                 .mtp
                 .as_ref()
@@ -237,16 +239,8 @@ fn open_with(
     let (n_ctx, requested_verify) = (opening.n_ctx, opening.requested_verify);
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
-    // The device caches hold one sequence (many sequences per pass run on cpu-simd so far).
-    if opening.max_sequences > 1 {
-        tracing::warn!(
-            "{PLUGIN}: {} sequences asked for, but this backend keeps one sequence per instance",
-            opening.max_sequences
-        );
-        opening.max_sequences = 1;
-    }
     let (capabilities, ring_depth) = opening.capabilities()?;
-    let kv_tokens = opening.kv_tokens;
+    let (kv_tokens, max_sequences) = (opening.kv_tokens, opening.max_sequences);
     let Opening { model, pool, .. } = &mut opening;
     let (depth, n_planes) = match &model.graph {
         Graph::Dense(_) => (requested_verify, 2),
@@ -268,7 +262,7 @@ fn open_with(
                     ((gpu.info.total_memory as f64 * RESERVE_SHARE) as u64).max(MIN_RESERVE);
                 gpu.info.free_memory.saturating_sub(reserve)
             });
-            let costs = costs(&model.graph, n_ctx, n_planes, batch_rows);
+            let costs = costs(&model.graph, n_ctx, n_planes, batch_rows, max_sequences);
             let placement = placement::place(&costs, options.gpu_layers, budget).map_err(|e| {
                 PluginError::new(
                     ErrorKind::OutOfMemory,
@@ -313,7 +307,7 @@ fn open_with(
             kv_type: KvType::F32,
             kv_tokens,
             ring_depth: depth,
-            max_sequences: 1,
+            max_sequences,
         },
     )
     .map_err(|e| specula_engine::backend::attribute(PLUGIN, e))?;
@@ -348,6 +342,7 @@ fn open_with(
                 n_ctx,
                 n_planes,
                 rows: batch_rows,
+                sequences: max_sequences,
             };
             let gpu_model = GpuModel::build(gpu, model, plan)?;
             Some(DeviceState {
@@ -385,13 +380,25 @@ fn pinned(buffer: &HostBuf) -> Result<&[f32], PluginError> {
 impl Executor for CudaExecutor {
     fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError> {
         self.host.add_sequence(seq)?;
-        self.reset_device()
+        self.reset_device(seq)
     }
 
-    fn fork_sequence(&mut self, _from: usize, _to: usize, _len: usize) -> Result<(), PluginError> {
-        Err(PluginError::unsupported(format!(
-            "{PLUGIN}: this backend keeps one sequence per instance; it cannot fork one"
-        )))
+    fn fork_sequence(&mut self, from: usize, to: usize, len: usize) -> Result<(), PluginError> {
+        self.host.fork_sequence(from, to, len)?;
+        if let Some(d) = &mut self.device {
+            let seqs = &mut d.model.seqs;
+            if from == to || from.max(to) >= seqs.len() {
+                return Err(internal("forking a sequence slot the device does not hold"));
+            }
+            let (low, high) = seqs.split_at_mut(from.max(to));
+            let (src, dst) = if from < to {
+                (&low[from], &mut high[0])
+            } else {
+                (&high[0], &mut low[to])
+            };
+            dst.copy_from(&d.model.gpu, src, len)?;
+        }
+        Ok(())
     }
 
     fn remove_sequence(&mut self, seq: usize) {
@@ -422,7 +429,7 @@ impl Executor for CudaExecutor {
         let spans = Chunk::spans(chunks);
         let rows = Rows::new(&spans);
         let m = rows.n;
-        let n_logits = m - rows.single()?.logit_from;
+        let n_logits = rows.logit_rows();
         pool.install(|| host.run_layers(model, chunks))?;
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
             return pool.install(|| host.head(model, &rows, hidden, logits));
@@ -457,7 +464,7 @@ impl Executor for CudaExecutor {
 
     fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
         self.host.commit(seq, start, n, tokens);
-        if let Some(ring) = self.device.as_mut().and_then(|d| d.model.ring.as_mut()) {
+        if let Some(ring) = self.device_ring(seq) {
             ring.index.advance(n);
         }
     }
@@ -466,7 +473,7 @@ impl Executor for CudaExecutor {
         if !self.host.rollback(seq, len)? {
             return Ok(false);
         }
-        if let Some(ring) = self.device.as_mut().and_then(|d| d.model.ring.as_mut()) {
+        if let Some(ring) = self.device_ring(seq) {
             if !ring.index.restore(len) {
                 return Err(internal("the host and device snapshot rings disagree"));
             }
@@ -480,7 +487,7 @@ impl Executor for CudaExecutor {
 
     fn reset(&mut self, seq: usize) -> Result<(), PluginError> {
         self.host.reset(seq)?;
-        self.reset_device()
+        self.reset_device(seq)
     }
 
     fn mtp(
@@ -503,7 +510,7 @@ impl Executor for CudaExecutor {
         let spans = MtpRows::spans(chunks);
         let rows = Rows::new(&spans);
         let m = rows.n;
-        let n_logits = m - rows.single()?.logit_from;
+        let n_logits = rows.logit_rows();
         MtpRows::write_all_inputs(
             chunks,
             &weights.embed.view(&model.file)?,
@@ -531,10 +538,19 @@ impl Executor for CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// The device's sequence state back to empty (its ring; the caches are cut by length).
-    fn reset_device(&mut self) -> Result<(), PluginError> {
+    /// The device half of sequence slot `seq`'s ring, where the GPU runs GDN layers.
+    fn device_ring(&mut self, seq: usize) -> Option<&mut DeviceRing> {
+        self.device
+            .as_mut()
+            .and_then(|d| d.model.seqs.get_mut(seq))
+            .and_then(|s| s.ring.as_mut())
+    }
+
+    /// Sequence slot `seq`'s device state back to empty (its ring; the caches are cut by
+    /// length).
+    fn reset_device(&mut self, seq: usize) -> Result<(), PluginError> {
         if let Some(d) = &mut self.device {
-            if let Some(ring) = &mut d.model.ring {
+            if let Some(ring) = d.model.seqs.get_mut(seq).and_then(|s| s.ring.as_mut()) {
                 ring.reset(&d.model.gpu)?;
             }
         }

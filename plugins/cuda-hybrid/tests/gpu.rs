@@ -600,6 +600,40 @@ fn cuda(device: &Device, path: &std::path::Path, options: &[(&str, &str)]) -> So
     )
 }
 
+/// Many sequences in one pass on the device: every row and every MTP row of an `eval_batch`
+/// over up to 4 sequences — mixed lengths, prefill chunks beside verify rows, forks, frees and
+/// truncations — is bit-identical to its sequence evaluated alone, for every model and
+/// placement (the caches and rings of each sequence slot on the device, the host layers'
+/// in the host pool).
+#[test]
+fn batched_sequences_are_bit_identical_to_each_sequence_alone() {
+    let Some(device) = device_or_skip("batched_sequences_are_bit_identical_to_each_sequence_alone")
+    else {
+        return;
+    };
+    for path in gpu_models_with(&device, true) {
+        for options in placements(&device) {
+            let name = format!("{} {options:?}", path.display());
+            let open = || {
+                open_backend_with(&device, &path, options, 4)
+                    .unwrap_or_else(|e| panic!("cuda-hybrid on {name}: {e}"))
+            };
+            let (mut batched, mut alone) = (open(), open());
+            assert!(batched.executor().placement().uses_gpu(), "{name}");
+            let rollback = (batched.caps().rollback_depth as usize).min(8);
+            assert_batches_match_sequences_alone(
+                &mut batched,
+                &mut alone,
+                4,
+                6,
+                rollback,
+                11,
+                &name,
+            );
+        }
+    }
+}
+
 /// Every case on a real GPU (or with `SPECULA_EMULATOR_FULL=1`); on the emulator by default a
 /// smaller set — one model of each family, two placements — so the suite stays quick.
 fn full(device: &Device) -> bool {

@@ -185,3 +185,18 @@ fn loader_errors_name_this_backend() {
     assert!(err.message.contains("nowhere.gguf"), "{}", err.message);
     assert!(!err.message.contains("cpu-simd"), "{}", err.message);
 }
+
+/// Many sequences in one pass with every layer on the host: rows bit-identical to each
+/// sequence alone (the host half of a split placement runs this too).
+#[test]
+fn batched_sequences_are_bit_identical_to_each_sequence_alone() {
+    for path in [fixture("tiny-qwen35-4l-mtp.gguf"), stories()] {
+        let mut p = params(&path, 256, &[]);
+        p.max_sequences = 5;
+        let open = || specula_cuda_hybrid::backend::open_host_only(&p).unwrap();
+        let (mut batched, mut alone) = (open(), open());
+        let rollback = (batched.caps().rollback_depth as usize).min(8);
+        let name = path.display().to_string();
+        assert_batches_match_sequences_alone(&mut batched, &mut alone, 5, 10, rollback, 3, &name);
+    }
+}

@@ -358,17 +358,6 @@ impl<'a> Rows<'a> {
     pub fn logit_rows(&self) -> usize {
         self.spans.iter().map(|s| s.n - s.logit_from.min(s.n)).sum()
     }
-
-    /// The pass's only span: for executors that run one sequence per pass.
-    pub fn single(&self) -> Result<&'a Span, PluginError> {
-        match self.spans {
-            [span] => Ok(span),
-            _ => Err(graph_error(&format!(
-                "this executor runs one sequence per pass, but the pass has {}",
-                self.spans.len()
-            ))),
-        }
-    }
 }
 
 /// Which attention cache a layer keeps its keys and values in.

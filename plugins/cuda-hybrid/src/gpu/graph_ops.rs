@@ -17,28 +17,43 @@ use specula_engine::model::weights::{MatrixRef, Vector};
 use specula_gguf::GgufFile;
 use specula_plugin_api::PluginError;
 
-use super::model::{DeviceKv, GpuModel};
+use super::model::{DeviceKv, DeviceSeq, GpuModel};
 use super::ops::{self, AttentionDims, Gate, GdnDims, Heads};
 use super::weights::WeightStore;
 use super::Gpu;
 
-/// The device cache of `slot` and its layer there: the trunk's cache holds the model's
-/// attention layers `first_attention ..`.
-fn device_cache<'k>(
-    kv: &'k mut DeviceKv,
+/// Sequence slot `seq`'s state on the device.
+fn device_seq(seqs: &mut [DeviceSeq], seq: usize) -> Result<&mut DeviceSeq, PluginError> {
+    seqs.get_mut(seq)
+        .ok_or_else(|| graph_error(&format!("sequence slot {seq} is not on the GPU")))
+}
+
+/// A sequence's device cache of `slot` and its layer there: the trunk's cache holds the
+/// model's attention layers `first_attention ..`.
+fn device_cache(
+    seq: &mut DeviceSeq,
     first_attention: usize,
-    mtp_kv: Option<&'k mut DeviceKv>,
     slot: KvSlot,
-) -> Result<(&'k mut DeviceKv, usize), PluginError> {
+) -> Result<(&mut DeviceKv, usize), PluginError> {
     match slot.cache {
         Cache::Trunk(layer) => layer
             .checked_sub(first_attention)
-            .filter(|&i| i < kv.k.len())
-            .map(|i| (kv, i))
+            .filter(|&i| i < seq.kv.k.len())
+            .map(|i| (&mut seq.kv, i))
             .ok_or_else(|| graph_error(&format!("attention layer {layer} is not on the GPU"))),
-        Cache::Mtp => mtp_kv
+        Cache::Mtp => seq
+            .mtp_kv
+            .as_mut()
             .map(|kv| (kv, 0))
             .ok_or_else(|| graph_error("the MTP head's cache is not on the GPU")),
+    }
+}
+
+/// `heads` from row `rows` on (f32 rows of `row_stride` values).
+fn shifted(heads: Heads, rows: usize) -> Heads {
+    Heads {
+        ptr: heads.ptr + 4 * (rows * heads.row_stride) as u64,
+        ..heads
     }
 }
 
@@ -173,23 +188,26 @@ impl LayerOps for GpuOps<'_> {
         };
         let m = &*self.m;
         let (eps, offset) = (m.dims.rms_eps, slot.rope_offset);
-        for (input, output, n_heads, norm) in [
-            (q_in, q_out, a.n_head, q_norm),
-            (keys, keys, a.n_head_kv, k_norm),
-        ] {
-            ops::qk_norm_rope(
-                &m.gpu,
-                input,
-                output,
-                n_heads,
-                rows.n,
-                hd,
-                norm.as_ref(),
-                eps,
-                rows.single()?.pos0,
-                offset,
-                &m.rope,
-            )?;
+        // Each sequence's rows rotate by their own positions.
+        for (first, span) in rows.with_offsets() {
+            for (input, output, n_heads, norm) in [
+                (q_in, q_out, a.n_head, &q_norm),
+                (keys, keys, a.n_head_kv, &k_norm),
+            ] {
+                ops::qk_norm_rope(
+                    &m.gpu,
+                    shifted(input, first),
+                    shifted(output, first),
+                    n_heads,
+                    span.n,
+                    hd,
+                    norm.as_ref(),
+                    eps,
+                    span.pos0,
+                    offset,
+                    &m.rope,
+                )?;
+            }
         }
         Ok(())
     }
@@ -198,18 +216,33 @@ impl LayerOps for GpuOps<'_> {
         self.m.dims.check_kv(k, v)?;
         let a = &self.m.dims.attention;
         let (kw, vw) = (a.k_width(), a.v_width());
-        let (n, pos0) = (rows.n, rows.single()?.pos0);
         let GpuModel {
             gpu,
-            kv,
+            seqs,
             first_attention,
-            mtp_kv,
             scratch,
             ..
         } = &mut *self.m;
-        let (cache, layer) = device_cache(kv, *first_attention, mtp_kv.as_mut(), slot)?;
-        gpu.copy_device(scratch.act(k), 0, &mut cache.k[layer], pos0 * kw, n * kw)?;
-        gpu.copy_device(scratch.act(v), 0, &mut cache.v[layer], pos0 * vw, n * vw)
+        for (first, span) in rows.with_offsets() {
+            let seq = device_seq(seqs, span.seq)?;
+            let (cache, layer) = device_cache(seq, *first_attention, slot)?;
+            let (n, pos0) = (span.n, span.pos0);
+            gpu.copy_device(
+                scratch.act(k),
+                first * kw,
+                &mut cache.k[layer],
+                pos0 * kw,
+                n * kw,
+            )?;
+            gpu.copy_device(
+                scratch.act(v),
+                first * vw,
+                &mut cache.v[layer],
+                pos0 * vw,
+                n * vw,
+            )?;
+        }
+        Ok(())
     }
 
     fn attend(
@@ -234,23 +267,31 @@ impl LayerOps for GpuOps<'_> {
             head_stride: 2 * hd,
         });
         let out = self.ptr(dst);
+        let ow = dims.n_head * dims.value_dim;
         let m = &mut *self.m;
-        let (kv, layer) = device_cache(&mut m.kv, m.first_attention, m.mtp_kv.as_mut(), slot)?;
-        let (keys, values) = (kv.k[layer].ptr(), kv.v[layer].ptr());
-        let s = &m.scratch;
-        ops::attention(
-            &m.gpu,
-            &dims,
-            queries,
-            keys,
-            values,
-            rows.single()?.pos0,
-            rows.n,
-            &s.extras.scores,
-            s.n_ctx,
-            gate,
-            out,
-        )
+        for (first, span) in rows.with_offsets() {
+            let seq = device_seq(&mut m.seqs, span.seq)?;
+            let (kv, layer) = device_cache(seq, m.first_attention, slot)?;
+            let (keys, values) = (kv.k[layer].ptr(), kv.v[layer].ptr());
+            let s = &m.scratch;
+            ops::attention(
+                &m.gpu,
+                &dims,
+                shifted(queries, first),
+                keys,
+                values,
+                span.pos0,
+                span.n,
+                &s.extras.scores,
+                s.n_ctx,
+                gate.map(|g| Gate {
+                    ptr: g.ptr + 4 * (first * g.row_stride) as u64,
+                    ..g
+                }),
+                out + 4 * (first * ow) as u64,
+            )?;
+        }
+        Ok(())
     }
 
     fn gated_delta_net(
@@ -263,13 +304,6 @@ impl LayerOps for GpuOps<'_> {
     ) -> Result<(), PluginError> {
         let m = &*self.m;
         let shape = &m.dims.check_gdn(&inputs, dst)?;
-        let Some(state) = &m.ring else {
-            return Err(graph_error("a Gated DeltaNet layer without a device ring"));
-        };
-        let local = ring
-            .checked_sub(m.first_gdn)
-            .filter(|&i| i < state.layout.n_layers)
-            .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not on the GPU")))?;
         let s = &m.scratch;
         let (c, vd, hv, sd) = (
             shape.channels(),
@@ -289,7 +323,6 @@ impl LayerOps for GpuOps<'_> {
             m.store.vector(&w.a)?,
             m.store.vector(&w.norm)?,
         );
-        let ring_slot = state.slot(local);
         let dims = GdnDims {
             channels: c,
             head_dim: sd,
@@ -302,55 +335,65 @@ impl LayerOps for GpuOps<'_> {
             eps: shape.eps,
         };
         let q_scale = 1.0 / (sd as f32).sqrt();
-        // At most depth tokens per launch, so no token overwrites the plane the launch starts
-        // from (the convolution reads it for every token).
-        let ring_step0 = rows.single()?.ring_step0;
-        let depth = state.index.depth();
-        let mut first = 0;
-        while first < rows.n {
-            let n = depth.min(rows.n - first);
-            let (start, _) = state.index.step_planes(ring_step0 + first);
-            ops::gdn_conv(
-                &m.gpu,
-                mixed.at(first * c),
-                &conv,
-                &ring_slot,
-                start,
-                n,
-                shape.conv_kernel,
-                c,
-                conv_out.at(first * c),
-            )?;
-            ops::gdn_qk_l2norm(
-                &m.gpu,
-                conv_out.at(first * c),
-                n,
-                c,
-                shape.n_k_heads,
-                sd,
-                shape.eps,
-                q_scale,
-            )?;
-            let inputs = ops::GdnInputs {
-                conv_out: conv_out.at(first * c),
-                z: z.at(first * vd),
-                beta: beta.at(first * per_row),
-                alpha: alpha.at(first * per_row),
-                grouped,
-                dt_bias: dt_bias.ptr,
-                ssm_a: a.ptr,
-                norm: norm.ptr,
+        for (row0, span) in rows.with_offsets() {
+            let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
+                return Err(graph_error("a Gated DeltaNet layer without a device ring"));
             };
-            ops::gdn_recurrence(
-                &m.gpu,
-                &inputs,
-                &dims,
-                &ring_slot,
-                start,
-                n,
-                out.at(first * vd),
-            )?;
-            first += n;
+            let local = ring
+                .checked_sub(m.first_gdn)
+                .filter(|&i| i < state.layout.n_layers)
+                .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not on the GPU")))?;
+            let ring_slot = state.slot(local);
+            // At most depth tokens per launch, so no token overwrites the plane the launch
+            // starts from (the convolution reads it for every token).
+            let depth = state.index.depth();
+            let mut step = 0;
+            while step < span.n {
+                let n = depth.min(span.n - step);
+                let first = row0 + step;
+                let (start, _) = state.index.step_planes(span.ring_step0 + step);
+                ops::gdn_conv(
+                    &m.gpu,
+                    mixed.at(first * c),
+                    &conv,
+                    &ring_slot,
+                    start,
+                    n,
+                    shape.conv_kernel,
+                    c,
+                    conv_out.at(first * c),
+                )?;
+                ops::gdn_qk_l2norm(
+                    &m.gpu,
+                    conv_out.at(first * c),
+                    n,
+                    c,
+                    shape.n_k_heads,
+                    sd,
+                    shape.eps,
+                    q_scale,
+                )?;
+                let inputs = ops::GdnInputs {
+                    conv_out: conv_out.at(first * c),
+                    z: z.at(first * vd),
+                    beta: beta.at(first * per_row),
+                    alpha: alpha.at(first * per_row),
+                    grouped,
+                    dt_bias: dt_bias.ptr,
+                    ssm_a: a.ptr,
+                    norm: norm.ptr,
+                };
+                ops::gdn_recurrence(
+                    &m.gpu,
+                    &inputs,
+                    &dims,
+                    &ring_slot,
+                    start,
+                    n,
+                    out.at(first * vd),
+                )?;
+                step += n;
+            }
         }
         Ok(())
     }
@@ -403,25 +446,22 @@ impl LayerOps for GpuOps<'_> {
     }
 
     fn logits(&mut self, output: &MatrixRef, hidden: Act, rows: &Rows) -> Result<(), PluginError> {
-        if rows.n == 0 {
-            return Ok(());
-        }
-        let first_row = rows.single()?.logit_from;
-        if first_row >= rows.n {
-            return Ok(());
-        }
         let m = &*self.m;
         let w = m.store.matrix(output)?;
         let s = &m.scratch;
-        let h = s.act(hidden).at(first_row * self.m.dims.width(hidden)?);
-        ops::matmul(
-            &m.gpu,
-            &w,
-            h,
-            rows.n - first_row,
-            s.extras.logits.ptr(),
-            &s.q8,
-        )
+        let width = m.dims.width(hidden)?;
+        // Each sequence's rows from its `logit_from`, one after another in the logits buffer.
+        let mut at = 0;
+        for (first, span) in rows.with_offsets() {
+            let n = span.n.saturating_sub(span.logit_from);
+            if n == 0 {
+                continue;
+            }
+            let h = s.act(hidden).at((first + span.logit_from) * width);
+            ops::matmul(&m.gpu, &w, h, n, s.extras.logits.at(at * w.rows), &s.q8)?;
+            at += n;
+        }
+        Ok(())
     }
 }
 

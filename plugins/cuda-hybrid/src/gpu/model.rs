@@ -88,6 +88,14 @@ impl DeviceRing {
         }
     }
 
+    /// Makes this ring hold what `other` holds (a forked sequence's state and window).
+    pub fn copy_from(&mut self, gpu: &Gpu, other: &DeviceRing) -> Result<(), PluginError> {
+        let len = self.layout.plane_len() * self.index.n_planes();
+        gpu.copy_device(&other.planes, 0, &mut self.planes, 0, len)?;
+        self.index = other.index;
+        Ok(())
+    }
+
     /// Back to the empty sequence: the live plane zeroed, every snapshot forgotten.
     pub fn reset(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
         let plane = self.layout.plane_len();
@@ -226,6 +234,44 @@ impl GpuScratch {
     }
 }
 
+/// One sequence slot's state on the device: the caches of the GPU's attention layers (and the
+/// MTP head's) and the device half of its snapshot ring.
+#[derive(Debug)]
+pub struct DeviceSeq {
+    /// The model's attention layer `first_attention + i` is `kv` layer `i`.
+    pub kv: DeviceKv,
+    pub mtp_kv: Option<DeviceKv>,
+    /// The model's GDN layer `first_gdn + i` is ring layer `i`.
+    pub ring: Option<DeviceRing>,
+}
+
+impl DeviceSeq {
+    /// Makes this slot hold what slot `other` holds for a sequence of `len` positions.
+    pub fn copy_from(
+        &mut self,
+        gpu: &Gpu,
+        other: &DeviceSeq,
+        len: usize,
+    ) -> Result<(), PluginError> {
+        for (dst, src) in [(&mut self.kv, &other.kv)]
+            .into_iter()
+            .chain(self.mtp_kv.as_mut().zip(other.mtp_kv.as_ref()))
+        {
+            let (kw, vw) = (src.k_width, src.v_width);
+            for (d, s) in dst.k.iter_mut().zip(&src.k) {
+                gpu.copy_device(s, 0, d, 0, len * kw)?;
+            }
+            for (d, s) in dst.v.iter_mut().zip(&src.v) {
+                gpu.copy_device(s, 0, d, 0, len * vw)?;
+            }
+        }
+        if let (Some(ring), Some(src)) = (&mut self.ring, &other.ring) {
+            ring.copy_from(gpu, src)?;
+        }
+        Ok(())
+    }
+}
+
 /// The GPU part of a model.
 pub struct GpuModel {
     pub gpu: Gpu,
@@ -238,14 +284,11 @@ pub struct GpuModel {
     pub n_layers: usize,
     /// Whether the head (and the MTP block) run here.
     pub head: bool,
-    /// The caches of the GPU's attention layers: the model's attention layer
-    /// `first_attention + i` is `kv` layer `i`.
-    pub kv: DeviceKv,
+    /// Per sequence slot: its caches and ring state.
+    pub seqs: Vec<DeviceSeq>,
+    /// The first of the model's attention layers on the GPU.
     pub first_attention: usize,
-    pub mtp_kv: Option<DeviceKv>,
-    /// The states of the GPU's GDN layers: the model's GDN layer `first_gdn + i` is ring
-    /// layer `i`.
-    pub ring: Option<DeviceRing>,
+    /// The first of the model's GDN layers on the GPU.
     pub first_gdn: usize,
     pub scratch: GpuScratch,
 }
@@ -272,6 +315,8 @@ pub struct GpuPlan {
     pub n_planes: usize,
     /// Rows per pass (scratch size).
     pub rows: usize,
+    /// Sequence slots (each with its caches and ring).
+    pub sequences: usize,
 }
 
 /// Attention and GDN layers among trunk layers `0 .. first_layer` of `graph`.
@@ -317,27 +362,23 @@ impl GpuModel {
         let a = &dims.attention;
         let (first_attention, first_gdn) = layers_before(graph, plan.first_layer);
         let (n_attention, n_gdn) = layers_before(graph, n_layers);
-        let kv = DeviceKv::new(
-            &gpu,
-            n_attention - first_attention,
-            plan.n_ctx,
-            a.k_width(),
-            a.v_width(),
-        )?;
-        let mtp_kv = match plan.head && dims.mtp {
-            true => Some(DeviceKv::new(
-                &gpu,
-                1,
-                plan.n_ctx,
-                a.k_width(),
-                a.v_width(),
-            )?),
-            false => None,
-        };
-        let ring = match (&dims.gdn, n_gdn - first_gdn) {
-            (Some(g), n) if n > 0 => Some(DeviceRing::new(&gpu, g.state_layout(n), plan.n_planes)?),
-            _ => None,
-        };
+        let mut seqs = Vec::with_capacity(plan.sequences.max(1));
+        for _ in 0..plan.sequences.max(1) {
+            let kv = |layers| DeviceKv::new(&gpu, layers, plan.n_ctx, a.k_width(), a.v_width());
+            seqs.push(DeviceSeq {
+                kv: kv(n_attention - first_attention)?,
+                mtp_kv: match plan.head && dims.mtp {
+                    true => Some(kv(1)?),
+                    false => None,
+                },
+                ring: match (&dims.gdn, n_gdn - first_gdn) {
+                    (Some(g), n) if n > 0 => {
+                        Some(DeviceRing::new(&gpu, g.state_layout(n), plan.n_planes)?)
+                    }
+                    _ => None,
+                },
+            });
+        }
         let scratch = GpuScratch::new(&gpu, &dims, plan.rows, plan.n_ctx)?;
         gpu.sync()?;
         Ok(Self {
@@ -348,10 +389,8 @@ impl GpuModel {
             first_layer: plan.first_layer,
             n_layers,
             head: plan.head,
-            kv,
+            seqs,
             first_attention,
-            mtp_kv,
-            ring,
             first_gdn,
             scratch,
         })
@@ -399,7 +438,7 @@ impl GpuModel {
     /// [`Act::MtpIn`] (cache rows from the span's `pos0`): the head's final-norm hidden states
     /// into [`Act::Hidden`], and the logits of the rows that get them into the logits buffer.
     pub fn mtp(&mut self, model: &Model, rows: &Rows) -> Result<(), PluginError> {
-        if self.mtp_kv.is_none() {
+        if !self.head || self.seqs.iter().any(|s| s.mtp_kv.is_none()) {
             return Err(PluginError::unsupported(
                 "cuda-hybrid: no MTP head on the GPU",
             ));

@@ -239,7 +239,18 @@ pub fn open_backend(
     path: &Path,
     options: &[(&str, &str)],
 ) -> Result<specula_cuda_hybrid::CudaBackend, specula_plugin_api::PluginError> {
-    let p = params(path, 256, options);
+    open_backend_with(device, path, options, 0)
+}
+
+/// cuda-hybrid on `device` for `path` (context 256, `options`) with room for `max_sequences`.
+pub fn open_backend_with(
+    device: &Device,
+    path: &Path,
+    options: &[(&str, &str)],
+    max_sequences: u32,
+) -> Result<specula_cuda_hybrid::CudaBackend, specula_plugin_api::PluginError> {
+    let mut p = params(path, 256, options);
+    p.max_sequences = max_sequences;
     match device {
         Device::Cuda => specula_cuda_hybrid::open(&p),
         Device::Emulated(e) => specula_cuda_hybrid::backend::open_emulated(&p, e.clone(), 1 << 34),
