@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use abi_stable::std_types::{RSlice, RVec};
 use common::*;
 use specula_cpu_simd::CpuBackend;
+use specula_engine::kv_cache::BLOCK_TOKENS;
 use specula_gguf::GgmlType;
 use specula_plugin_api::{ErrorKind, EvalChunk, ForwardPass, LogitRows, SeqId, SequenceCalls};
 
@@ -230,7 +231,8 @@ fn sequences_are_bounded_and_checked() {
 /// block takes only the blocks before it; hybrids keep no prefix cache.
 #[test]
 fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
-    let prompt: Vec<u32> = Rng::new(3).tokens(100, 512);
+    const B: usize = BLOCK_TOKENS;
+    let prompt: Vec<u32> = Rng::new(3).tokens(3 * B + 4, 512);
     let mut b = open_many(&tiny_llama(), 3, &[]);
     let first = b.seq_create().into_result().unwrap();
     let want = eval_in(&mut b, first, &prompt, LogitRows::Last);
@@ -244,7 +246,7 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
         (seq, n)
     };
     let (second, n) = reuse(&mut b, &prompt);
-    assert_eq!(n, 96, "three blocks of 32 of the 100 tokens");
+    assert_eq!(n, 3 * B, "the three full blocks");
     let got = eval_in(&mut b, second, &prompt[n..], LogitRows::Last);
     assert_eq!(bits(&got), bits(&want));
     // Not on a sequence that holds tokens.
@@ -257,16 +259,16 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
     b.seq_free(second).into_result().unwrap();
 
     let mut other = prompt.clone();
-    other[40] = (other[40] + 1) % 512;
+    other[B + 3] = (other[B + 3] + 1) % 512;
     let (third, n) = reuse(&mut b, &other);
-    assert_eq!(n, 32);
+    assert_eq!(n, B);
     let mut fresh = open_many(&tiny_llama(), 1, &[]);
     let alone = fresh.seq_create().into_result().unwrap();
     let want_other = eval_in(&mut fresh, alone, &other, LogitRows::Last);
     let got = eval_in(&mut b, third, &other[n..], LogitRows::Last);
     assert_eq!(bits(&got), bits(&want_other));
     let (_, n) = reuse(&mut b, &prompt);
-    assert_eq!(n, 96, "the first prompt's blocks outlived its sequence");
+    assert_eq!(n, 3 * B, "the first prompt's blocks outlived its sequence");
 
     let mut hybrid = open_many(&fixture("tiny-qwen35.gguf"), 2, &[]);
     let h = hybrid.seq_create().into_result().unwrap();
