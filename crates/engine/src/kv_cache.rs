@@ -79,11 +79,18 @@ enum Store {
 }
 
 impl Store {
-    fn zeroed(ty: KvType, len: usize) -> Self {
-        match ty {
-            KvType::F32 => Store::F32(vec![0.0; len]),
-            KvType::F16 => Store::F16(vec![0; len]),
+    /// `len` zero values, or `None` when the allocation fails.
+    fn zeroed(ty: KvType, len: usize) -> Option<Self> {
+        fn zeros<T: Clone>(zero: T, len: usize) -> Option<Vec<T>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(len).ok()?;
+            v.resize(len, zero);
+            Some(v)
         }
+        Some(match ty {
+            KvType::F32 => Store::F32(zeros(0.0, len)?),
+            KvType::F16 => Store::F16(zeros(0, len)?),
+        })
     }
 
     fn all(&self) -> Cached<'_> {
@@ -307,34 +314,53 @@ pub struct KvPool {
 
 impl KvPool {
     /// A pool of `n_blocks` blocks for `n_layers` layers of an attention of `shape`, stored as
-    /// `ty`, with a prefix cache when `prefix_cache`. (Zeroed memory is mapped lazily by the OS.)
+    /// `ty`, with a prefix cache when `prefix_cache`; an `OutOfMemory` error, saying how much
+    /// it needed, when the memory cannot be had. (Zeroed memory is mapped lazily by the OS.)
     pub fn new(
         n_layers: usize,
         n_blocks: usize,
         shape: &AttentionShape,
         ty: KvType,
         prefix_cache: bool,
-    ) -> Self {
-        let per_block = |dim: usize| n_blocks * shape.n_head_kv * BLOCK_TOKENS * dim;
-        Self {
+    ) -> Result<Self, PluginError> {
+        let too_big = || {
+            PluginError::new(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "cannot allocate a KV pool of {} positions ({n_blocks} blocks of {BLOCK_TOKENS}) for {n_layers} layers; lower kv_tokens or max_sequences",
+                    n_blocks.saturating_mul(BLOCK_TOKENS)
+                ),
+            )
+        };
+        if u32::try_from(n_blocks).is_err() {
+            return Err(too_big());
+        }
+        let per_block = |dim: usize| {
+            n_blocks
+                .checked_mul(shape.n_head_kv * BLOCK_TOKENS * dim)
+                .ok_or_else(too_big)
+        };
+        let stores = |dim: usize| -> Result<Vec<Store>, PluginError> {
+            let len = per_block(dim)?;
+            (0..n_layers)
+                .map(|_| Store::zeroed(ty, len).ok_or_else(too_big))
+                .collect()
+        };
+        Ok(Self {
             heads: shape.n_head_kv,
             key_dim: shape.head_dim,
             value_dim: shape.value_dim,
             ty,
             n_blocks,
-            keys: (0..n_layers)
-                .map(|_| Store::zeroed(ty, per_block(shape.head_dim)))
-                .collect(),
-            values: (0..n_layers)
-                .map(|_| Store::zeroed(ty, per_block(shape.value_dim)))
-                .collect(),
+            keys: stores(shape.head_dim)?,
+            values: stores(shape.value_dim)?,
             refs: vec![0; n_blocks],
             cached: vec![None; n_blocks],
             last_used: vec![0; n_blocks],
             clock: 0,
             free: (0..n_blocks as u32).rev().collect(),
             prefix: prefix_cache.then(HashMap::new),
-        }
+        })
     }
 
     /// Blocks the pool holds for `tokens` positions.
@@ -411,15 +437,19 @@ impl KvPool {
     }
 
     /// Makes `seq` hold blocks for positions `0 .. end`, of which `from ..` are about to be
-    /// written: a block among those that another sequence shares or the prefix cache keeps is
-    /// first copied (copy-on-write). Fails, changing no block of `seq`'s prefix, when the pool
-    /// has no block left.
+    /// written: a block among those that another sequence shares is first copied
+    /// (copy-on-write); one only the prefix cache keeps besides `seq` leaves the cache and is
+    /// written in place (a verify pass rolled back into a block it had filled). Fails, changing
+    /// no block of `seq`'s prefix, when the pool has no block left.
     pub fn reserve(&mut self, seq: &mut SeqKv, from: usize, end: usize) -> Result<(), PluginError> {
         let needed = Self::blocks_for(end);
         let first_written = from / BLOCK_TOKENS;
         for b in first_written..seq.blocks.len().min(needed) {
             let id = seq.blocks[b] as usize;
-            if self.refs[id] > 1 || self.cached[id].is_some() {
+            if self.refs[id] == 1 && self.cached[id].is_some() {
+                self.uncache(id);
+            }
+            if self.refs[id] > 1 {
                 let copy = self.take_block()?;
                 for store in self.keys.iter_mut().chain(self.values.iter_mut()) {
                     let per_block = match store {
@@ -480,7 +510,8 @@ impl KvPool {
         seq.len = seq.len.min(len);
         seq.keys.truncate(seq.len / BLOCK_TOKENS);
         let keep = Self::blocks_for(seq.len);
-        for id in seq.blocks.split_off(keep) {
+        // Last first: a cached chain's later blocks go before its first ones when evicted.
+        for id in seq.blocks.split_off(keep).into_iter().rev() {
             self.release_block(id);
         }
     }
@@ -495,7 +526,11 @@ impl KvPool {
 
     /// Releases every block of `seq`, which becomes empty.
     pub fn release(&mut self, seq: &mut SeqKv) {
-        self.truncate(seq, 0);
+        seq.len = 0;
+        seq.keys.clear();
+        for id in std::mem::take(&mut seq.blocks).into_iter().rev() {
+            self.release_block(id);
+        }
     }
 
     /// Keys of positions `0 .. n` of `seq` in `layer`.
@@ -564,10 +599,8 @@ impl KvPool {
     /// Gives the empty `seq` the longest run of cached blocks that starts `tokens`, at most
     /// `limit` positions of them; returns the positions it now holds.
     pub fn reuse_prefix(&mut self, seq: &mut SeqKv, tokens: &[u32], limit: usize) -> usize {
-        assert!(
-            seq.blocks.is_empty(),
-            "kv cache: reusing a prefix in a non-empty sequence"
-        );
+        // Blocks reserved past an empty sequence's length (an evaluation that failed) go first.
+        self.release(seq);
         let Some(map) = &self.prefix else {
             return 0;
         };
@@ -659,7 +692,7 @@ mod tests {
     #[test]
     fn stores_rows_across_blocks_head_by_head_and_truncates() {
         for ty in [KvType::F32, KvType::F16] {
-            let mut pool = KvPool::new(2, 8, &SHAPE, ty, false);
+            let mut pool = KvPool::new(2, 8, &SHAPE, ty, false).unwrap();
             let mut seq = SeqKv::default();
             // One row, then a run crossing two block boundaries.
             fill(&mut pool, &mut seq, 0, 1);
@@ -685,7 +718,7 @@ mod tests {
 
     #[test]
     fn a_fork_shares_blocks_until_either_writes_them() {
-        let mut pool = KvPool::new(1, 8, &SHAPE, KvType::F32, false);
+        let mut pool = KvPool::new(1, 8, &SHAPE, KvType::F32, false).unwrap();
         let mut parent = SeqKv::default();
         fill(&mut pool, &mut parent, 0, BLOCK_TOKENS + 5);
         let mut child = pool.fork(&parent);
@@ -710,7 +743,7 @@ mod tests {
 
     #[test]
     fn cached_prefixes_are_reused_exactly_and_evicted_least_recently_used_first() {
-        let mut pool = KvPool::new(1, 4, &SHAPE, KvType::F32, true);
+        let mut pool = KvPool::new(1, 4, &SHAPE, KvType::F32, true).unwrap();
         let tokens: Vec<u32> = (0..3 * BLOCK_TOKENS as u32).collect();
         let mut first = SeqKv::default();
         fill(&mut pool, &mut first, 0, 2 * BLOCK_TOKENS + 4);
@@ -763,6 +796,24 @@ mod tests {
         assert!(err.message.contains("kv_tokens"), "{err}");
     }
 
+    /// A verify pass rolled back into a block it had filled (and the cache had taken): the
+    /// block leaves the cache and is written in place, no copy of every layer.
+    #[test]
+    fn a_cached_block_only_its_sequence_holds_is_written_in_place() {
+        let mut pool = KvPool::new(2, 4, &SHAPE, KvType::F32, true).unwrap();
+        let tokens: Vec<u32> = (0..2 * BLOCK_TOKENS as u32).collect();
+        let mut seq = SeqKv::default();
+        fill(&mut pool, &mut seq, 0, BLOCK_TOKENS + 1);
+        pool.cache_prefix(&mut seq, &tokens);
+        let block = seq.blocks[0];
+        pool.truncate(&mut seq, BLOCK_TOKENS - 2);
+        fill(&mut pool, &mut seq, BLOCK_TOKENS - 2, 1);
+        assert_eq!(seq.blocks[0], block, "written in place");
+        assert_eq!(pool.unused_blocks(), 3);
+        let mut other = SeqKv::default();
+        assert_eq!(pool.reuse_prefix(&mut other, &tokens, tokens.len()), 0);
+    }
+
     #[test]
     fn f16_storage_rounds_to_nearest_even() {
         let shape = AttentionShape {
@@ -771,7 +822,7 @@ mod tests {
             head_dim: 1,
             value_dim: 1,
         };
-        let mut pool = KvPool::new(1, 1, &shape, KvType::F16, false);
+        let mut pool = KvPool::new(1, 1, &shape, KvType::F16, false).unwrap();
         let mut seq = SeqKv::default();
         pool.reserve(&mut seq, 0, 1).unwrap();
         // 1 + 2^-11 lies halfway between two f16 values: it rounds to the even one, 1.0.

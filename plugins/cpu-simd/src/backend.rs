@@ -144,6 +144,7 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         kv_tokens: opening.kv_tokens,
         ring_depth,
         max_sequences: opening.max_sequences,
+        prefix_cache: true,
     };
     let executor = CpuExecutor::whole_model(model, part).map_err(|e| attribute(PLUGIN, e))?;
     let depth = executor.ring_depth();

@@ -167,6 +167,12 @@ fn a_fork_continues_and_rolls_back_as_its_parent_would() {
 /// changing any sequence.
 #[test]
 fn sequences_are_bounded_and_checked() {
+    let mut p = params(&stories(), 1, 64);
+    p.max_sequences = 5000;
+    let err = specula_cpu_simd::open(&p).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    assert!(err.message.contains("max_sequences = 5000"), "{err}");
+
     let mut b = open_many(&stories(), 2, &[]);
     let a = b.seq_create().into_result().unwrap();
     let c = b.seq_create().into_result().unwrap();

@@ -308,6 +308,8 @@ fn open_with(
             kv_tokens,
             ring_depth: depth,
             max_sequences,
+            // The device caches are not paged: nothing could be served from it.
+            prefix_cache: false,
         },
     )
     .map_err(|e| specula_engine::backend::attribute(PLUGIN, e))?;
@@ -403,6 +405,10 @@ impl Executor for CudaExecutor {
 
     fn remove_sequence(&mut self, seq: usize) {
         self.host.remove_sequence(seq);
+    }
+
+    fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+        self.host.reserve(chunks)
     }
 
     /// The device's caches are not paged, so nothing is served from the host's prefix cache.

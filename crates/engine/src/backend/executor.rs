@@ -122,6 +122,11 @@ pub trait Executor: Send + Sync {
     /// Releases slot `seq`'s caches.
     fn remove_sequence(&mut self, seq: usize);
 
+    /// Gives every chunk's sequence the cache room for its rows (`pos0 .. pos0 + rows`)
+    /// before any pass of an evaluation runs, so that a full cache fails the evaluation before
+    /// it computes anything; on failure changes no sequence.
+    fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError>;
+
     /// Runs one pass over `chunks` (at most `batch_rows` rows, each sequence at most once)
     /// through the whole model: their keys, values and recurrent states go into their
     /// sequences' caches (not yet committed); the final-norm hidden states of every row go to

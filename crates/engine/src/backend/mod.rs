@@ -276,7 +276,13 @@ impl<X: Executor> Backend<X> {
             .map_err(|e| attribute(self.setup.plugin, e))?;
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.slots[to] = Some(Sequence { id, ..parent });
+        let len = parent.tokens.len();
+        self.slots[to] = Some(Sequence {
+            id,
+            // The head's entries past the trunk (chained drafts) stay the parent's.
+            mtp_len: parent.mtp_len.map(|m| m.min(len)),
+            ..parent
+        });
         Ok(id)
     }
 
@@ -375,8 +381,14 @@ impl<X: Executor> Backend<X> {
         logits: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
         let work = self.validate(chunks)?;
-        self.forward(&work, logits)
-            .map_err(|e| attribute(self.setup.plugin, e))
+        // A full cache fails here, before anything is computed or changed.
+        self.reserve(&work)
+            .map_err(|e| attribute(self.setup.plugin, e))?;
+        let result = self.forward(&work, logits);
+        if result.is_err() {
+            self.recover(&work);
+        }
+        result.map_err(|e| attribute(self.setup.plugin, e))
     }
 
     fn validate<'a>(&self, chunks: &[EvalChunk<'a>]) -> Result<Vec<Work<'a>>, PluginError> {
@@ -431,8 +443,50 @@ impl<X: Executor> Backend<X> {
         Ok(work)
     }
 
-    /// Evaluates validated `work` in passes of at most `batch_rows` rows: logits chunk by
-    /// chunk into `logits`, each sequence's hidden states into its own buffer.
+    /// After an evaluation of `work` failed: every sequence of it back to what it held before,
+    /// so that no later call computes from a half-written state. A pure-attention sequence is
+    /// cut back (O(1)); a recurrent one may have had snapshots overwritten by the steps that
+    /// ran, so it is re-decoded; where that fails too, the instance refuses every later call.
+    fn recover(&mut self, work: &[Work<'_>]) {
+        let recurrent = self.setup.capabilities.rollback_depth != u32::MAX;
+        for w in work {
+            let seq = self.sequence_mut(w.slot);
+            seq.hidden_rows = 0;
+            if let Some(mtp_len) = &mut seq.mtp_len {
+                *mtp_len = (*mtp_len).min(w.start);
+            }
+            let restored = if recurrent {
+                self.redecode(w.slot, w.start)
+            } else {
+                self.executor.rollback(w.slot, w.start).map(|_| ())
+            };
+            if let Err(e) = restored {
+                self.broken = Some(format!(
+                    "restoring a sequence after a failed evaluation failed: {}",
+                    e.message
+                ));
+            }
+        }
+    }
+
+    /// Takes the cache room for every row of `work` (see [`Executor::reserve`]).
+    fn reserve(&mut self, work: &[Work<'_>]) -> Result<(), PluginError> {
+        let whole: Vec<Chunk<'_>> = work
+            .iter()
+            .map(|w| Chunk {
+                seq: w.slot,
+                tokens: w.tokens,
+                pos0: w.start,
+                first: 0,
+                logit_from: w.tokens.len(),
+            })
+            .collect();
+        self.executor.reserve(&whole)
+    }
+
+    /// Evaluates validated and [`reserve`](Self::reserve)d `work` in passes of at most
+    /// `batch_rows` rows: logits chunk by chunk into `logits`, each sequence's hidden states
+    /// into its own buffer.
     fn forward(&mut self, work: &[Work<'_>], logits: &mut RVec<f32>) -> Result<(), PluginError> {
         let e = self.model.graph.n_embd();
         let vocab = self.info.vocab_size as usize;
@@ -542,7 +596,7 @@ impl<X: Executor> Backend<X> {
     }
 
     /// The slow rollback path: sequence `slot` back to empty, then one evaluation of the kept
-    /// tokens.
+    /// tokens. The MTP head's cache is emptied with it.
     fn redecode(&mut self, slot: usize, len: usize) -> Result<(), PluginError> {
         self.slow_rollbacks += 1;
         if let Err(e) = self.executor.reset(slot) {
@@ -550,6 +604,9 @@ impl<X: Executor> Backend<X> {
             return Err(e);
         }
         let seq = self.sequence_mut(slot);
+        if let Some(mtp_len) = &mut seq.mtp_len {
+            *mtp_len = 0;
+        }
         let mut replay = std::mem::take(&mut seq.tokens);
         replay.truncate(len);
         if replay.is_empty() {
@@ -562,7 +619,9 @@ impl<X: Executor> Backend<X> {
             rows: LogitRows::None,
             start: 0,
         }];
-        let result = self.forward(&work, &mut RVec::new());
+        let result = self
+            .reserve(&work)
+            .and_then(|()| self.forward(&work, &mut RVec::new()));
         let seq = self.sequence_mut(slot);
         (seq.hidden, seq.hidden_rows) = hidden;
         if result.is_err() {
@@ -823,7 +882,7 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/../../../shared/models/fixtures/tiny-qwen35-mtp.gguf"
         );
-        let params = testing::backend_params(path, 1, 64, 4, &[]);
+        let params = testing::backend_params(path, 1, 256, 4, &[]);
         let (model, n_ctx) = opening::load_model("test", &params).unwrap();
         let part = crate::cpu::CpuPart {
             layers: 0,
@@ -833,6 +892,7 @@ mod tests {
             kv_tokens: n_ctx,
             ring_depth: 4,
             max_sequences: 1,
+            prefix_cache: true,
         };
         let executor = CpuExecutor::whole_model(&model, part).unwrap();
         let setup = Setup {
@@ -867,6 +927,9 @@ mod tests {
         }
         fn remove_sequence(&mut self, seq: usize) {
             self.0.remove_sequence(seq)
+        }
+        fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+            Executor::reserve(&mut self.0, chunks)
         }
         fn forward(
             &mut self,
@@ -903,6 +966,140 @@ mod tests {
         ) -> Result<(), PluginError> {
             self.0.mtp(model, pool, chunks, logits, hidden_out)
         }
+    }
+
+    /// A CPU executor whose `fail_at`-th pass fails, standing in for a device that fails in
+    /// the middle of an evaluation.
+    struct FailingPass {
+        cpu: CpuExecutor,
+        passes: usize,
+        fail_at: usize,
+    }
+
+    impl Executor for FailingPass {
+        fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError> {
+            self.cpu.add_sequence(seq)
+        }
+        fn fork_sequence(&mut self, from: usize, to: usize, len: usize) -> Result<(), PluginError> {
+            self.cpu.fork_sequence(from, to, len)
+        }
+        fn remove_sequence(&mut self, seq: usize) {
+            self.cpu.remove_sequence(seq)
+        }
+        fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+            Executor::reserve(&mut self.cpu, chunks)
+        }
+        fn forward(
+            &mut self,
+            model: &Model,
+            pool: &ThreadPool,
+            chunks: &[Chunk<'_>],
+            hidden: &mut [f32],
+            logits: &mut [f32],
+        ) -> Result<(), PluginError> {
+            self.passes += 1;
+            self.cpu.forward(model, pool, chunks, hidden, logits)?;
+            if self.passes == self.fail_at {
+                return Err(PluginError::new(ErrorKind::Internal, "device lost"));
+            }
+            Ok(())
+        }
+        fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
+            self.cpu.commit(seq, start, n, tokens)
+        }
+        fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
+            self.cpu.reuse_prefix(seq, tokens)
+        }
+        fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
+            self.cpu.rollback(seq, len)
+        }
+        fn window(&self, seq: usize, seq_len: usize) -> RangeInclusive<usize> {
+            self.cpu.window(seq, seq_len)
+        }
+        fn reset(&mut self, seq: usize) -> Result<(), PluginError> {
+            self.cpu.reset(seq)
+        }
+        fn mtp(
+            &mut self,
+            model: &Model,
+            pool: &ThreadPool,
+            chunks: &[MtpRows<'_>],
+            logits: &mut [f32],
+            hidden_out: &mut [f32],
+        ) -> Result<(), PluginError> {
+            self.cpu.mtp(model, pool, chunks, logits, hidden_out)
+        }
+    }
+
+    /// An evaluation that fails after its first pass ran (the second of two passes, after
+    /// the first advanced the recurrent state past the ring's depth) leaves the sequence as it
+    /// was: the next evaluation gives the bits of a run that never saw the failed one.
+    #[test]
+    fn a_failed_evaluation_leaves_the_sequence_as_it_was() {
+        let mut logits = RVec::new();
+        let prompt: Vec<u32> = (1..=12).collect();
+        let long: Vec<u32> = (0..100).map(|i| (i * 7 + 3) % 200).collect();
+        let mut failing = open_test_backend(|cpu| FailingPass {
+            cpu,
+            passes: 0,
+            fail_at: 3,
+        });
+        let seq = failing.create_sequence().unwrap();
+        failing
+            .eval_tokens(seq, &prompt, LogitRows::Last, &mut logits)
+            .unwrap();
+        let err = failing
+            .eval_tokens(seq, &long, LogitRows::Last, &mut logits)
+            .unwrap_err();
+        assert!(err.message.contains("device lost"), "{err}");
+        assert_eq!(failing.seq_length(seq).unwrap(), 12);
+        let after = failing
+            .eval_tokens(seq, &[5, 6], LogitRows::All, &mut logits)
+            .map(|()| logits.to_vec())
+            .unwrap();
+
+        let mut clean = open_test_backend(|x| x);
+        let c = clean.create_sequence().unwrap();
+        clean
+            .eval_tokens(c, &prompt, LogitRows::Last, &mut logits)
+            .unwrap();
+        clean
+            .eval_tokens(c, &[5, 6], LogitRows::All, &mut logits)
+            .unwrap();
+        assert_eq!(testing::bits(&after), testing::bits(&logits));
+    }
+
+    /// A re-decode (a truncation past the ring) empties the MTP head's cache with the
+    /// sequence's caches, and says so: a step at a later position is refused.
+    #[test]
+    fn a_redecode_empties_the_mtp_cache() {
+        let mut backend = open_test_backend(|x| x);
+        let seq = backend.create_sequence().unwrap();
+        let (mut logits, mut hidden_out) = (RVec::new(), RVec::new());
+        let tokens: Vec<u32> = (1..=12).collect();
+        backend
+            .eval_tokens(seq, &tokens, LogitRows::Last, &mut logits)
+            .unwrap();
+        let hidden = backend.last_hidden_states(seq).unwrap()[..11 * 64].to_vec();
+        backend
+            .mtp_eval_into(
+                seq,
+                &hidden,
+                &tokens[1..],
+                0,
+                LogitRows::Last,
+                &mut logits,
+                &mut hidden_out,
+            )
+            .unwrap();
+        assert_eq!(backend.mtp_len(seq).unwrap(), Some(11));
+        backend.truncate_to(seq, 3).unwrap();
+        assert_eq!(backend.slow_rollbacks(), 1);
+        assert_eq!(backend.mtp_len(seq).unwrap(), Some(0));
+        let err = backend
+            .mtp_step_into(seq, &hidden[..64], 2, 2, &mut logits, &mut hidden_out)
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     }
 
     /// When the state cannot be reset for a re-decode, the instance refuses every later call

@@ -38,6 +38,12 @@ impl Opening {
         params: &BackendParams,
         common: CommonOptions,
     ) -> Result<Self, PluginError> {
+        if params.max_sequences > MAX_SEQUENCES {
+            return Err(PluginError::invalid_input(format!(
+                "{plugin}: max_sequences = {} is more than the {MAX_SEQUENCES} sequences one instance holds",
+                params.max_sequences
+            )));
+        }
         let (model, n_ctx) = load_model(plugin, params)?;
         let pool = thread_pool(plugin, params)?;
         Ok(Self {
@@ -173,12 +179,15 @@ pub fn thread_pool(plugin: &str, params: &BackendParams) -> Result<ThreadPool, P
 /// The attention positions of an instance's block pool: `params.kv_tokens`, or room for every
 /// sequence to fill the context (`max_sequences × n_ctx`) for 0; whole blocks.
 pub fn kv_tokens(params: &BackendParams, n_ctx: usize) -> usize {
-    let asked = match params.kv_tokens {
-        0 => params.max_sequences.max(1) as usize * n_ctx,
-        n => n as usize,
+    let blocks = match params.kv_tokens {
+        0 => (params.max_sequences.max(1) as usize).saturating_mul(KvPool::blocks_for(n_ctx)),
+        n => KvPool::blocks_for(n as usize),
     };
-    KvPool::blocks_for(asked.max(1)) * BLOCK_TOKENS
+    blocks.max(1).saturating_mul(BLOCK_TOKENS)
 }
+
+/// The most sequences one instance holds.
+pub const MAX_SEQUENCES: u32 = 1024;
 
 /// The verify capacity asked for: `params.max_verify_tokens`, or the default for 0.
 pub fn requested_verify(params: &BackendParams) -> usize {

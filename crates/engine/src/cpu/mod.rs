@@ -42,6 +42,8 @@ pub struct CpuPart {
     pub ring_depth: usize,
     /// Sequence slots.
     pub max_sequences: usize,
+    /// Whether full attention blocks go into a prefix cache (where a caller can reuse them).
+    pub prefix_cache: bool,
 }
 
 /// What one sequence's recurrent state on the CPU looks like.
@@ -125,8 +127,17 @@ impl CpuExecutor {
         let a = &dims.attention;
         Ok(Self {
             shape: CacheShape { ring, mtp },
-            pool: KvPool::new(kv_layers, n_blocks, a, part.kv_type, !recurrent),
-            mtp_pool: mtp.then(|| KvPool::new(1, n_blocks, a, part.kv_type, false)),
+            pool: KvPool::new(
+                kv_layers,
+                n_blocks,
+                a,
+                part.kv_type,
+                part.prefix_cache && !recurrent,
+            )?,
+            mtp_pool: match mtp {
+                true => Some(KvPool::new(1, n_blocks, a, part.kv_type, false)?),
+                false => None,
+            },
             scratch: Box::new(Scratch::new(&dims, part.batch_rows)),
             seqs: (0..part.max_sequences.max(1)).map(|_| None).collect(),
             ring_depth,
@@ -209,7 +220,7 @@ impl CpuExecutor {
 
     /// Gives every chunk's sequence the attention blocks its rows are written to; on failure
     /// (the pool is full) releases what it gave and changes no sequence.
-    fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+    pub fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
         let Self { pool, seqs, .. } = self;
         let mut result = Ok(());
         for chunk in chunks {
@@ -389,6 +400,10 @@ impl Executor for CpuExecutor {
         }
         // The last token is left to evaluate: its logits are what the caller wants.
         Ok(pool.reuse_prefix(&mut caches.kv, tokens, tokens.len().saturating_sub(1)))
+    }
+
+    fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+        CpuExecutor::reserve(self, chunks)
     }
 
     fn forward(
