@@ -82,6 +82,13 @@ fn internal(what: &str) -> PluginError {
     PluginError::new(ErrorKind::Internal, what.to_string())
 }
 
+/// The caches of sequence slot `seq`, or the error saying it holds none.
+fn slot_mut(seqs: &mut [Option<SeqCaches>], seq: usize) -> Result<&mut SeqCaches, PluginError> {
+    seqs.get_mut(seq)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))
+}
+
 impl CpuExecutor {
     /// The executor of a whole model (every layer and the head).
     pub fn whole_model(model: &Model, part: CpuPart) -> Result<Self, PluginError> {
@@ -224,12 +231,7 @@ impl CpuExecutor {
         let Self { pool, seqs, .. } = self;
         let mut result = Ok(());
         for chunk in chunks {
-            let caches = seqs
-                .get_mut(chunk.seq)
-                .and_then(Option::as_mut)
-                .ok_or_else(|| {
-                    internal(&format!("sequence slot {} holds no sequence", chunk.seq))
-                })?;
+            let caches = slot_mut(seqs, chunk.seq)?;
             result = pool.reserve(&mut caches.kv, chunk.pos0, chunk.pos0 + chunk.rows());
             if result.is_err() {
                 break;
@@ -391,10 +393,7 @@ impl Executor for CpuExecutor {
             return Ok(0);
         }
         let Self { pool, seqs, .. } = self;
-        let caches = seqs
-            .get_mut(seq)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))?;
+        let caches = slot_mut(seqs, seq)?;
         if !caches.kv.is_empty() {
             return Ok(0);
         }
@@ -443,10 +442,7 @@ impl Executor for CpuExecutor {
             seqs,
             ..
         } = self;
-        let caches = seqs
-            .get_mut(seq)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))?;
+        let caches = slot_mut(seqs, seq)?;
         if let (Some(pool), Some(kv)) = (mtp_pool.as_mut(), caches.mtp_kv.as_mut()) {
             pool.truncate(kv, len);
         }
@@ -479,10 +475,7 @@ impl Executor for CpuExecutor {
             seqs,
             ..
         } = self;
-        let caches = seqs
-            .get_mut(seq)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| internal(&format!("sequence slot {seq} holds no sequence")))?;
+        let caches = slot_mut(seqs, seq)?;
         if let Some(ring) = &mut caches.ring {
             ring.reset();
         }
