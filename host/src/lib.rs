@@ -7,6 +7,8 @@
 //! * [`pipeline`]: opening what a profile names (target, tokenizer, drafter, draft model);
 //! * [`request`]: generation requests, outcomes, stop strings;
 //! * [`spec`]: the folded k-token speculative loop (plain decoding is its zero-draft case);
+//! * [`scheduler`]: the engine loop batching every running request into one pass
+//!   (continuous batching with speculation);
 //! * [`genmodel`]: writing GGUF models of given shapes (`specula gen-model`);
 //! * [`builtin`]: the built-in default model and profile of `specula run`;
 //! * [`chat_template`]: rendering conversations with a model's GGUF chat template;
@@ -27,6 +29,7 @@ pub mod plugins;
 pub mod profile;
 pub mod request;
 pub mod sampling;
+pub mod scheduler;
 pub mod sequence;
 pub mod serve;
 pub mod spec;

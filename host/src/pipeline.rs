@@ -5,9 +5,9 @@ use std::path::Path;
 
 use anyhow::Context;
 use specula_gguf::GgufFile;
-use specula_plugin_api::{BoxedDrafter, ModelInfo, PluginKind};
+use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInfo, PluginKind};
 
-use crate::plugins::{backend_params, drafter_params, PluginProvenance, SearchPath};
+use crate::plugins::{backend_params, drafter_params, LoadedPlugin, PluginProvenance, SearchPath};
 use crate::profile::{options_as_text, DrafterSection, Profile};
 use crate::sequence::SeqModel;
 use specula_tokenizer::Tokenizer;
@@ -45,6 +45,78 @@ impl Pipeline {
     /// Like [`open`](Self::open), but hands the drafter `corpus` as token ids instead of
     /// tokenizing `drafter.corpus` (benchmarks use it to give prompt lookup the exact output).
     pub fn open_with_corpus(profile: &Profile, corpus: Option<Vec<u32>>) -> anyhow::Result<Self> {
+        let parts = Parts::open(profile, 1, corpus)?;
+        let target = SeqModel::new(parts.target)
+            .into_result()
+            .context("cannot create a sequence of the target model")?;
+        let drafter = match parts.drafter {
+            Some(kit) => {
+                let draft_model = match parts.draft_model {
+                    Some(backend) => Some(
+                        SeqModel::new(backend)
+                            .into_result()
+                            .context("cannot create a sequence of the draft model")?,
+                    ),
+                    None => None,
+                };
+                Some(DrafterSlot {
+                    drafter: kit.create()?,
+                    name: kit.name,
+                    draft_model,
+                })
+            }
+            None => None,
+        };
+        Ok(Self {
+            target,
+            tokenizer: parts.tokenizer,
+            info: parts.info,
+            drafter,
+            plugins: parts.plugins,
+            cached: Vec::new(),
+        })
+    }
+}
+
+/// A drafter plugin with its parameters: creates one drafter per sequence.
+pub struct DrafterKit {
+    /// The plugin name from the profile (`lookup`, `model`, `mtp`).
+    pub name: String,
+    plugin: LoadedPlugin,
+    params: DrafterParams,
+}
+
+impl DrafterKit {
+    /// A new drafter instance, for one sequence.
+    pub fn create(&self) -> anyhow::Result<BoxedDrafter> {
+        self.plugin
+            .create_drafter(&self.params)
+            .with_context(|| format!("cannot set up the '{}' drafter", self.name))
+    }
+}
+
+/// What a profile opens for up to `sequences` concurrent sequences: one target backend
+/// instance and one draft-model instance shared by them all, and the drafter plugin that
+/// creates a drafter per sequence.
+pub struct Parts {
+    pub target: BoxedForwardPass,
+    pub tokenizer: Tokenizer,
+    pub info: ModelInfo,
+    /// Present when the profile speculates (`[drafter]` and `speculation.enabled`).
+    pub drafter: Option<DrafterKit>,
+    /// The separate draft model, for model drafting.
+    pub draft_model: Option<BoxedForwardPass>,
+    /// The plugin builds these parts run (target backend, draft-model backend, drafter).
+    pub plugins: Vec<PluginProvenance>,
+}
+
+impl Parts {
+    /// Loads the plugins and models `profile` names, sized for `sequences` sequences.
+    pub fn open(
+        profile: &Profile,
+        sequences: u32,
+        corpus: Option<Vec<u32>>,
+    ) -> anyhow::Result<Self> {
         let search = SearchPath::new(&profile.plugin_dir);
         let target = &profile.target;
         let tokenizer = load_tokenizer(&target.model)?;
@@ -59,11 +131,9 @@ impl Pipeline {
             options_as_text(&target.options),
         );
         params.kv_tokens = target.kv_tokens;
+        params.max_sequences = sequences;
         let backend = plugin.open_backend(&params)?;
         let info = backend.model_info();
-        let backend = SeqModel::new(backend)
-            .into_result()
-            .context("cannot create a sequence of the target model")?;
         if info.vocab_size as usize != tokenizer.vocab_size() {
             tracing::warn!(
                 model_vocab = info.vocab_size,
@@ -71,32 +141,33 @@ impl Pipeline {
                 "the model's output size differs from its tokenizer's vocabulary"
             );
         }
-        let drafter = match &profile.drafter {
-            Some(section) if profile.speculation.enabled => Some(
-                open_drafter(
-                    profile,
-                    section,
-                    &search,
-                    &tokenizer,
-                    &info,
-                    corpus,
-                    &mut plugins,
-                )
-                .with_context(|| format!("cannot set up the '{}' drafter", section.plugin))?,
-            ),
-            _ => None,
+        let (drafter, draft_model) = match &profile.drafter {
+            Some(section) if profile.speculation.enabled => open_drafter(
+                profile,
+                section,
+                &search,
+                &tokenizer,
+                &info,
+                corpus,
+                sequences,
+                &mut plugins,
+            )
+            .map(|(kit, model)| (Some(kit), model))
+            .with_context(|| format!("cannot set up the '{}' drafter", section.plugin))?,
+            _ => (None, None),
         };
         Ok(Self {
             target: backend,
             tokenizer,
             info,
             drafter,
+            draft_model,
             plugins,
-            cached: Vec::new(),
         })
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn open_drafter(
     profile: &Profile,
     section: &DrafterSection,
@@ -104,8 +175,9 @@ fn open_drafter(
     tokenizer: &Tokenizer,
     target_info: &ModelInfo,
     corpus_tokens: Option<Vec<u32>>,
+    sequences: u32,
     plugins: &mut Vec<PluginProvenance>,
-) -> anyhow::Result<DrafterSlot> {
+) -> anyhow::Result<(DrafterKit, Option<BoxedForwardPass>)> {
     let draft_model = match &section.model {
         Some(model) => {
             let draft_tokenizer = load_tokenizer(model)?;
@@ -121,20 +193,18 @@ fn open_drafter(
             } else {
                 profile.target.threads
             };
-            let params = backend_params(
+            let mut params = backend_params(
                 model,
                 threads,
                 profile.target.context_size,
                 profile.speculation.draft_max + 1,
                 Vec::new(),
             );
-            let backend = plugin
-                .open_backend(&params)
-                .with_context(|| format!("cannot open the draft model {}", model.display()))?;
+            params.max_sequences = sequences;
             Some(
-                SeqModel::new(backend)
-                    .into_result()
-                    .context("cannot create a sequence of the draft model")?,
+                plugin
+                    .open_backend(&params)
+                    .with_context(|| format!("cannot open the draft model {}", model.display()))?,
             )
         }
         None => None,
@@ -156,12 +226,12 @@ fn open_drafter(
     );
     let plugin = search.load(&section.plugin, PluginKind::Drafter)?;
     plugins.push(plugin.provenance());
-    let drafter = plugin.create_drafter(&params)?;
-    Ok(DrafterSlot {
+    let kit = DrafterKit {
         name: section.plugin.clone(),
-        drafter,
-        draft_model,
-    })
+        plugin,
+        params,
+    };
+    Ok((kit, draft_model))
 }
 
 /// Model drafting needs the two models to speak the same token ids.

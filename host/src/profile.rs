@@ -224,18 +224,22 @@ impl Default for GenerationSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeSection {
-    /// Requests generated at once. Each slot is its own pipeline (its own backend instance and
-    /// sequence state), so memory grows with it.
+    /// Requests generated at once: the most sequences the engine loop batches into one pass.
+    /// The target's KV pool holds `slots` full contexts unless `target.kv_tokens` says less.
     pub slots: u32,
     /// Requests that may wait for a free slot; beyond that the daemon answers 503.
     pub queue: u32,
+    /// Most prompt tokens one pass takes while other requests decode: a long prompt is
+    /// prefilled in chunks interleaved with decode steps, so running streams keep flowing.
+    pub prefill_chunk: u32,
 }
 
 impl Default for ServeSection {
     fn default() -> Self {
         Self {
-            slots: 2,
+            slots: 4,
             queue: 16,
+            prefill_chunk: 256,
         }
     }
 }
@@ -416,6 +420,15 @@ impl Profile {
                 format!("{} must be between 1 and 64", self.serve.slots),
             );
         }
+        if !(1..=65_536).contains(&self.serve.prefill_chunk) {
+            return bad(
+                "serve.prefill_chunk",
+                format!(
+                    "{} must be between 1 and 65536 (prompt tokens per pass)",
+                    self.serve.prefill_chunk
+                ),
+            );
+        }
         if self.serve.queue > 100_000 {
             return bad(
                 "serve.queue",
@@ -513,6 +526,7 @@ mod tests {
             ("[generation]\nstop = [\"\"]\n", "generation.stop"),
             ("[serve]\nslots = 0\n", "serve.slots"),
             ("[serve]\nqueue = -1\n", "serve.queue"),
+            ("[serve]\nprefill_chunk = 0\n", "serve.prefill_chunk"),
             ("[serve]\nslot = 2\n", "serve.slot"),
         ] {
             let err = parse(&format!("{MINIMAL}{extra}")).unwrap_err().to_string();

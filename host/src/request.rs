@@ -110,15 +110,15 @@ pub struct Outcome {
 
 /// Holds back text that could be the start of a stop string, and finds stop strings.
 #[derive(Debug)]
-pub struct StopMatcher<'a> {
-    stops: &'a [String],
+pub struct StopMatcher {
+    stops: Vec<String>,
     pending: String,
 }
 
-impl<'a> StopMatcher<'a> {
-    pub fn new(stops: &'a [String]) -> Self {
+impl StopMatcher {
+    pub fn new(stops: &[String]) -> Self {
         Self {
-            stops,
+            stops: stops.to_vec(),
             pending: String::new(),
         }
     }

@@ -83,7 +83,7 @@ fn endpoints_answer_like_openai_and_requests_stay_isolated() {
         (s["state"].as_str(), s["drafter"].as_str()),
         (Some("ready"), Some("lookup"))
     );
-    assert_eq!(s["slots"], 2);
+    assert_eq!(s["slots"], 4);
     let (_, models) = d.get_json("/v1/models");
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], "stories");
@@ -815,4 +815,133 @@ fn a_model_served_without_a_profile_and_its_tokenizer_endpoints() {
     let (status, e) = d.post("/tokenize", &json!({"content": 5}));
     assert_eq!(status, 400, "{e}");
     assert_eq!(e["error"]["param"], "content", "{e}");
+}
+
+/// The engine loop batches concurrent requests into shared passes, and every stream equals
+/// its output alone: 8 concurrent requests of mixed prompt lengths and `max_tokens`, on a
+/// model with a drafter and one without, beside a streaming client that leaves mid-stream.
+#[test]
+fn concurrent_requests_share_passes_and_equal_their_output_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    stories_profile(
+        dir.path(),
+        "lookup.toml",
+        &format!("[drafter]\nplugin = \"lookup\"\n[serve]\nslots = 4\nprefill_chunk = 8\n{GREEDY}"),
+    );
+    stories_profile(
+        dir.path(),
+        "plain.toml",
+        &format!("[serve]\nslots = 4\nprefill_chunk = 8\n{GREEDY}"),
+    );
+    let d = Daemon::ready(&[dir.path()]);
+    let prompts = [
+        "Once upon a time",
+        "Lily and Ben went to the park. Lily and Ben",
+        "The cat sat on the mat. The cat sat on the mat. The cat",
+        "One day, a little girl named Sue found a big red ball in the garden. She wanted to play",
+        "Tom had a dog",
+        "The sun was",
+        "Once upon a time there was a little boy who liked to run. Once upon a time",
+        "Ben",
+    ];
+    let body = |model: &str, i: usize| {
+        completion(model, prompts[i], [120, 300, 40, 200, 150, 350, 30, 250][i])
+    };
+    for model in ["lookup", "plain"] {
+        let alone: Vec<String> = (0..8)
+            .map(|i| {
+                let (status, c) = d.post("/v1/completions", &body(model, i));
+                assert_eq!(status, 200, "{c}");
+                text_of(&c).to_string()
+            })
+            .collect();
+        // A client that leaves after its first chunk.
+        let mut leaver = d.stream("/v1/completions", &completion(model, "Lily", 500));
+        leaver.next_chunk();
+        let together: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let (d, body) = (&d, body(model, i));
+                    s.spawn(move || {
+                        std::thread::sleep(Duration::from_millis(2 * i as u64));
+                        let (status, c) = d.post("/v1/completions", &body);
+                        assert_eq!(status, 200, "{c}");
+                        text_of(&c).to_string()
+                    })
+                })
+                .collect();
+            drop(leaver);
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+            assert_eq!(a, t, "{model} request {i}");
+        }
+        let m = d.metrics();
+        let passes = metric(
+            &m,
+            &format!("specula_pass_sequences_count{{model=\"{model}\"}}"),
+        );
+        let alone_passes = metric(
+            &m,
+            &format!("specula_pass_sequences_bucket{{model=\"{model}\",le=\"1\"}}"),
+        );
+        assert!(
+            passes > alone_passes,
+            "{model}: no pass had two sequences ({passes} passes)"
+        );
+    }
+}
+
+/// `scripts/serve-bench.py`, the side-by-side load test, measures a running daemon: every
+/// phase completes its requests and reports tokens per second and time to first token.
+#[test]
+fn the_serve_bench_script_measures_a_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = stories_profile(dir.path(), "stories.toml", GREEDY);
+    let d = Daemon::ready(&[&profile]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/serve-bench.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args([
+            &d.url,
+            "--model",
+            "stories",
+            "--clients",
+            "1,3",
+            "--requests",
+            "2",
+        ])
+        .args([
+            "--max-tokens",
+            "16",
+            "--probe-streams",
+            "2",
+            "--probe-tries",
+            "2",
+            "--json",
+        ])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let server = &report[d.url.as_str()];
+    let phases = server["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2, "{report}");
+    for (phase, clients) in phases.iter().zip([1, 3]) {
+        assert_eq!(phase["clients"], clients);
+        assert_eq!(phase["requests"], 2 * clients, "{phase}");
+        assert_eq!(phase["errors"], json!([]));
+        assert!(phase["tokens"].as_u64().unwrap() > 0, "{phase}");
+        assert!(
+            phase["tokens_per_second"].as_f64().unwrap() > 0.0,
+            "{phase}"
+        );
+        assert!(phase["ttft_median"].as_f64().unwrap() > 0.0, "{phase}");
+    }
+    assert!(server["probe"]["ratio"].as_f64().unwrap() > 0.0, "{report}");
 }

@@ -139,9 +139,14 @@ impl Draft {
 #[sabi_trait]
 pub trait Drafter: Send + Sync {
     /// Starts a new sequence with `prompt`. The target kept the first `reused` tokens of
-    /// `prompt` from its previous sequence (a conversation's earlier turns), so the prompt
-    /// pass just before this call evaluated only `prompt[reused..]` (the rows
-    /// `hidden_states` returns); `reused` is 0 for a fresh sequence.
+    /// `prompt` from its previous sequence (a conversation's earlier turns, or the backend's
+    /// prefix cache), so the prompt pass just before this call evaluated only
+    /// `prompt[reused..]` (the rows `hidden_states` returns); `reused` is 0 for a fresh
+    /// sequence.
+    ///
+    /// A host that prefills a long prompt in chunks (the daemon's engine loop, beside other
+    /// requests' decode rows) calls `begin` after each chunk: with the prompt so far, and
+    /// `reused` = the tokens before that chunk, which continue the previous call.
     fn begin(
         &mut self,
         prompt: RSlice<'_, u32>,

@@ -4,7 +4,7 @@
 //! reload that changes the drafter shows both side by side.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -12,6 +12,7 @@ use prometheus::{
 };
 
 use crate::request::{Outcome, StopReason};
+use crate::scheduler::EngineEvent;
 use crate::spec::SpecStats;
 
 /// Label value for requests that named no known model (keeps label cardinality bounded).
@@ -48,6 +49,14 @@ pub struct Metrics {
     pub http_refused: IntCounter,
     /// Connections closed over a time limit, by phase (`header`, `keep_alive`).
     pub http_timeouts: IntCounterVec,
+    /// Rows of each engine pass (certain tokens, drafts, prompt chunks of every sequence).
+    pub pass_rows: HistogramVec,
+    /// Sequences sharing each engine pass.
+    pub pass_sequences: HistogramVec,
+    /// Requests whose prompt started with blocks of the prefix cache.
+    pub prefix_cache_hits: IntCounterVec,
+    /// Prompt tokens taken from the prefix cache instead of evaluated.
+    pub prefix_cache_tokens: IntCounterVec,
     spec_steps: IntCounterVec,
     spec_target_passes: IntCounterVec,
     spec_drafted: IntCounterVec,
@@ -90,6 +99,17 @@ impl Metrics {
             let h = HistogramVec::new(
                 HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
                 labels,
+            )
+            .expect("valid metric");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
+            h
+        };
+        let counts = |name: &str, help: &str, buckets: &[f64]| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                &["model"],
             )
             .expect("valid metric");
             registry
@@ -191,6 +211,26 @@ impl Metrics {
                 "Profile loads (startup and reloads), by result",
                 &["model", "result"],
             ),
+            pass_rows: counts(
+                "specula_pass_rows",
+                "Rows per engine pass: every running sequence's certain token and drafts, and prompt chunks",
+                &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0],
+            ),
+            pass_sequences: counts(
+                "specula_pass_sequences",
+                "Sequences sharing an engine pass",
+                &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0],
+            ),
+            prefix_cache_hits: counter(
+                "specula_prefix_cache_hits_total",
+                "Requests whose prompt started with blocks the prefix cache held",
+                &["model"],
+            ),
+            prefix_cache_tokens: counter(
+                "specula_prefix_cache_tokens_total",
+                "Prompt tokens taken from the prefix cache instead of evaluated",
+                &["model"],
+            ),
             spec_steps: counter(
                 "specula_spec_steps_total",
                 "Decode steps (each emits one certain token)",
@@ -277,6 +317,30 @@ impl Metrics {
                 .with_label_values(&[model, drafter, position.as_str()])
                 .set(rate);
         }
+    }
+
+    /// What `model`'s engine loop reports, recorded under its name.
+    pub fn engine_observer(&self, model: &str) -> Arc<dyn Fn(EngineEvent) + Send + Sync> {
+        let rows = self.pass_rows.with_label_values(&[model]);
+        let sequences = self.pass_sequences.with_label_values(&[model]);
+        let hits = self.prefix_cache_hits.with_label_values(&[model]);
+        let saved = self.prefix_cache_tokens.with_label_values(&[model]);
+        Arc::new(move |event| match event {
+            EngineEvent::Pass {
+                sequences: n,
+                rows: r,
+                ..
+            } => {
+                rows.observe(r as f64);
+                sequences.observe(n as f64);
+            }
+            EngineEvent::Admitted { reused, .. } => {
+                if reused > 0 {
+                    hits.inc();
+                    saved.inc_by(reused as u64);
+                }
+            }
+        })
     }
 
     /// Counts an answered request.

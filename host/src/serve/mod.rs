@@ -4,8 +4,9 @@
 //! * [`routes`]: the endpoints (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
 //!   `/health`, `/metrics`, `/admin/reload`) and SSE streaming;
 //! * [`registry`]: the profiles, their loaded revisions, and reloading;
-//! * [`slots`]: per-profile slots (one pipeline each) and the bounded queue;
-//! * [`worker`]: running one request on a slot in a blocking task;
+//! * [`slots`]: per-profile slots (the most concurrent sequences) and the bounded queue;
+//! * [`worker`]: handing one admitted request to its model's engine loop
+//!   ([`crate::scheduler`]);
 //! * chat templates are [`crate::chat_template`] (shared with `specula chat`);
 //! * [`metrics`]: Prometheus metrics;
 //! * [`watch`]: reload triggers — debounced file events and SIGHUP;

@@ -15,7 +15,7 @@
 //! 4. a profile that fails to parse or load leaves the old revision serving, and the error
 //!    is kept for `/health`, logged, and returned in the reload report.
 //!
-//! Loading goes through [`Pipeline::open`], which searches the plugin directories afresh,
+//! Loading goes through [`Parts::open`], which searches the plugin directories afresh,
 //! so a drafter plugin dropped into a plugin directory is found by the next reload. Reloads
 //! run one at a time.
 
@@ -30,9 +30,10 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use specula_gguf::GgufFile;
 
-use crate::pipeline::Pipeline;
+use crate::pipeline::Parts;
 use crate::plugins::PluginProvenance;
 use crate::profile::{Profile, ProfileError};
+use crate::scheduler::{Engine, EngineOptions};
 use specula_tokenizer::Tokenizer;
 
 use super::metrics::Metrics;
@@ -98,13 +99,17 @@ pub struct Model {
     pub chat: ChatTemplate,
     /// Why the model's own chat template is not used, when it has one that does not compile.
     pub chat_note: Option<String>,
-    pub pool: Arc<SlotPool<Pipeline>>,
+    /// Admission: one slot per concurrent sequence, and the bounded queue in front.
+    pub pool: Arc<SlotPool<()>>,
+    /// The engine loop that batches this revision's running requests into shared passes.
+    pub engine: Engine,
     /// Unix time of the load.
     pub created: u64,
 }
 
 impl Model {
-    /// Opens `profile.serve.slots` pipelines and the chat template. Blocking.
+    /// Opens the profile's models for `serve.slots` sequences, starts their engine loop, and
+    /// reads the chat template. Blocking.
     fn load(
         name: &str,
         path: &Path,
@@ -130,19 +135,26 @@ impl Model {
             );
         }
         drop(file);
-        let mut pipelines = Vec::new();
-        for _ in 0..profile.serve.slots.max(1) {
-            pipelines.push(Pipeline::open(&profile).map_err(open)?);
-        }
-        let first = &pipelines[0];
-        let drafter = first.drafter.as_ref().map(|d| d.name.clone());
-        let plugins = first.plugins.clone();
-        let context_size = first.info.context_size as usize;
+        let slots = profile.serve.slots.max(1);
+        let parts = Parts::open(&profile, slots, None).map_err(open)?;
+        let drafter = parts.drafter.as_ref().map(|d| d.name.clone());
+        let plugins = parts.plugins.clone();
+        let context_size = parts.info.context_size as usize;
+        let options = EngineOptions {
+            prefill_chunk: profile.serve.prefill_chunk as usize,
+            observer: metrics.engine_observer(name),
+            cost_curve: None,
+        };
+        let engine = Engine::start(parts, slots as usize, options).map_err(open)?;
         let gauges = PoolGauges {
             queued: metrics.queue_depth.with_label_values(&[name]),
             active: metrics.active.with_label_values(&[name]),
         };
-        let pool = SlotPool::new(pipelines, profile.serve.queue as usize, gauges);
+        let pool = SlotPool::new(
+            vec![(); slots as usize],
+            profile.serve.queue as usize,
+            gauges,
+        );
         Ok(Self {
             name: name.to_string(),
             revision,
@@ -154,6 +166,7 @@ impl Model {
             chat,
             chat_note,
             pool,
+            engine,
             created: unix_now(),
             profile,
             fingerprint,

@@ -1,8 +1,7 @@
 //! Scheduling: a fixed pool of slots per loaded profile, and a bounded queue in front of it.
 //!
-//! A slot is one [`Pipeline`](crate::pipeline::Pipeline) — its own backend instance with its
-//! own KV cache, drafter and draft model — so a request on a slot never sees another
-//! request's sequence state. A request first passes [`SlotPool::admit`], which refuses it
+//! A slot is one sequence of the model's engine loop ([`crate::scheduler`]): the pool bounds
+//! how many requests generate at once. A request first passes [`SlotPool::admit`], which refuses it
 //! at once when the queue is full (the daemon answers 503), then waits for a slot in FIFO
 //! order (tokio's semaphore is fair) and holds it, as a [`Lease`], until its generation
 //! ends. Dropping a lease returns the slot.

@@ -1,26 +1,27 @@
-//! Running one admitted request: wait for a slot, generate on it in `spawn_blocking`, and
-//! send text and the outcome back over a channel.
+//! Running one admitted request: wait for a slot, hand the request to the model's engine
+//! loop, and send text and the outcome back over a channel.
 //!
-//! The request holds an `Arc` of the model revision it was admitted to, so a reload that
-//! swaps in a new revision lets it finish on the old one. Generation stops within one decode
-//! step once the request's cancel flag is set — the HTTP side sets it when the client goes
-//! away, and so does a failed send here. A panic inside generation is caught: the request
-//! gets a 500 and the slot gets a freshly opened pipeline (or is retired if that fails).
+//! The request holds an `Arc` of the model revision it was admitted to until it ends, so a
+//! reload that swaps in a new revision lets it finish on the old one (whose engine loop
+//! drains its sequences, then stops). Generation stops within one decode step once the
+//! request's cancel flag is set — the HTTP side sets it when the client goes away, and so
+//! does a failed send here. A panic in the request's generation fails it with a 500 and
+//! leaves the other requests running ([`crate::scheduler`]).
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use crate::pipeline::Pipeline;
 use crate::request::{Outcome, Request};
-use crate::spec::generate;
+use crate::scheduler::{Job, JobError};
 
 use super::api::ApiError;
 use super::metrics::Metrics;
 use super::registry::Model;
 use super::slots::{SlotError, Ticket};
+
+pub use crate::scheduler::panic_message;
 
 /// What a running request reports.
 #[derive(Debug)]
@@ -35,7 +36,7 @@ pub enum Event {
 /// Starts `request` on `model` once `ticket` gets a slot; events arrive on the returned channel.
 pub fn start(
     model: Arc<Model>,
-    ticket: Ticket<Pipeline>,
+    ticket: Ticket<()>,
     request: Request,
     arrived: Instant,
     metrics: Arc<Metrics>,
@@ -77,104 +78,59 @@ pub fn start(
             metrics.cancelled.with_label_values(&[&model.name]).inc();
             return; // the client left as the slot came free; dropping the lease returns it
         }
-        let job_model = model.clone();
-        let job_tx = tx.clone();
-        let job_metrics = metrics.clone();
-        let joined = tokio::task::spawn_blocking(move || {
-            run_on_slot(&job_model, lease, &request, arrived, &job_metrics, &job_tx)
-        })
-        .await;
-        if let Err(e) = joined {
-            // `run_on_slot` catches panics; this is the runtime shutting down.
-            let _ = tx.send(Event::Failed(ApiError::internal(format!(
-                "generation did not finish: {e}"
-            ))));
+
+        let mut first = true;
+        let text_tx = tx.clone();
+        let cancel = request.cancel.clone();
+        let text_metrics = metrics.clone();
+        let name = model.name.clone();
+        let on_text = Box::new(move |piece: &str| {
+            if first {
+                first = false;
+                text_metrics
+                    .first_token_seconds
+                    .with_label_values(&[&name])
+                    .observe(arrived.elapsed().as_secs_f64());
+            }
+            if text_tx.send(Event::Text(piece.to_string())).is_err() {
+                cancel.cancel();
+            }
+        });
+        let done_model = model.clone();
+        let done_tx = tx.clone();
+        let on_done = Box::new(move |result: Result<Outcome, JobError>| {
+            // Free the slot before the client hears that the request is over.
+            drop(lease);
+            let event = match result {
+                Ok(outcome) => {
+                    metrics
+                        .request_seconds
+                        .with_label_values(&[&done_model.name])
+                        .observe(arrived.elapsed().as_secs_f64());
+                    metrics.record_outcome(
+                        &done_model.name,
+                        done_model.drafter.as_deref().unwrap_or("none"),
+                        &outcome,
+                    );
+                    Event::Done(Box::new(outcome))
+                }
+                Err(e) => {
+                    tracing::error!(model = %done_model.name, "{e}");
+                    Event::Failed(ApiError::internal(e.to_string()))
+                }
+            };
+            let _ = done_tx.send(event);
+            // The revision stays alive (for this request) until here.
+            drop(done_model);
+        });
+        let job = Job {
+            request,
+            on_text,
+            on_done,
+        };
+        if let Err(job) = model.engine.submit(job) {
+            (job.on_done)(Err(JobError::Stopped));
         }
     });
     rx
-}
-
-fn run_on_slot(
-    model: &Model,
-    mut lease: super::slots::Lease<Pipeline>,
-    request: &Request,
-    arrived: Instant,
-    metrics: &Metrics,
-    tx: &mpsc::UnboundedSender<Event>,
-) {
-    let mut first = true;
-    let on_text = |piece: &str| {
-        if first {
-            first = false;
-            metrics
-                .first_token_seconds
-                .with_label_values(&[&model.name])
-                .observe(arrived.elapsed().as_secs_f64());
-        }
-        if tx.send(Event::Text(piece.to_string())).is_err() {
-            request.cancel.cancel();
-        }
-    };
-    let result = catch_unwind(AssertUnwindSafe(|| generate(&mut lease, request, on_text)));
-    let event = match result {
-        Ok(Ok(outcome)) => {
-            metrics
-                .request_seconds
-                .with_label_values(&[&model.name])
-                .observe(arrived.elapsed().as_secs_f64());
-            metrics.record_outcome(
-                &model.name,
-                model.drafter.as_deref().unwrap_or("none"),
-                &outcome,
-            );
-            Event::Done(Box::new(outcome))
-        }
-        Ok(Err(e)) => {
-            tracing::error!(model = %model.name, "generation failed: {e:#}");
-            Event::Failed(ApiError::internal(format!("generation failed: {e:#}")))
-        }
-        Err(panic) => {
-            let message = panic_message(&*panic);
-            tracing::error!(model = %model.name, "generation panicked: {message}");
-            // The slot's backend may be in any state now: replace it, or retire the slot.
-            match catch_unwind(AssertUnwindSafe(|| Pipeline::open(&model.profile))) {
-                Ok(Ok(fresh)) => lease.replace(fresh),
-                Ok(Err(e)) => {
-                    tracing::error!(model = %model.name, "cannot reopen a slot after a panic; retiring it: {e:#}");
-                    lease.discard();
-                    return send_last(tx, internal_panic(&message));
-                }
-                Err(_) => {
-                    tracing::error!(model = %model.name, "reopening a slot panicked; retiring it");
-                    lease.discard();
-                    return send_last(tx, internal_panic(&message));
-                }
-            }
-            internal_panic(&message)
-        }
-    };
-    // Free the slot before the client hears that the request is over.
-    drop(lease);
-    send_last(tx, event);
-}
-
-fn internal_panic(message: &str) -> Event {
-    Event::Failed(ApiError::internal(format!(
-        "internal error during generation: {message}"
-    )))
-}
-
-fn send_last(tx: &mpsc::UnboundedSender<Event>, event: Event) {
-    let _ = tx.send(event);
-}
-
-/// The text of a panic payload.
-pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic".to_string()
-    }
 }

@@ -98,6 +98,11 @@ impl DraftLength {
         self.current
     }
 
+    /// The smoothed fraction of drafts accepted (0.5 before any evidence).
+    pub fn acceptance(&self) -> f64 {
+        self.acceptance
+    }
+
     /// Why the last call to [`next_len`](Self::next_len) was a paused step, if it was.
     pub fn pause_reason(&self) -> Option<PauseReason> {
         self.last_was_paused.then_some(self.pause_reason)

@@ -1,0 +1,188 @@
+//! How many rows a step's pass verifies: the target's measured cost curve against each
+//! sequence's expected accepted drafts.
+//!
+//! A pass of `R` rows costs `cost(R)` seconds, measured once when the engine starts. A
+//! sequence whose drafts are accepted at rate `p` expects `p^j` more tokens from its `j`-th
+//! draft (all drafts before it must be accepted too). A step yields one certain token per
+//! decoding sequence plus the expected accepted drafts; the budget adds drafts, most valuable
+//! first, while each raises the step's expected tokens per second. So a sequence whose drafts
+//! are rarely accepted stops drafting, and with many sequences in the pass — rows dearer
+//! relative to what one more draft buys — drafts shrink.
+
+use std::time::Instant;
+
+use abi_stable::std_types::RVec;
+use specula_plugin_api::{BoxedForwardPass, LogitRows, PluginResult, SequenceCalls};
+
+/// Seconds a pass costs by its row count (piecewise linear between measured points).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostCurve {
+    /// (rows, seconds), rows increasing, at least two points.
+    points: Vec<(usize, f64)>,
+}
+
+/// Row counts the engine measures at start.
+const MEASURED_ROWS: [usize; 6] = [1, 2, 4, 8, 12, 16];
+/// Tokens in the sequence the measurement decodes after (a short context).
+const MEASURE_CONTEXT: usize = 32;
+
+impl CostCurve {
+    /// A curve through `points` (rows, seconds); rows must increase, with at least two.
+    pub fn from_points(points: Vec<(usize, f64)>) -> Self {
+        assert!(points.len() >= 2, "a cost curve needs two points");
+        assert!(points.windows(2).all(|w| w[0].0 < w[1].0), "rows increase");
+        Self { points }
+    }
+
+    /// Measures the target: passes of 1 to 16 rows (as far as it verifies) after a short
+    /// context, on a scratch sequence it frees again; the fastest of three tries each.
+    pub fn measure(target: &mut BoxedForwardPass) -> PluginResult<Self> {
+        let info = target.model_info();
+        let capabilities = target.capabilities();
+        let vocab = info.vocab_size.max(1);
+        let tokens: Vec<u32> = (0..MEASURE_CONTEXT as u32 + 16)
+            .map(|i| (i * 7919 + 1) % vocab)
+            .collect();
+        let seq = match target.seq_create().into_result() {
+            Ok(seq) => seq,
+            Err(e) => return Err(e).into(),
+        };
+        let result = (|| {
+            let mut logits = RVec::new();
+            target
+                .eval(
+                    seq,
+                    &tokens[..MEASURE_CONTEXT],
+                    LogitRows::None,
+                    &mut logits,
+                )
+                .into_result()?;
+            let max_rows = (capabilities.max_verify_tokens as usize).max(1);
+            let mut points = Vec::new();
+            for rows in MEASURED_ROWS.into_iter().filter(|&r| r <= max_rows) {
+                let mut best = f64::INFINITY;
+                for _ in 0..3 {
+                    let batch = &tokens[MEASURE_CONTEXT..MEASURE_CONTEXT + rows];
+                    let t = Instant::now();
+                    target
+                        .eval(seq, batch, LogitRows::All, &mut logits)
+                        .into_result()?;
+                    best = best.min(t.elapsed().as_secs_f64());
+                    target.truncate(seq, MEASURE_CONTEXT).into_result()?;
+                }
+                points.push((rows, best.max(1e-9)));
+            }
+            if points.len() < 2 {
+                // A target that verifies one row at a time: rows cost what they cost alone.
+                let one = points.first().map_or(1e-3, |p| p.1);
+                points = vec![(1, one), (2, 2.0 * one)];
+            }
+            Ok(Self::from_points(points))
+        })();
+        let freed = target.seq_free(seq).into_result();
+        match (result, freed) {
+            (Ok(curve), Ok(())) => PluginResult::ROk(curve),
+            (Err(e), _) | (Ok(_), Err(e)) => PluginResult::RErr(e),
+        }
+    }
+
+    /// Seconds of a pass of `rows` rows (linear beyond the measured points).
+    pub fn seconds(&self, rows: usize) -> f64 {
+        let rows = rows.max(1);
+        let p = &self.points;
+        let i = p.partition_point(|&(r, _)| r < rows);
+        let (a, b) = match i {
+            0 => (p[0], p[1]),
+            i if i >= p.len() => (p[p.len() - 2], p[p.len() - 1]),
+            i => (p[i - 1], p[i]),
+        };
+        let slope = (b.1 - a.1) / (b.0 - a.0) as f64;
+        (a.1 + slope * (rows as f64 - a.0 as f64)).max(1e-9)
+    }
+
+    /// `cost(rows) / cost(1)`, as the bench reports it.
+    pub fn relative(&self, rows: usize) -> f64 {
+        self.seconds(rows) / self.seconds(1)
+    }
+}
+
+/// How many of its `wanted` drafts each decoding sequence verifies this step. `acceptance`
+/// is each sequence's smoothed acceptance rate; `fixed_rows` are the pass's rows that come
+/// regardless (one certain token per decoding sequence, the prefill chunks).
+pub fn allocate_drafts(
+    wanted: &[usize],
+    acceptance: &[f64],
+    fixed_rows: usize,
+    curve: &CostCurve,
+) -> Vec<usize> {
+    let mut drafts = vec![0; wanted.len()];
+    // Expected tokens of the step: the certain ones first.
+    let mut expected = wanted.len() as f64;
+    let mut rows = fixed_rows.max(1);
+    loop {
+        let best = (0..wanted.len())
+            .filter(|&s| drafts[s] < wanted[s])
+            .map(|s| (s, acceptance[s].clamp(0.0, 1.0).powi(drafts[s] as i32 + 1)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((s, value)) = best else { break };
+        let now = expected / curve.seconds(rows);
+        let with = (expected + value) / curve.seconds(rows + 1);
+        if with <= now {
+            break;
+        }
+        drafts[s] += 1;
+        expected += value;
+        rows += 1;
+    }
+    drafts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CPU-like curve: 8 rows for 1.5× one row, then dearer.
+    fn cpu() -> CostCurve {
+        CostCurve::from_points(vec![(1, 1.0), (4, 1.2), (8, 1.5), (16, 2.4)])
+    }
+
+    #[test]
+    fn the_curve_interpolates_and_extrapolates() {
+        let c = cpu();
+        assert_eq!(c.seconds(1), 1.0);
+        assert!((c.seconds(6) - 1.35).abs() < 1e-12);
+        assert!((c.seconds(24) - 3.3).abs() < 1e-12);
+        assert!((c.seconds(0) - 1.0).abs() < 1e-12);
+        assert!((c.relative(8) - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn one_sequence_with_good_drafts_verifies_them_all() {
+        assert_eq!(allocate_drafts(&[4], &[0.8], 1, &cpu()), vec![4]);
+    }
+
+    #[test]
+    fn drafts_that_are_never_accepted_are_not_verified() {
+        assert_eq!(allocate_drafts(&[4, 4], &[0.0, 0.9], 2, &cpu()), vec![0, 4]);
+    }
+
+    #[test]
+    fn with_many_sequences_drafts_shrink() {
+        let alone = allocate_drafts(&[8], &[0.6], 1, &cpu())[0];
+        let crowded = allocate_drafts(&[8; 8], &[0.6; 8], 8, &cpu());
+        assert!(alone >= 3, "{alone}");
+        assert!(crowded.iter().all(|&k| k < alone), "{crowded:?} vs {alone}");
+        // The best drafts go first: equal sequences get equal shares, within one.
+        let (lo, hi) = (crowded.iter().min().unwrap(), crowded.iter().max().unwrap());
+        assert!(hi - lo <= 1, "{crowded:?}");
+    }
+
+    #[test]
+    fn on_a_flat_curve_every_wanted_draft_is_verified() {
+        let flat = CostCurve::from_points(vec![(1, 1.0), (64, 1.0001)]);
+        assert_eq!(
+            allocate_drafts(&[3, 5, 0], &[0.3, 0.5, 0.9], 3, &flat),
+            vec![3, 5, 0]
+        );
+    }
+}

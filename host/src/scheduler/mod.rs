@@ -1,0 +1,577 @@
+//! The engine loop: continuous batching with speculation, one loop per loaded model.
+//!
+//! One thread owns the target backend instance (every request is a sequence of it), the
+//! draft model's instance, and one *lane* per concurrent sequence: a drafter instance and its
+//! sequence of the draft model. Each step:
+//!
+//! 1. **Admit** the requests that arrived (between steps, never inside one): a new sequence,
+//!    given what the backend's prefix cache holds of its prompt.
+//! 2. **Decode rows.** Every decoding sequence emits its certain token, and its controller
+//!    says how many drafts it wants; [`budget::allocate_drafts`] caps them against the
+//!    measured cost curve and each sequence's acceptance; its drafter proposes them.
+//! 3. **Prefill rows.** Sequences still reading their prompt add chunks, first come first
+//!    served: at most `prefill_chunk` prompt tokens per pass while other sequences decode (so
+//!    their streams keep flowing), the whole prompt when none does.
+//! 4. **One pass**: every chunk of every sequence in one `eval_batch`. Each row is
+//!    bit-identical to the same token evaluated alone, so every stream equals its output
+//!    decoded alone.
+//! 5. **Verify** each sequence's rows (exact acceptance per request: its own sampler, seed
+//!    and rejection sampling), cut it back, tell its drafter. Finished or cancelled sequences
+//!    are freed at once (their KV blocks go back to the pool) before their client hears the
+//!    end.
+//!
+//! A failed pass is retried chunk by chunk, so only the sequence at fault fails; a panic in
+//! one request's code (its sampler, its drafter, its text sink) fails that request only.
+
+pub mod budget;
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use abi_stable::std_types::{RSlice, RVec};
+use anyhow::Context;
+use specula_plugin_api::{
+    BoxedDrafter, BoxedForwardPass, Capabilities, EvalChunk, LentSequence, LogitRows, ModelInfo,
+    PluginError, SeqId,
+};
+use specula_tokenizer::Tokenizer;
+
+use crate::pipeline::{DrafterKit, Parts};
+use crate::request::{Outcome, Request};
+use crate::spec::{Generation, Lane, LaneDrafter};
+use budget::{allocate_drafts, CostCurve};
+
+/// Prompt tokens a pass takes while other sequences decode, by default.
+pub const DEFAULT_PREFILL_CHUNK: usize = 256;
+
+/// A request for the engine and where its results go.
+pub struct Job {
+    pub request: Request,
+    /// Receives text as soon as it is certain.
+    pub on_text: Box<dyn FnMut(&str) + Send>,
+    /// Called once at the end, after the request's sequence is freed.
+    pub on_done: Box<dyn FnOnce(Result<Outcome, JobError>) + Send>,
+}
+
+/// Why a job produced no outcome.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobError {
+    #[error("generation failed: {0}")]
+    Failed(String),
+    #[error("internal error during generation: {0}")]
+    Panicked(String),
+    #[error("the model's engine has stopped")]
+    Stopped,
+}
+
+/// What the loop reports, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EngineEvent {
+    /// One `eval_batch`: how many sequences and rows shared it, of which prompt rows.
+    Pass {
+        sequences: usize,
+        rows: usize,
+        prefill_rows: usize,
+        seconds: f64,
+    },
+    /// A new sequence took `reused` of its `prompt` tokens from the prefix cache.
+    Admitted { prompt: usize, reused: usize },
+}
+
+/// How the loop schedules.
+#[derive(Clone)]
+pub struct EngineOptions {
+    /// Most prompt tokens per pass while other sequences decode.
+    pub prefill_chunk: usize,
+    /// Receives [`EngineEvent`]s.
+    pub observer: std::sync::Arc<dyn Fn(EngineEvent) + Send + Sync>,
+    /// The target's pass cost by rows; measured at start when `None`.
+    pub cost_curve: Option<CostCurve>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            observer: std::sync::Arc::new(|_| {}),
+            cost_curve: None,
+        }
+    }
+}
+
+/// A running engine loop. Dropping it lets the loop finish the sequences it has, then stop.
+pub struct Engine {
+    jobs: mpsc::Sender<Job>,
+    sequences: usize,
+    curve: CostCurve,
+}
+
+impl Engine {
+    /// Starts the loop for up to `sequences` concurrent sequences over `parts` (opened for
+    /// that many). Creates a drafter per lane and measures the target's cost curve first,
+    /// so that failures surface here.
+    pub fn start(parts: Parts, sequences: usize, options: EngineOptions) -> anyhow::Result<Self> {
+        let Parts {
+            mut target,
+            tokenizer,
+            info,
+            drafter,
+            mut draft_model,
+            ..
+        } = parts;
+        let sequences = sequences.max(1);
+        let mut lanes = Vec::with_capacity(sequences);
+        for _ in 0..sequences {
+            lanes.push(LaneSlot::open(drafter.as_ref(), draft_model.as_mut())?);
+        }
+        let curve = match options.cost_curve.clone() {
+            Some(curve) => curve,
+            None => CostCurve::measure(&mut target)
+                .into_result()
+                .context("cannot measure the target's pass cost")?,
+        };
+        tracing::debug!(?curve, "engine cost curve");
+        let capabilities = target.capabilities();
+        let (jobs, inbox) = mpsc::channel();
+        let state = Loop {
+            target,
+            draft_model,
+            drafter,
+            capabilities,
+            info,
+            lanes,
+            options,
+            curve: curve.clone(),
+        };
+        std::thread::Builder::new()
+            .name("specula-engine".into())
+            .spawn(move || state.run(&tokenizer, inbox))
+            .context("cannot start the engine thread")?;
+        Ok(Self {
+            jobs,
+            sequences,
+            curve,
+        })
+    }
+
+    /// Queues `job`; it joins the next step with a free lane. Gives the job back when the
+    /// loop has stopped.
+    pub fn submit(&self, job: Job) -> Result<(), Box<Job>> {
+        self.jobs.send(job).map_err(|e| Box::new(e.0))
+    }
+
+    /// The most concurrent sequences.
+    pub fn sequences(&self) -> usize {
+        self.sequences
+    }
+
+    /// The target's measured pass cost.
+    pub fn cost_curve(&self) -> &CostCurve {
+        &self.curve
+    }
+}
+
+/// A lane: one sequence's drafter and its sequence of the draft model.
+struct LaneSlot {
+    drafter: Option<BoxedDrafter>,
+    draft_seq: Option<SeqId>,
+}
+
+impl LaneSlot {
+    fn open(
+        kit: Option<&DrafterKit>,
+        draft_model: Option<&mut BoxedForwardPass>,
+    ) -> anyhow::Result<Self> {
+        let drafter = kit.map(DrafterKit::create).transpose()?;
+        let draft_seq = match (drafter.is_some(), draft_model) {
+            (true, Some(model)) => Some(
+                model
+                    .seq_create()
+                    .into_result()
+                    .context("cannot create a sequence of the draft model")?,
+            ),
+            _ => None,
+        };
+        Ok(Self { drafter, draft_seq })
+    }
+}
+
+type TextSink = Box<dyn FnMut(&str) + Send>;
+
+/// A request holding a sequence.
+struct Running<'t> {
+    generation: Generation<'t, TextSink>,
+    on_done: Box<dyn FnOnce(Result<Outcome, JobError>) + Send>,
+    seq: SeqId,
+    lane: usize,
+    /// Set when the request failed; it leaves at the end of the step.
+    failed: Option<JobError>,
+}
+
+/// What a sequence contributes to this step's pass.
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    Decode,
+    Prefill(usize),
+}
+
+struct Loop {
+    target: BoxedForwardPass,
+    draft_model: Option<BoxedForwardPass>,
+    drafter: Option<DrafterKit>,
+    capabilities: Capabilities,
+    info: ModelInfo,
+    lanes: Vec<LaneSlot>,
+    options: EngineOptions,
+    curve: CostCurve,
+}
+
+/// The text of a panic payload.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".to_string()
+    }
+}
+
+/// Runs `f`, turning an error or a panic into the request's failure.
+fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> Result<T, JobError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(JobError::Failed(format!("{e:#}"))),
+        Err(panic) => Err(JobError::Panicked(panic_message(&*panic))),
+    }
+}
+
+impl Loop {
+    fn run(mut self, tokenizer: &Tokenizer, inbox: mpsc::Receiver<Job>) {
+        let mut free: Vec<usize> = (0..self.lanes.len()).rev().collect();
+        let mut pending: VecDeque<Job> = VecDeque::new();
+        let mut running: Vec<Running<'_>> = Vec::new();
+        let mut logits = RVec::new();
+        loop {
+            if running.is_empty() && pending.is_empty() {
+                match inbox.recv() {
+                    Ok(job) => pending.push_back(job),
+                    Err(_) => break, // the engine was dropped and nothing runs
+                }
+            }
+            pending.extend(inbox.try_iter());
+            while !free.is_empty() && !pending.is_empty() {
+                let job = pending.pop_front().expect("not empty");
+                let lane = free.pop().expect("not empty");
+                match self.admit(tokenizer, job, lane) {
+                    Ok(r) => running.push(r),
+                    Err(()) => free.push(lane),
+                }
+            }
+            let step = catch_unwind(AssertUnwindSafe(|| self.step(&mut running, &mut logits)));
+            if let Err(panic) = step {
+                let message = panic_message(&*panic);
+                tracing::error!("the engine step panicked: {message}; failing its requests");
+                for r in &mut running {
+                    r.failed.get_or_insert(JobError::Panicked(message.clone()));
+                }
+            }
+            // Leave: finished, cancelled and failed sequences.
+            let mut i = 0;
+            while i < running.len() {
+                if running[i].failed.is_some() || running[i].generation.is_done() {
+                    let r = running.remove(i); // keeps arrival order for prefill
+                    free.push(self.leave(r));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        // Jobs that arrived after the engine was dropped.
+        for job in pending.drain(..).chain(inbox.try_iter()) {
+            (job.on_done)(Err(JobError::Stopped));
+        }
+    }
+
+    /// Starts `job` on `lane`: its sequence, its prefix from the cache. On failure the job
+    /// is answered and `Err` returned.
+    fn admit<'t>(
+        &mut self,
+        tokenizer: &'t Tokenizer,
+        job: Job,
+        lane: usize,
+    ) -> Result<Running<'t>, ()> {
+        let Job {
+            request,
+            on_text,
+            on_done,
+        } = job;
+        let has_drafter = self.lanes[lane].drafter.is_some();
+        let started = guarded(|| {
+            let mut generation = Generation::new(
+                tokenizer,
+                &self.info,
+                &self.capabilities,
+                has_drafter,
+                request,
+                on_text,
+            )?;
+            let seq = self
+                .target
+                .seq_create()
+                .into_result()
+                .context("cannot create a sequence")?;
+            let reused = match self
+                .target
+                .seq_reuse_prefix(seq, RSlice::from_slice(generation.prompt()))
+                .into_result()
+            {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = self.target.seq_free(seq);
+                    return Err(e).context("the prefix cache failed");
+                }
+            };
+            generation.set_reused(reused);
+            (self.options.observer)(EngineEvent::Admitted {
+                prompt: generation.prompt().len(),
+                reused: generation.reused(),
+            });
+            Ok((generation, seq))
+        });
+        match started {
+            Ok((generation, seq)) => Ok(Running {
+                generation,
+                on_done,
+                seq,
+                lane,
+                failed: None,
+            }),
+            Err(e) => {
+                on_done(Err(e));
+                Err(())
+            }
+        }
+    }
+
+    /// Frees `r`'s sequence, answers its job, and returns its lane.
+    fn leave(&mut self, r: Running<'_>) -> usize {
+        let Running {
+            generation,
+            on_done,
+            seq,
+            lane,
+            failed,
+        } = r;
+        let held = self.target.seq_len(seq).into_result().unwrap_or(0);
+        if let Err(e) = self.target.seq_free(seq).into_result() {
+            tracing::warn!("cannot free a finished sequence: {e}");
+        }
+        let result = match failed {
+            Some(e) => {
+                if matches!(e, JobError::Panicked(_)) {
+                    self.renew_lane(lane);
+                }
+                drop(generation);
+                Err(e)
+            }
+            None => match catch_unwind(AssertUnwindSafe(|| generation.finish(held))) {
+                Ok((outcome, _)) => Ok(outcome),
+                Err(panic) => Err(JobError::Panicked(panic_message(&*panic))),
+            },
+        };
+        on_done(result);
+        lane
+    }
+
+    /// After a panic the lane's drafter may be mid-call: a fresh one, its draft-model
+    /// sequence emptied.
+    fn renew_lane(&mut self, lane: usize) {
+        let slot = &mut self.lanes[lane];
+        if let (Some(model), Some(seq)) = (self.draft_model.as_mut(), slot.draft_seq) {
+            let _ = model.truncate(seq, 0);
+        }
+        if let Some(kit) = &self.drafter {
+            slot.drafter = match kit.create() {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::error!(
+                        "cannot renew a drafter after a panic; the lane decodes plainly: {e:#}"
+                    );
+                    None
+                }
+            };
+        }
+    }
+
+    /// One step over every running sequence (see the module docs).
+    fn step(&mut self, running: &mut [Running<'_>], logits: &mut RVec<f32>) {
+        // Decode rows: the certain tokens, then what each sequence wants to draft.
+        let mut decoding = Vec::new();
+        let mut wanted = Vec::new();
+        let mut acceptance = Vec::new();
+        for (i, r) in running.iter_mut().enumerate() {
+            if r.failed.is_some() || r.generation.end_if_cancelled() {
+                continue;
+            }
+            if r.generation.is_prefilling() {
+                continue;
+            }
+            match guarded(|| Ok(r.generation.begin_step())) {
+                Ok(true) => {
+                    decoding.push(i);
+                    wanted.push(r.generation.wanted_drafts());
+                    acceptance.push(r.generation.acceptance());
+                }
+                Ok(false) => {}
+                Err(e) => r.failed = Some(e),
+            }
+        }
+        // Prefill rows, first come first served.
+        let mut budget = if decoding.is_empty() {
+            usize::MAX
+        } else {
+            self.options.prefill_chunk.max(1)
+        };
+        let mut parts: Vec<(usize, Part)> = decoding.iter().map(|&i| (i, Part::Decode)).collect();
+        let mut prefill_rows = 0;
+        for (i, r) in running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if r.failed.is_none() && r.generation.is_prefilling() {
+                let n = r.generation.prefill_remaining().min(budget);
+                budget -= n;
+                prefill_rows += n;
+                parts.push((i, Part::Prefill(n)));
+            }
+        }
+        // Drafts, within the step's row budget.
+        let drafts = allocate_drafts(
+            &wanted,
+            &acceptance,
+            decoding.len() + prefill_rows,
+            &self.curve,
+        );
+        for (&i, &n) in decoding.iter().zip(&drafts) {
+            let r = &mut running[i];
+            let mut lane = self.lane(r.lane, r.seq);
+            if let Err(e) = guarded(|| r.generation.draft(&mut lane, n)) {
+                r.failed = Some(e);
+            }
+        }
+        parts.retain(|&(i, _)| running[i].failed.is_none());
+        if parts.is_empty() {
+            return;
+        }
+
+        // One pass.
+        let chunks: Vec<EvalChunk<'_>> = parts
+            .iter()
+            .map(|&(i, part)| chunk(&running[i], part))
+            .collect();
+        let rows: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        let t = Instant::now();
+        let result = self
+            .target
+            .eval_batch(RSlice::from_slice(&chunks), logits)
+            .into_result();
+        let seconds = t.elapsed().as_secs_f64();
+        drop(chunks);
+        match result {
+            Ok(()) => {
+                (self.options.observer)(EngineEvent::Pass {
+                    sequences: parts.len(),
+                    rows,
+                    prefill_rows,
+                    seconds,
+                });
+                let mut offset = 0;
+                for &(i, part) in &parts {
+                    let r = &mut running[i];
+                    let c = chunk(r, part);
+                    let n = c.rows.count(c.tokens.len()) * self.info.vocab_size as usize;
+                    let own = &logits[offset..offset + n];
+                    offset += n;
+                    self.consume(r, part, Ok(own), seconds);
+                }
+            }
+            Err(e) => {
+                // Only the sequence at fault fails: every chunk again, alone.
+                tracing::debug!("a batched pass failed ({e}); retrying its chunks one by one");
+                for &(i, part) in &parts {
+                    let r = &mut running[i];
+                    let t = Instant::now();
+                    let alone = self
+                        .target
+                        .eval_batch(RSlice::from_slice(&[chunk(r, part)]), logits)
+                        .into_result();
+                    let seconds = t.elapsed().as_secs_f64();
+                    match alone {
+                        Ok(()) => self.consume(r, part, Ok(logits), seconds),
+                        Err(e) => self.consume(r, part, Err(e), seconds),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hands `r` its share of the pass.
+    fn consume(
+        &mut self,
+        r: &mut Running<'_>,
+        part: Part,
+        logits: Result<&[f32], PluginError>,
+        seconds: f64,
+    ) {
+        let mut lane = self.lane(r.lane, r.seq);
+        let generation = &mut r.generation;
+        let result = guarded(|| match (part, logits) {
+            (Part::Decode, Ok(logits)) => generation.verify(&mut lane, logits, seconds),
+            (Part::Prefill(n), Ok(logits)) => generation.prefilled(&mut lane, n, logits),
+            (_, Err(e)) => generation.pass_failed(e),
+        });
+        if let Err(e) = result {
+            r.failed = Some(e);
+        }
+    }
+
+    /// Lane `lane` lent for one call, with the request's sequence `seq`.
+    fn lane(&mut self, lane: usize, seq: SeqId) -> Lane<'_> {
+        let slot = &mut self.lanes[lane];
+        let name = self.drafter.as_ref().map_or("", |k| k.name.as_str());
+        let draft_model = match (self.draft_model.as_mut(), slot.draft_seq) {
+            (Some(model), Some(seq)) => Some(LentSequence {
+                model: model.sabi_reborrow_mut(),
+                seq,
+            }),
+            _ => None,
+        };
+        Lane {
+            target: LentSequence {
+                model: self.target.sabi_reborrow_mut(),
+                seq,
+            },
+            drafter: slot.drafter.as_mut().map(|drafter| LaneDrafter {
+                name,
+                drafter,
+                draft_model,
+            }),
+        }
+    }
+}
+
+/// `r`'s chunk of the pass.
+fn chunk<'a>(r: &'a Running<'_>, part: Part) -> EvalChunk<'a> {
+    let (tokens, rows) = match part {
+        Part::Decode => (r.generation.rows(), LogitRows::All),
+        Part::Prefill(n) => r.generation.prefill_chunk(n),
+    };
+    EvalChunk {
+        seq: r.seq,
+        tokens: RSlice::from_slice(tokens),
+        rows,
+    }
+}

@@ -1,0 +1,658 @@
+//! One request's decoding as a state machine the caller drives pass by pass, so that one
+//! target pass can serve many requests at once (the daemon's engine loop) or one alone
+//! ([`super::generate`]). The algorithm is the folded speculative loop of the module docs;
+//! this type holds a request's share of it: its prompt and history, sampler, drafter calls,
+//! verdicts, stop conditions and statistics.
+//!
+//! Driving it: evaluate [`prefill_chunk`](Generation::prefill_chunk)s and report each with
+//! [`prefilled`](Generation::prefilled) until the prompt is done; then, per step,
+//! [`begin_step`](Generation::begin_step) (emits the certain token),
+//! [`wanted_drafts`](Generation::wanted_drafts), [`draft`](Generation::draft), evaluate
+//! [`rows`](Generation::rows) with logits for every row, and
+//! [`verify`](Generation::verify) — or [`pass_failed`](Generation::pass_failed) — until
+//! [`is_done`](Generation::is_done); then [`finish`](Generation::finish).
+
+use std::time::Instant;
+
+use abi_stable::std_types::RSlice;
+use anyhow::{bail, Context};
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use specula_plugin_api::{
+    BoxedDrafter, Capabilities, Draft, DraftRequest, DrafterModels, ErrorKind, LentSequence,
+    LogitRows, ModelInfo, PluginError,
+};
+use specula_tokenizer::{StreamDecoder, Tokenizer};
+
+use super::acceptance::{Judge, Verdict};
+use super::adaptive::{self, DraftLength};
+use super::stats::SpecStats;
+use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
+use crate::sampling::Sampler;
+
+/// What one generation decodes with during one call: its sequence of the target and, when
+/// it speculates, its drafter with the drafter's sequence of the draft model.
+pub struct Lane<'a> {
+    pub target: LentSequence<'a>,
+    pub drafter: Option<LaneDrafter<'a>>,
+}
+
+/// A drafter instance (one per sequence) and what it drafts with.
+pub struct LaneDrafter<'a> {
+    /// The plugin name, for error messages.
+    pub name: &'a str,
+    pub drafter: &'a mut BoxedDrafter,
+    pub draft_model: Option<LentSequence<'a>>,
+}
+
+impl Lane<'_> {
+    /// The drafter, its name and the models lent to it for one call.
+    fn drafter(&mut self) -> Option<(&str, &mut BoxedDrafter, DrafterModels<'_>)> {
+        let target = &mut self.target;
+        let slot = self.drafter.as_mut()?;
+        let models = DrafterModels {
+            target: Some(reborrow(target)).into(),
+            draft: slot.draft_model.as_mut().map(reborrow).into(),
+        };
+        Some((slot.name, &mut *slot.drafter, models))
+    }
+}
+
+fn reborrow<'b>(lent: &'b mut LentSequence<'_>) -> LentSequence<'b> {
+    LentSequence {
+        model: lent.model.sabi_reborrow_mut(),
+        seq: lent.seq,
+    }
+}
+
+/// What a stop check decided about one emitted token.
+enum Emit {
+    Continue,
+    Stop(StopReason),
+}
+
+/// Emits tokens: streaming text, stop strings and the token limit.
+struct Emitter<'t, F: FnMut(&str)> {
+    stream: StreamDecoder<'t>,
+    stops: StopMatcher,
+    on_text: F,
+    text: String,
+    tokens: Vec<u32>,
+    max_tokens: usize,
+}
+
+impl<F: FnMut(&str)> Emitter<'_, F> {
+    fn emit(&mut self, token: u32) -> Emit {
+        self.tokens.push(token);
+        let (ready, hit) = self.stops.push(&self.stream.push(token));
+        self.write(&ready);
+        if hit {
+            Emit::Stop(StopReason::StopString)
+        } else if self.tokens.len() >= self.max_tokens {
+            Emit::Stop(StopReason::MaxTokens)
+        } else {
+            Emit::Continue
+        }
+    }
+
+    fn write(&mut self, piece: &str) {
+        if !piece.is_empty() {
+            (self.on_text)(piece);
+            self.text.push_str(piece);
+        }
+    }
+
+    fn finish(&mut self, reason: StopReason) {
+        if reason != StopReason::StopString {
+            let (ready, _) = self.stops.push(&self.stream.finish());
+            self.write(&ready);
+            let rest = self.stops.flush();
+            self.write(&rest);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Decode,
+    Done(StopReason),
+}
+
+/// The step in progress: what [`Generation::verify`] needs from [`Generation::begin_step`].
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    /// Tokens the target held before the pass.
+    evaluated: usize,
+    /// Whether the drafter was asked for drafts.
+    asked: bool,
+    started: Instant,
+}
+
+/// One request being decoded (see the module docs for how to drive it).
+pub struct Generation<'t, F: FnMut(&str)> {
+    tokenizer: &'t Tokenizer,
+    eos: Option<u32>,
+    vocab: usize,
+    context: usize,
+    request: Request,
+    prompt: Vec<u32>,
+    /// Prompt tokens the target already held before the first chunk (kept or cached).
+    reused: usize,
+    /// Prompt tokens the target holds now.
+    prefilled: usize,
+    phase: Phase,
+    /// Prompt and emitted tokens; during a step, the certain token too.
+    history: Vec<u32>,
+    /// The certain token: sampled, not yet evaluated.
+    t0: u32,
+    sampler: Sampler,
+    draft_rng: ChaCha20Rng,
+    judge: Judge,
+    draft: Draft,
+    /// The rows of this step's pass: the certain token and the drafts.
+    rows: Vec<u32>,
+    /// The draft-length controller, when this request speculates.
+    speculation: Option<DraftLength>,
+    stats: SpecStats,
+    out: Emitter<'t, F>,
+    started: Instant,
+    prefill_seconds: f64,
+    decode_started: Instant,
+    step: Step,
+}
+
+impl<'t, F: FnMut(&str)> Generation<'t, F> {
+    /// Tokenizes `request`'s prompt and checks it fits the context. `capabilities` are the
+    /// target's; `has_drafter` says whether a drafter is there to speculate with (the request
+    /// decides whether it does). `on_text` receives text as soon as it is certain.
+    pub fn new(
+        tokenizer: &'t Tokenizer,
+        info: &ModelInfo,
+        capabilities: &Capabilities,
+        has_drafter: bool,
+        request: Request,
+        on_text: F,
+    ) -> anyhow::Result<Self> {
+        let context = info.context_size as usize;
+        let mut prompt = tokenizer.encode(&request.prompt, request.add_bos, true);
+        if prompt.is_empty() {
+            match tokenizer.bos().or(info.bos_token.into_option()) {
+                Some(bos) => prompt.push(bos),
+                None => bail!("the prompt is empty and the model has no BOS token to start from"),
+            }
+        }
+        if prompt.len() >= context {
+            bail!(
+                "the prompt is {} tokens, but the context holds {context}",
+                prompt.len()
+            );
+        }
+        let speculation = match request.speculation {
+            Some(settings) if has_drafter && settings.draft_max > 0 => {
+                let max_drafts = settings
+                    .draft_max
+                    .min(capabilities.max_verify_tokens.saturating_sub(1))
+                    .min(capabilities.rollback_depth.saturating_sub(1));
+                Some(DraftLength::new(
+                    settings.draft_min,
+                    max_drafts,
+                    settings.adaptive,
+                ))
+            }
+            _ => None,
+        };
+        let stream = if tokenizer.decode(&prompt).is_empty() {
+            StreamDecoder::from_start(tokenizer)
+        } else {
+            StreamDecoder::new(tokenizer)
+        };
+        let out = Emitter {
+            stream,
+            stops: StopMatcher::new(&request.stop),
+            on_text,
+            text: String::new(),
+            tokens: Vec::new(),
+            max_tokens: request.max_tokens as usize,
+        };
+        let now = Instant::now();
+        Ok(Self {
+            tokenizer,
+            eos: info.eos_token.into_option(),
+            vocab: info.vocab_size as usize,
+            context,
+            sampler: Sampler::new(request.sampling.clone()),
+            draft_rng: ChaCha20Rng::seed_from_u64(request.sampling.seed.unwrap_or(0) ^ 0x5eed),
+            history: prompt.clone(),
+            prompt,
+            request,
+            reused: 0,
+            prefilled: 0,
+            phase: Phase::Prefill,
+            t0: 0,
+            judge: Judge::default(),
+            draft: Draft::default(),
+            rows: Vec::new(),
+            speculation,
+            stats: SpecStats::default(),
+            out,
+            started: now,
+            prefill_seconds: 0.0,
+            decode_started: now,
+            step: Step {
+                evaluated: 0,
+                asked: false,
+                started: now,
+            },
+        })
+    }
+
+    /// The prompt's tokens.
+    pub fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
+    /// Whether this request speculates (the profile has a drafter and the request asks).
+    pub fn speculates(&self) -> bool {
+        self.speculation.is_some()
+    }
+
+    /// Records that the target already holds the first `n` prompt tokens (a conversation's
+    /// earlier turns, or the backend's prefix cache); prefill starts after them. Call before
+    /// the first chunk. At least the last prompt token is always evaluated: its logits start
+    /// the decoding.
+    pub fn set_reused(&mut self, n: usize) {
+        debug_assert_eq!(self.prefilled, self.reused, "set before the first chunk");
+        let n = n.min(self.prompt.len() - 1);
+        self.reused = n;
+        self.prefilled = n;
+    }
+
+    /// Prompt tokens the target already held.
+    pub fn reused(&self) -> usize {
+        self.reused
+    }
+
+    /// Whether the prompt is still being evaluated.
+    pub fn is_prefilling(&self) -> bool {
+        self.phase == Phase::Prefill
+    }
+
+    /// Prompt tokens still to evaluate.
+    pub fn prefill_remaining(&self) -> usize {
+        match self.phase {
+            Phase::Prefill => self.prompt.len() - self.prefilled,
+            _ => 0,
+        }
+    }
+
+    /// The next at most `max` (≥ 1) prompt tokens to evaluate, and which of their rows need
+    /// logits (the prompt's last, which starts the decoding).
+    pub fn prefill_chunk(&self, max: usize) -> (&[u32], LogitRows) {
+        let end = self
+            .prompt
+            .len()
+            .min(self.prefilled.saturating_add(max.max(1)));
+        let rows = if end == self.prompt.len() {
+            LogitRows::Last
+        } else {
+            LogitRows::None
+        };
+        (&self.prompt[self.prefilled..end], rows)
+    }
+
+    /// Reports that the target evaluated the chunk of [`prefill_chunk`](Self::prefill_chunk)
+    /// with `n` tokens; `logits` are its logit rows. The drafter follows the prompt chunk by
+    /// chunk ([`specula_plugin_api::Drafter::begin`]); once the prompt is done, the first
+    /// token is sampled.
+    pub fn prefilled(
+        &mut self,
+        lane: &mut Lane<'_>,
+        n: usize,
+        logits: &[f32],
+    ) -> anyhow::Result<()> {
+        let start = self.prefilled;
+        self.prefilled += n;
+        let done = self.prefilled == self.prompt.len();
+        if done {
+            self.stats.target_passes += 1;
+            self.prefill_seconds = self.started.elapsed().as_secs_f64();
+        }
+        if self.speculation.is_some() {
+            if let Some((name, drafter, models)) = lane.drafter() {
+                let t = Instant::now();
+                drafter
+                    .begin(
+                        RSlice::from_slice(&self.prompt[..self.prefilled]),
+                        start as u32,
+                        models,
+                    )
+                    .into_result()
+                    .with_context(|| format!("drafter '{name}' failed to start"))?;
+                self.stats.draft_seconds += t.elapsed().as_secs_f64();
+            }
+        }
+        if !done {
+            return Ok(());
+        }
+        self.decode_started = Instant::now();
+        let t = Instant::now();
+        self.t0 = self
+            .sampler
+            .sample(&logits[logits.len() - self.vocab..], &self.history);
+        self.stats.sample_seconds += t.elapsed().as_secs_f64();
+        self.phase = if self.request.max_tokens == 0 {
+            Phase::Done(StopReason::MaxTokens)
+        } else {
+            Phase::Decode
+        };
+        Ok(())
+    }
+
+    /// Whether generation has ended.
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done(_))
+    }
+
+    /// Ends generation if the request was cancelled (the client left) — also while its
+    /// prompt is still being read; returns whether it did.
+    pub fn end_if_cancelled(&mut self) -> bool {
+        if !self.is_done() && self.request.cancel.is_cancelled() {
+            self.phase = Phase::Done(StopReason::Cancelled);
+        }
+        self.phase == Phase::Done(StopReason::Cancelled)
+    }
+
+    fn is_end(&self, token: u32) -> bool {
+        self.tokenizer.is_end_of_generation(token) || self.eos == Some(token)
+    }
+
+    /// Starts a decode step: emits the certain token unless it ends generation. Returns
+    /// whether the step goes on to a pass (false: generation is done).
+    pub fn begin_step(&mut self) -> bool {
+        if self.phase != Phase::Decode {
+            return false;
+        }
+        let stop = if self.request.cancel.is_cancelled() {
+            Some(StopReason::Cancelled)
+        } else if self.is_end(self.t0) {
+            Some(StopReason::EndOfGeneration)
+        } else {
+            self.history.push(self.t0);
+            self.stats.steps += 1;
+            self.stats.emitted += 1;
+            match self.out.emit(self.t0) {
+                Emit::Stop(reason) => Some(reason),
+                Emit::Continue if self.history.len() >= self.context => {
+                    Some(StopReason::ContextFull)
+                }
+                Emit::Continue => None,
+            }
+        };
+        if let Some(reason) = stop {
+            self.phase = Phase::Done(reason);
+            return false;
+        }
+        self.step = Step {
+            evaluated: self.history.len() - 1,
+            asked: false,
+            started: Instant::now(),
+        };
+        self.draft.clear();
+        self.rows.clear();
+        self.rows.push(self.t0);
+        true
+    }
+
+    /// How many drafts this step would verify (0 when not speculating or paused, capped by
+    /// the tokens still allowed and the context). Call once per step, after
+    /// [`begin_step`](Self::begin_step).
+    pub fn wanted_drafts(&mut self) -> usize {
+        let room = (self.request.max_tokens as usize - self.out.tokens.len())
+            .min(self.context - self.history.len());
+        let Some(length) = self.speculation.as_mut() else {
+            return 0;
+        };
+        let n = (length.next_len() as usize).min(room);
+        if let Some(reason) = length.pause_reason() {
+            self.stats.record_pause(reason);
+        }
+        n
+    }
+
+    /// The smoothed fraction of this request's drafts the target accepts (a prior of 0.5
+    /// before any evidence); 0 when it does not speculate.
+    pub fn acceptance(&self) -> f64 {
+        self.speculation
+            .as_ref()
+            .map_or(0.0, DraftLength::acceptance)
+    }
+
+    /// Asks the drafter for up to `n` drafts continuing the history; they join
+    /// [`rows`](Self::rows). With `n == 0` the step is plain.
+    pub fn draft(&mut self, lane: &mut Lane<'_>, n: usize) -> anyhow::Result<()> {
+        if n == 0 || self.speculation.is_none() {
+            return Ok(());
+        }
+        let Some((name, drafter, models)) = lane.drafter() else {
+            return Ok(());
+        };
+        self.step.asked = true;
+        let t = Instant::now();
+        let request = DraftRequest {
+            context: RSlice::from_slice(&self.history),
+            max_tokens: n as u32,
+            temperature: self.request.sampling.temperature,
+            seed: self.draft_rng.next_u64(),
+        };
+        drafter
+            .propose(request, models, &mut self.draft)
+            .into_result()
+            .with_context(|| format!("drafter '{name}' failed to propose"))?;
+        sanitize(
+            &mut self.draft,
+            n,
+            self.vocab,
+            self.request.sampling.temperature <= 0.0,
+        );
+        self.stats.draft_seconds += t.elapsed().as_secs_f64();
+        self.rows.extend_from_slice(&self.draft.tokens);
+        Ok(())
+    }
+
+    /// The tokens this step's pass evaluates (logits for every row): the certain token, then
+    /// the drafts.
+    pub fn rows(&self) -> &[u32] {
+        &self.rows
+    }
+
+    /// Reports that this step's pass failed with `error`. A full context ends generation;
+    /// any other error is returned.
+    pub fn pass_failed(&mut self, error: PluginError) -> anyhow::Result<()> {
+        match self.phase {
+            Phase::Decode if error.kind == ErrorKind::ContextFull => {
+                self.phase = Phase::Done(StopReason::ContextFull);
+                Ok(())
+            }
+            Phase::Prefill => Err(error).context("prompt evaluation failed"),
+            _ => Err(error).context("decoding failed"),
+        }
+    }
+
+    /// Judges this step's pass (`logits`: one row per [`rows`](Self::rows) entry, which took
+    /// `pass_seconds`), emits the accepted drafts, cuts the target back to what was emitted
+    /// and tells the drafter.
+    pub fn verify(
+        &mut self,
+        lane: &mut Lane<'_>,
+        logits: &[f32],
+        pass_seconds: f64,
+    ) -> anyhow::Result<()> {
+        let vocab = self.vocab;
+        self.stats.target_passes += 1;
+        self.stats.verify_seconds += pass_seconds;
+
+        // Walk the rows. Row i continues `history` + the first i drafts.
+        let t = Instant::now();
+        let n_drafts = self.draft.tokens.len();
+        let mut accepted = 0;
+        let mut next = None;
+        let has_probs = n_drafts > 0 && self.draft.probs.len() == n_drafts * vocab;
+        let base = self.history.len();
+        self.history.extend_from_slice(&self.draft.tokens);
+        for (i, &d) in self.draft.tokens.iter().enumerate() {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let q = has_probs.then(|| &self.draft.probs[i * vocab..(i + 1) * vocab]);
+            match self
+                .judge
+                .judge(&mut self.sampler, row, &self.history[..base + i], d, q)
+            {
+                Verdict::Accept => accepted += 1,
+                Verdict::Reject(token) => {
+                    next = Some(token);
+                    break;
+                }
+            }
+        }
+        let next = match next {
+            Some(token) => token,
+            None => {
+                let row = &logits[n_drafts * vocab..(n_drafts + 1) * vocab];
+                self.sampler.sample(row, &self.history)
+            }
+        };
+        self.history.truncate(base);
+        self.stats.sample_seconds += t.elapsed().as_secs_f64();
+        self.stats.record_verdicts(n_drafts, accepted);
+        tracing::trace!(
+            target: "specula::spec",
+            step = self.stats.steps,
+            drafted = n_drafts,
+            accepted,
+            next,
+            "verified"
+        );
+
+        // Emit accepted drafts; a stop clamps them.
+        let evaluated = self.step.evaluated;
+        let mut stop = None;
+        let mut keep = evaluated + 1 + accepted;
+        for j in 0..accepted {
+            let d = self.draft.tokens[j];
+            if self.is_end(d) {
+                keep = evaluated + 1 + j;
+                stop = Some((j, StopReason::EndOfGeneration));
+                break;
+            }
+            self.history.push(d);
+            self.stats.emitted += 1;
+            self.stats.accepted += 1;
+            if let Emit::Stop(reason) = self.out.emit(d) {
+                // Like plain decoding, the last emitted token stays unevaluated.
+                keep = evaluated + 1 + j;
+                stop = Some((j + 1, reason));
+                break;
+            }
+        }
+        let emitted_drafts = stop.map_or(accepted, |(n, _)| n);
+        self.stats.clamped += (accepted - emitted_drafts) as u64;
+        let len_before = lane
+            .target
+            .len()
+            .into_result()
+            .context("the target cannot report its length")?;
+        if keep < len_before {
+            lane.target
+                .truncate(keep)
+                .into_result()
+                .context("the target could not roll back")?;
+        }
+        if let Some(length) = self.speculation.as_mut() {
+            length.record(
+                self.step.asked,
+                n_drafts as u32,
+                accepted as u32,
+                1 + emitted_drafts as u32,
+                self.step.started.elapsed().as_secs_f64(),
+            );
+            // After every target pass, drafted or not: a drafter that follows the target's
+            // hidden states (MTP) must see every accepted position.
+            if let Some((name, drafter, models)) = lane.drafter() {
+                let t = Instant::now();
+                drafter
+                    .accept(emitted_drafts as u32, models)
+                    .into_result()
+                    .with_context(|| format!("drafter '{name}' failed to accept"))?;
+                self.stats.draft_seconds += t.elapsed().as_secs_f64();
+            }
+        }
+        self.phase = match stop {
+            Some((_, reason)) => Phase::Done(reason),
+            None => {
+                self.t0 = next;
+                Phase::Decode
+            }
+        };
+        Ok(())
+    }
+
+    /// Ends generation: flushes held-back text and returns the outcome and the tokens the
+    /// target's sequence holds (`target_len` of the history).
+    pub fn finish(mut self, target_len: usize) -> (Outcome, Vec<u32>) {
+        let stop_reason = match self.phase {
+            Phase::Done(reason) => reason,
+            _ => StopReason::Cancelled,
+        };
+        self.out.finish(stop_reason);
+        let decode_seconds = if self.phase == Phase::Prefill {
+            0.0
+        } else {
+            self.decode_started.elapsed().as_secs_f64()
+        };
+        let mut held = self.history;
+        held.truncate(target_len);
+        let outcome = Outcome {
+            timings: Timings {
+                prompt_tokens: self.prompt.len(),
+                reused_tokens: self.reused,
+                prefill_seconds: self.prefill_seconds,
+                generated_tokens: self.out.tokens.len(),
+                decode_seconds,
+            },
+            prompt_tokens: self.prompt,
+            tokens: self.out.tokens,
+            text: self.out.text,
+            stop_reason,
+            speculative: self.stats,
+        };
+        (outcome, held)
+    }
+}
+
+/// Drops what a drafter must not hand over: more than asked, ids outside the vocabulary, and
+/// a malformed distribution. With `greedy`, also low-confidence tails: when sampling, keeping a
+/// draft must not depend on the sampled token, or the drafts would no longer follow the
+/// distribution the drafter reported and rejection sampling would lose its exactness.
+fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool) {
+    let mut keep = draft.tokens.len().min(max);
+    if let Some(bad) = draft.tokens[..keep]
+        .iter()
+        .position(|&t| t as usize >= vocab)
+    {
+        keep = bad;
+    }
+    if greedy && draft.confidence.len() >= keep {
+        if let Some(low) = draft.confidence[..keep]
+            .iter()
+            .position(|&c| c < adaptive::MIN_CONFIDENCE)
+        {
+            keep = low;
+        }
+    }
+    draft.tokens.truncate(keep);
+    if draft.probs.len() >= keep * vocab && !draft.probs.is_empty() {
+        draft.probs.truncate(keep * vocab);
+    } else {
+        draft.probs.clear();
+    }
+}

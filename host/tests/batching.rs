@@ -1,0 +1,252 @@
+//! The engine loop (continuous batching with speculation) over the real plugins: every
+//! stream equals its output decoded alone, whatever shares its passes — other requests
+//! joining and leaving mid-stream, prompts prefilled in chunks beside decode rows, drafts of
+//! every drafter — and a panic in one request fails that request only.
+
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use specula_host::pipeline::{Parts, Pipeline};
+use specula_host::profile::Profile;
+use specula_host::request::{CancelFlag, Outcome, Request, StopReason};
+use specula_host::sampling::SamplingParams;
+use specula_host::scheduler::budget::CostCurve;
+use specula_host::scheduler::{Engine, EngineEvent, EngineOptions, Job, JobError};
+use specula_host::spec::{generate, SpecSettings};
+mod common;
+
+use common::*;
+
+const PROMPTS: &[&str] = &[
+    "Once upon a time",
+    "Lily and Ben went to the park. Lily and Ben",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "",
+    "One day, a little girl named Sue found a big red ball in the garden. She wanted to play \
+     with it, but her mom said it was time for lunch. Sue was sad, but she",
+    "Tom had a dog",
+    "Once upon a time there was a little boy who liked to run. Once upon a time",
+    "The sun was",
+];
+
+fn request(i: usize, speculate: bool) -> Request {
+    let sampling = if i % 4 == 3 {
+        // A seeded sampled request: plain decoding draws the same numbers batched or alone.
+        SamplingParams {
+            temperature: 0.8,
+            seed: Some(7 + i as u64),
+            ..SamplingParams::greedy()
+        }
+    } else {
+        SamplingParams::greedy()
+    };
+    Request {
+        prompt: PROMPTS[i % PROMPTS.len()].to_string(),
+        max_tokens: [24, 40, 9, 33, 17, 48, 5, 28][i % 8],
+        stop: if i == 2 { vec![".".into()] } else { Vec::new() },
+        add_bos: true,
+        // Fixed draft lengths, so that the drafts of every drafter reach the batched passes.
+        speculation: (speculate && i % 4 != 3).then_some(SpecSettings {
+            draft_min: 1,
+            draft_max: 4,
+            adaptive: false,
+        }),
+        sampling,
+        cancel: CancelFlag::default(),
+    }
+}
+
+/// What a job reports: its text pieces as they came, then its end.
+enum Report {
+    Text(usize, String),
+    Done(usize, Box<Result<Outcome, JobError>>),
+}
+
+fn job(i: usize, request: Request, tx: &mpsc::Sender<Report>) -> Job {
+    let (text, done) = (tx.clone(), tx.clone());
+    Job {
+        request,
+        on_text: Box::new(move |piece| {
+            let _ = text.send(Report::Text(i, piece.to_string()));
+        }),
+        on_done: Box::new(move |result| {
+            let _ = done.send(Report::Done(i, Box::new(result)));
+        }),
+    }
+}
+
+fn profile(dir: &Path, model: &Path, drafter: &str) -> Profile {
+    let path = write_spec_profile(dir, "p.toml", model, drafter);
+    Profile::load(path).unwrap()
+}
+
+/// Runs 8 requests alone, then through an engine of 3 lanes — half of them joining once
+/// the first streams flow, one more leaving after its first text — and compares.
+fn assert_streams_equal_alone(model: &Path, drafter: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = profile(dir.path(), model, drafter);
+    let speculate = !drafter.is_empty();
+    let mut alone = Pipeline::open(&profile).unwrap();
+    let expected: Vec<Outcome> = (0..8)
+        .map(|i| generate(&mut alone, &request(i, speculate), |_| {}).unwrap())
+        .collect();
+    drop(alone);
+
+    let passes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = passes.clone();
+    let options = EngineOptions {
+        // Small chunks: long prompts are prefilled over several passes beside decode rows.
+        prefill_chunk: 7,
+        // Rows priced as free: the budget passes every wanted draft (on these tiny models a
+        // measured curve prices rows too dear to draft at all).
+        cost_curve: Some(CostCurve::from_points(vec![(1, 1.0), (64, 1.0)])),
+        observer: std::sync::Arc::new(move |e| {
+            if let EngineEvent::Pass {
+                sequences, rows, ..
+            } = e
+            {
+                seen.lock().unwrap().push((sequences, rows));
+            }
+        }),
+    };
+    let engine = Engine::start(Parts::open(&profile, 3, None).unwrap(), 3, options).unwrap();
+    let (tx, rx) = mpsc::channel();
+    for i in 0..4 {
+        engine
+            .submit(job(i, request(i, speculate), &tx))
+            .ok()
+            .unwrap();
+    }
+    // A client that leaves after its first text.
+    let leaver = request(1, speculate);
+    let leave = leaver.cancel.clone();
+    let mut texts = vec![String::new(); 9];
+    let mut outcomes: Vec<Option<Result<Outcome, JobError>>> = (0..9).map(|_| None).collect();
+    let mut joined = false;
+    while outcomes.iter().any(Option::is_none) {
+        let report = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the engine answers every job");
+        match report {
+            Report::Text(i, piece) => {
+                texts[i].push_str(&piece);
+                if i == 8 {
+                    leave.cancel();
+                }
+                if !joined {
+                    joined = true;
+                    for i in 4..8 {
+                        engine
+                            .submit(job(i, request(i, speculate), &tx))
+                            .ok()
+                            .unwrap();
+                    }
+                    engine.submit(job(8, leaver.clone(), &tx)).ok().unwrap();
+                }
+            }
+            Report::Done(i, result) => outcomes[i] = Some(*result),
+        }
+    }
+    let mut accepted = 0;
+    for (i, want) in expected.iter().enumerate() {
+        let got = outcomes[i]
+            .take()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("job {i}: {e}"));
+        assert_eq!(got.tokens, want.tokens, "job {i} ({drafter:?})");
+        assert_eq!(got.text, want.text, "job {i}");
+        assert_eq!(texts[i], want.text, "job {i}'s streamed text");
+        assert_eq!(got.stop_reason, want.stop_reason, "job {i}");
+        accepted += got.speculative.accepted;
+    }
+    if speculate {
+        assert!(
+            accepted > 0,
+            "no draft was accepted in the batched passes ({drafter:?})"
+        );
+    }
+    let left = outcomes[8].take().unwrap().unwrap();
+    assert_eq!(left.stop_reason, StopReason::Cancelled);
+    assert!(left.tokens.len() < 40, "the leaver stopped early");
+    let passes = passes.lock().unwrap();
+    assert!(
+        passes.iter().any(|&(sequences, _)| sequences >= 3),
+        "sequences shared passes: {passes:?}"
+    );
+}
+
+#[test]
+fn plain_streams_equal_their_output_alone() {
+    assert_streams_equal_alone(&shared("models/stories260K.gguf"), "");
+}
+
+#[test]
+fn lookup_streams_equal_their_output_alone() {
+    assert_streams_equal_alone(
+        &shared("models/stories260K.gguf"),
+        "[drafter]\nplugin = \"lookup\"\n",
+    );
+}
+
+#[test]
+fn draft_model_streams_equal_their_output_alone() {
+    assert_streams_equal_alone(
+        &shared("models/stories260K.gguf"),
+        &format!(
+            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            shared("models/llama2xs-281K.gguf")
+        ),
+    );
+}
+
+#[test]
+fn mtp_streams_on_a_hybrid_equal_their_output_alone() {
+    assert_streams_equal_alone(
+        &shared("models/trained/stories-qwen35-mtp-q8_0.gguf"),
+        "[drafter]\nplugin = \"mtp\"\n",
+    );
+}
+
+#[test]
+fn a_panic_in_one_request_fails_that_request_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = profile(
+        dir.path(),
+        &shared("models/stories260K.gguf"),
+        "[drafter]\nplugin = \"lookup\"\n",
+    );
+    let mut alone = Pipeline::open(&profile).unwrap();
+    let want = generate(&mut alone, &request(1, true), |_| {}).unwrap();
+    drop(alone);
+    let engine = Engine::start(
+        Parts::open(&profile, 2, None).unwrap(),
+        2,
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut bomb = job(0, request(0, true), &tx);
+    bomb.on_text = Box::new(|_| panic!("the client's sink exploded"));
+    engine.submit(bomb).ok().unwrap();
+    engine.submit(job(1, request(1, true), &tx)).ok().unwrap();
+    let mut results: Vec<Option<Result<Outcome, JobError>>> = vec![None, None];
+    while results.iter().any(Option::is_none) {
+        if let Report::Done(i, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            results[i] = Some(*r);
+        }
+    }
+    match results[0].take().unwrap() {
+        Err(JobError::Panicked(message)) => assert!(message.contains("exploded"), "{message}"),
+        other => panic!("the panicking request: {other:?}"),
+    }
+    assert_eq!(results[1].take().unwrap().unwrap().tokens, want.tokens);
+    // The lane it used serves again.
+    engine.submit(job(1, request(1, true), &tx)).ok().unwrap();
+    loop {
+        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            assert_eq!(r.unwrap().tokens, want.tokens);
+            break;
+        }
+    }
+}
