@@ -4,8 +4,11 @@
 //! every drafter — and a panic in one request fails that request only.
 
 use std::path::Path;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
+
+use abi_stable::std_types::{RResult::RErr, RResult::ROk, RSlice, RVec};
 
 use specula_host::pipeline::{Parts, Pipeline};
 use specula_host::profile::Profile;
@@ -14,6 +17,10 @@ use specula_host::sampling::SamplingParams;
 use specula_host::scheduler::budget::CostCurve;
 use specula_host::scheduler::{Engine, EngineEvent, EngineOptions, Job, JobError};
 use specula_host::spec::{generate, SpecSettings};
+use specula_plugin_api::{
+    box_forward_pass, BoxedForwardPass, Capabilities, ErrorKind, EvalChunk, ForwardPass, KvUsage,
+    ModelInfo, MtpChunk, PluginError, PluginResult, SeqId,
+};
 mod common;
 
 use common::*;
@@ -67,6 +74,7 @@ fn job(i: usize, request: Request, tx: &mpsc::Sender<Report>) -> Job {
     let (text, done) = (tx.clone(), tx.clone());
     Job {
         request,
+        prompt: None,
         on_text: Box::new(move |piece| {
             let _ = text.send(Report::Text(i, piece.to_string()));
         }),
@@ -101,6 +109,7 @@ fn assert_streams_equal_alone(model: &Path, drafter: &str) {
         // Rows priced as free: the budget passes every wanted draft (on these tiny models a
         // measured curve prices rows too dear to draft at all).
         cost_curve: Some(CostCurve::from_points(vec![(1, 1.0), (64, 1.0)])),
+        reopen: None,
         observer: std::sync::Arc::new(move |e| {
             if let EngineEvent::Pass {
                 sequences, rows, ..
@@ -249,4 +258,128 @@ fn a_panic_in_one_request_fails_that_request_only() {
             break;
         }
     }
+}
+
+/// A target backend that, once `trip` is set, answers as a plugin whose panic fence caught a
+/// panic: every call refused with [`ErrorKind::Panic`].
+struct Tripwire {
+    inner: BoxedForwardPass,
+    trip: Arc<AtomicBool>,
+}
+
+impl Tripwire {
+    fn check(&self) -> PluginResult<()> {
+        if self.trip.load(Ordering::Relaxed) {
+            RErr(PluginError::new(ErrorKind::Panic, "the kernel exploded"))
+        } else {
+            ROk(())
+        }
+    }
+}
+
+impl ForwardPass for Tripwire {
+    fn model_info(&self) -> ModelInfo {
+        self.inner.model_info()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn seq_create(&mut self) -> PluginResult<SeqId> {
+        self.check().and_then(|()| self.inner.seq_create())
+    }
+    fn seq_fork(&mut self, seq: SeqId) -> PluginResult<SeqId> {
+        self.check().and_then(|()| self.inner.seq_fork(seq))
+    }
+    fn seq_free(&mut self, seq: SeqId) -> PluginResult<()> {
+        self.check().and_then(|()| self.inner.seq_free(seq))
+    }
+    fn seq_reuse_prefix(&mut self, seq: SeqId, tokens: RSlice<'_, u32>) -> PluginResult<usize> {
+        self.check()
+            .and_then(|()| self.inner.seq_reuse_prefix(seq, tokens))
+    }
+    fn seq_len(&self, seq: SeqId) -> PluginResult<usize> {
+        self.check().and_then(|()| self.inner.seq_len(seq))
+    }
+    fn kv_usage(&self) -> KvUsage {
+        self.inner.kv_usage()
+    }
+    fn eval_batch(
+        &mut self,
+        chunks: RSlice<'_, EvalChunk<'_>>,
+        logits: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        self.check()
+            .and_then(|()| self.inner.eval_batch(chunks, logits))
+    }
+    fn truncate(&mut self, seq: SeqId, len: usize) -> PluginResult<()> {
+        self.check().and_then(|()| self.inner.truncate(seq, len))
+    }
+    fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()> {
+        self.check()
+            .and_then(|()| self.inner.hidden_states(seq, out))
+    }
+    fn mtp_eval_batch(
+        &mut self,
+        chunks: RSlice<'_, MtpChunk<'_>>,
+        logits: &mut RVec<f32>,
+        hidden_out: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        self.check()
+            .and_then(|()| self.inner.mtp_eval_batch(chunks, logits, hidden_out))
+    }
+}
+
+/// When the target backend panics (and so refuses every later call), the requests it was
+/// running fail with its message, and the engine reopens the model: later requests are
+/// served as before.
+#[test]
+fn a_target_that_panicked_is_reopened() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = profile(dir.path(), &shared("models/stories260K.gguf"), "");
+    let mut alone = Pipeline::open(&profile).unwrap();
+    let want = generate(&mut alone, &request(1, false), |_| {}).unwrap();
+    drop(alone);
+
+    let trip = Arc::new(AtomicBool::new(false));
+    let mut parts = Parts::open(&profile, 2, None).unwrap();
+    parts.target = box_forward_pass(Tripwire {
+        inner: parts.target,
+        trip: trip.clone(),
+    });
+    let reopened = Arc::new(AtomicBool::new(false));
+    let options = EngineOptions {
+        reopen: Some(Arc::new({
+            let (profile, reopened) = (profile.clone(), reopened.clone());
+            move || {
+                reopened.store(true, Ordering::Relaxed);
+                Parts::open(&profile, 2, None)
+            }
+        })),
+        ..EngineOptions::default()
+    };
+    let engine = Engine::start(parts, 2, options).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut long = request(5, false);
+    long.max_tokens = 400;
+    engine.submit(job(0, long, &tx)).ok().unwrap();
+    let failed = loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Report::Text(..) => trip.store(true, Ordering::Relaxed),
+            Report::Done(_, r) => break *r,
+        }
+    };
+    match failed {
+        Err(JobError::Failed(message)) => {
+            assert!(message.contains("the kernel exploded"), "{message}")
+        }
+        other => panic!("the request on the broken target: {other:?}"),
+    }
+    engine.submit(job(1, request(1, false), &tx)).ok().unwrap();
+    loop {
+        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            assert_eq!(r.unwrap().tokens, want.tokens);
+            break;
+        }
+    }
+    assert!(reopened.load(Ordering::Relaxed));
 }

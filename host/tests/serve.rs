@@ -889,6 +889,19 @@ fn concurrent_requests_share_passes_and_equal_their_output_alone() {
             passes > alone_passes,
             "{model}: no pass had two sequences ({passes} passes)"
         );
+        // Every request ended: no block is used, and the prefix cache keeps their full ones.
+        let kv = |state: &str| {
+            metric(
+                &d.metrics(),
+                &format!("specula_kv_blocks{{model=\"{model}\",state=\"{state}\"}}"),
+            )
+        };
+        d.wait_for("the KV pool's final report", |_| kv("used") == 0.0);
+        assert!(kv("cached") > 0.0, "{model}");
+        assert_eq!(
+            metric(&m, &format!("specula_kv_block_tokens{{model=\"{model}\"}}")),
+            64.0
+        );
     }
 }
 

@@ -80,6 +80,27 @@ pub struct Capabilities {
     pub snapshot_bytes_per_slot: u64,
 }
 
+/// How full an instance's attention KV pool is, in blocks of `block_tokens` positions.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvUsage {
+    /// Positions per block (0 where the backend reports no pool).
+    pub block_tokens: u32,
+    pub blocks_total: u64,
+    /// Blocks live sequences hold.
+    pub blocks_used: u64,
+    /// Blocks only the prefix cache keeps (reclaimed, least recently used first, when needed).
+    pub blocks_cached: u64,
+}
+
+impl KvUsage {
+    /// Blocks nothing holds.
+    pub fn blocks_free(&self) -> u64 {
+        self.blocks_total
+            .saturating_sub(self.blocks_used + self.blocks_cached)
+    }
+}
+
 /// Which rows of an [`EvalChunk`] get logits.
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,6 +199,9 @@ pub trait ForwardPass: Send + Sync {
     /// Number of tokens in `seq`; an error once the instance is unusable (an earlier call
     /// panicked).
     fn seq_len(&self, seq: SeqId) -> PluginResult<usize>;
+
+    /// How full the attention KV pool is now.
+    fn kv_usage(&self) -> KvUsage;
 
     /// Evaluates every chunk's tokens at the positions after its sequence, all in one forward
     /// pass (several passes of [`Capabilities::max_batch_rows`] rows when they do not fit one),

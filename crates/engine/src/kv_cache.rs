@@ -26,7 +26,7 @@ use std::hash::{Hash, Hasher};
 
 use rayon::prelude::*;
 use specula_kernels::attention::{Cached, CachedRows};
-use specula_plugin_api::{ErrorKind, PluginError};
+use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
 
 use crate::blocks::attention::AttentionShape;
 
@@ -381,6 +381,23 @@ impl KvPool {
     /// How keys and values are stored.
     pub fn kv_type(&self) -> KvType {
         self.ty
+    }
+
+    /// Blocks live sequences hold, blocks only the prefix cache keeps, and all blocks.
+    pub fn usage(&self) -> KvUsage {
+        let used = self.refs.iter().filter(|&&r| r > 0).count();
+        let cached = self
+            .refs
+            .iter()
+            .zip(&self.cached)
+            .filter(|(&r, c)| r == 0 && c.is_some())
+            .count();
+        KvUsage {
+            block_tokens: BLOCK_TOKENS as u32,
+            blocks_total: self.n_blocks as u64,
+            blocks_used: used as u64,
+            blocks_cached: cached as u64,
+        }
     }
 
     /// Blocks no live sequence holds (free, or kept only by the prefix cache).

@@ -27,10 +27,14 @@ const MEASURED_ROWS: [usize; 6] = [1, 2, 4, 8, 12, 16];
 const MEASURE_CONTEXT: usize = 32;
 
 impl CostCurve {
-    /// A curve through `points` (rows, seconds); rows must increase, with at least two.
-    pub fn from_points(points: Vec<(usize, f64)>) -> Self {
+    /// A curve through `points` (rows, seconds); rows must increase, with at least two. A
+    /// point below an earlier one (timing noise) is raised to it: more rows never cost less.
+    pub fn from_points(mut points: Vec<(usize, f64)>) -> Self {
         assert!(points.len() >= 2, "a cost curve needs two points");
         assert!(points.windows(2).all(|w| w[0].0 < w[1].0), "rows increase");
+        for i in 1..points.len() {
+            points[i].1 = points[i].1.max(points[i - 1].1);
+        }
         Self { points }
     }
 
@@ -40,8 +44,10 @@ impl CostCurve {
         let info = target.model_info();
         let capabilities = target.capabilities();
         let vocab = info.vocab_size.max(1);
-        let tokens: Vec<u32> = (0..MEASURE_CONTEXT as u32 + 16)
-            .map(|i| (i * 7919 + 1) % vocab)
+        let context = (info.context_size as usize).max(2);
+        let before = MEASURE_CONTEXT.min(context / 2);
+        let tokens: Vec<u32> = (0..context as u32)
+            .map(|i| (i.wrapping_mul(7919) + 1) % vocab)
             .collect();
         let seq = match target.seq_create().into_result() {
             Ok(seq) => seq,
@@ -50,25 +56,22 @@ impl CostCurve {
         let result = (|| {
             let mut logits = RVec::new();
             target
-                .eval(
-                    seq,
-                    &tokens[..MEASURE_CONTEXT],
-                    LogitRows::None,
-                    &mut logits,
-                )
+                .eval(seq, &tokens[..before], LogitRows::None, &mut logits)
                 .into_result()?;
-            let max_rows = (capabilities.max_verify_tokens as usize).max(1);
+            let max_rows = (capabilities.max_verify_tokens as usize)
+                .min(context - before - 1)
+                .max(1);
             let mut points = Vec::new();
             for rows in MEASURED_ROWS.into_iter().filter(|&r| r <= max_rows) {
                 let mut best = f64::INFINITY;
                 for _ in 0..3 {
-                    let batch = &tokens[MEASURE_CONTEXT..MEASURE_CONTEXT + rows];
+                    let batch = &tokens[before..before + rows];
                     let t = Instant::now();
                     target
                         .eval(seq, batch, LogitRows::All, &mut logits)
                         .into_result()?;
                     best = best.min(t.elapsed().as_secs_f64());
-                    target.truncate(seq, MEASURE_CONTEXT).into_result()?;
+                    target.truncate(seq, before).into_result()?;
                 }
                 points.push((rows, best.max(1e-9)));
             }
@@ -106,23 +109,29 @@ impl CostCurve {
     }
 }
 
-/// How many of its `wanted` drafts each decoding sequence verifies this step. `acceptance`
-/// is each sequence's smoothed acceptance rate; `fixed_rows` are the pass's rows that come
-/// regardless (one certain token per decoding sequence, the prefill chunks).
+/// How many of its `wanted` drafts each decoding sequence verifies this step: at least its
+/// `floor` (drafts its settings fix), then more while they pay. `acceptance` is each
+/// sequence's smoothed acceptance rate; `fixed_rows` are the pass's rows that come regardless
+/// (one certain token per decoding sequence, the prefill chunks).
 pub fn allocate_drafts(
     wanted: &[usize],
+    floor: &[usize],
     acceptance: &[f64],
     fixed_rows: usize,
     curve: &CostCurve,
 ) -> Vec<usize> {
-    let mut drafts = vec![0; wanted.len()];
-    // Expected tokens of the step: the certain ones first.
-    let mut expected = wanted.len() as f64;
-    let mut rows = fixed_rows.max(1);
+    let p = |s: usize| acceptance[s].clamp(0.0, 1.0);
+    let mut drafts: Vec<usize> = floor.iter().zip(wanted).map(|(&f, &w)| f.min(w)).collect();
+    // Expected tokens of the step: the certain ones, then the drafts granted so far.
+    let mut expected = wanted.len() as f64
+        + (0..wanted.len())
+            .map(|s| (1..=drafts[s]).map(|j| p(s).powi(j as i32)).sum::<f64>())
+            .sum::<f64>();
+    let mut rows = fixed_rows.max(1) + drafts.iter().sum::<usize>();
     loop {
         let best = (0..wanted.len())
             .filter(|&s| drafts[s] < wanted[s])
-            .map(|s| (s, acceptance[s].clamp(0.0, 1.0).powi(drafts[s] as i32 + 1)))
+            .map(|s| (s, p(s).powi(drafts[s] as i32 + 1)))
             .max_by(|a, b| a.1.total_cmp(&b.1));
         let Some((s, value)) = best else { break };
         let now = expected / curve.seconds(rows);
@@ -157,19 +166,29 @@ mod tests {
     }
 
     #[test]
+    fn a_noisy_curve_never_falls() {
+        let c = CostCurve::from_points(vec![(1, 1.0), (8, 1.5), (12, 1.8), (16, 1.6)]);
+        assert!((c.seconds(16) - 1.8).abs() < 1e-12);
+        assert!(c.seconds(64) >= 1.8);
+    }
+
+    #[test]
     fn one_sequence_with_good_drafts_verifies_them_all() {
-        assert_eq!(allocate_drafts(&[4], &[0.8], 1, &cpu()), vec![4]);
+        assert_eq!(allocate_drafts(&[4], &[0], &[0.8], 1, &cpu()), vec![4]);
     }
 
     #[test]
     fn drafts_that_are_never_accepted_are_not_verified() {
-        assert_eq!(allocate_drafts(&[4, 4], &[0.0, 0.9], 2, &cpu()), vec![0, 4]);
+        assert_eq!(
+            allocate_drafts(&[4, 4], &[0, 0], &[0.0, 0.9], 2, &cpu()),
+            vec![0, 4]
+        );
     }
 
     #[test]
     fn with_many_sequences_drafts_shrink() {
-        let alone = allocate_drafts(&[8], &[0.6], 1, &cpu())[0];
-        let crowded = allocate_drafts(&[8; 8], &[0.6; 8], 8, &cpu());
+        let alone = allocate_drafts(&[8], &[0], &[0.6], 1, &cpu())[0];
+        let crowded = allocate_drafts(&[8; 8], &[0; 8], &[0.6; 8], 8, &cpu());
         assert!(alone >= 3, "{alone}");
         assert!(crowded.iter().all(|&k| k < alone), "{crowded:?} vs {alone}");
         // The best drafts go first: equal sequences get equal shares, within one.
@@ -178,10 +197,23 @@ mod tests {
     }
 
     #[test]
+    fn drafts_a_profile_fixes_are_verified_whatever_they_cost() {
+        let steep = CostCurve::from_points(vec![(1, 1.0), (2, 2.0)]);
+        assert_eq!(
+            allocate_drafts(&[4, 4], &[0, 0], &[0.5, 0.5], 2, &steep),
+            vec![0, 0]
+        );
+        assert_eq!(
+            allocate_drafts(&[4, 4], &[4, 1], &[0.5, 0.5], 2, &steep),
+            vec![4, 1]
+        );
+    }
+
+    #[test]
     fn on_a_flat_curve_every_wanted_draft_is_verified() {
         let flat = CostCurve::from_points(vec![(1, 1.0), (64, 1.0001)]);
         assert_eq!(
-            allocate_drafts(&[3, 5, 0], &[0.3, 0.5, 0.9], 3, &flat),
+            allocate_drafts(&[3, 5, 0], &[0; 3], &[0.3, 0.5, 0.9], 3, &flat),
             vec![3, 5, 0]
         );
     }

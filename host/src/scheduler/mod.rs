@@ -33,8 +33,8 @@ use std::time::Instant;
 use abi_stable::std_types::{RSlice, RVec};
 use anyhow::Context;
 use specula_plugin_api::{
-    BoxedDrafter, BoxedForwardPass, Capabilities, EvalChunk, LentSequence, LogitRows, ModelInfo,
-    PluginError, SeqId,
+    BoxedDrafter, BoxedForwardPass, Capabilities, ErrorKind, EvalChunk, KvUsage, LentSequence,
+    LogitRows, ModelInfo, PluginError, SeqId,
 };
 use specula_tokenizer::Tokenizer;
 
@@ -49,6 +49,9 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 256;
 /// A request for the engine and where its results go.
 pub struct Job {
     pub request: Request,
+    /// The prompt already tokenized by the target's tokenizer (as [`Generation::new`] would);
+    /// `None`: the loop tokenizes it.
+    pub prompt: Option<Vec<u32>>,
     /// Receives text as soon as it is certain.
     pub on_text: Box<dyn FnMut(&str) + Send>,
     /// Called once at the end, after the request's sequence is freed.
@@ -78,6 +81,9 @@ pub enum EngineEvent {
     },
     /// A new sequence took `reused` of its `prompt` tokens from the prefix cache.
     Admitted { prompt: usize, reused: usize },
+    /// How full the target's KV pool is (at most every quarter second, and when the loop
+    /// goes idle).
+    Kv(KvUsage),
 }
 
 /// How the loop schedules.
@@ -89,7 +95,14 @@ pub struct EngineOptions {
     pub observer: std::sync::Arc<dyn Fn(EngineEvent) + Send + Sync>,
     /// The target's pass cost by rows; measured at start when `None`.
     pub cost_curve: Option<CostCurve>,
+    /// Opens the parts afresh (for as many sequences) after the target backend panicked:
+    /// a panicked instance refuses every later call. Without it, the engine fails every
+    /// later request with the panic's message.
+    pub reopen: Option<Reopen>,
 }
+
+/// Opens an engine's [`Parts`] again.
+pub type Reopen = std::sync::Arc<dyn Fn() -> anyhow::Result<Parts> + Send + Sync>;
 
 impl Default for EngineOptions {
     fn default() -> Self {
@@ -97,6 +110,7 @@ impl Default for EngineOptions {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             observer: std::sync::Arc::new(|_| {}),
             cost_curve: None,
+            reopen: None,
         }
     }
 }
@@ -113,38 +127,10 @@ impl Engine {
     /// that many). Creates a drafter per lane and measures the target's cost curve first,
     /// so that failures surface here.
     pub fn start(parts: Parts, sequences: usize, options: EngineOptions) -> anyhow::Result<Self> {
-        let Parts {
-            mut target,
-            tokenizer,
-            info,
-            drafter,
-            mut draft_model,
-            ..
-        } = parts;
         let sequences = sequences.max(1);
-        let mut lanes = Vec::with_capacity(sequences);
-        for _ in 0..sequences {
-            lanes.push(LaneSlot::open(drafter.as_ref(), draft_model.as_mut())?);
-        }
-        let curve = match options.cost_curve.clone() {
-            Some(curve) => curve,
-            None => CostCurve::measure(&mut target)
-                .into_result()
-                .context("cannot measure the target's pass cost")?,
-        };
-        tracing::debug!(?curve, "engine cost curve");
-        let capabilities = target.capabilities();
+        let (state, tokenizer) = Loop::open(parts, sequences, options)?;
+        let curve = state.curve.clone();
         let (jobs, inbox) = mpsc::channel();
-        let state = Loop {
-            target,
-            draft_model,
-            drafter,
-            capabilities,
-            info,
-            lanes,
-            options,
-            curve: curve.clone(),
-        };
         std::thread::Builder::new()
             .name("specula-engine".into())
             .spawn(move || state.run(&tokenizer, inbox))
@@ -208,6 +194,8 @@ struct Running<'t> {
     lane: usize,
     /// Set when the request failed; it leaves at the end of the step.
     failed: Option<JobError>,
+    /// Steps in a row it wanted drafts and the budget granted none.
+    starved: u32,
 }
 
 /// What a sequence contributes to this step's pass.
@@ -226,7 +214,20 @@ struct Loop {
     lanes: Vec<LaneSlot>,
     options: EngineOptions,
     curve: CostCurve,
+    /// The target panicked during this step: it refuses every later call.
+    broken: Option<String>,
+    /// Why the engine cannot serve any more (the target broke and could not be reopened).
+    dead: Option<String>,
+    /// When the KV pool's usage was last reported.
+    kv_reported: Option<Instant>,
 }
+
+/// Least time between two reports of the KV pool's usage.
+const KV_REPORT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Steps a sequence may want drafts and get none before it is granted one anyway: the
+/// budget judges a sequence by its measured acceptance, which only drafts can update.
+const PROBE_AFTER_STARVED_STEPS: u32 = 16;
 
 /// The text of a panic payload.
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -236,6 +237,19 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "panic".to_string()
+    }
+}
+
+/// Calls a job's `on_done`; a panic in it (the caller's code) is logged, never the loop's end.
+fn answer(
+    on_done: Box<dyn FnOnce(Result<Outcome, JobError>) + Send>,
+    result: Result<Outcome, JobError>,
+) {
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(|| on_done(result))) {
+        tracing::error!(
+            "a job's completion handler panicked: {}",
+            panic_message(&*panic)
+        );
     }
 }
 
@@ -249,6 +263,92 @@ fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> Result<T, JobError> {
 }
 
 impl Loop {
+    /// The loop's state over `parts` (a drafter per lane, the target's cost curve), and the
+    /// tokenizer.
+    fn open(
+        parts: Parts,
+        sequences: usize,
+        options: EngineOptions,
+    ) -> anyhow::Result<(Self, Tokenizer)> {
+        let Parts {
+            mut target,
+            tokenizer,
+            info,
+            drafter,
+            mut draft_model,
+            ..
+        } = parts;
+        let capabilities = target.capabilities();
+        if (capabilities.max_sequences as usize) < sequences {
+            anyhow::bail!(
+                "the target backend holds at most {} sequences, {sequences} were asked for (serve.slots)",
+                capabilities.max_sequences
+            );
+        }
+        let mut lanes = Vec::with_capacity(sequences);
+        for _ in 0..sequences {
+            lanes.push(LaneSlot::open(drafter.as_ref(), draft_model.as_mut())?);
+        }
+        let curve = match options.cost_curve.clone() {
+            Some(curve) => curve,
+            None => CostCurve::measure(&mut target)
+                .into_result()
+                .context("cannot measure the target's pass cost")?,
+        };
+        tracing::debug!(?curve, "engine cost curve");
+        let state = Self {
+            target,
+            draft_model,
+            drafter,
+            capabilities,
+            info,
+            lanes,
+            options,
+            curve,
+            broken: None,
+            dead: None,
+            kv_reported: None,
+        };
+        Ok((state, tokenizer))
+    }
+
+    /// After the target panicked: fails every running request, then opens the parts again
+    /// (or, failing that, stops serving).
+    fn recover_target(&mut self, running: &mut Vec<Running<'_>>, free: &mut Vec<usize>) {
+        let Some(why) = self.broken.take() else {
+            return;
+        };
+        tracing::error!("the target backend panicked ({why}); reopening it");
+        for mut r in running.drain(..) {
+            r.failed
+                .get_or_insert_with(|| JobError::Failed(format!("the model failed: {why}")));
+            free.push(self.leave(r));
+        }
+        let reopened = match &self.options.reopen {
+            Some(reopen) => catch_unwind(AssertUnwindSafe(|| reopen()))
+                .map_err(|p| anyhow::anyhow!("reopening panicked: {}", panic_message(&*p)))
+                .and_then(|r| r)
+                .and_then(|parts| Loop::open(parts, self.lanes.len(), self.options.clone())),
+            None => Err(anyhow::anyhow!("no way to reopen it was given")),
+        };
+        match reopened {
+            Ok((fresh, _tokenizer)) => {
+                // The loop keeps the tokenizer it started with: the same file's.
+                if fresh.info.vocab_size == self.info.vocab_size {
+                    *self = fresh;
+                } else {
+                    self.dead = Some(format!("the reopened model differs: {why}"));
+                }
+            }
+            Err(e) => {
+                tracing::error!("cannot reopen the target backend: {e:#}");
+                self.dead = Some(format!(
+                    "the model's backend failed ({why}) and could not be reopened: {e:#}"
+                ));
+            }
+        }
+    }
+
     fn run(mut self, tokenizer: &Tokenizer, inbox: mpsc::Receiver<Job>) {
         let mut free: Vec<usize> = (0..self.lanes.len()).rev().collect();
         let mut pending: VecDeque<Job> = VecDeque::new();
@@ -262,6 +362,12 @@ impl Loop {
                 }
             }
             pending.extend(inbox.try_iter());
+            if let Some(why) = &self.dead {
+                for job in pending.drain(..) {
+                    answer(job.on_done, Err(JobError::Failed(why.clone())));
+                }
+                continue;
+            }
             while !free.is_empty() && !pending.is_empty() {
                 let job = pending.pop_front().expect("not empty");
                 let lane = free.pop().expect("not empty");
@@ -288,10 +394,18 @@ impl Loop {
                     i += 1;
                 }
             }
+            self.recover_target(&mut running, &mut free);
+            let due = self
+                .kv_reported
+                .is_none_or(|t| t.elapsed() >= KV_REPORT_INTERVAL);
+            if due || running.is_empty() {
+                self.kv_reported = Some(Instant::now());
+                (self.options.observer)(EngineEvent::Kv(self.target.kv_usage()));
+            }
         }
         // Jobs that arrived after the engine was dropped.
         for job in pending.drain(..).chain(inbox.try_iter()) {
-            (job.on_done)(Err(JobError::Stopped));
+            answer(job.on_done, Err(JobError::Stopped));
         }
     }
 
@@ -305,54 +419,76 @@ impl Loop {
     ) -> Result<Running<'t>, ()> {
         let Job {
             request,
+            prompt,
             on_text,
             on_done,
         } = job;
         let has_drafter = self.lanes[lane].drafter.is_some();
-        let started = guarded(|| {
-            let mut generation = Generation::new(
+        let generation = guarded(|| {
+            let prompt = match prompt {
+                Some(tokens) => tokens,
+                None => tokenizer.encode(&request.prompt, request.add_bos, true),
+            };
+            Ok(Generation::with_prompt(
                 tokenizer,
                 &self.info,
                 &self.capabilities,
                 has_drafter,
                 request,
+                prompt,
                 on_text,
-            )?;
-            let seq = self
-                .target
-                .seq_create()
-                .into_result()
-                .context("cannot create a sequence")?;
-            let reused = match self
-                .target
-                .seq_reuse_prefix(seq, RSlice::from_slice(generation.prompt()))
-                .into_result()
-            {
-                Ok(n) => n,
-                Err(e) => {
-                    let _ = self.target.seq_free(seq);
-                    return Err(e).context("the prefix cache failed");
-                }
-            };
-            generation.set_reused(reused);
-            (self.options.observer)(EngineEvent::Admitted {
-                prompt: generation.prompt().len(),
-                reused: generation.reused(),
-            });
-            Ok((generation, seq))
+            )?
+            .untimed())
         });
-        match started {
-            Ok((generation, seq)) => Ok(Running {
-                generation,
-                on_done,
-                seq,
-                lane,
-                failed: None,
-            }),
+        let mut generation = match generation {
+            Ok(g) => g,
             Err(e) => {
-                on_done(Err(e));
-                Err(())
+                answer(on_done, Err(e));
+                return Err(());
             }
+        };
+        let seq = match self.target.seq_create().into_result() {
+            Ok(seq) => seq,
+            Err(e) => {
+                self.note_target_error(&e);
+                answer(
+                    on_done,
+                    Err(JobError::Failed(format!("cannot create a sequence: {e}"))),
+                );
+                return Err(());
+            }
+        };
+        let prompt = RSlice::from_slice(generation.prompt());
+        match self.target.seq_reuse_prefix(seq, prompt).into_result() {
+            Ok(reused) => generation.set_reused(reused),
+            Err(e) => {
+                self.note_target_error(&e);
+                let _ = self.target.seq_free(seq);
+                answer(
+                    on_done,
+                    Err(JobError::Failed(format!("the prefix cache failed: {e}"))),
+                );
+                return Err(());
+            }
+        }
+        (self.options.observer)(EngineEvent::Admitted {
+            prompt: generation.prompt().len(),
+            reused: generation.reused(),
+        });
+        Ok(Running {
+            generation,
+            on_done,
+            seq,
+            lane,
+            failed: None,
+            starved: 0,
+        })
+    }
+
+    /// Remembers that the target panicked (it refuses every later call).
+    fn note_target_error(&mut self, e: &PluginError) {
+        if e.kind == ErrorKind::Panic && self.broken.is_none() {
+            self.broken = Some(e.message.to_string());
         }
     }
 
@@ -364,16 +500,26 @@ impl Loop {
             seq,
             lane,
             failed,
+            ..
         } = r;
-        let held = self.target.seq_len(seq).into_result().unwrap_or(0);
+        // A target that panicked refuses these too: that is how a failure inside a request's
+        // own calls (its truncation, its drafter's) is noticed.
+        let held = match self.target.seq_len(seq).into_result() {
+            Ok(n) => n,
+            Err(e) => {
+                self.note_target_error(&e);
+                0
+            }
+        };
         if let Err(e) = self.target.seq_free(seq).into_result() {
+            self.note_target_error(&e);
             tracing::warn!("cannot free a finished sequence: {e}");
         }
         let result = match failed {
             Some(e) => {
-                if matches!(e, JobError::Panicked(_)) {
-                    self.renew_lane(lane);
-                }
+                // The drafter may have failed (a fenced panic refuses every later call) or
+                // been left mid-call: the lane gets a fresh one.
+                self.renew_lane(lane);
                 drop(generation);
                 Err(e)
             }
@@ -382,12 +528,12 @@ impl Loop {
                 Err(panic) => Err(JobError::Panicked(panic_message(&*panic))),
             },
         };
-        on_done(result);
+        answer(on_done, result);
         lane
     }
 
-    /// After a panic the lane's drafter may be mid-call: a fresh one, its draft-model
-    /// sequence emptied.
+    /// After a failed request the lane's drafter may be broken or mid-call: a fresh one, its
+    /// draft-model sequence emptied.
     fn renew_lane(&mut self, lane: usize) {
         let slot = &mut self.lanes[lane];
         if let (Some(model), Some(seq)) = (self.draft_model.as_mut(), slot.draft_seq) {
@@ -411,6 +557,7 @@ impl Loop {
         // Decode rows: the certain tokens, then what each sequence wants to draft.
         let mut decoding = Vec::new();
         let mut wanted = Vec::new();
+        let mut floor = Vec::new();
         let mut acceptance = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
             if r.failed.is_some() || r.generation.end_if_cancelled() {
@@ -422,7 +569,9 @@ impl Loop {
             match guarded(|| Ok(r.generation.begin_step())) {
                 Ok(true) => {
                     decoding.push(i);
-                    wanted.push(r.generation.wanted_drafts());
+                    let want = r.generation.wanted_drafts();
+                    wanted.push(want);
+                    floor.push(r.generation.draft_floor(want));
                     acceptance.push(r.generation.acceptance());
                 }
                 Ok(false) => {}
@@ -449,14 +598,25 @@ impl Loop {
             }
         }
         // Drafts, within the step's row budget.
-        let drafts = allocate_drafts(
+        let mut drafts = allocate_drafts(
             &wanted,
+            &floor,
             &acceptance,
             decoding.len() + prefill_rows,
             &self.curve,
         );
-        for (&i, &n) in decoding.iter().zip(&drafts) {
+        for ((&i, n), &want) in decoding.iter().zip(&mut drafts).zip(&wanted) {
             let r = &mut running[i];
+            if want > 0 && *n == 0 {
+                r.starved += 1;
+                if r.starved >= PROBE_AFTER_STARVED_STEPS {
+                    *n = 1; // a probe: its verdict updates the acceptance the budget reads
+                }
+            }
+            if *n > 0 {
+                r.starved = 0;
+            }
+            let n = *n;
             let mut lane = self.lane(r.lane, r.seq);
             if let Err(e) = guarded(|| r.generation.draft(&mut lane, n)) {
                 r.failed = Some(e);
@@ -501,6 +661,7 @@ impl Loop {
             Err(e) => {
                 // Only the sequence at fault fails: every chunk again, alone.
                 tracing::debug!("a batched pass failed ({e}); retrying its chunks one by one");
+                self.note_target_error(&e);
                 for &(i, part) in &parts {
                     let r = &mut running[i];
                     let t = Instant::now();
@@ -511,7 +672,10 @@ impl Loop {
                     let seconds = t.elapsed().as_secs_f64();
                     match alone {
                         Ok(()) => self.consume(r, part, Ok(logits), seconds),
-                        Err(e) => self.consume(r, part, Err(e), seconds),
+                        Err(e) => {
+                            self.note_target_error(&e);
+                            self.consume(r, part, Err(e), seconds)
+                        }
                     }
                 }
             }

@@ -57,6 +57,10 @@ pub struct Metrics {
     pub prefix_cache_hits: IntCounterVec,
     /// Prompt tokens taken from the prefix cache instead of evaluated.
     pub prefix_cache_tokens: IntCounterVec,
+    /// The target's KV pool in blocks, by state (`used`, `cached`, `free`).
+    pub kv_blocks: IntGaugeVec,
+    /// Positions per KV block.
+    pub kv_block_tokens: IntGaugeVec,
     spec_steps: IntCounterVec,
     spec_target_passes: IntCounterVec,
     spec_drafted: IntCounterVec,
@@ -231,6 +235,16 @@ impl Metrics {
                 "Prompt tokens taken from the prefix cache instead of evaluated",
                 &["model"],
             ),
+            kv_blocks: gauge(
+                "specula_kv_blocks",
+                "Blocks of the target's KV pool: used by running requests, cached (prefix cache only, reclaimable), free",
+                &["model", "state"],
+            ),
+            kv_block_tokens: gauge(
+                "specula_kv_block_tokens",
+                "Positions per block of the target's KV pool",
+                &["model"],
+            ),
             spec_steps: counter(
                 "specula_spec_steps_total",
                 "Decode steps (each emits one certain token)",
@@ -325,6 +339,9 @@ impl Metrics {
         let sequences = self.pass_sequences.with_label_values(&[model]);
         let hits = self.prefix_cache_hits.with_label_values(&[model]);
         let saved = self.prefix_cache_tokens.with_label_values(&[model]);
+        let [used, cached, free] = ["used", "cached", "free"]
+            .map(|state| self.kv_blocks.with_label_values(&[model, state]));
+        let block_tokens = self.kv_block_tokens.with_label_values(&[model]);
         Arc::new(move |event| match event {
             EngineEvent::Pass {
                 sequences: n,
@@ -339,6 +356,13 @@ impl Metrics {
                     hits.inc();
                     saved.inc_by(reused as u64);
                 }
+            }
+            EngineEvent::Kv(kv) => {
+                let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+                used.set(gauge(kv.blocks_used));
+                cached.set(gauge(kv.blocks_cached));
+                free.set(gauge(kv.blocks_free()));
+                block_tokens.set(i64::from(kv.block_tokens));
             }
         })
     }

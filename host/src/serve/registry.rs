@@ -144,6 +144,10 @@ impl Model {
             prefill_chunk: profile.serve.prefill_chunk as usize,
             observer: metrics.engine_observer(name),
             cost_curve: None,
+            reopen: Some(Arc::new({
+                let profile = profile.clone();
+                move || Parts::open(&profile, slots, None)
+            })),
         };
         let engine = Engine::start(parts, slots as usize, options).map_err(open)?;
         let gauges = PoolGauges {

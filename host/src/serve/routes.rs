@@ -171,18 +171,15 @@ async fn prepare_and_start(
     let labelled = |e: ApiError| (label.clone(), e);
     let (request, stream) = build_request(&model, endpoint, &body).map_err(labelled)?;
 
-    // Count the prompt's tokens off the async threads: long prompts take a while.
+    // Tokenize off the async threads (long prompts take a while), once: the engine loop
+    // takes the tokens as they are.
     let counting = model.clone();
     let (prompt, add_bos) = (request.prompt.clone(), request.add_bos);
-    let prompt_tokens = tokio::task::spawn_blocking(move || {
-        counting
-            .tokenizer
-            .encode(&prompt, add_bos, true)
-            .len()
-            .max(1)
-    })
-    .await
-    .map_err(|e| labelled(ApiError::internal(format!("tokenizing failed: {e}"))))?;
+    let prompt_ids =
+        tokio::task::spawn_blocking(move || counting.tokenizer.encode(&prompt, add_bos, true))
+            .await
+            .map_err(|e| labelled(ApiError::internal(format!("tokenizing failed: {e}"))))?;
+    let prompt_tokens = prompt_ids.len().max(1);
     if prompt_tokens >= model.context_size {
         return Err(labelled(ApiError::prompt_too_long(
             prompt_tokens,
@@ -223,6 +220,7 @@ async fn prepare_and_start(
         model.clone(),
         ticket,
         request,
+        prompt_ids,
         arrived,
         state.metrics.clone(),
     );

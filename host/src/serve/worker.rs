@@ -33,11 +33,13 @@ pub enum Event {
     Failed(ApiError),
 }
 
-/// Starts `request` on `model` once `ticket` gets a slot; events arrive on the returned channel.
+/// Starts `request` (its prompt tokenized as `prompt` by the model's tokenizer) on `model`
+/// once `ticket` gets a slot; events arrive on the returned channel.
 pub fn start(
     model: Arc<Model>,
     ticket: Ticket<()>,
     request: Request,
+    prompt: Vec<u32>,
     arrived: Instant,
     metrics: Arc<Metrics>,
 ) -> mpsc::UnboundedReceiver<Event> {
@@ -125,6 +127,7 @@ pub fn start(
         });
         let job = Job {
             request,
+            prompt: Some(prompt),
             on_text,
             on_done,
         };

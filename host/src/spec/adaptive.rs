@@ -98,6 +98,16 @@ impl DraftLength {
         self.current
     }
 
+    /// How many of `wanted` drafts a step verifies whatever they cost: all of them at a fixed
+    /// length (`adaptive = false`, the profile's explicit choice), else up to the minimum.
+    pub fn floor(&self, wanted: u32) -> u32 {
+        if self.adaptive {
+            self.min.min(wanted)
+        } else {
+            wanted
+        }
+    }
+
     /// The smoothed fraction of drafts accepted (0.5 before any evidence).
     pub fn acceptance(&self) -> f64 {
         self.acceptance
@@ -110,18 +120,29 @@ impl DraftLength {
 
     /// Learns from a step: the drafter was `asked` for drafts (or not, on a plain step) and
     /// returned `drafted`, of which `accepted` were accepted; `emitted` tokens came out and the
-    /// step took `seconds` (drafting, verifying, sampling). A step whose drafter was asked
+    /// step took `seconds` (drafting, verifying, sampling; `None`: not judged by time). A step whose drafter was asked
     /// counts as speculative even when it proposed nothing: its drafting time is the cost.
-    pub fn record(&mut self, asked: bool, drafted: u32, accepted: u32, emitted: u32, seconds: f64) {
+    pub fn record(
+        &mut self,
+        asked: bool,
+        drafted: u32,
+        accepted: u32,
+        emitted: u32,
+        seconds: Option<f64>,
+    ) {
         if !self.adaptive || emitted == 0 {
             return;
         }
-        let per_token = seconds / f64::from(emitted);
+        let per_token = seconds.map(|s| s / f64::from(emitted));
         if !asked {
-            self.plain_cost = Some(smooth(self.plain_cost, per_token));
+            if let Some(t) = per_token {
+                self.plain_cost = Some(smooth(self.plain_cost, t));
+            }
             return;
         }
-        self.spec_cost = Some(smooth(self.spec_cost, per_token));
+        if let Some(t) = per_token {
+            self.spec_cost = Some(smooth(self.spec_cost, t));
+        }
         self.evidence += 1;
         if drafted > 0 {
             let rate = f64::from(accepted) / f64::from(drafted);
@@ -183,11 +204,11 @@ mod tests {
         for _ in 0..steps {
             let n = c.next_len();
             if n == 0 {
-                c.record(false, 0, 0, 1, 1.0);
+                c.record(false, 0, 0, 1, Some(1.0));
             } else {
                 drafting += 1;
                 let a = accept(n);
-                c.record(true, n, a, a + 1, spec_step);
+                c.record(true, n, a, a + 1, Some(spec_step));
             }
         }
         drafting
@@ -198,7 +219,7 @@ mod tests {
         let mut c = DraftLength::new(0, 5, false);
         for _ in 0..10 {
             assert_eq!(c.next_len(), 5);
-            c.record(true, 5, 0, 1, 1.0);
+            c.record(true, 5, 0, 1, Some(1.0));
         }
     }
 
@@ -207,13 +228,13 @@ mod tests {
         let mut c = DraftLength::new(1, 8, true);
         for _ in 0..CALIBRATION_STEPS {
             assert_eq!(c.next_len(), 0);
-            c.record(false, 0, 0, 1, 1.0);
+            c.record(false, 0, 0, 1, Some(1.0));
         }
         let first = c.next_len();
         assert!(first > 0);
-        c.record(true, first, first, first + 1, 1.2);
+        c.record(true, first, first, first + 1, Some(1.2));
         assert!(c.next_len() > first);
-        c.record(true, 6, 1, 2, 1.2);
+        c.record(true, 6, 1, 2, Some(1.2));
         assert_eq!(c.next_len(), 2);
     }
 
@@ -270,10 +291,10 @@ mod tests {
         let mut asked = 0;
         for _ in 0..2000 {
             if c.next_len() == 0 {
-                c.record(false, 0, 0, 1, 1.0);
+                c.record(false, 0, 0, 1, Some(1.0));
             } else {
                 asked += 1;
-                c.record(true, 0, 0, 1, 2.0);
+                c.record(true, 0, 0, 1, Some(2.0));
             }
         }
         assert!(asked < 2000 / 20, "{asked}");

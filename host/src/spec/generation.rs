@@ -158,7 +158,11 @@ pub struct Generation<'t, F: FnMut(&str)> {
     out: Emitter<'t, F>,
     started: Instant,
     prefill_seconds: f64,
-    decode_started: Instant,
+    /// When decoding began (the prompt done), if it did.
+    decode_started: Option<Instant>,
+    /// Whether the draft-length controller also judges steps by their wall time (one
+    /// request per pass); see [`Generation::untimed`].
+    timed: bool,
     step: Step,
 }
 
@@ -174,8 +178,30 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         request: Request,
         on_text: F,
     ) -> anyhow::Result<Self> {
+        let prompt = tokenizer.encode(&request.prompt, request.add_bos, true);
+        Self::with_prompt(
+            tokenizer,
+            info,
+            capabilities,
+            has_drafter,
+            request,
+            prompt,
+            on_text,
+        )
+    }
+
+    /// Like [`new`](Self::new), with the prompt already tokenized (`tokenizer.encode(prompt,
+    /// add_bos, true)`), so that a caller can do that work elsewhere.
+    pub fn with_prompt(
+        tokenizer: &'t Tokenizer,
+        info: &ModelInfo,
+        capabilities: &Capabilities,
+        has_drafter: bool,
+        request: Request,
+        mut prompt: Vec<u32>,
+        on_text: F,
+    ) -> anyhow::Result<Self> {
         let context = info.context_size as usize;
-        let mut prompt = tokenizer.encode(&request.prompt, request.add_bos, true);
         if prompt.is_empty() {
             match tokenizer.bos().or(info.bos_token.into_option()) {
                 Some(bos) => prompt.push(bos),
@@ -238,13 +264,22 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             out,
             started: now,
             prefill_seconds: 0.0,
-            decode_started: now,
+            decode_started: None,
+            timed: true,
             step: Step {
                 evaluated: 0,
                 asked: false,
                 started: now,
             },
         })
+    }
+
+    /// Stops the draft-length controller from judging steps by their wall time: where many
+    /// requests share each pass, a step's time is mostly the others' work (the engine loop's
+    /// row budget weighs the cost of drafts instead). Acceptance still steers it.
+    pub fn untimed(mut self) -> Self {
+        self.timed = false;
+        self
     }
 
     /// The prompt's tokens.
@@ -335,7 +370,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         if !done {
             return Ok(());
         }
-        self.decode_started = Instant::now();
+        self.decode_started = Some(Instant::now());
         let t = Instant::now();
         self.t0 = self
             .sampler
@@ -420,6 +455,14 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         n
     }
 
+    /// How many of `wanted` drafts this step verifies whatever they cost (see
+    /// [`DraftLength::floor`]).
+    pub fn draft_floor(&self, wanted: usize) -> usize {
+        self.speculation
+            .as_ref()
+            .map_or(0, |l| l.floor(wanted as u32) as usize)
+    }
+
     /// The smoothed fraction of this request's drafts the target accepts (a prior of 0.5
     /// before any evidence); 0 when it does not speculate.
     pub fn acceptance(&self) -> f64 {
@@ -467,10 +510,11 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
     }
 
     /// Reports that this step's pass failed with `error`. A full context ends generation;
-    /// any other error is returned.
+    /// any other error — a full KV pool shared with other sequences among them — is returned.
     pub fn pass_failed(&mut self, error: PluginError) -> anyhow::Result<()> {
+        let context_full = self.history.len() - 1 + self.rows.len() > self.context;
         match self.phase {
-            Phase::Decode if error.kind == ErrorKind::ContextFull => {
+            Phase::Decode if error.kind == ErrorKind::ContextFull && context_full => {
                 self.phase = Phase::Done(StopReason::ContextFull);
                 Ok(())
             }
@@ -573,7 +617,8 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
                 n_drafts as u32,
                 accepted as u32,
                 1 + emitted_drafts as u32,
-                self.step.started.elapsed().as_secs_f64(),
+                self.timed
+                    .then(|| self.step.started.elapsed().as_secs_f64()),
             );
             // After every target pass, drafted or not: a drafter that follows the target's
             // hidden states (MTP) must see every accepted position.
@@ -604,11 +649,9 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             _ => StopReason::Cancelled,
         };
         self.out.finish(stop_reason);
-        let decode_seconds = if self.phase == Phase::Prefill {
-            0.0
-        } else {
-            self.decode_started.elapsed().as_secs_f64()
-        };
+        let decode_seconds = self
+            .decode_started
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
         let mut held = self.history;
         held.truncate(target_len);
         let outcome = Outcome {

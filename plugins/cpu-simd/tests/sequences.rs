@@ -300,6 +300,12 @@ fn the_kv_pool_bounds_every_sequence_together() {
     for &s in &seqs {
         eval_in(&mut b, s, &tokens, LogitRows::Last);
     }
+    let usage = |b: &CpuBackend| {
+        let u = b.kv_usage();
+        assert_eq!((u.block_tokens, u.blocks_total), (64, 2), "{u:?}");
+        (u.blocks_used, u.blocks_cached, u.blocks_free())
+    };
+    assert_eq!(usage(&b), (2, 0, 0), "one block per live sequence");
     let third = b.seq_create().into_result().unwrap();
     let mut logits = RVec::new();
     let err = b
@@ -311,7 +317,9 @@ fn the_kv_pool_bounds_every_sequence_together() {
     assert_eq!(b.seq_len(third).into_result(), Ok(0));
     assert_eq!(b.seq_len(seqs[0]).into_result(), Ok(60));
     b.seq_free(seqs[1]).into_result().unwrap();
+    assert_eq!(usage(&b), (1, 0, 1), "a partial block is not cached");
     let got = eval_in(&mut b, third, &tokens, LogitRows::Last);
+    assert_eq!(usage(&b), (2, 0, 0));
     let mut fresh = open_many(&tiny_llama(), 1, &[]);
     let alone = fresh.seq_create().into_result().unwrap();
     assert_eq!(

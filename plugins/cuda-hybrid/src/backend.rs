@@ -45,7 +45,7 @@ use specula_engine::graph::{Act, Rows};
 use specula_engine::kv_cache::KvType;
 use specula_engine::model::weights::MatrixRef;
 use specula_engine::model::{Graph, MatrixSite, Model};
-use specula_plugin_api::{BackendParams, ErrorKind, ModelInfo, PluginError};
+use specula_plugin_api::{BackendParams, ErrorKind, KvUsage, ModelInfo, PluginError};
 
 use crate::driver;
 use crate::gpu::emulator::Emulator;
@@ -409,6 +409,12 @@ impl Executor for CudaExecutor {
 
     fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
         self.host.reserve(chunks)
+    }
+
+    /// The host part's pool accounts every sequence's positions in blocks (the device keeps a
+    /// whole context per sequence beside it).
+    fn kv_usage(&self) -> KvUsage {
+        self.host.kv_usage()
     }
 
     /// The device's caches are not paged, so nothing is served from the host's prefix cache.

@@ -7,7 +7,7 @@ use specula_kernels::WeightMatrix;
 use crate::graph::Span;
 use crate::model::Model;
 use rayon::ThreadPool;
-use specula_plugin_api::PluginError;
+use specula_plugin_api::{KvUsage, PluginError};
 
 /// One sequence's rows in a pass: consecutive tokens of one evaluation of sequence slot `seq`.
 #[derive(Debug, Clone, Copy)]
@@ -160,6 +160,11 @@ pub trait Executor: Send + Sync {
 
     /// Sequence `seq` back to empty.
     fn reset(&mut self, seq: usize) -> Result<(), PluginError>;
+
+    /// How full the attention KV pool is (nothing reported by default).
+    fn kv_usage(&self) -> KvUsage {
+        KvUsage::default()
+    }
 
     /// Runs the MTP head over one pass of `chunks` (at most `batch_rows` rows, each sequence
     /// at most once): each sequence's head cache is cut to its chunk's `position` entries and

@@ -22,8 +22,8 @@ use std::ops::RangeInclusive;
 use abi_stable::std_types::{RSlice, RVec};
 use rayon::ThreadPool;
 use specula_plugin_api::{
-    guard, Capabilities, ErrorKind, EvalChunk, ForwardPass, LogitRows, ModelInfo, MtpChunk,
-    PanicFence, PluginError, PluginResult, SeqId,
+    guard, Capabilities, ErrorKind, EvalChunk, ForwardPass, KvUsage, LogitRows, ModelInfo,
+    MtpChunk, PanicFence, PluginError, PluginResult, SeqId,
 };
 
 pub use executor::{Chunk, Executor, MtpRows};
@@ -832,6 +832,10 @@ impl<X: Executor> ForwardPass for Backend<X> {
 
     fn seq_len(&self, seq: SeqId) -> PluginResult<usize> {
         self.fence.guard(self.setup.plugin, || self.seq_length(seq))
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        guarded(KvUsage::default, || self.executor.kv_usage())
     }
 
     fn eval_batch(

@@ -14,7 +14,7 @@ pub mod ops;
 use std::ops::RangeInclusive;
 
 use rayon::ThreadPool;
-use specula_plugin_api::{ErrorKind, PluginError};
+use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
 
 use crate::arch::hybrid::Mixer;
 use crate::arch::{self};
@@ -386,6 +386,10 @@ impl Executor for CpuExecutor {
                 pool.release(kv);
             }
         }
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        self.pool.usage()
     }
 
     fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
