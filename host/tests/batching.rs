@@ -383,3 +383,46 @@ fn a_target_that_panicked_is_reopened() {
     }
     assert!(reopened.load(Ordering::Relaxed));
 }
+
+/// Without a way to reopen it, an engine whose target panicked stops serving clearly: its
+/// handle says why, and every later request is answered as unavailable, with the reason.
+#[test]
+fn a_target_that_cannot_be_reopened_stops_serving_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = profile(dir.path(), &shared("models/stories260K.gguf"), "");
+    let trip = Arc::new(AtomicBool::new(false));
+    let mut parts = Parts::open(&profile, 2, None).unwrap();
+    parts.target = box_forward_pass(Tripwire {
+        inner: parts.target,
+        trip: trip.clone(),
+    });
+    let engine = Engine::start(parts, 2, EngineOptions::default()).unwrap();
+    assert_eq!(engine.failure(), None);
+    let (tx, rx) = mpsc::channel();
+    let mut long = request(5, false);
+    long.max_tokens = 400;
+    engine.submit(job(0, long, &tx)).ok().unwrap();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Report::Text(..) => trip.store(true, Ordering::Relaxed),
+            Report::Done(_, r) => {
+                assert!(matches!(*r, Err(JobError::Failed(_))), "{r:?}");
+                break;
+            }
+        }
+    }
+    engine.submit(job(1, request(1, false), &tx)).ok().unwrap();
+    loop {
+        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            match *r {
+                Err(JobError::Unavailable(why)) => {
+                    assert!(why.contains("the kernel exploded"), "{why}")
+                }
+                other => panic!("a request after the failure: {other:?}"),
+            }
+            break;
+        }
+    }
+    let failure = engine.failure().expect("the handle says why");
+    assert!(failure.contains("could not be reopened"), "{failure}");
+}

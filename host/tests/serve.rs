@@ -84,6 +84,9 @@ fn endpoints_answer_like_openai_and_requests_stay_isolated() {
         (Some("ready"), Some("lookup"))
     );
     assert_eq!(s["slots"], 4);
+    assert_eq!(s["engine"]["sequences"], 4, "{s}");
+    assert!(s["engine"]["cost_8_rows"].as_f64().unwrap() >= 1.0, "{s}");
+    assert_eq!(s["engine"]["failure"], Value::Null, "{s}");
     let (_, models) = d.get_json("/v1/models");
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], "stories");

@@ -67,6 +67,9 @@ pub enum JobError {
     Panicked(String),
     #[error("the model's engine has stopped")]
     Stopped,
+    /// The engine cannot serve any more (its backend broke and could not be reopened).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 /// What the loop reports, for metrics.
@@ -120,7 +123,11 @@ pub struct Engine {
     jobs: mpsc::Sender<Job>,
     sequences: usize,
     curve: CostCurve,
+    failure: Failure,
 }
+
+/// Why an engine stopped serving, shared by the loop and its handle.
+type Failure = std::sync::Arc<std::sync::Mutex<Option<String>>>;
 
 impl Engine {
     /// Starts the loop for up to `sequences` concurrent sequences over `parts` (opened for
@@ -130,6 +137,7 @@ impl Engine {
         let sequences = sequences.max(1);
         let (state, tokenizer) = Loop::open(parts, sequences, options)?;
         let curve = state.curve.clone();
+        let failure = state.failure.clone();
         let (jobs, inbox) = mpsc::channel();
         std::thread::Builder::new()
             .name("specula-engine".into())
@@ -139,7 +147,17 @@ impl Engine {
             jobs,
             sequences,
             curve,
+            failure,
         })
+    }
+
+    /// Why the loop no longer serves (its target backend panicked and could not be
+    /// reopened), if it does not.
+    pub fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Queues `job`; it joins the next step with a free lane. Gives the job back when the
@@ -216,8 +234,9 @@ struct Loop {
     curve: CostCurve,
     /// The target panicked during this step: it refuses every later call.
     broken: Option<String>,
-    /// Why the engine cannot serve any more (the target broke and could not be reopened).
-    dead: Option<String>,
+    /// Why the engine cannot serve any more (the target broke and could not be reopened);
+    /// the handle reads it.
+    failure: Failure,
     /// When the KV pool's usage was last reported.
     kv_reported: Option<Instant>,
 }
@@ -306,7 +325,7 @@ impl Loop {
             options,
             curve,
             broken: None,
-            dead: None,
+            failure: Failure::default(),
             kv_reported: None,
         };
         Ok((state, tokenizer))
@@ -332,17 +351,18 @@ impl Loop {
             None => Err(anyhow::anyhow!("no way to reopen it was given")),
         };
         match reopened {
-            Ok((fresh, _tokenizer)) => {
+            Ok((mut fresh, _tokenizer)) => {
                 // The loop keeps the tokenizer it started with: the same file's.
                 if fresh.info.vocab_size == self.info.vocab_size {
+                    fresh.failure = self.failure.clone();
                     *self = fresh;
                 } else {
-                    self.dead = Some(format!("the reopened model differs: {why}"));
+                    self.fail(format!("the reopened model differs: {why}"));
                 }
             }
             Err(e) => {
                 tracing::error!("cannot reopen the target backend: {e:#}");
-                self.dead = Some(format!(
+                self.fail(format!(
                     "the model's backend failed ({why}) and could not be reopened: {e:#}"
                 ));
             }
@@ -362,9 +382,9 @@ impl Loop {
                 }
             }
             pending.extend(inbox.try_iter());
-            if let Some(why) = &self.dead {
+            if let Some(why) = self.failed() {
                 for job in pending.drain(..) {
-                    answer(job.on_done, Err(JobError::Failed(why.clone())));
+                    answer(job.on_done, Err(JobError::Unavailable(why.clone())));
                 }
                 continue;
             }
@@ -483,6 +503,18 @@ impl Loop {
             failed: None,
             starved: 0,
         })
+    }
+
+    /// Stops serving for `why`.
+    fn fail(&mut self, why: String) {
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Remembers that the target panicked (it refuses every later call).

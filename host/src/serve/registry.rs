@@ -253,7 +253,9 @@ impl Entry {
             .filter_map(Weak::upgrade)
             .map(|m| json!({"revision": m.revision, "active": m.pool.active(), "queued": m.pool.queued()}))
             .collect();
+        let engine_failure = serving.as_ref().and_then(|m| m.engine.failure());
         let state = match (&serving, status.loading, &status.last_error) {
+            (Some(_), _, _) if engine_failure.is_some() => "failed",
             (Some(_), _, _) => "ready",
             (None, true, _) => "loading",
             (None, false, Some(_)) => "failed",
@@ -284,6 +286,16 @@ impl Entry {
             );
             map.insert("chat_template_error".into(), json!(m.chat_note));
             map.insert("loaded_at".into(), json!(m.created));
+            let curve = m.engine.cost_curve();
+            map.insert(
+                "engine".into(),
+                json!({
+                    "sequences": m.engine.sequences(),
+                    "cost_4_rows": curve.relative(4),
+                    "cost_8_rows": curve.relative(8),
+                    "failure": engine_failure,
+                }),
+            );
         }
         v
     }
@@ -405,7 +417,9 @@ impl Registry {
             .iter()
             .map(|(name, e)| (name.clone(), e.health()))
             .collect();
-        let ready = entries.values().any(|e| e.serving().is_some());
+        let ready = entries
+            .values()
+            .any(|e| e.serving().is_some_and(|m| m.engine.failure().is_none()));
         (ready, Value::Object(models))
     }
 
@@ -523,7 +537,8 @@ impl Registry {
         };
         let fingerprint = Fingerprint::of(&profile);
         if let Some(old) = &serving {
-            if !force && old.fingerprint == fingerprint {
+            // A revision whose engine stopped serving is reloaded even when unchanged.
+            if !force && old.fingerprint == fingerprint && old.engine.failure().is_none() {
                 entry.status().last_error = None;
                 report.unchanged.push(name.to_string());
                 return;

@@ -116,6 +116,12 @@ pub fn start(
                     );
                     Event::Done(Box::new(outcome))
                 }
+                Err(e @ (JobError::Unavailable(_) | JobError::Stopped)) => {
+                    Event::Failed(ApiError::unavailable(
+                        format!("model `{}`: {e}; reload it", done_model.name),
+                        "model_unavailable",
+                    ))
+                }
                 Err(e) => {
                     tracing::error!(model = %done_model.name, "{e}");
                     Event::Failed(ApiError::internal(e.to_string()))
