@@ -85,14 +85,27 @@ def complete(base, model, prompt, max_tokens, timeout):
     return (first if first is not None else seconds), tokens, seconds
 
 
-def phase(base, model, clients, requests, max_tokens, timeout):
+COUNTER = [0]
+COUNTER_LOCK = threading.Lock()
+
+
+def fresh(prompt, unique):
+    """`prompt`, made unlike any earlier one with `unique` (no server's prompt cache helps)."""
+    if not unique:
+        return prompt
+    with COUNTER_LOCK:
+        COUNTER[0] += 1
+        return f"Request {COUNTER[0]}. {prompt}"
+
+
+def phase(base, model, clients, requests, max_tokens, timeout, unique=False):
     """N clients, each sending `requests` completions in turn."""
     results, errors = [], []
     lock = threading.Lock()
 
     def client(c):
         for r in range(requests):
-            prompt = PROMPTS[(c + r * clients) % len(PROMPTS)]
+            prompt = fresh(PROMPTS[(c + r * clients) % len(PROMPTS)], unique)
             try:
                 outcome = complete(base, model, prompt, max_tokens, timeout)
             except (OSError, urllib.error.URLError, ValueError) as e:
@@ -123,9 +136,11 @@ def phase(base, model, clients, requests, max_tokens, timeout):
     }
 
 
-def probe(base, model, streams, tries, timeout):
+def probe(base, model, streams, tries, timeout, unique=False):
     """TTFT of a 64-token prompt alone, then while `streams` long streams run."""
-    idle = [complete(base, model, PROBE_PROMPT, 1, timeout)[0] for _ in range(tries)]
+    idle = [
+        complete(base, model, fresh(PROBE_PROMPT, unique), 1, timeout)[0] for _ in range(tries)
+    ]
     stop = threading.Event()
 
     def background(c):
@@ -141,7 +156,7 @@ def probe(base, model, streams, tries, timeout):
     time.sleep(2.0)  # the streams are decoding
     busy = []
     for _ in range(tries):
-        busy.append(complete(base, model, PROBE_PROMPT, 1, timeout)[0])
+        busy.append(complete(base, model, fresh(PROBE_PROMPT, unique), 1, timeout)[0])
         time.sleep(0.2)
     stop.set()
     for t in threads:
@@ -165,6 +180,12 @@ def main():
     parser.add_argument("--probe-streams", type=int, default=7, help="0 skips the probe")
     parser.add_argument("--probe-tries", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--unique",
+        action="store_true",
+        help="start every prompt with its own request number, so that no server's prompt cache "
+        "serves a repeated prompt (llama-server reuses a slot's previous prompt token by token)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -175,12 +196,14 @@ def main():
     for n in counts:
         for url in args.urls:
             report[url]["phases"].append(
-                phase(url, args.model, n, args.requests, args.max_tokens, args.timeout)
+                phase(
+                    url, args.model, n, args.requests, args.max_tokens, args.timeout, args.unique
+                )
             )
     if args.probe_streams > 0:
         for url in args.urls:
             report[url]["probe"] = probe(
-                url, args.model, args.probe_streams, args.probe_tries, args.timeout
+                url, args.model, args.probe_streams, args.probe_tries, args.timeout, args.unique
             )
 
     if args.json:

@@ -674,6 +674,13 @@ impl Loop {
         drop(chunks);
         match result {
             Ok(()) => {
+                tracing::debug!(
+                    sequences = parts.len(),
+                    rows,
+                    prefill_rows,
+                    ms = seconds * 1e3,
+                    "pass"
+                );
                 (self.options.observer)(EngineEvent::Pass {
                     sequences: parts.len(),
                     rows,
