@@ -934,6 +934,7 @@ fn the_serve_bench_script_measures_a_daemon() {
             "2",
             "--probe-tries",
             "2",
+            "--unique",
             "--json",
         ])
         .output()
