@@ -21,7 +21,10 @@
 //!    end.
 //!
 //! A failed pass is retried chunk by chunk, so only the sequence at fault fails; a panic in
-//! one request's code (its sampler, its drafter, its text sink) fails that request only.
+//! one request's code (its sampler, its drafter, its text sink) fails that request only. A
+//! target backend that panicked refuses every later call: the requests it ran fail, and the
+//! loop opens the models again ([`EngineOptions::reopen`]) or, failing that, answers every
+//! later request with why it cannot serve ([`Engine::failure`]).
 
 pub mod budget;
 
