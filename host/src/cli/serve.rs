@@ -27,8 +27,10 @@ Profiles reload when their files change, on SIGHUP, and on POST /admin/reload: a
 profile loads beside the serving one and takes new requests once ready; requests already
 running finish on the old one; a profile that fails to load leaves the old one serving and
 reports why in /health, the log and the reload response. Each profile serves `[serve] slots`
-requests at once (default 2, each slot its own backend instance) with up to `[serve] queue`
-more waiting (default 16; beyond that: 503). SIGTERM or Ctrl-C stops accepting connections
+requests at once (default 4) with up to `[serve] queue` more waiting (default 16; beyond that:
+503). Its engine loop batches every running request into one forward pass per step (certain
+tokens, drafts within a row budget, prompt chunks of at most `[serve] prefill_chunk` tokens
+while others decode), and every stream's output is its output alone. SIGTERM or Ctrl-C stops accepting connections
 and waits for requests in flight (up to --drain-timeout) before exiting with status 0.
 
 Connections: a request's head must arrive within --header-timeout of its first byte (or of

@@ -574,6 +574,8 @@ impl Registry {
                     revision,
                     drafter = model.drafter.as_deref().unwrap_or("none"),
                     slots = model.pool.slots(),
+                    cost_4_rows = format!("{:.2}", model.engine.cost_curve().relative(4)),
+                    cost_8_rows = format!("{:.2}", model.engine.cost_curve().relative(8)),
                     plugins = %plugins.join("; "),
                     "ready"
                 );
