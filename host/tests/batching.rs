@@ -426,3 +426,53 @@ fn a_target_that_cannot_be_reopened_stops_serving_clearly() {
     let failure = engine.failure().expect("the handle says why");
     assert!(failure.contains("could not be reopened"), "{failure}");
 }
+
+/// A request cancelled while its long prompt is still being read in chunks ends at the next
+/// step, as cancelled, with nothing generated and no decode time; the request beside it runs on.
+#[test]
+fn a_request_cancelled_during_its_prefill_ends_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = profile(dir.path(), &shared("models/stories260K.gguf"), "");
+    let mut alone = Pipeline::open(&profile).unwrap();
+    let want = generate(&mut alone, &request(1, false), |_| {}).unwrap();
+    drop(alone);
+    let options = EngineOptions {
+        prefill_chunk: 2,
+        ..EngineOptions::default()
+    };
+    let engine = Engine::start(Parts::open(&profile, 2, None).unwrap(), 2, options).unwrap();
+    let (tx, rx) = mpsc::channel();
+    // Once the other request decodes, the long prompt goes 2 tokens a pass; it is cancelled
+    // three of the other's texts later.
+    engine.submit(job(1, request(1, false), &tx)).ok().unwrap();
+    let long = request(4, false);
+    let cancel = long.cancel.clone();
+    let mut long = Some(long);
+    let mut texts_since = 0;
+    let mut outcomes: Vec<Option<Outcome>> = vec![None, None];
+    while outcomes.iter().any(Option::is_none) {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Report::Text(1, _) => {
+                if let Some(long) = long.take() {
+                    engine.submit(job(0, long, &tx)).ok().unwrap();
+                } else {
+                    texts_since += 1;
+                    if texts_since == 3 {
+                        cancel.cancel();
+                    }
+                }
+            }
+            Report::Text(..) => {}
+            Report::Done(i, r) => outcomes[i] = Some(r.unwrap()),
+        }
+    }
+    let cancelled = outcomes[0].take().unwrap();
+    assert_eq!(cancelled.stop_reason, StopReason::Cancelled);
+    assert!(cancelled.tokens.is_empty(), "{:?}", cancelled.tokens);
+    assert_eq!(
+        cancelled.timings.prefill_seconds, 0.0,
+        "cancelled before its prompt was read"
+    );
+    assert_eq!(cancelled.timings.decode_seconds, 0.0);
+    assert_eq!(outcomes[1].take().unwrap().tokens, want.tokens);
+}
