@@ -102,7 +102,8 @@ fn assert_streams_equal_alone(model: &Path, drafter: &str) {
     drop(alone);
 
     let passes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = passes.clone();
+    let draft_passes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (seen, seen_drafts) = (passes.clone(), draft_passes.clone());
     let options = EngineOptions {
         // Small chunks: long prompts are prefilled over several passes beside decode rows.
         prefill_chunk: 7,
@@ -110,13 +111,12 @@ fn assert_streams_equal_alone(model: &Path, drafter: &str) {
         // measured curve prices rows too dear to draft at all).
         cost_curve: Some(CostCurve::from_points(vec![(1, 1.0), (64, 1.0)])),
         reopen: None,
-        observer: std::sync::Arc::new(move |e| {
-            if let EngineEvent::Pass {
+        observer: std::sync::Arc::new(move |e| match e {
+            EngineEvent::Pass {
                 sequences, rows, ..
-            } = e
-            {
-                seen.lock().unwrap().push((sequences, rows));
-            }
+            } => seen.lock().unwrap().push((sequences, rows)),
+            EngineEvent::DraftPass { sequences, .. } => seen_drafts.lock().unwrap().push(sequences),
+            _ => {}
         }),
     };
     let engine = Engine::start(Parts::open(&profile, 3, None).unwrap(), 3, options).unwrap();
@@ -183,6 +183,15 @@ fn assert_streams_equal_alone(model: &Path, drafter: &str) {
         passes.iter().any(|&(sequences, _)| sequences >= 3),
         "sequences shared passes: {passes:?}"
     );
+    // Drafters that evaluate a model (the draft model, the target's MTP head) had their
+    // evaluations gathered into passes of several sequences.
+    if drafter.contains("\"model\"") || drafter.contains("\"mtp\"") {
+        let draft_passes = draft_passes.lock().unwrap();
+        assert!(
+            draft_passes.iter().any(|&sequences| sequences >= 2),
+            "drafting passes: {draft_passes:?}"
+        );
+    }
 }
 
 #[test]

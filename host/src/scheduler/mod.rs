@@ -27,6 +27,7 @@
 //! later request with why it cannot serve ([`Engine::failure`]).
 
 pub mod budget;
+mod drafting;
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -45,6 +46,7 @@ use crate::pipeline::{DrafterKit, Parts};
 use crate::request::{Outcome, Request};
 use crate::spec::{Generation, Lane, LaneDrafter};
 use budget::{allocate_drafts, CostCurve};
+use drafting::{Gather, Proxy, Which};
 
 /// Prompt tokens a pass takes while other sequences decode, by default.
 pub const DEFAULT_PREFILL_CHUNK: usize = 256;
@@ -90,6 +92,13 @@ pub enum EngineEvent {
     /// How full the target's KV pool is (at most every quarter second, and when the loop
     /// goes idle).
     Kv(KvUsage),
+    /// One gathered drafting pass: the drafters of `sequences` sequences evaluated `rows`
+    /// rows together, on the target's MTP head (`target`) or the draft model.
+    DraftPass {
+        target: bool,
+        sequences: usize,
+        rows: usize,
+    },
 }
 
 /// How the loop schedules.
@@ -651,10 +660,23 @@ impl Loop {
             if *n > 0 {
                 r.starved = 0;
             }
-            let n = *n;
-            let mut lane = self.lane(r.lane, r.seq);
-            if let Err(e) = guarded(|| r.generation.draft(&mut lane, n)) {
-                r.failed = Some(e);
+        }
+        let plan: Vec<(usize, usize)> = decoding
+            .iter()
+            .zip(&drafts)
+            .filter(|&(_, &n)| n > 0)
+            .map(|(&i, &n)| (i, n))
+            .collect();
+        let models_draft = self.draft_model.is_some() || self.capabilities.mtp_head;
+        if plan.len() >= 2 && models_draft && self.drafter.is_some() {
+            self.draft_together(running, &plan);
+        } else {
+            for &(i, n) in &plan {
+                let r = &mut running[i];
+                let mut lane = self.lane(r.lane, r.seq);
+                if let Err(e) = guarded(|| r.generation.draft(&mut lane, n)) {
+                    r.failed = Some(e);
+                }
             }
         }
         parts.retain(|&(i, _)| running[i].failed.is_none());
@@ -721,6 +743,67 @@ impl Loop {
                     }
                 }
             }
+        }
+    }
+
+    /// Drafts for every sequence of `plan` (running index, drafts) at once: each proposes on
+    /// its own scoped thread, and their model evaluations are gathered into one pass per
+    /// instance ([`drafting`]).
+    fn draft_together(&mut self, running: &mut [Running<'_>], plan: &[(usize, usize)]) {
+        let name = self.drafter.as_ref().map_or("", |k| k.name.as_str());
+        let gather = Gather::new(&mut self.target, self.draft_model.as_mut(), plan.len());
+        let mut lanes: Vec<Option<&mut LaneSlot>> = self.lanes.iter_mut().map(Some).collect();
+        let mut requests: Vec<Option<&mut Running<'_>>> = running.iter_mut().map(Some).collect();
+        std::thread::scope(|scope| {
+            for &(i, n) in plan {
+                let (Some(r), gather) = (requests[i].take(), &gather) else {
+                    gather.finished();
+                    continue;
+                };
+                let Some(slot) = lanes[r.lane].take() else {
+                    gather.finished();
+                    continue;
+                };
+                scope.spawn(move || {
+                    /// Counts the thread out however it ends.
+                    struct Finished<'g, 'm>(&'g Gather<'m>);
+                    impl Drop for Finished<'_, '_> {
+                        fn drop(&mut self) {
+                            self.0.finished();
+                        }
+                    }
+                    let _finished = Finished(gather);
+                    let mut target = Proxy::new(gather, Which::Target);
+                    let mut draft = Proxy::new(gather, Which::Draft);
+                    let draft_seq = slot.draft_seq;
+                    let mut lane = Lane {
+                        target: LentSequence {
+                            model: target.lend(),
+                            seq: r.seq,
+                        },
+                        drafter: slot.drafter.as_mut().map(|drafter| LaneDrafter {
+                            name,
+                            drafter,
+                            draft_model: draft_seq.map(|seq| LentSequence {
+                                model: draft.lend(),
+                                seq,
+                            }),
+                        }),
+                    };
+                    if let Err(e) = guarded(|| r.generation.draft(&mut lane, n)) {
+                        r.failed = Some(e);
+                    }
+                });
+            }
+            gather.serve();
+        });
+        let passes = std::mem::take(&mut *gather.passes.lock().unwrap_or_else(|e| e.into_inner()));
+        for (which, sequences, rows) in passes {
+            (self.options.observer)(EngineEvent::DraftPass {
+                target: which == Which::Target,
+                sequences,
+                rows,
+            });
         }
     }
 

@@ -357,6 +357,7 @@ impl Metrics {
                     saved.inc_by(reused as u64);
                 }
             }
+            EngineEvent::DraftPass { .. } => {}
             EngineEvent::Kv(kv) => {
                 let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
                 used.set(gauge(kv.blocks_used));
