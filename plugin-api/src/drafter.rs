@@ -156,6 +156,10 @@ pub trait Drafter: Send + Sync {
 
     /// Proposes up to `request.max_tokens` tokens continuing `request.context`. Writes into
     /// `out` (cleared first); proposing nothing is always allowed.
+    ///
+    /// A host may call `propose` on several instances (several sequences) at once, from
+    /// different threads, and answer their model calls together: an instance must not wait
+    /// for another one (no plugin-wide lock held across a model call).
     fn propose(
         &mut self,
         request: DraftRequest<'_>,

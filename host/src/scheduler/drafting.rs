@@ -15,15 +15,15 @@ use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::sabi_types::RMut;
 use abi_stable::std_types::{RResult, RSlice, RVec};
 use specula_plugin_api::{
-    BoxedForwardPass, Capabilities, EvalChunk, ForwardPass, ForwardPassMut, ForwardPass_TO,
-    KvUsage, LogitRows, ModelInfo, MtpChunk, PluginError, PluginResult, SeqId,
+    BoxedForwardPass, Capabilities, ErrorKind, EvalChunk, ForwardPass, ForwardPassMut,
+    ForwardPass_TO, KvUsage, LogitRows, ModelInfo, MtpChunk, PluginError, PluginResult, SeqId,
 };
 
 /// Which instance a proxy lends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
-    Target,
-    Draft,
+    Target = 0,
+    Draft = 1,
 }
 
 /// An evaluation a drafter asked for, owned while it waits.
@@ -49,6 +49,8 @@ type Answer = PluginResult<(Vec<f32>, Vec<f32>)>;
 struct State {
     /// Drafting threads not finished yet.
     running: usize,
+    /// Set when the gathering loop stopped early (it panicked): waiting calls fail.
+    closed: bool,
     /// Calls waiting for the next gathered pass: (ticket, instance, call).
     queue: Vec<(usize, Which, Call)>,
     /// Answers by ticket.
@@ -61,6 +63,8 @@ pub struct Gather<'m> {
     wake: Condvar,
     target: Mutex<&'m mut BoxedForwardPass>,
     draft: Option<Mutex<&'m mut BoxedForwardPass>>,
+    /// Each instance's facts, read once (a proxy answers them without a lock or a failure).
+    facts: [(ModelInfo, Capabilities); 2],
     /// Sequences and rows of each gathered pass, for the caller to report.
     pub passes: Mutex<Vec<(Which, usize, usize)>>,
 }
@@ -72,6 +76,11 @@ impl<'m> Gather<'m> {
         draft: Option<&'m mut BoxedForwardPass>,
         threads: usize,
     ) -> Self {
+        let target_facts = (target.model_info(), target.capabilities());
+        let draft_facts = match &draft {
+            Some(d) => (d.model_info(), d.capabilities()),
+            None => target_facts.clone(),
+        };
         Self {
             state: Mutex::new(State {
                 running: threads,
@@ -80,8 +89,16 @@ impl<'m> Gather<'m> {
             wake: Condvar::new(),
             target: Mutex::new(target),
             draft: draft.map(Mutex::new),
+            facts: [target_facts, draft_facts],
             passes: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Fails every waiting and later call: the gathering loop will answer no more (it is
+    /// unwinding), and the drafting threads must end so that their scope can be left.
+    pub fn close(&self) {
+        self.state().closed = true;
+        self.wake.notify_all();
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -112,6 +129,12 @@ impl<'m> Gather<'m> {
         loop {
             if let Some(answer) = state.answers[ticket].take() {
                 return answer;
+            }
+            if state.closed {
+                return RResult::RErr(PluginError::new(
+                    ErrorKind::Internal,
+                    "the gathered drafting pass did not run",
+                ));
             }
             state = self.wake.wait(state).unwrap_or_else(|e| e.into_inner());
         }
@@ -253,6 +276,26 @@ fn run_calls(
         return RResult::RErr(e);
     }
     let hidden_size = instance.model_info().hidden_size as usize;
+    let sizes = |c: &&Call| match c {
+        Call::Eval { tokens, rows, .. } => (rows.count(tokens.len()) * vocab, 0),
+        Call::Mtp { tokens, rows, .. } => {
+            (rows.count(tokens.len()) * vocab, tokens.len() * hidden_size)
+        }
+    };
+    let (want_logits, want_hidden) = calls
+        .iter()
+        .map(sizes)
+        .fold((0, 0), |(a, b), (l, h)| (a + l, b + h));
+    if logits.len() != want_logits || hidden.len() < want_hidden {
+        return RResult::RErr(PluginError::new(
+            ErrorKind::Internal,
+            format!(
+                "a gathered drafting pass returned {} logits and {} hidden values, {want_logits} and {want_hidden} were expected",
+                logits.len(),
+                hidden.len()
+            ),
+        ));
+    }
     let (mut l, mut h) = (0, 0);
     let split = calls
         .iter()
@@ -305,14 +348,10 @@ impl<'g, 'm> Proxy<'g, 'm> {
 
 impl ForwardPass for Proxy<'_, '_> {
     fn model_info(&self) -> ModelInfo {
-        self.with(|i| RResult::ROk(i.model_info()))
-            .into_result()
-            .unwrap_or_else(|_| unreachable!("model_info cannot fail"))
+        self.gather.facts[self.which as usize].0.clone()
     }
     fn capabilities(&self) -> Capabilities {
-        self.with(|i| RResult::ROk(i.capabilities()))
-            .into_result()
-            .unwrap_or_else(|_| unreachable!("capabilities cannot fail"))
+        self.gather.facts[self.which as usize].1
     }
     fn seq_create(&mut self) -> PluginResult<SeqId> {
         RResult::RErr(PluginError::invalid_input(

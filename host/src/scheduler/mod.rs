@@ -755,6 +755,17 @@ impl Loop {
         let mut lanes: Vec<Option<&mut LaneSlot>> = self.lanes.iter_mut().map(Some).collect();
         let mut requests: Vec<Option<&mut Running<'_>>> = running.iter_mut().map(Some).collect();
         std::thread::scope(|scope| {
+            /// Closes the gathering when this scope unwinds (a spawn failed, a pass panicked),
+            /// so that no drafting thread waits for ever and the scope can be left.
+            struct CloseOnUnwind<'g, 'm>(&'g Gather<'m>);
+            impl Drop for CloseOnUnwind<'_, '_> {
+                fn drop(&mut self) {
+                    if std::thread::panicking() {
+                        self.0.close();
+                    }
+                }
+            }
+            let _close = CloseOnUnwind(&gather);
             for &(i, n) in plan {
                 let (Some(r), gather) = (requests[i].take(), &gather) else {
                     gather.finished();
