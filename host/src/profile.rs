@@ -239,7 +239,7 @@ impl Default for ServeSection {
         Self {
             slots: 4,
             queue: 16,
-            prefill_chunk: 256,
+            prefill_chunk: crate::scheduler::DEFAULT_PREFILL_CHUNK as u32,
         }
     }
 }

@@ -261,12 +261,7 @@ fn a_panic_in_one_request_fails_that_request_only() {
     assert_eq!(results[1].take().unwrap().unwrap().tokens, want.tokens);
     // The lane it used serves again.
     engine.submit(job(1, request(1, true), &tx)).ok().unwrap();
-    loop {
-        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            assert_eq!(r.unwrap().tokens, want.tokens);
-            break;
-        }
-    }
+    assert_eq!(next_done(&rx).unwrap().tokens, want.tokens);
 }
 
 /// A target backend that, once `trip` is set, answers as a plugin whose panic fence caught a
@@ -338,6 +333,44 @@ impl ForwardPass for Tripwire {
     }
 }
 
+/// `profile`'s parts for 2 sequences, the target behind a [`Tripwire`], and its switch.
+fn tripwired(profile: &Profile) -> (Parts, Arc<AtomicBool>) {
+    let trip = Arc::new(AtomicBool::new(false));
+    let mut parts = Parts::open(profile, 2, None).unwrap();
+    parts.target = box_forward_pass(Tripwire {
+        inner: parts.target,
+        trip: trip.clone(),
+    });
+    (parts, trip)
+}
+
+/// The next job's end.
+fn next_done(rx: &mpsc::Receiver<Report>) -> Result<Outcome, JobError> {
+    loop {
+        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            return *r;
+        }
+    }
+}
+
+/// Starts a long request and trips the target at its first text; returns how it ended.
+fn trip_during_a_request(
+    engine: &Engine,
+    trip: &AtomicBool,
+    tx: &mpsc::Sender<Report>,
+    rx: &mpsc::Receiver<Report>,
+) -> Result<Outcome, JobError> {
+    let mut long = request(5, false);
+    long.max_tokens = 400;
+    engine.submit(job(0, long, tx)).ok().unwrap();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Report::Text(..) => trip.store(true, Ordering::Relaxed),
+            Report::Done(_, r) => return *r,
+        }
+    }
+}
+
 /// When the target backend panics (and so refuses every later call), the requests it was
 /// running fail with its message, and the engine reopens the model: later requests are
 /// served as before.
@@ -349,12 +382,7 @@ fn a_target_that_panicked_is_reopened() {
     let want = generate(&mut alone, &request(1, false), |_| {}).unwrap();
     drop(alone);
 
-    let trip = Arc::new(AtomicBool::new(false));
-    let mut parts = Parts::open(&profile, 2, None).unwrap();
-    parts.target = box_forward_pass(Tripwire {
-        inner: parts.target,
-        trip: trip.clone(),
-    });
+    let (parts, trip) = tripwired(&profile);
     let reopened = Arc::new(AtomicBool::new(false));
     let options = EngineOptions {
         reopen: Some(Arc::new({
@@ -368,28 +396,14 @@ fn a_target_that_panicked_is_reopened() {
     };
     let engine = Engine::start(parts, 2, options).unwrap();
     let (tx, rx) = mpsc::channel();
-    let mut long = request(5, false);
-    long.max_tokens = 400;
-    engine.submit(job(0, long, &tx)).ok().unwrap();
-    let failed = loop {
-        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            Report::Text(..) => trip.store(true, Ordering::Relaxed),
-            Report::Done(_, r) => break *r,
-        }
-    };
-    match failed {
+    match trip_during_a_request(&engine, &trip, &tx, &rx) {
         Err(JobError::Failed(message)) => {
             assert!(message.contains("the kernel exploded"), "{message}")
         }
         other => panic!("the request on the broken target: {other:?}"),
     }
     engine.submit(job(1, request(1, false), &tx)).ok().unwrap();
-    loop {
-        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            assert_eq!(r.unwrap().tokens, want.tokens);
-            break;
-        }
-    }
+    assert_eq!(next_done(&rx).unwrap().tokens, want.tokens);
     assert!(reopened.load(Ordering::Relaxed));
 }
 
@@ -399,38 +413,16 @@ fn a_target_that_panicked_is_reopened() {
 fn a_target_that_cannot_be_reopened_stops_serving_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let profile = profile(dir.path(), &shared("models/stories260K.gguf"), "");
-    let trip = Arc::new(AtomicBool::new(false));
-    let mut parts = Parts::open(&profile, 2, None).unwrap();
-    parts.target = box_forward_pass(Tripwire {
-        inner: parts.target,
-        trip: trip.clone(),
-    });
+    let (parts, trip) = tripwired(&profile);
     let engine = Engine::start(parts, 2, EngineOptions::default()).unwrap();
     assert_eq!(engine.failure(), None);
     let (tx, rx) = mpsc::channel();
-    let mut long = request(5, false);
-    long.max_tokens = 400;
-    engine.submit(job(0, long, &tx)).ok().unwrap();
-    loop {
-        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            Report::Text(..) => trip.store(true, Ordering::Relaxed),
-            Report::Done(_, r) => {
-                assert!(matches!(*r, Err(JobError::Failed(_))), "{r:?}");
-                break;
-            }
-        }
-    }
+    let failed = trip_during_a_request(&engine, &trip, &tx, &rx);
+    assert!(matches!(failed, Err(JobError::Failed(_))), "{failed:?}");
     engine.submit(job(1, request(1, false), &tx)).ok().unwrap();
-    loop {
-        if let Report::Done(_, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            match *r {
-                Err(JobError::Unavailable(why)) => {
-                    assert!(why.contains("the kernel exploded"), "{why}")
-                }
-                other => panic!("a request after the failure: {other:?}"),
-            }
-            break;
-        }
+    match next_done(&rx) {
+        Err(JobError::Unavailable(why)) => assert!(why.contains("the kernel exploded"), "{why}"),
+        other => panic!("a request after the failure: {other:?}"),
     }
     let failure = engine.failure().expect("the handle says why");
     assert!(failure.contains("could not be reopened"), "{failure}");

@@ -615,7 +615,10 @@ impl Loop {
                     decoding.push(i);
                     let want = r.generation.wanted_drafts();
                     wanted.push(want);
-                    floor.push(r.generation.draft_floor(want));
+                    // A sequence starved of drafts for a while gets a probe: its verdict
+                    // updates the acceptance the budget reads.
+                    let probe = usize::from(r.starved >= PROBE_AFTER_STARVED_STEPS).min(want);
+                    floor.push(r.generation.draft_floor(want).max(probe));
                     acceptance.push(r.generation.acceptance());
                 }
                 Ok(false) => {}
@@ -642,24 +645,16 @@ impl Loop {
             }
         }
         // Drafts, within the step's row budget.
-        let mut drafts = allocate_drafts(
+        let drafts = allocate_drafts(
             &wanted,
             &floor,
             &acceptance,
             decoding.len() + prefill_rows,
             &self.curve,
         );
-        for ((&i, n), &want) in decoding.iter().zip(&mut drafts).zip(&wanted) {
+        for ((&i, &n), &want) in decoding.iter().zip(&drafts).zip(&wanted) {
             let r = &mut running[i];
-            if want > 0 && *n == 0 {
-                r.starved += 1;
-                if r.starved >= PROBE_AFTER_STARVED_STEPS {
-                    *n = 1; // a probe: its verdict updates the acceptance the budget reads
-                }
-            }
-            if *n > 0 {
-                r.starved = 0;
-            }
+            r.starved = if want > 0 && n == 0 { r.starved + 1 } else { 0 };
         }
         let plan: Vec<(usize, usize)> = decoding
             .iter()
