@@ -38,11 +38,11 @@ pub const BLOCK_TOKENS: usize = 64;
 /// How the cache stores keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvType {
-    /// Exact f32 (4 bytes per value): the default, the same numbers on every backend.
-    #[default]
+    /// Exact f32 (4 bytes per value).
     F32,
     /// IEEE binary16, rounded to nearest-even (2 bytes per value: half the memory and half the
-    /// attention's memory traffic at long contexts; llama.cpp's default cache type).
+    /// attention's memory traffic; llama.cpp's default cache type, and this one's).
+    #[default]
     F16,
 }
 

@@ -22,9 +22,8 @@
 //! truncation cuts it together with the trunk.
 //!
 //! Options (`[target.options]` of the profile): the engine's `ring_budget_bytes` and
-//! `deep_rollback` ([`specula_engine::backend::options`]), `kv_type` (how the attention KV
-//! cache stores keys and values: `f32`, the default, or `f16`, which halves its memory and the
-//! attention's memory traffic) and `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
+//! `deep_rollback` and `kv_type` ([`specula_engine::backend::options`]: `f16` by default,
+//! `f32` for an exact cache) and `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
 //! Q4_K matrices are repacked at load into interleaved 16-row groups where the CPU has
 //! AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every matrix
 //! is read from the mapped file as stored). An unknown option is an error naming the known
@@ -36,7 +35,6 @@ use specula_engine::backend::opening::{self, Opening};
 use specula_engine::backend::options::{self, CommonOptions, Parsed};
 use specula_engine::backend::{attribute, Backend};
 use specula_engine::cpu::{CpuExecutor, CpuPart};
-use specula_engine::kv_cache::KvType;
 use specula_engine::model::Graph;
 use specula_plugin_api::{BackendParams, Capabilities, ModelInfo, PluginError};
 
@@ -44,9 +42,6 @@ use crate::PLUGIN_NAME as PLUGIN;
 
 /// A model opened on the CPU with its sequence state.
 pub type CpuBackend = Backend<CpuExecutor>;
-
-/// Backend option: the KV cache's storage type (`f32` or `f16`).
-pub const OPTION_KV_TYPE: &str = "kv_type";
 
 /// Backend option: how weight matrices are laid out in memory (`interleaved` or `file`).
 pub const OPTION_WEIGHT_LAYOUT: &str = "weight_layout";
@@ -66,24 +61,15 @@ pub enum WeightLayout {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Options {
     common: CommonOptions,
-    kv_type: KvType,
     weight_layout: WeightLayout,
 }
 
 impl Options {
     /// Parses the options, reporting every bad one (not only the first) in one error.
     fn parse(params: &BackendParams) -> Result<Self, PluginError> {
-        let mut kv_type = KvType::default();
         let mut weight_layout = WeightLayout::Interleaved;
-        let own_keys = [OPTION_KV_TYPE, OPTION_WEIGHT_LAYOUT];
+        let own_keys = [OPTION_WEIGHT_LAYOUT];
         let common = options::parse(PLUGIN, params, &own_keys, |key, value| match key {
-            OPTION_KV_TYPE => match KvType::from_name(value) {
-                Some(parsed) => {
-                    kv_type = parsed;
-                    Parsed::Ok
-                }
-                None => Parsed::Expected("'f32' or 'f16'"),
-            },
             OPTION_WEIGHT_LAYOUT => match value {
                 "interleaved" => {
                     weight_layout = WeightLayout::Interleaved;
@@ -99,7 +85,6 @@ impl Options {
         })?;
         Ok(Options {
             common,
-            kv_type,
             weight_layout,
         })
     }
@@ -140,7 +125,7 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         layers: 0,
         head: true,
         batch_rows,
-        kv_type: options.kv_type,
+        kv_type: options.common.kv_type,
         kv_tokens: opening.kv_tokens,
         ring_depth,
         max_sequences: opening.max_sequences,

@@ -104,19 +104,19 @@ fn batched_rows_are_bit_identical_to_single_token_evals() {
     }
 }
 
-/// The same with the KV cache in f16 (`kv_type = "f16"`), on dense and hybrid models with an
-/// MTP head: rounding on store happens identically for batched and single rows.
+/// The same with the KV cache in f32 (`kv_type = "f32"`; the default is f16), on dense and
+/// hybrid models with an MTP head.
 #[test]
-fn an_f16_kv_cache_keeps_batched_rows_bit_identical() {
-    let f16 = [("kv_type", "f16")];
-    check_batch_parity("stories260K f32, f16 cache", &stories(), &f16);
-    check_batch_parity("tiny-llama f32, f16 cache", &tiny_llama(), &f16);
+fn an_f32_kv_cache_keeps_batched_rows_bit_identical() {
+    let f32_type = [("kv_type", "f32")];
+    check_batch_parity("stories260K f32, f32 cache", &stories(), &f32_type);
+    check_batch_parity("tiny-llama f32, f32 cache", &tiny_llama(), &f32_type);
     for name in ["tiny-qwen35-mtp.gguf", "tiny-qwen3next-mtp.gguf"] {
-        check_batch_parity(&format!("{name}, f16 cache"), &fixture(name), &f16);
+        check_batch_parity(&format!("{name}, f32 cache"), &fixture(name), &f32_type);
     }
     // And it is a different cache: the logits move (a little).
-    let mut f32_cache = open(&stories(), 2, 128);
-    let mut f16_cache = open_with(&stories(), 2, 128, 0, &f16);
+    let mut f16_cache = open(&stories(), 2, 128);
+    let mut f32_cache = open_with(&stories(), 2, 128, 0, &f32_type);
     let a = eval(&mut f32_cache, &PROMPT, LogitRows::Last);
     let b = eval(&mut f16_cache, &PROMPT, LogitRows::Last);
     assert_ne!(bits(&a), bits(&b));
@@ -124,7 +124,7 @@ fn an_f16_kv_cache_keeps_batched_rows_bit_identical() {
         .iter()
         .zip(&b)
         .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(d < 0.05, "f16 cache moved the logits by {d}");
+    assert!(d < 0.05, "the f16 cache moved the logits by {d}");
 }
 
 /// Eval prompt + k drafts, truncate to prompt + j, eval another token: the same bits as a

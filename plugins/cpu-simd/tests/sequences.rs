@@ -103,10 +103,10 @@ fn batched_rows_are_bit_identical_to_each_sequence_alone() {
     }
 }
 
-/// The same with an f16 KV cache and with the row-major weight layout.
+/// The same with an f32 KV cache (the default is f16) and with the row-major weight layout.
 #[test]
 fn batched_rows_stay_bit_identical_with_other_cache_and_weight_layouts() {
-    for options in [&[("kv_type", "f16")][..], &[("weight_layout", "file")][..]] {
+    for options in [&[("kv_type", "f32")][..], &[("weight_layout", "file")][..]] {
         for path in [tiny_llama(), fixture("tiny-qwen3next-mtp.gguf")] {
             let mut batched = open_many(&path, 6, options);
             let mut alone = open_many(&path, 6, options);

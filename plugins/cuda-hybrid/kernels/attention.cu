@@ -2,7 +2,9 @@
 // sigmoid output gate of the gated (qwen35 / qwen3next / MTP) attention block.
 //
 // Row r (cache position pos0 + r) attends to cache positions 0 ..= pos0 + r of its layer:
-// keys at k_cache + j * n_head_kv * head_dim, values at v_cache + j * n_head_kv * value_dim.
+// keys at k_cache + j * n_head_kv * head_dim, values at v_cache + j * n_head_kv * value_dim,
+// stored as f32 (`attention`) or as IEEE binary16 bits (`attention_f16`, the `kv_type = "f16"`
+// cache; each value widened to f32 exactly before use, as the CPU backend does).
 // Query head h reads key/value head h / (n_head / n_head_kv) (ggml's broadcast). As the CPU
 // backend: scores q.k * scale in position order, softmax as exp(s - max) with the sum in f64
 // scaled by the f32 reciprocal, then the value rows accumulated in position order. With
@@ -17,16 +19,26 @@
 //
 // Launch: grid = (n_head, rows), blockDim = 128. Thread t scores keys t, t + 128, ... and
 // accumulates output dimensions t, t + 128, ...
-extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stride,
-                                     int q_head_stride, const float* __restrict__ k_cache,
-                                     const float* __restrict__ v_cache, int n_head,
-                                     int n_head_kv, int head_dim, int value_dim, int pos0,
-                                     float scale, float* __restrict__ scores, u64 score_stride,
-                                     const float* __restrict__ gate, u64 gate_row_stride,
-                                     int gate_head_stride, float* __restrict__ out) {
-    __shared__ double red[1024];
-    __shared__ float redf[1024];
-    __shared__ float qh[1024];
+// One cache value as f32.
+__device__ __forceinline__ float kv_value(const float* p, u64 i) {
+    return p[i];
+}
+__device__ __forceinline__ float kv_value(const u16* p, u64 i) {
+    return f16_to_f32(p[i]);
+}
+
+// The block's work for query row blockIdx.y, head blockIdx.x; the shared arrays are the
+// kernel's (red: 1024 doubles, redf and qh: 1024 floats).
+template <typename Kv>
+__device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_row_stride,
+                                           int q_head_stride, const Kv* __restrict__ k_cache,
+                                           const Kv* __restrict__ v_cache, int n_head,
+                                           int n_head_kv, int head_dim, int value_dim, int pos0,
+                                           float scale, float* __restrict__ scores,
+                                           u64 score_stride, const float* __restrict__ gate,
+                                           u64 gate_row_stride, int gate_head_stride,
+                                           float* __restrict__ out, double* red, float* redf,
+                                           float* qh) {
     const int h = blockIdx.x;
     const int r = blockIdx.y;
     const int tid = threadIdx.x;
@@ -43,10 +55,10 @@ extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stri
     float* sc = scores + ((u64)r * n_head + h) * score_stride;
     float local_max = __int_as_float(0xff800000);  // -inf
     for (int j = tid; j < n_keys; j += blockDim.x) {
-        const float* kj = k_cache + (u64)j * k_width + (u64)kv_head * head_dim;
+        const Kv* kj = k_cache + (u64)j * k_width + (u64)kv_head * head_dim;
         float s = 0.0f;
         for (int d = 0; d < head_dim; ++d) {
-            s = fmaf(qh[d], kj[d], s);
+            s = fmaf(qh[d], kv_value(kj, d), s);
         }
         s *= scale;
         sc[j] = s;
@@ -65,14 +77,62 @@ extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stri
 
     float* o = out + (u64)r * n_head * value_dim + (u64)h * value_dim;
     for (int d = tid; d < value_dim; d += blockDim.x) {
-        const float* vd = v_cache + (u64)kv_head * value_dim + d;
+        const Kv* vd = v_cache + (u64)kv_head * value_dim + d;
         float acc = 0.0f;
         for (int j = 0; j < n_keys; ++j) {
-            acc = fmaf(sc[j] * inverse, vd[(u64)j * v_width], acc);
+            acc = fmaf(sc[j] * inverse, kv_value(vd, (u64)j * v_width), acc);
         }
         if (gate != 0) {
             acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
         }
         o[d] = acc;
+    }
+}
+
+extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stride,
+                                     int q_head_stride, const float* __restrict__ k_cache,
+                                     const float* __restrict__ v_cache, int n_head,
+                                     int n_head_kv, int head_dim, int value_dim, int pos0,
+                                     float scale, float* __restrict__ scores, u64 score_stride,
+                                     const float* __restrict__ gate, u64 gate_row_stride,
+                                     int gate_head_stride, float* __restrict__ out) {
+    __shared__ double red[1024];
+    __shared__ float redf[1024];
+    __shared__ float qh[1024];
+    attend_row<float>(q, q_row_stride, q_head_stride, k_cache, v_cache, n_head, n_head_kv,
+                      head_dim, value_dim, pos0, scale, scores, score_stride, gate,
+                      gate_row_stride, gate_head_stride, out, red, redf, qh);
+}
+
+extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_stride,
+                                         int q_head_stride, const u16* __restrict__ k_cache,
+                                         const u16* __restrict__ v_cache, int n_head,
+                                         int n_head_kv, int head_dim, int value_dim, int pos0,
+                                         float scale, float* __restrict__ scores,
+                                         u64 score_stride, const float* __restrict__ gate,
+                                         u64 gate_row_stride, int gate_head_stride,
+                                         float* __restrict__ out) {
+    __shared__ double red[1024];
+    __shared__ float redf[1024];
+    __shared__ float qh[1024];
+    attend_row<u16>(q, q_row_stride, q_head_stride, k_cache, v_cache, n_head, n_head_kv,
+                    head_dim, value_dim, pos0, scale, scores, score_stride, gate,
+                    gate_row_stride, gate_head_stride, out, red, redf, qh);
+}
+
+// Stores n f32 values of src at dst (f32) or as binary16 bits rounded to nearest-even (f16):
+// the keys and values of new positions into the cache. Launch: blockDim = 256,
+// grid = ceil(n / 256); thread i handles value i.
+extern "C" __global__ void kv_store(const float* __restrict__ src, u64 n, float* __restrict__ dst) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        dst[i] = src[i];
+    }
+}
+extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u64 n,
+                                        u16* __restrict__ dst) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        dst[i] = f32_to_f16(src[i]);
     }
 }

@@ -125,14 +125,21 @@ fn mtp_bytes(w: &MtpWeights, output: &MatrixRef) -> u64 {
     w.eh_proj.n_bytes() + hybrid_layer_bytes(&w.block) + 4 * vectors as u64 + head
 }
 
-/// What every placeable part of `graph` costs on the device, with caches and rings for
-/// `sequences` sequence slots.
-fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize, sequences: usize) -> Costs {
+/// What every placeable part of `graph` costs on the device, with caches (of `kv_type`) and
+/// rings for `sequences` sequence slots.
+fn costs(
+    graph: &Graph,
+    n_ctx: usize,
+    n_planes: usize,
+    rows: usize,
+    sequences: usize,
+    kv_type: KvType,
+) -> Costs {
     let sequences = sequences.max(1) as u64;
     match graph {
         Graph::Dense(d) => {
             let a = &d.config.attention;
-            let state = sequences * DeviceKv::bytes(1, n_ctx, a.k_width(), a.v_width());
+            let state = sequences * DeviceKv::bytes(1, n_ctx, (a.k_width(), a.v_width()), kv_type);
             let w = &d.weights;
             Costs {
                 layers: w
@@ -152,7 +159,7 @@ fn costs(graph: &Graph, n_ctx: usize, n_planes: usize, rows: usize, sequences: u
                 config, weights, ..
             } = &**h;
             let a = &config.attention;
-            let kv = sequences * DeviceKv::bytes(1, n_ctx, a.k_width(), a.v_width());
+            let kv = sequences * DeviceKv::bytes(1, n_ctx, (a.k_width(), a.v_width()), kv_type);
             let ring = sequences * config.gdn.state_layout(1).plane_bytes() * n_planes as u64;
             let mtp = weights
                 .mtp
@@ -262,7 +269,14 @@ fn open_with(
                     ((gpu.info.total_memory as f64 * RESERVE_SHARE) as u64).max(MIN_RESERVE);
                 gpu.info.free_memory.saturating_sub(reserve)
             });
-            let costs = costs(&model.graph, n_ctx, n_planes, batch_rows, max_sequences);
+            let costs = costs(
+                &model.graph,
+                n_ctx,
+                n_planes,
+                batch_rows,
+                max_sequences,
+                options.common.kv_type,
+            );
             let placement = placement::place(&costs, options.gpu_layers, budget).map_err(|e| {
                 PluginError::new(
                     ErrorKind::OutOfMemory,
@@ -304,7 +318,7 @@ fn open_with(
             layers: first_gpu,
             head: !head_on_gpu,
             batch_rows,
-            kv_type: KvType::F32,
+            kv_type: options.common.kv_type,
             kv_tokens,
             ring_depth: depth,
             max_sequences,
@@ -345,6 +359,7 @@ fn open_with(
                 n_planes,
                 rows: batch_rows,
                 sequences: max_sequences,
+                kv_type: options.common.kv_type,
             };
             let gpu_model = GpuModel::build(gpu, model, plan)?;
             Some(DeviceState {

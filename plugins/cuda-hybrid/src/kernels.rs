@@ -64,7 +64,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "attention.cu",
         text: include_str!("../kernels/attention.cu"),
-        functions: &["attention"],
+        functions: &["attention", "attention_f16", "kv_store", "kv_store_f16"],
     },
     KernelSource {
         file: "conv.cu",

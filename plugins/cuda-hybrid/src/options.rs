@@ -7,6 +7,7 @@
 //! | `device` | CUDA device ordinal | `0` |
 //! | `ring_budget_bytes` | upper bound on the recurrent-state snapshot ring (host and device parts together; an engine option) | none |
 //! | `deep_rollback` | `redecode` or `refuse`: truncation beyond the ring (an engine option) | `redecode` |
+//! | `kv_type` | `f16` or `f32`: how the attention KV cache stores keys and values, on the host and on the device (an engine option) | `f16` |
 //! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.13` or `.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
 //! | `kernel_cache` | directory for compiled PTX, or `off` | `$SPECULA_HOME/cuda-kernels`, else `$XDG_CACHE_HOME/specula/cuda-kernels`, else `~/.cache/specula/cuda-kernels` |
 //!
@@ -15,7 +16,7 @@
 
 use std::path::PathBuf;
 
-use specula_engine::backend::options::{self, parse_bytes, CommonOptions, DeepRollback, Parsed};
+use specula_engine::backend::options::{self, parse_bytes, CommonOptions, Parsed};
 use specula_plugin_api::{BackendParams, PluginError};
 
 use crate::PLUGIN_NAME;
@@ -63,10 +64,7 @@ impl Default for Options {
             gpu_layers: GpuLayers::Auto,
             vram_budget: None,
             device: 0,
-            common: CommonOptions {
-                ring_budget_bytes: None,
-                deep_rollback: DeepRollback::Redecode,
-            },
+            common: CommonOptions::default(),
             nvrtc_path: None,
             kernel_cache: default_kernel_cache(),
         }
@@ -131,6 +129,8 @@ impl Options {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use specula_engine::backend::options::DeepRollback;
+    use specula_engine::kv_cache::KvType;
     use specula_plugin_api::ErrorKind;
 
     fn params(options: &[(&str, &str)]) -> BackendParams {
@@ -145,6 +145,7 @@ mod tests {
             ("device", "1"),
             ("ring_budget_bytes", "1000"),
             ("deep_rollback", "refuse"),
+            ("kv_type", "f32"),
             ("nvrtc_path", "/opt/nvrtc/lib"),
             ("kernel_cache", "off"),
         ]))
@@ -160,6 +161,8 @@ mod tests {
         assert_eq!(o.device, 1);
         assert_eq!(o.common.ring_budget_bytes, Some(1000));
         assert_eq!(o.common.deep_rollback, DeepRollback::Refuse);
+        assert_eq!(o.common.kv_type, KvType::F32);
+        assert_eq!(Options::default().common.kv_type, KvType::F16);
         assert_eq!(o.nvrtc_path, Some(PathBuf::from("/opt/nvrtc/lib")));
         assert_eq!(o.kernel_cache, None);
         assert_eq!(

@@ -29,6 +29,7 @@ use specula_cuda_hybrid::gpu::{DevBuf, Gpu};
 use specula_cuda_hybrid::CudaBackend;
 use specula_engine::blocks::attention::AttentionShape;
 use specula_engine::cpu::attention;
+use specula_engine::kv_cache::KvType;
 use specula_gguf::GgmlType;
 use specula_kernels::{f16, Rope, RopeMode, RopeSections};
 use specula_plugin_api::{ErrorKind, LogitRows};
@@ -526,7 +527,8 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
         assert!(d < 1e-5, "{mode:?}: {d}");
     }
 
-    // Attention of 3 rows over 40 cached positions, 4 query heads on 2 kv heads.
+    // Attention of 3 rows over 40 cached positions, 4 query heads on 2 kv heads, over an f32
+    // cache and an f16 one (against the CPU code over the same values widened to f32).
     let shape = AttentionShape {
         n_head: 4,
         n_head_kv: 2,
@@ -537,15 +539,10 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
     let keys: Vec<f32> = (0..n_ctx * shape.k_width()).map(|_| rng.unit()).collect();
     let values: Vec<f32> = (0..n_ctx * shape.v_width()).map(|_| rng.unit()).collect();
     let q: Vec<f32> = (0..rows * shape.q_width()).map(|_| rng.unit()).collect();
-    let (dk, dv, dq) = (
-        gpu.upload(&keys).unwrap(),
-        gpu.upload(&values).unwrap(),
-        gpu.upload(&q).unwrap(),
-    );
+    let dq = gpu.upload(&q).unwrap();
     let scores = gpu
         .zeros::<f32>(ops::ATTENTION_ROWS * shape.n_head * n_ctx)
         .unwrap();
-    let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
     let dims = AttentionDims {
         n_head: 4,
         n_head_kv: 2,
@@ -558,36 +555,62 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
         row_stride: shape.q_width(),
         head_stride: 16,
     };
-    ops::attention(
-        &gpu,
-        &dims,
-        qh,
-        dk.ptr(),
-        dv.ptr(),
-        pos0,
-        rows,
-        &scores,
-        n_ctx,
-        None,
-        out.ptr(),
-    )
-    .unwrap();
-    let got = download(&gpu, &out);
-    for r in 0..rows {
-        let n_keys = pos0 + r + 1;
-        let mut cpu = vec![0.0; shape.out_width()];
-        attention::attend(
-            &shape,
-            &q[r * shape.q_width()..(r + 1) * shape.q_width()],
-            &keys[..n_keys * shape.k_width()],
-            &values[..n_keys * shape.v_width()],
-            &mut cpu,
-        );
-        let d = max_diff(
-            &cpu,
-            &got[r * shape.out_width()..(r + 1) * shape.out_width()],
-        );
-        assert!(d < 1e-5, "attention row {r}: {d}");
+    let half = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<u16>>();
+    let widen = |x: &[u16]| x.iter().map(|&h| f16::to_f32(h)).collect::<Vec<f32>>();
+    let (half_keys, half_values) = (half(&keys), half(&values));
+    let (keys_f32, values_f32) = (gpu.upload(&keys).unwrap(), gpu.upload(&values).unwrap());
+    let (keys_f16, values_f16) = (
+        gpu.upload(&half_keys).unwrap(),
+        gpu.upload(&half_values).unwrap(),
+    );
+    for kv in [KvType::F32, KvType::F16] {
+        let (keys, values, dk, dv) = match kv {
+            KvType::F32 => (
+                keys.clone(),
+                values.clone(),
+                keys_f32.ptr(),
+                values_f32.ptr(),
+            ),
+            KvType::F16 => (
+                widen(&half_keys),
+                widen(&half_values),
+                keys_f16.ptr(),
+                values_f16.ptr(),
+            ),
+        };
+        let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+        ops::attention(
+            &gpu,
+            &dims,
+            qh,
+            kv,
+            dk,
+            dv,
+            pos0,
+            rows,
+            &scores,
+            n_ctx,
+            None,
+            out.ptr(),
+        )
+        .unwrap();
+        let got = download(&gpu, &out);
+        for r in 0..rows {
+            let n_keys = pos0 + r + 1;
+            let mut cpu = vec![0.0; shape.out_width()];
+            attention::attend(
+                &shape,
+                &q[r * shape.q_width()..(r + 1) * shape.q_width()],
+                &keys[..n_keys * shape.k_width()],
+                &values[..n_keys * shape.v_width()],
+                &mut cpu,
+            );
+            let d = max_diff(
+                &cpu,
+                &got[r * shape.out_width()..(r + 1) * shape.out_width()],
+            );
+            assert!(d < 1e-5, "{kv:?} attention row {r}: {d}");
+        }
     }
 }
 
@@ -668,11 +691,12 @@ fn gpu_models(device: &Device) -> Vec<std::path::PathBuf> {
 
 /// Placements: automatic (everything on the GPU), split after the first layers (the last
 /// layer on the GPU: on the hybrid fixtures an attention layer; the last two: a Gated DeltaNet
-/// layer too, so both halves hold part of the ring), and all layers named explicitly.
+/// layer too, so both halves hold part of the ring), and all layers named explicitly. The
+/// first split keeps its KV caches in f32 (`kv_type`), the others in the default f16.
 fn placements(device: &Device) -> &'static [&'static [(&'static str, &'static str)]] {
     const ALL: [&[(&str, &str)]; 4] = [
         &[],
-        &[("gpu_layers", "1")],
+        &[("gpu_layers", "1"), ("kv_type", "f32")],
         &[("gpu_layers", "2")],
         &[("gpu_layers", "all")],
     ];

@@ -27,9 +27,12 @@ fn every_architecture_matches_cpu_simd_bit_for_bit() {
     let mut models: Vec<_> = MODELS.iter().map(|m| fixture(m)).collect();
     models.push(stories());
     models.push(trained_qwen35("q8_0"));
-    for path in models {
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let (mut cpu, mut cuda) = pair(&path, &[]);
+    for (path, kv_type) in models.iter().flat_map(|p| [(p, "f16"), (p, "f32")]) {
+        let name = format!(
+            "{} (kv_type {kv_type})",
+            path.file_name().unwrap().to_string_lossy()
+        );
+        let (mut cpu, mut cuda) = pair(path, &[("kv_type", kv_type)]);
         assert_eq!(cpu.model_info(), cuda.model_info(), "{name}");
         assert_eq!(cpu.capabilities(), cuda.capabilities(), "{name}");
         assert!(!cuda.executor().placement().uses_gpu(), "{name}");

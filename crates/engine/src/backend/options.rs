@@ -5,14 +5,20 @@
 //! |---|---|---|
 //! | `ring_budget_bytes` | upper bound on the recurrent-state snapshot ring: a number of bytes, optionally with `KiB`, `MiB`, `GiB` (or `K`, `M`, `G`) | none |
 //! | `deep_rollback` | `redecode` or `refuse`: what truncation beyond the ring does | `redecode` |
+//! | `kv_type` | how the attention KV cache stores keys and values: `f16` (rounded to nearest-even when stored; half the memory and half the attention's memory traffic of `f32`) or `f32` (exact) | `f16` |
 
 use specula_plugin_api::{BackendParams, PluginError};
+
+use crate::kv_cache::KvType;
 
 /// Backend option: the most bytes the recurrent-state snapshot ring may use.
 pub const OPTION_RING_BUDGET_BYTES: &str = "ring_budget_bytes";
 
 /// Backend option: what truncation beyond the rollback window does (`redecode` or `refuse`).
 pub const OPTION_DEEP_ROLLBACK: &str = "deep_rollback";
+
+/// Backend option: the KV cache's storage type (`f16` or `f32`).
+pub const OPTION_KV_TYPE: &str = "kv_type";
 
 /// What truncation does for a length the snapshot ring no longer holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +34,17 @@ pub enum DeepRollback {
 pub struct CommonOptions {
     pub ring_budget_bytes: Option<u64>,
     pub deep_rollback: DeepRollback,
+    pub kv_type: KvType,
+}
+
+impl Default for CommonOptions {
+    fn default() -> Self {
+        Self {
+            ring_budget_bytes: None,
+            deep_rollback: DeepRollback::Redecode,
+            kv_type: KvType::default(),
+        }
+    }
 }
 
 /// Parses a byte count: `123`, `512MiB`, `8 GiB`, `2G`, `100 KiB`.
@@ -68,10 +85,7 @@ pub fn parse(
     own_keys: &[&str],
     mut own: impl FnMut(&str, &str) -> Parsed,
 ) -> Result<CommonOptions, PluginError> {
-    let mut common = CommonOptions {
-        ring_budget_bytes: None,
-        deep_rollback: DeepRollback::Redecode,
-    };
+    let mut common = CommonOptions::default();
     let mut problems = Vec::new();
     for option in params.options.iter() {
         let (key, value) = (option.0.as_str(), option.1.as_str().trim());
@@ -94,15 +108,26 @@ pub fn parse(
                 }
                 _ => Parsed::Expected("'redecode' or 'refuse'"),
             },
+            OPTION_KV_TYPE => match KvType::from_name(value) {
+                Some(parsed) => {
+                    common.kv_type = parsed;
+                    Parsed::Ok
+                }
+                None => Parsed::Expected("'f16' or 'f32'"),
+            },
             _ => own(key, value),
         };
         match parsed {
             Parsed::Ok => {}
             Parsed::Unknown => {
-                let known: Vec<&str> = [OPTION_RING_BUDGET_BYTES, OPTION_DEEP_ROLLBACK]
-                    .into_iter()
-                    .chain(own_keys.iter().copied())
-                    .collect();
+                let known: Vec<&str> = [
+                    OPTION_RING_BUDGET_BYTES,
+                    OPTION_DEEP_ROLLBACK,
+                    OPTION_KV_TYPE,
+                ]
+                .into_iter()
+                .chain(own_keys.iter().copied())
+                .collect();
                 problems.push(format!(
                     "unknown option '{key}' (known: {})",
                     known.join(", ")
@@ -158,6 +183,7 @@ mod tests {
             &params(&[
                 ("ring_budget_bytes", "2MiB"),
                 ("deep_rollback", "refuse"),
+                ("kv_type", "f32"),
                 ("colour", "red"),
             ]),
             &["colour"],
@@ -167,12 +193,17 @@ mod tests {
         assert_eq!(colour.as_deref(), Some("red"));
         assert_eq!(options.ring_budget_bytes, Some(2 << 20));
         assert_eq!(options.deep_rollback, DeepRollback::Refuse);
+        assert_eq!(options.kv_type, KvType::F32);
+        let defaults = parse("test", &params(&[]), &[], |_, _| Parsed::Unknown).unwrap();
+        assert_eq!(defaults, CommonOptions::default());
+        assert_eq!(defaults.kv_type, KvType::F16);
 
         let err = parse(
             "test",
             &params(&[
                 ("ring_budget_bytes", "lots"),
                 ("deep_rollback", "maybe"),
+                ("kv_type", "f8"),
                 ("color", "red"),
             ]),
             &["colour"],
@@ -184,7 +215,8 @@ mod tests {
             "test: ",
             "'ring_budget_bytes' = 'lots'",
             "'deep_rollback' = 'maybe'",
-            "unknown option 'color' (known: ring_budget_bytes, deep_rollback, colour)",
+            "'kv_type' = 'f8': expected 'f16' or 'f32'",
+            "unknown option 'color' (known: ring_budget_bytes, deep_rollback, kv_type, colour)",
         ] {
             assert!(err.message.contains(part), "{part}: {}", err.message);
         }

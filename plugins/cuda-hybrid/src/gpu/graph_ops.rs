@@ -227,20 +227,21 @@ impl LayerOps for GpuOps<'_> {
             let seq = device_seq(seqs, span.seq)?;
             let (cache, layer) = device_cache(seq, *first_attention, slot)?;
             let (n, pos0) = (span.n, span.pos0);
-            gpu.copy_device(
-                scratch.act(k),
-                first * kw,
-                &mut cache.k[layer],
-                pos0 * kw,
-                n * kw,
-            )?;
-            gpu.copy_device(
-                scratch.act(v),
-                first * vw,
-                &mut cache.v[layer],
-                pos0 * vw,
-                n * vw,
-            )?;
+            let (kc, vc) = (&cache.k[layer], &cache.v[layer]);
+            let (sk, sv) = (scratch.act(k), scratch.act(v));
+            if cache.units((pos0 + n) * kw) > kc.len()
+                || cache.units((pos0 + n) * vw) > vc.len()
+                || (first + n) * kw > sk.len()
+                || (first + n) * vw > sv.len()
+            {
+                return Err(graph_error(&format!(
+                    "rows {first}..{} at positions {pos0}.. exceed the device KV cache or scratch",
+                    first + n
+                )));
+            }
+            let (ks, vs) = (sk.at(first * kw), sv.at(first * vw));
+            ops::kv_store(gpu, cache.ty, ks, cache.at(kc, pos0 * kw), n * kw)?;
+            ops::kv_store(gpu, cache.ty, vs, cache.at(vc, pos0 * vw), n * vw)?;
         }
         Ok(())
     }
@@ -278,6 +279,7 @@ impl LayerOps for GpuOps<'_> {
                 &m.gpu,
                 &dims,
                 shifted(queries, first),
+                kv.ty,
                 keys,
                 values,
                 span.pos0,

@@ -486,11 +486,11 @@ impl Gpu {
 
     /// Copies `len` values of `src[src_at..]` into `dst[dst_at..]` on the device (queued on
     /// the stream).
-    pub fn copy_device(
+    pub fn copy_device<T: DeviceRepr>(
         &self,
-        src: &DevBuf<f32>,
+        src: &DevBuf<T>,
         src_at: usize,
-        dst: &mut DevBuf<f32>,
+        dst: &mut DevBuf<T>,
         dst_at: usize,
         len: usize,
     ) -> Result<(), PluginError> {
@@ -519,8 +519,8 @@ impl Gpu {
                 // which are distinct allocations (`dst` is borrowed mutably, `src` shared).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        (src.ptr as *const f32).add(src_at),
-                        (dst.ptr as *mut f32).add(dst_at),
+                        (src.ptr as *const T).add(src_at),
+                        (dst.ptr as *mut T).add(dst_at),
                         len,
                     )
                 };

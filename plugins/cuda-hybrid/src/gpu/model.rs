@@ -14,6 +14,7 @@
 use specula_engine::arch::{self, hybrid::Mixer};
 use specula_engine::blocks::ffn::FfnShape;
 use specula_engine::graph::{Act, Dims, Rows};
+use specula_engine::kv_cache::KvType;
 use specula_engine::model::{Graph, Model};
 use specula_engine::recurrent::{RingIndex, StateLayout};
 use specula_plugin_api::PluginError;
@@ -23,13 +24,15 @@ use super::ops::{DevRope, Q8Scratch, RingSlot, ATTENTION_ROWS};
 use super::weights::WeightStore;
 use super::{DevBuf, Gpu};
 
-/// Attention keys and values on the device, `n_ctx` rows per layer.
+/// Attention keys and values on the device, `n_ctx` rows per layer, stored as `ty` (the
+/// buffers count 16-bit units: two per f32 value, one per f16 value).
 #[derive(Debug)]
 pub struct DeviceKv {
-    pub k: Vec<DevBuf<f32>>,
-    pub v: Vec<DevBuf<f32>>,
+    pub k: Vec<DevBuf<u16>>,
+    pub v: Vec<DevBuf<u16>>,
     pub k_width: usize,
     pub v_width: usize,
+    pub ty: KvType,
 }
 
 impl DeviceKv {
@@ -37,25 +40,41 @@ impl DeviceKv {
         gpu: &Gpu,
         layers: usize,
         n_ctx: usize,
-        k_width: usize,
-        v_width: usize,
+        (k_width, v_width): (usize, usize),
+        ty: KvType,
     ) -> Result<Self, PluginError> {
         let mut kv = Self {
             k: Vec::with_capacity(layers),
             v: Vec::with_capacity(layers),
             k_width,
             v_width,
+            ty,
         };
         for _ in 0..layers {
-            kv.k.push(gpu.zeros(n_ctx * k_width)?);
-            kv.v.push(gpu.zeros(n_ctx * v_width)?);
+            kv.k.push(gpu.zeros(kv.units(n_ctx * k_width))?);
+            kv.v.push(gpu.zeros(kv.units(n_ctx * v_width))?);
         }
         Ok(kv)
     }
 
+    /// The 16-bit units of `values` cache values.
+    pub fn units(&self, values: usize) -> usize {
+        values * self.ty.bytes() / 2
+    }
+
+    /// The device address of value `i` of `buf`.
+    pub fn at(&self, buf: &DevBuf<u16>, i: usize) -> u64 {
+        buf.at(self.units(i))
+    }
+
     /// Bytes for `layers` layers of `n_ctx` positions.
-    pub fn bytes(layers: usize, n_ctx: usize, k_width: usize, v_width: usize) -> u64 {
-        4 * (layers * n_ctx * (k_width + v_width)) as u64
+    pub fn bytes(
+        layers: usize,
+        n_ctx: usize,
+        (k_width, v_width): (usize, usize),
+        ty: KvType,
+    ) -> u64 {
+        (ty.bytes() * layers * n_ctx * (k_width + v_width)) as u64
     }
 }
 
@@ -257,12 +276,12 @@ impl DeviceSeq {
             .into_iter()
             .chain(self.mtp_kv.as_mut().zip(other.mtp_kv.as_ref()))
         {
-            let (kw, vw) = (src.k_width, src.v_width);
+            let (kw, vw) = (src.units(len * src.k_width), src.units(len * src.v_width));
             for (d, s) in dst.k.iter_mut().zip(&src.k) {
-                gpu.copy_device(s, 0, d, 0, len * kw)?;
+                gpu.copy_device(s, 0, d, 0, kw)?;
             }
             for (d, s) in dst.v.iter_mut().zip(&src.v) {
-                gpu.copy_device(s, 0, d, 0, len * vw)?;
+                gpu.copy_device(s, 0, d, 0, vw)?;
             }
         }
         if let (Some(ring), Some(src)) = (&mut self.ring, &other.ring) {
@@ -317,6 +336,8 @@ pub struct GpuPlan {
     pub rows: usize,
     /// Sequence slots (each with its caches and ring).
     pub sequences: usize,
+    /// How the attention caches store keys and values.
+    pub kv_type: KvType,
 }
 
 /// Attention and GDN layers among trunk layers `0 .. first_layer` of `graph`.
@@ -364,7 +385,8 @@ impl GpuModel {
         let (n_attention, n_gdn) = layers_before(graph, n_layers);
         let mut seqs = Vec::with_capacity(plan.sequences.max(1));
         for _ in 0..plan.sequences.max(1) {
-            let kv = |layers| DeviceKv::new(&gpu, layers, plan.n_ctx, a.k_width(), a.v_width());
+            let widths = (a.k_width(), a.v_width());
+            let kv = |layers| DeviceKv::new(&gpu, layers, plan.n_ctx, widths, plan.kv_type);
             seqs.push(DeviceSeq {
                 kv: kv(n_attention - first_attention)?,
                 mtp_kv: match plan.head && dims.mtp {

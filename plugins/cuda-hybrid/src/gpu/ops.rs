@@ -1,6 +1,7 @@
 //! Typed launches of the kernels in `kernels/*.cu`: each function passes its arguments in the
 //! order of the kernel's C signature and picks the launch shape its comment documents.
 
+use specula_engine::kv_cache::KvType;
 use specula_gguf::GgmlType;
 use specula_kernels::{ActivationFormat, Rope, RopeMode, WeightType};
 use specula_plugin_api::{ErrorKind, PluginError};
@@ -374,14 +375,29 @@ pub struct Gate {
     pub head_stride: usize,
 }
 
+/// Stores the `n` f32 values at `src` into a KV cache of type `kv` at `dst`.
+pub fn kv_store(gpu: &Gpu, kv: KvType, src: u64, dst: u64, n: usize) -> Result<(), PluginError> {
+    let kernel = match kv {
+        KvType::F32 => "kv_store",
+        KvType::F16 => "kv_store_f16",
+    };
+    gpu.launch(
+        kernel,
+        (blocks(n, ROW_BLOCK as usize), 1, 1),
+        ROW_BLOCK,
+        &[Arg::Ptr(src), Arg::U64(n as u64), Arg::Ptr(dst)],
+    )
+}
+
 /// Attention of `rows` query rows (`q`, positions `pos0 ..`) over the cache `k_cache` /
-/// `v_cache`, into `out` (`rows × n_head × value_dim`), in launches of [`ATTENTION_ROWS`]
-/// rows; `scores` holds `ATTENTION_ROWS × n_head × score_stride` floats.
+/// `v_cache` (values of type `kv`), into `out` (`rows × n_head × value_dim`), in launches of
+/// [`ATTENTION_ROWS`] rows; `scores` holds `ATTENTION_ROWS × n_head × score_stride` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     dims: &AttentionDims,
     q: Heads,
+    kv: KvType,
     k_cache: u64,
     v_cache: u64,
     pos0: usize,
@@ -416,7 +432,10 @@ pub fn attention(
             None => [Arg::Ptr(0), Arg::U64(0), Arg::I32(0)],
         };
         gpu.launch(
-            "attention",
+            match kv {
+                KvType::F32 => "attention",
+                KvType::F16 => "attention_f16",
+            },
             (blocks(dims.n_head, 1), blocks(m, 1), 1),
             ATTENTION_BLOCK,
             &[
