@@ -555,6 +555,8 @@ fn gen_model_writes_the_quantised_types_and_names_the_ones_it_cannot() {
                 "256",
                 "--head-dim",
                 "64",
+                "--ffn",
+                "512",
                 "--type",
                 ty,
                 "--out",
@@ -574,11 +576,23 @@ fn gen_model_writes_the_quantised_types_and_names_the_ones_it_cannot() {
             q.info.ty
         );
     }
+    // llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output and (of 2 blocks) block 1's
+    // attn_v and ffn_down.
+    let out = gen("q4_K_M");
+    assert!(out.status.success(), "q4_K_M: {}", stderr(&out));
+    assert!(stdout(&out).contains("(q4_K_M)"), "{}", stdout(&out));
+    let file = specula_gguf::GgufFile::open(&out_path).unwrap();
+    let type_of = |name: &str| file.tensor(name).unwrap().info.ty.name().to_string();
+    assert_eq!(type_of("blk.0.attn_q.weight"), "q4_K");
+    assert_eq!(type_of("blk.0.attn_v.weight"), "q4_K");
+    assert_eq!(type_of("blk.1.attn_v.weight"), "q6_K");
+    assert_eq!(type_of("blk.1.ffn_down.weight"), "q6_K");
+    assert_eq!(type_of("output.weight"), "q6_K");
     let out = gen("q2_K");
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(
-        err.contains("--type q2_K") && err.contains("q4_K, q5_K, q6_K"),
+        err.contains("--type q2_K") && err.contains("q4_K, q5_K, q6_K or q4_K_M"),
         "{err}"
     );
 }

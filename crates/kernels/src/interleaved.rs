@@ -45,6 +45,22 @@
 //! f32 scale `d_x`, and the 8 sub-block sums `Σ x` as i16, in pairs (one dword per pair, which
 //! `vpdpwssd` multiplies against a row's pair of mins).
 //!
+//! Q6_K (256-value super-blocks of sixteen 16-value groups, each with a signed 8-bit scale
+//! `sc_j`; value `d · sc_j · (q - 32)`, `q` in `0..64`) keeps the file's 210 bytes per row and
+//! super-block, its 6-bit levels split into a plane of low nibbles and a plane of high bit
+//! pairs. One group block (`16` rows × one super-block):
+//!
+//! | bytes        | Q6_K                                                                  |
+//! |--------------|-----------------------------------------------------------------------|
+//! | 0..32        | the 16 rows' f16 `d`, row order                                       |
+//! | 32..288      | 16 × 16 bytes: group `j`'s scale `sc_j` of rows 0..16 (`vpmovsxbd` → one i32 lane per row) |
+//! | 288..2336    | 8 chunks × 4 × 64 bytes: register `r` of chunk `c` holds bytes `4r..4r+4` of rows 0..16, byte `t` holding the low nibbles of value `t` of group `2c` (low) and of group `2c + 1` (high) |
+//! | 2336..3360   | 4 chunks × 4 × 64 bytes: the same for the high bit pairs, byte `t` holding those of value `t` of groups `4c .. 4c + 4` (bits `2m, 2m + 1` for group `4c + m`) |
+//!
+//! A group's levels `q` are `vpdpbusd`'s unsigned operand; its activation format is the Q8_K
+//! row's 256 quants, the f32 scale `d_x`, and per group the i32 `-32 · Σ x` (from Q8_K's sums
+//! of 16) that each group's integer sum starts at, so that it comes out as `Σ (q - 32) · x`.
+//!
 //! Arithmetic, identical at every level and for every pass size (the scalar reference
 //! `dot_rows_scalar` is bit-exact with the AVX-512 kernel):
 //!
@@ -56,11 +72,14 @@
 //!   `acc = fma(-(imin as f32), dmin_w · d_x, acc)`, super-blocks in order. The integers are
 //!   those of ggml's `ggml_vec_dot_q4_K_q8_K`; only the f32 steps are fused and ordered
 //!   differently (so results differ from the row-major Q4_K kernel in the last bits).
+//! - Q6_K: per super-block the exact integer `isum = Σ_j sc_j · Σ_{group j} (q_w - 32) · q_x`
+//!   (ggml's `ggml_vec_dot_q6_K_q8_K`'s), then `acc = fma(isum as f32, d_w · d_x, acc)`,
+//!   super-blocks in order.
 
 use crate::aligned::AlignedVec;
 use crate::matvec::{Layout, WeightMatrix};
 use crate::simd::{self, OutRows, Rows, SimdLevel};
-use crate::{f16, k_quants, q4_k, q8_0, q8_k, ActivationFormat, WeightType};
+use crate::{f16, k_quants, q4_k, q6_k, q8_0, q8_k, ActivationFormat, WeightType};
 
 /// Weight rows per interleaved group: one output register of 16 f32 lanes.
 pub const GROUP_ROWS: usize = 16;
@@ -85,6 +104,18 @@ pub(crate) const Q4K_ACT_SCALE: usize = q4_k::BLOCK_VALUES;
 /// Offset of the 8 i16 sub-block sums in a Q4_K activation block.
 pub(crate) const Q4K_ACT_SUMS: usize = Q4K_ACT_SCALE + 4;
 
+/// Offset of the group scales (16 × 16 bytes) in a Q6_K group block.
+pub(crate) const Q6K_SCALES: usize = SCALES_BYTES;
+/// Offset of the low-nibble plane (8 chunks × 4 registers of 64 bytes) in a Q6_K group block.
+pub(crate) const Q6K_LOW: usize = Q6K_SCALES + 16 * GROUP_ROWS;
+/// Offset of the high-bit-pair plane (4 chunks × 4 registers of 64 bytes) in a Q6_K group
+/// block.
+pub(crate) const Q6K_HIGH: usize = Q6K_LOW + GROUP_ROWS * q6_k::BLOCK_VALUES / 2;
+/// Offset of the f32 scale in a Q6_K activation block (after the 256 quants).
+pub(crate) const Q6K_ACT_SCALE: usize = q6_k::BLOCK_VALUES;
+/// Offset of the 16 i32 group starts `-32 · Σ x` in a Q6_K activation block.
+pub(crate) const Q6K_ACT_STARTS: usize = Q6K_ACT_SCALE + 4;
+
 /// The weight encodings that can be interleaved, each with its group-block and activation
 /// formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +123,7 @@ pub(crate) enum Encoding {
     Q8_0,
     Q4_0,
     Q4K,
+    Q6K,
 }
 
 impl Encoding {
@@ -100,6 +132,7 @@ impl Encoding {
         match self {
             Encoding::Q8_0 | Encoding::Q4_0 => BLOCK32_VALUES,
             Encoding::Q4K => q4_k::BLOCK_VALUES,
+            Encoding::Q6K => q6_k::BLOCK_VALUES,
         }
     }
 
@@ -109,6 +142,7 @@ impl Encoding {
             Encoding::Q8_0 => q8_0::BLOCK_BYTES,
             Encoding::Q4_0 => crate::q4_0::BLOCK_BYTES,
             Encoding::Q4K => q4_k::BLOCK_BYTES,
+            Encoding::Q6K => q6_k::BLOCK_BYTES,
         }
     }
 
@@ -116,7 +150,7 @@ impl Encoding {
     pub(crate) fn group_block_bytes(self) -> usize {
         match self {
             // The file's bytes, rearranged.
-            Encoding::Q8_0 | Encoding::Q4_0 => GROUP_ROWS * self.file_block_bytes(),
+            Encoding::Q8_0 | Encoding::Q4_0 | Encoding::Q6K => GROUP_ROWS * self.file_block_bytes(),
             Encoding::Q4K => Q4K_QUANTS + GROUP_ROWS * q4_k::BLOCK_VALUES / 2,
         }
     }
@@ -128,6 +162,8 @@ impl Encoding {
             Encoding::Q8_0 | Encoding::Q4_0 => BLOCK32_VALUES + 8,
             // 256 signed quants, the scale as f32, 8 i16 sub-block sums.
             Encoding::Q4K => Q4K_ACT_SUMS + 2 * 8,
+            // 256 signed quants, the scale as f32, 16 i32 group starts.
+            Encoding::Q6K => Q6K_ACT_STARTS + 4 * 16,
         }
     }
 
@@ -136,7 +172,7 @@ impl Encoding {
     pub(crate) fn activation(self) -> ActivationFormat {
         match self {
             Encoding::Q8_0 | Encoding::Q4_0 => ActivationFormat::Q8_0,
-            Encoding::Q4K => ActivationFormat::Q8K,
+            Encoding::Q4K | Encoding::Q6K => ActivationFormat::Q8K,
         }
     }
 
@@ -168,13 +204,14 @@ pub(crate) fn encoding(ty: WeightType) -> Option<Encoding> {
     ty.info().interleaved
 }
 
-/// The unsigned offset the weights of a 32-value encoding are stored with (`q_w + offset` is
-/// what `vpdpbusd` sees).
+/// The unsigned offset the weights of an encoding are stored with (`q_w + offset` is what
+/// `vpdpbusd` sees; Q6_K's levels are its quants plus 32).
 fn weight_offset(encoding: Encoding) -> i32 {
     match encoding {
         Encoding::Q8_0 => 128,
         Encoding::Q4_0 => 8,
         Encoding::Q4K => 0,
+        Encoding::Q6K => 32,
     }
 }
 
@@ -273,6 +310,28 @@ fn repack_row_block(encoding: Encoding, src: &[u8], dst: &mut [u8], i: usize) {
             }
             interleave_words(&src[16..], &mut dst[Q4K_QUANTS..], i, |s| s);
         }
+        Encoding::Q6K => {
+            // `d` is at the end of the file's block (the copy above took quant bytes).
+            dst[2 * i..2 * i + 2].copy_from_slice(&src[q6_k::BLOCK_BYTES - 2..]);
+            for (j, sc) in q6_k::group_scales(src).into_iter().enumerate() {
+                dst[Q6K_SCALES + GROUP_ROWS * j + i] = sc as u8;
+            }
+            let mut levels = [0u8; q6_k::BLOCK_VALUES];
+            q6_k::levels(src, &mut levels);
+            let group = |j: usize| &levels[16 * j..16 * (j + 1)];
+            for c in 0..8 {
+                let low: [u8; 16] = std::array::from_fn(|t| {
+                    group(2 * c)[t] & 0x0f | (group(2 * c + 1)[t] & 0x0f) << 4
+                });
+                interleave_words(&low, &mut dst[Q6K_LOW + 256 * c..], i, |s| s);
+            }
+            for c in 0..4 {
+                let high: [u8; 16] = std::array::from_fn(|t| {
+                    (0..4).fold(0, |h, m| h | (group(4 * c + m)[t] >> 4) << (2 * m))
+                });
+                interleave_words(&high, &mut dst[Q6K_HIGH + 256 * c..], i, |s| s);
+            }
+        }
     }
 }
 
@@ -318,9 +377,33 @@ fn row_block32(encoding: Encoding, block: &[u8], i: usize) -> (f32, [i8; BLOCK32
                 q[t + BLOCK32_VALUES / 2] = (byte >> 4) as i8 - 8;
             }
         }
-        Encoding::Q4K => unreachable!("Q4_K has 256-value super-blocks"),
+        Encoding::Q4K | Encoding::Q6K => unreachable!("K-quants have 256-value super-blocks"),
     }
     (d, q)
+}
+
+/// One row's super-block of a Q6_K group block, decoded.
+struct Q6kRow {
+    d: f32,
+    scales: [i8; 16],
+    /// The 256 levels (`0..64`, quant + 32), value order.
+    levels: [u8; q6_k::BLOCK_VALUES],
+}
+
+/// Decodes row `i` (within its group) of a Q6_K group block.
+fn q6k_row(block: &[u8], i: usize) -> Q6kRow {
+    let mut levels = [0u8; q6_k::BLOCK_VALUES];
+    for (v, level) in levels.iter_mut().enumerate() {
+        let (j, t) = (v / 16, v % 16);
+        let low = quant_byte(&block[Q6K_LOW + 256 * (j / 2)..], i, t) >> (4 * (j % 2)) & 0x0f;
+        let high = quant_byte(&block[Q6K_HIGH + 256 * (j / 4)..], i, t) >> (2 * (j % 4)) & 3;
+        *level = low | high << 4;
+    }
+    Q6kRow {
+        d: f16::to_f32(u16::from_le_bytes([block[2 * i], block[2 * i + 1]])),
+        scales: std::array::from_fn(|j| block[Q6K_SCALES + GROUP_ROWS * j + i] as i8),
+        levels,
+    }
 }
 
 /// One row's super-block of a Q4_K group block, decoded.
@@ -379,6 +462,12 @@ pub(crate) fn dequantize_row(encoding: Encoding, data: &[u8], r: usize, out: &mu
                 &row.levels,
                 values,
             );
+        } else if encoding == Encoding::Q6K {
+            // As `q6_k::dequantize_row`: `(d · scale) · (q - 32)`.
+            let row = q6k_row(block, i);
+            for (v, (value, &level)) in values.iter_mut().zip(&row.levels).enumerate() {
+                *value = (row.d * f32::from(row.scales[v / 16])) * f32::from(level as i8 - 32);
+            }
         } else {
             let (d, q) = row_block32(encoding, block, i);
             for (v, q) in values.iter_mut().zip(q) {
@@ -412,6 +501,15 @@ pub(crate) fn encode_activation_row(encoding: Encoding, bytes: &[u8], out: &mut 
                 .zip(sums16.chunks_exact(2))
             {
                 sum.copy_from_slice(&(pair[0] + pair[1]).to_le_bytes());
+            }
+        } else if encoding == Encoding::Q6K {
+            // Q8_K's sums of 16 quants are Q6_K's groups': each group's sum starts at
+            // `-32 · Σ x` (|·| ≤ 32 · 16 · 127).
+            let (d, quants, sums16) = q8_k::parts(src);
+            dst[..Q6K_ACT_SCALE].copy_from_slice(quants);
+            dst[Q6K_ACT_SCALE..Q6K_ACT_STARTS].copy_from_slice(&d.to_le_bytes());
+            for (start, &sum) in dst[Q6K_ACT_STARTS..].chunks_exact_mut(4).zip(&sums16) {
+                start.copy_from_slice(&(-offset * i32::from(sum)).to_le_bytes());
             }
         } else {
             let quants = &src[2..];
@@ -555,6 +653,33 @@ pub(crate) fn dot_rows_scalar(
         }
         return;
     }
+    if encoding == Encoding::Q6K {
+        for (block, xb) in blocks {
+            let xq = &xb[..Q6K_ACT_SCALE];
+            let dx = f32::from_le_bytes(xb[Q6K_ACT_SCALE..Q6K_ACT_STARTS].try_into().unwrap());
+            let starts: [i32; 16] = std::array::from_fn(|j| {
+                i32::from_le_bytes(xb[Q6K_ACT_STARTS + 4 * j..][..4].try_into().unwrap())
+            });
+            for (i, acc) in out.iter_mut().enumerate() {
+                let row = q6k_row(block, i);
+                let mut isum = 0i32;
+                for (j, (levels, xq)) in row
+                    .levels
+                    .chunks_exact(16)
+                    .zip(xq.chunks_exact(16))
+                    .enumerate()
+                {
+                    // What `vpdpbusd` computes from the start `-32 · Σ x`: `Σ (q - 32) · x`.
+                    let group = levels.iter().zip(xq).fold(starts[j], |s, (&w, &a)| {
+                        s + i32::from(w) * i32::from(a as i8)
+                    });
+                    isum += i32::from(row.scales[j]) * group;
+                }
+                *acc = (isum as f32).mul_add(row.d * dx, *acc);
+            }
+        }
+        return;
+    }
     let offset = weight_offset(encoding);
     for (block, xb) in blocks {
         let dx = f32::from_le_bytes(xb[BLOCK32_VALUES..BLOCK32_VALUES + 4].try_into().unwrap());
@@ -580,10 +705,11 @@ mod tests {
     use crate::test_util::random_vec;
     use crate::{matmul_at, MatmulScratch};
 
-    const ENCODINGS: [(WeightType, Encoding); 3] = [
+    const ENCODINGS: [(WeightType, Encoding); 4] = [
         (WeightType::Q8_0, Encoding::Q8_0),
         (WeightType::Q4_0, Encoding::Q4_0),
         (WeightType::Q4K, Encoding::Q4K),
+        (WeightType::Q6K, Encoding::Q6K),
     ];
 
     fn levels() -> impl Iterator<Item = SimdLevel> {
@@ -681,7 +807,13 @@ mod tests {
             Some(2 * 2 * GROUP_ROWS * 148)
         );
         assert_eq!(repacked_bytes(WeightType::Q4K, 16, 32), None);
-        assert_eq!(repacked_bytes(WeightType::Q6K, 16, 256), None);
+        // Q6_K: the file's 210 bytes per row and super-block.
+        assert_eq!(Encoding::Q6K.group_block_bytes(), GROUP_ROWS * 210);
+        assert_eq!(
+            repacked_bytes(WeightType::Q6K, 16, 256),
+            Some(GROUP_ROWS * 210)
+        );
+        assert_eq!(repacked_bytes(WeightType::Q5K, 16, 256), None);
     }
 
     /// The AVX-512 kernel against the scalar reference, bit for bit, on awkward sizes and every
@@ -691,7 +823,7 @@ mod tests {
     fn simd_pass_equals_scalar_reference() {
         for (ty, encoding) in ENCODINGS {
             let blocks: &[(usize, usize)] = match encoding {
-                Encoding::Q4K => &[(16, 1), (5, 1), (17, 2), (33, 3)],
+                Encoding::Q4K | Encoding::Q6K => &[(16, 1), (5, 1), (17, 2), (33, 3)],
                 _ => &[(16, 1), (5, 3), (33, 5), (17, 33)],
             };
             for (rows, cols) in shapes(encoding, blocks) {
@@ -768,6 +900,10 @@ mod tests {
                                     q8_k::quantize_row_scalar(xb, &mut q);
                                     q4_k::dot_scalar(plain.row(r), &q)
                                 }
+                                Encoding::Q6K => {
+                                    q8_k::quantize_row_scalar(xb, &mut q);
+                                    q6_k::dot_scalar(plain.row(r), &q)
+                                }
                             };
                             let got = reference[b * rows + r];
                             let tol = 1e-6 * magnitude(&plain, r, xb);
@@ -788,7 +924,7 @@ mod tests {
     fn batch_rows_equal_single_rows() {
         for (ty, encoding) in ENCODINGS {
             let blocks: &[(usize, usize)] = match encoding {
-                Encoding::Q4K => &[(50, 1), (300, 2)],
+                Encoding::Q4K | Encoding::Q6K => &[(50, 1), (300, 2)],
                 _ => &[(50, 3), (300, 8)],
             };
             for (rows, cols) in shapes(encoding, blocks) {

@@ -48,7 +48,7 @@ pub(crate) const INFO: TypeInfo = TypeInfo {
         lanes: crate::k_quants::k_quant_lanes,
         row_sums: Some(RowSumsEncoding::KQuant(crate::k_quants::KEncoding::Q6K)),
     }),
-    interleaved: None,
+    interleaved: Some(crate::interleaved::Encoding::Q6K),
 };
 
 /// Byte offset of the high bits.

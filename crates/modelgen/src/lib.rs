@@ -6,11 +6,13 @@
 //! [`ModelSpec`] says the shape, a [`WeightSource`] fills each tensor (random by default),
 //! and a [`Vocab`] supplies the tokenizer metadata.
 
+mod mix;
 mod spec;
 mod vocab;
 mod weights;
 mod writer;
 
+pub use mix::{more_bits, TypeMix};
 pub use spec::{Arch, HybridSpec, ModelSpec, MoeSpec};
 pub use vocab::{SpmVocab, Vocab};
 pub use weights::{RandomWeights, WeightSource};

@@ -2,6 +2,8 @@
 
 use specula_gguf::GgmlType;
 
+use crate::mix::TypeMix;
+
 use crate::GenError;
 
 /// An architecture the writer produces.
@@ -94,6 +96,8 @@ pub struct ModelSpec {
     /// Storage type of the matrices (vectors are always F32; matrices whose rows are not
     /// whole blocks of the type fall back to F32).
     pub weight_type: GgmlType,
+    /// Which matrices take another type than `weight_type` (llama.cpp's `_M` mixes).
+    pub mix: TypeMix,
     /// Share `token_embd` as the output projection (no `output.weight`).
     pub tied_output: bool,
     /// Vocabulary size for a synthetic vocabulary (`None`: the caller's).
@@ -132,6 +136,7 @@ impl ModelSpec {
             rope_dims: None,
             rope_sections: None,
             weight_type: GgmlType::F32,
+            mix: TypeMix::Uniform,
             tied_output: false,
             vocab: None,
             hybrid: None,
@@ -214,6 +219,12 @@ impl ModelSpec {
                 "cannot write {} weights (writable: {})",
                 self.weight_type,
                 specula_kernels::WeightType::list()
+            ));
+        }
+        if self.mix == TypeMix::Q4KM && self.weight_type != GgmlType::Q4K {
+            return bad(format!(
+                "the q4_K_M mix goes over Q4_K weights, not {}",
+                self.weight_type
             ));
         }
         Ok(())

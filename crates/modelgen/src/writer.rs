@@ -4,6 +4,7 @@ use std::path::Path;
 
 use specula_gguf::{GgmlType, GgufWriter};
 
+use crate::mix::TypeMix;
 use crate::spec::{Arch, ModelSpec};
 use crate::vocab::Vocab;
 use crate::weights::WeightSource;
@@ -14,18 +15,27 @@ struct Tensors<'a> {
     w: &'a mut GgufWriter,
     weights: &'a mut dyn WeightSource,
     ty: GgmlType,
+    mix: TypeMix,
+    blocks: u32,
+    tied: bool,
 }
 
 impl Tensors<'_> {
-    /// A matrix of `n_out` rows of `n_in`, in the model's weight type (F32 when its rows are
-    /// not whole blocks of that type).
-    fn matrix(&mut self, name: &str, n_in: usize, n_out: usize) -> Result<(), GenError> {
-        let values = self.weights.tensor(name, n_in, n_out);
-        let ty = if self.ty.row_bytes(n_in).is_some() {
-            self.ty
+    /// The type of matrix `name` with rows of `n_in`: the mix's choice, F32 when the rows are
+    /// not whole blocks of it.
+    fn type_of(&self, name: &str, n_in: usize) -> GgmlType {
+        let ty = self.mix.type_of(name, self.ty, self.blocks, self.tied);
+        if ty.row_bytes(n_in).is_some() {
+            ty
         } else {
             GgmlType::F32
-        };
+        }
+    }
+
+    /// A matrix of `n_out` rows of `n_in`, in the type [`Self::type_of`] says.
+    fn matrix(&mut self, name: &str, n_in: usize, n_out: usize) -> Result<(), GenError> {
+        let values = self.weights.tensor(name, n_in, n_out);
+        let ty = self.type_of(name, n_in);
         let data = specula_kernels::try_quantize(ty, &values)
             .map_err(|e| GenError::Shape(format!("{name}: {e}")))?;
         self.w
@@ -42,11 +52,7 @@ impl Tensors<'_> {
         experts: usize,
     ) -> Result<(), GenError> {
         let values = self.weights.tensor(name, n_in, n_out * experts);
-        let ty = if self.ty.row_bytes(n_in).is_some() {
-            self.ty
-        } else {
-            GgmlType::F32
-        };
+        let ty = self.type_of(name, n_in);
         let data = specula_kernels::try_quantize(ty, &values)
             .map_err(|e| GenError::Shape(format!("{name}: {e}")))?;
         self.w
@@ -121,6 +127,9 @@ pub fn write_model(
         w: &mut w,
         weights,
         ty: spec.weight_type,
+        mix: spec.mix,
+        blocks,
+        tied: spec.tied_output,
     };
     t.matrix("token_embd.weight", e, v)?;
     t.vector("output_norm.weight", e)?;

@@ -4,7 +4,8 @@ use abi_stable::std_types::{RVec, Tuple2};
 use specula_cpu_simd::backend::CpuBackend;
 use specula_gguf::GgmlType;
 use specula_modelgen::{
-    write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, Vocab,
+    more_bits, write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, TypeMix,
+    Vocab,
 };
 use specula_plugin_api::{BackendParams, ForwardPass, LogitRows, SequenceCalls};
 
@@ -105,5 +106,90 @@ fn shapes_the_architecture_cannot_have_are_refused() {
     for spec in bad {
         let err = write_model(&spec, &vocab, &mut RandomWeights::new(1), &path).unwrap_err();
         assert!(err.to_string().contains("invalid model shape"), "{err}");
+    }
+}
+
+/// `q4_K_M` writes llama.cpp's mix (Q6_K for the tied embedding and for the attn_v-like and
+/// ffn_down matrices of the blocks `more_bits` picks, Q4_K elsewhere), the mixed file loads,
+/// and its verify rows are bit for bit its one-token evaluations.
+#[test]
+fn q4_k_m_writes_llama_cpps_mix_and_verify_rows_stay_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let dense = ModelSpec {
+        tied_output: true,
+        weight_type: GgmlType::Q4K,
+        mix: TypeMix::Q4KM,
+        ..ModelSpec::dense(Arch::Qwen3, "t", 256, 8, 4, 2, 64, 512)
+    };
+    let hybrid = ModelSpec {
+        hidden: 256,
+        layers: 8,
+        ffn: 512,
+        head_dim: 64,
+        tied_output: true,
+        weight_type: GgmlType::Q4K,
+        mix: TypeMix::Q4KM,
+        ..hybrid(Arch::Qwen35, true)
+    };
+    for spec in [dense, hybrid] {
+        let path = dir.path().join("m.gguf");
+        write_model(
+            &spec,
+            &Vocab::Spm(SpmVocab::synthetic(300)),
+            &mut RandomWeights::new(3),
+            &path,
+        )
+        .unwrap();
+        let file = specula_gguf::GgufFile::open(&path).unwrap();
+        let blocks = spec.layers + u32::from(spec.mtp);
+        let type_of = |name: &str| file.tensor(name).unwrap().info.ty;
+        assert_eq!(type_of("token_embd.weight"), GgmlType::Q6K);
+        for b in 0..blocks {
+            let six = if more_bits(b, blocks) {
+                GgmlType::Q6K
+            } else {
+                GgmlType::Q4K
+            };
+            let sensitive = match spec.is_attention_layer(b) || b == spec.layers {
+                true => "attn_v",
+                false => "attn_qkv",
+            };
+            assert_eq!(
+                type_of(&format!("blk.{b}.{sensitive}.weight")),
+                six,
+                "block {b}"
+            );
+            assert_eq!(
+                type_of(&format!("blk.{b}.ffn_down.weight")),
+                six,
+                "block {b}"
+            );
+            assert_eq!(type_of(&format!("blk.{b}.ffn_up.weight")), GgmlType::Q4K);
+        }
+        let (mut batched, mut single) = (open(&path), open(&path));
+        let (a, b) = (
+            batched.seq_create().into_result().unwrap(),
+            single.seq_create().into_result().unwrap(),
+        );
+        let tokens = [1, 5, 9, 200, 17];
+        let mut all = RVec::new();
+        batched
+            .eval(a, &tokens, LogitRows::All, &mut all)
+            .into_result()
+            .unwrap();
+        for (i, &t) in tokens.iter().enumerate() {
+            let mut one = RVec::new();
+            single
+                .eval(b, &[t], LogitRows::Last, &mut one)
+                .into_result()
+                .unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&all[i * 300..(i + 1) * 300]),
+                bits(&one),
+                "{:?} row {i}",
+                spec.arch
+            );
+        }
     }
 }

@@ -120,8 +120,13 @@ impl BenchReport {
 pub struct BenchReport {
     pub model: String,
     pub architecture: String,
+    /// The model file's tensors by storage type, most bytes first (a llama.cpp `Q4_K_M` file
+    /// is mostly Q4_K with some Q6_K).
+    pub tensor_types: Vec<TensorTypeShare>,
     pub weight_bytes: u64,
     pub threads: u32,
+    /// Whether this process may use AMX tiles ([`specula_kernels::amx::amx_support`]).
+    pub amx: String,
     /// Measured first; the roofline is against it.
     pub bandwidth_bytes_per_second: f64,
     /// Measured again after every other figure.
@@ -135,6 +140,36 @@ pub struct BenchReport {
     pub drafters: Vec<DrafterRun>,
     /// Drafters that could not run here, with the reason.
     pub skipped: Vec<(String, String)>,
+}
+
+/// The tensors of one storage type in the model file.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TensorTypeShare {
+    /// ggml's name of the type (`Q4_K`, `Q6_K`, `F32`, ...).
+    pub ty: String,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+/// The tensors of `file` grouped by storage type, most bytes first.
+fn tensor_types(file: &specula_gguf::GgufFile) -> Vec<TensorTypeShare> {
+    let mut shares: Vec<TensorTypeShare> = Vec::new();
+    for t in file.tensors() {
+        let ty = t.ty.to_string();
+        match shares.iter_mut().find(|s| s.ty == ty) {
+            Some(s) => {
+                s.tensors += 1;
+                s.bytes += t.n_bytes();
+            }
+            None => shares.push(TensorTypeShare {
+                ty,
+                tensors: 1,
+                bytes: t.n_bytes(),
+            }),
+        }
+    }
+    shares.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.ty.cmp(&b.ty)));
+    shares
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -155,6 +190,7 @@ const VERIFY_MIN_ROUNDS: usize = 9;
 
 pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchReport> {
     let runs = options.runs.max(1);
+    let tensor_types = tensor_types(&specula_gguf::GgufFile::open(&profile.target.model)?);
     let mut plain_profile = profile.clone();
     plain_profile.drafter = None;
     let mut pipeline = Pipeline::open(&plain_profile)?;
@@ -342,8 +378,10 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     Ok(BenchReport {
         model: info.name.to_string(),
         architecture: info.architecture.to_string(),
+        tensor_types,
         weight_bytes: info.weight_bytes,
         threads,
+        amx: specula_kernels::amx::amx_support().to_string(),
         bandwidth_bytes_per_second: bandwidth,
         bandwidth_at_end_bytes_per_second: bandwidth_at_end,
         prompt_tokens: prompt_ids.len(),
@@ -446,6 +484,23 @@ pub fn render(report: &BenchReport) -> String {
         report.weight_bytes as f64 / (1 << 20) as f64,
         report.threads
     );
+    let file_bytes: u64 = report.tensor_types.iter().map(|s| s.bytes).sum();
+    let shares: Vec<String> = report
+        .tensor_types
+        .iter()
+        .map(|s| {
+            format!(
+                "{} {:.1}% ({} tensors)",
+                s.ty,
+                100.0 * s.bytes as f64 / file_bytes.max(1) as f64,
+                s.tensors
+            )
+        })
+        .collect();
+    out += &format!(
+        "tensor types (of the file's bytes): {}\n",
+        shares.join(", ")
+    );
     out += &format!(
         "memory read bandwidth: {:.1} GB/s ({:.1} GB/s at the end of the run)\n",
         gb(report.bandwidth_bytes_per_second),
@@ -521,8 +576,21 @@ mod tests {
         BenchReport {
             model: "m".into(),
             architecture: "llama".into(),
+            tensor_types: vec![
+                TensorTypeShare {
+                    ty: "Q4_K".into(),
+                    tensors: 3,
+                    bytes: 3 << 20,
+                },
+                TensorTypeShare {
+                    ty: "Q6_K".into(),
+                    tensors: 1,
+                    bytes: 1 << 20,
+                },
+            ],
             weight_bytes: 1 << 20,
             threads: 2,
+            amx: "not on this CPU".into(),
             bandwidth_bytes_per_second: start,
             bandwidth_at_end_bytes_per_second: end,
             prompt_tokens: 8,
@@ -544,6 +612,10 @@ mod tests {
         assert_eq!(report(40e9, 44e9).bandwidth_drift(), None);
         let text = render(&report(40e9, 44e9));
         assert!(text.contains("40.0 GB/s (44.0 GB/s at the end"), "{text}");
+        assert!(
+            text.contains("tensor types (of the file's bytes): Q4_K 75.0% (3 tensors), Q6_K 25.0% (1 tensors)"),
+            "{text}"
+        );
         assert!(!text.contains("warning"), "{text}");
         let drift = report(40e9, 60e9).bandwidth_drift().expect("a drift");
         assert!((drift - 0.5).abs() < 1e-9);

@@ -7,7 +7,7 @@ use anyhow::Context;
 use specula_gguf::GgmlType;
 
 use crate::genmodel::{
-    preset, write_demo_model, write_model, Arch, RandomWeights, SpmVocab, Vocab, PRESETS,
+    preset, write_demo_model, write_model, Arch, RandomWeights, SpmVocab, TypeMix, Vocab, PRESETS,
 };
 
 #[derive(Debug, clap::Args)]
@@ -86,14 +86,18 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         spec.arch = a;
     }
     if let Some(t) = &args.weight_type {
-        spec.weight_type = GgmlType::from_name(t)
-            .filter(|ty| specula_kernels::WeightType::from_ggml(*ty).is_some())
-            .with_context(|| {
-                format!(
-                    "--type {t}: not a tensor type gen-model writes (use {})",
-                    specula_kernels::WeightType::list()
-                )
-            })?;
+        (spec.mix, spec.weight_type) = match TypeMix::from_name(t) {
+            Some(mix) => mix,
+            None => GgmlType::from_name(t)
+                .filter(|ty| specula_kernels::WeightType::from_ggml(*ty).is_some())
+                .map(|ty| (TypeMix::Uniform, ty))
+                .with_context(|| {
+                    format!(
+                        "--type {t}: not a tensor type gen-model writes (use {} or q4_K_M)",
+                        specula_kernels::WeightType::list()
+                    )
+                })?,
+        };
     }
     macro_rules! set {
         ($($field:ident),*) => { $( if let Some(v) = args.$field { spec.$field = v; } )* };
@@ -118,7 +122,7 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
         spec.kv_heads,
         spec.ffn,
         vocab.len(),
-        spec.weight_type
+        spec.mix.name(spec.weight_type)
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -126,8 +130,9 @@ pub fn run(args: GenModelArgs) -> anyhow::Result<ExitCode> {
 /// The help of `--type`: every weight type the kernels write.
 fn type_help() -> String {
     format!(
-        "Weight type of the matrices: {} (matrices whose rows are not whole blocks of it stay \
-         f32)",
+        "Weight type of the matrices: {}, or q4_K_M (llama.cpp's mix: Q4_K, with Q6_K for the \
+         output and half the attn_v / ffn_down matrices); matrices whose rows are not whole \
+         blocks of it stay f32",
         specula_kernels::WeightType::list()
     )
 }

@@ -6,7 +6,8 @@ mod demo;
 use anyhow::bail;
 use specula_gguf::GgmlType;
 pub use specula_modelgen::{
-    write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, Vocab, WeightSource,
+    write_model, Arch, HybridSpec, ModelSpec, MoeSpec, RandomWeights, SpmVocab, TypeMix, Vocab,
+    WeightSource,
 };
 
 pub use demo::{write_demo_model, CORPUS as DEFAULT_CORPUS};

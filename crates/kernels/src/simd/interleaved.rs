@@ -1,5 +1,5 @@
 //! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
-//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K × Q8_K; there are no AVX2 ones) and their safe
+//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q6_K × Q8_K; there are no AVX2 ones) and their safe
 //! entry point. Each block is reduced inside `vpdpbusd` for the 16 weight rows at once.
 
 #[cfg(target_arch = "x86_64")]
@@ -31,6 +31,7 @@ pub(crate) fn interleaved_pass(
             E::Q8_0 => avx512::interleaved_pass::<Q8_0>,
             E::Q4_0 => avx512::interleaved_pass::<Q4_0>,
             E::Q4K => avx512::interleaved_q4k_pass,
+            E::Q6K => avx512::interleaved_q6k_pass,
         };
         // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
         unsafe { kernel(groups, x, out, first, valid) }
@@ -290,14 +291,18 @@ mod avx512 {
     /// rows then), k = 1 the same within noise.
     const Q4K_PREFETCH_BYTES: usize = 16 << 10;
 
-    /// Prefetches sub-block `j`'s eighth of the group block at `ahead`.
+    /// Prefetches part `j` of `parts` of the `encoding` group block at `ahead` (a K-quant pass
+    /// spreads a block's prefetches over its sub-blocks).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    fn prefetch_q4k_sub_block(ahead: *const u8, j: usize) {
-        let lines = crate::interleaved::Encoding::Q4K
-            .group_block_bytes()
-            .div_ceil(64);
-        for line in j * lines / 8..(j + 1) * lines / 8 {
+    fn prefetch_part(
+        encoding: crate::interleaved::Encoding,
+        ahead: *const u8,
+        j: usize,
+        parts: usize,
+    ) {
+        let lines = encoding.group_block_bytes().div_ceil(64);
+        for line in j * lines / parts..(j + 1) * lines / parts {
             // A prefetch never faults, so the address may run past the matrix.
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
         }
@@ -337,7 +342,7 @@ mod avx512 {
                 let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
                 let mut isum = [_mm512_setzero_si512(); N];
                 for j in 0..8 {
-                    prefetch_q4k_sub_block(ahead, j);
+                    prefetch_part(Encoding::Q4K, ahead, j, 8);
                     // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
                     let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
                     let mut w = [_mm512_setzero_si512(); 8];
@@ -389,6 +394,153 @@ mod avx512 {
                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, dx), acc[r]);
                     acc[r] =
                         _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), acc[r]);
+                }
+            }
+        }
+        // SAFETY: forwarded contract on `out`.
+        unsafe { store_group_results(&acc, out, valid) };
+    }
+
+    /// A run of interleaved Q6_K groups of 16 weight rows ([`crate::interleaved`]) times a pass of
+    /// activation rows in the interleaved Q6_K activation format: the product of the run's weight
+    /// row `i < valid` and activation row `b` at `out.row(b)[first + i]`.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 324` Q6_K group blocks,
+    /// the last of which holds row `valid - 1`; `x` holds at most
+    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
+    /// rows, each of at least `first + valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn interleaved_q6k_pass(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            with_row_count!(
+                x.count(),
+                interleaved_q6k_groups(groups, x, out, first, valid)
+            )
+        }
+    }
+
+    /// [`interleaved_q6k_pass`] for `N` activation rows: every group in one sweep of all the rows.
+    ///
+    /// # Safety
+    ///
+    /// As [`interleaved_q6k_pass`], with `x.count() == N`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn interleaved_q6k_groups<const N: usize>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        use crate::interleaved::{Encoding, GROUP_ROWS};
+        let blocks = x.len() / Encoding::Q6K.activation_block_bytes();
+        let group_bytes = blocks * Encoding::Q6K.group_block_bytes();
+        let xp = row_ptrs::<u8, N>(&x);
+        let op = out.ptrs::<N>();
+        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+            let offset = first + g * GROUP_ROWS;
+            // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
+            unsafe {
+                interleaved_q6k_rows::<N>(
+                    group.as_ptr(),
+                    blocks,
+                    xp,
+                    op.map(|p| p.add(offset)),
+                    GROUP_ROWS.min(valid - g * GROUP_ROWS),
+                )
+            }
+        }
+    }
+
+    /// Per super-block, for each of the 16 groups of 16 values: the group's 4 weight registers
+    /// decoded once for all the rows (low nibble from its plane, high bit pair from the other,
+    /// `or`ed), then per activation row 4 `vpdpbusd` (two chains, the first started at the
+    /// activation's `-32 · Σ x`) give the 16 rows' `Σ (q - 32) · q_x`, times the rows' `sc_j`
+    /// (`vpmulld`) into `isum`; then one fused multiply-add per row (see
+    /// [`crate::interleaved`]). Prefetches as the Q4_K pass, spread over the groups.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn interleaved_q6k_rows<const N: usize>(
+        group: *const u8,
+        blocks: usize,
+        xp: [*const u8; N],
+        out: [*mut f32; N],
+        valid: usize,
+    ) {
+        use crate::interleaved::{
+            Encoding, Q6K_ACT_SCALE, Q6K_ACT_STARTS, Q6K_HIGH, Q6K_LOW, Q6K_SCALES,
+        };
+        let group_block = Encoding::Q6K.group_block_bytes();
+        let act_block = Encoding::Q6K.activation_block_bytes();
+        let mut acc = [_mm512_setzero_ps(); N];
+        let low_nibbles = _mm512_set1_epi8(0x0f);
+        let high_pair = _mm512_set1_epi8(0x30);
+        for b in 0..blocks {
+            // SAFETY: super-block `b` lies inside the group (3360 bytes: d, scales, the two
+            // planes) and every activation row (324 bytes: 256 quants, the scale, 16 starts) by
+            // the caller's contract.
+            unsafe {
+                let block = group.add(b * group_block);
+                let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
+                let mut isum = [_mm512_setzero_si512(); N];
+                for j in 0..16 {
+                    prefetch_part(Encoding::Q6K, ahead, j, 16);
+                    let low = block.add(Q6K_LOW + 256 * (j / 2));
+                    let high = block.add(Q6K_HIGH + 256 * (j / 4));
+                    let mut w = [_mm512_setzero_si512(); 4];
+                    for (k, w) in w.iter_mut().enumerate() {
+                        let l = _mm512_loadu_si512(low.add(64 * k).cast());
+                        let l = match j % 2 {
+                            0 => _mm512_and_si512(l, low_nibbles),
+                            _ => _mm512_and_si512(_mm512_srli_epi16::<4>(l), low_nibbles),
+                        };
+                        // Bits 2m, 2m + 1 of each byte to bits 4, 5 (the 16-bit shifts carry
+                        // bits across bytes only outside the mask).
+                        let h = _mm512_loadu_si512(high.add(64 * k).cast());
+                        let h = match j % 4 {
+                            0 => _mm512_slli_epi16::<4>(h),
+                            1 => _mm512_slli_epi16::<2>(h),
+                            2 => h,
+                            _ => _mm512_srli_epi16::<2>(h),
+                        };
+                        *w = _mm512_or_si512(l, _mm512_and_si512(h, high_pair));
+                    }
+                    let scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        block.add(Q6K_SCALES + 16 * j).cast(),
+                    ));
+                    for r in 0..N {
+                        let xb = xp[r].add(b * act_block);
+                        let words = xb.add(16 * j).cast::<i32>();
+                        let word = |k: usize| _mm512_set1_epi32(words.add(k).read_unaligned());
+                        let start = _mm512_set1_epi32(
+                            xb.add(Q6K_ACT_STARTS + 4 * j)
+                                .cast::<i32>()
+                                .read_unaligned(),
+                        );
+                        // Two independent chains (exact integers: the split changes no bit).
+                        let even = _mm512_dpbusd_epi32(start, w[0], word(0));
+                        let odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], word(1));
+                        let even = _mm512_dpbusd_epi32(even, w[2], word(2));
+                        let odd = _mm512_dpbusd_epi32(odd, w[3], word(3));
+                        let sub = _mm512_add_epi32(even, odd);
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sub, scales));
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+                for r in 0..N {
+                    let xb = xp[r].add(b * act_block);
+                    let dx = _mm512_set1_ps(xb.add(Q6K_ACT_SCALE).cast::<f32>().read_unaligned());
+                    acc[r] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, dx), acc[r]);
                 }
             }
         }
