@@ -106,6 +106,44 @@ impl GgufFile {
         Self::parse(path, Bytes::Map(map))
     }
 
+    /// Hands back to the OS the resident pages of this file's mapping under `data` (bytes this
+    /// file lent out, such as a tensor's): they leave the process's resident set — the page
+    /// cache keeps them — and are read from the file again if touched. For weights a backend
+    /// has copied into another layout, so that the file's pages and the copy are not both
+    /// resident. Returns the bytes released: whole pages inside `data`, none for an image held
+    /// in memory, bytes that are not this file's, or where the OS refuses.
+    pub fn release(&self, data: &[u8]) -> usize {
+        /// The smallest page size of the platforms served; where pages are larger the OS
+        /// rounds the range out, which only drops neighbouring pages that fault back in.
+        const PAGE: usize = 4096;
+        let Bytes::Map(map) = &self.map else {
+            return 0;
+        };
+        let base = map.as_ptr() as usize;
+        let start = data.as_ptr() as usize;
+        if start < base || start + data.len() > base + map.len() {
+            return 0;
+        }
+        let first = (start - base).next_multiple_of(PAGE);
+        let end = (start - base + data.len()) / PAGE * PAGE;
+        if end <= first {
+            return 0;
+        }
+        #[cfg(unix)]
+        {
+            // SAFETY: the map is a read-only mapping of a file this process never writes, so
+            // MADV_DONTNEED discards nothing: a later read of the range faults the same bytes
+            // back in from the file (every slice into it stays valid).
+            let advised = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first)
+            };
+            if advised.is_ok() {
+                return end - first;
+            }
+        }
+        0
+    }
+
     /// Parses a GGUF image held in memory, with the checks of [`GgufFile::open`]; `label`
     /// names it in errors (a path, or any description).
     pub fn from_bytes(label: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {

@@ -303,3 +303,31 @@ fn absurd_counts_do_not_allocate() {
     let err = GgufFile::open(&path).unwrap_err();
     assert!(matches!(err, GgufError::Truncated { .. }), "{err}");
 }
+
+/// Released pages leave the resident set only: the tensor reads the same bytes afterwards.
+/// Whole pages inside the tensor are released; nothing for bytes that are not the map's or for
+/// an image held in memory.
+#[test]
+fn released_tensor_pages_read_back_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let values: Vec<f32> = (0..64 * 1024).map(|i| (i % 977) as f32 - 300.0).collect();
+    let mut w = GgufWriter::new();
+    w.set_str("general.architecture", "llama");
+    w.add_f32("big.weight", &[1024, 64], &values).unwrap();
+    w.write(&path).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    let data = f.tensor("big.weight").unwrap().data;
+    let before = data.to_vec();
+    let released = f.release(data);
+    #[cfg(target_os = "linux")]
+    assert!(
+        released >= data.len() - 2 * 4096 && released <= data.len(),
+        "{released}"
+    );
+    assert_eq!(released % 4096, 0);
+    assert_eq!(data, &before[..]);
+    assert_eq!(f.release(&before), 0, "not the map's bytes");
+    let image = GgufFile::from_bytes("image", std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(image.release(image.tensor("big.weight").unwrap().data), 0);
+}

@@ -136,6 +136,10 @@ pub struct BenchReport {
     pub decode_tokens_per_second: f64,
     /// Weight bytes per token × decode t/s ÷ bandwidth.
     pub roofline_fraction: f64,
+    /// The model's peak resident memory: the process's peak once the model was loaded (before
+    /// the bandwidth probe's buffer), or its resident memory after decoding (caches grown),
+    /// whichever is larger; where the OS reports them (Linux).
+    pub peak_rss_bytes: Option<u64>,
     pub verify: Vec<VerifyCost>,
     pub drafters: Vec<DrafterRun>,
     /// Drafters that could not run here, with the reason.
@@ -172,6 +176,19 @@ fn tensor_types(file: &specula_gguf::GgufFile) -> Vec<TensorTypeShare> {
     shares
 }
 
+/// A `Vm…` line of `/proc/self/status` in bytes (Linux; `None` elsewhere).
+fn proc_status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: u64 = line[field.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
@@ -194,6 +211,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let mut plain_profile = profile.clone();
     plain_profile.drafter = None;
     let mut pipeline = Pipeline::open(&plain_profile)?;
+    let load_peak = proc_status_bytes("VmHWM:");
     let info = pipeline.info.clone();
     let capacity = pipeline.target.capabilities().max_verify_tokens.max(1);
     let threads = if profile.target.threads > 0 {
@@ -283,6 +301,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let plain = plain_output.context("no plain run")?;
     let decode_tps = median(plain_rates);
     let roofline_fraction = info.weight_bytes as f64 * decode_tps / bandwidth;
+    let peak_rss_bytes = load_peak.max(proc_status_bytes("VmRSS:"));
     drop(pipeline);
 
     // Drafters.
@@ -388,6 +407,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         prefill_tokens_per_second: median(prefill),
         decode_tokens_per_second: decode_tps,
         roofline_fraction,
+        peak_rss_bytes,
         verify,
         drafters,
         skipped,
@@ -501,6 +521,12 @@ pub fn render(report: &BenchReport) -> String {
         "tensor types (of the file's bytes): {}\n",
         shares.join(", ")
     );
+    if let Some(rss) = report.peak_rss_bytes {
+        out += &format!(
+            "peak resident memory: {:.1} MiB (the model loaded and decoding)\n",
+            rss as f64 / (1 << 20) as f64
+        );
+    }
     out += &format!(
         "memory read bandwidth: {:.1} GB/s ({:.1} GB/s at the end of the run)\n",
         gb(report.bandwidth_bytes_per_second),
@@ -597,6 +623,7 @@ mod tests {
             prefill_tokens_per_second: 100.0,
             decode_tokens_per_second: 10.0,
             roofline_fraction: 0.5,
+            peak_rss_bytes: Some(3 << 20),
             verify: vec![VerifyCost {
                 k: 1,
                 seconds: 0.01,
@@ -612,6 +639,9 @@ mod tests {
         assert_eq!(report(40e9, 44e9).bandwidth_drift(), None);
         let text = render(&report(40e9, 44e9));
         assert!(text.contains("40.0 GB/s (44.0 GB/s at the end"), "{text}");
+        assert!(text.contains("peak resident memory: 3.0 MiB"), "{text}");
+        #[cfg(target_os = "linux")]
+        assert!(proc_status_bytes("VmRSS:").is_some_and(|b| b > 0));
         assert!(
             text.contains("tensor types (of the file's bytes): Q4_K 75.0% (3 tensors), Q6_K 25.0% (1 tensors)"),
             "{text}"

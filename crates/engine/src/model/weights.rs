@@ -110,8 +110,9 @@ impl MatrixRef {
 /// current rayon pool; refs naming the same tensor (a tied output, an MTP head falling back
 /// to the trunk's) share one copy. Returns the bytes of the copies.
 ///
-/// The file's bytes stay mapped (the embedding lookup reads them); the repacked matrices cost
-/// that much memory again for the matrices they replace.
+/// The file's bytes stay mapped (the embedding lookup reads them) but their pages are handed
+/// back to the OS once copied ([`GgufFile::release`]), so the copies replace them in the
+/// resident set rather than doubling it.
 pub fn interleave_matrices<'m>(
     file: &GgufFile,
     matrices: impl IntoIterator<Item = &'m mut MatrixRef>,
@@ -141,6 +142,9 @@ pub fn interleave_matrices<'m>(
                     ),
                 )
             })?;
+            // The copy replaces the file's bytes in every pass: their pages need not stay
+            // resident beside it (a tied embedding's rows fault back in when looked up).
+            file.release(view.bytes());
             Ok((m.name.clone(), Arc::new(packed)))
         })
         .collect::<Result<HashMap<_, _>, PluginError>>()?;
