@@ -80,16 +80,12 @@ enum Store {
 
 impl Store {
     /// `len` zero values, or `None` when the allocation fails.
+    /// (Lazily mapped pages: blocks never written occupy no memory.)
     fn zeroed(ty: KvType, len: usize) -> Option<Self> {
-        fn zeros<T: Clone>(zero: T, len: usize) -> Option<Vec<T>> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(len).ok()?;
-            v.resize(len, zero);
-            Some(v)
-        }
+        use specula_kernels::aligned::try_zeroed_vec;
         Some(match ty {
-            KvType::F32 => Store::F32(zeros(0.0, len)?),
-            KvType::F16 => Store::F16(zeros(0, len)?),
+            KvType::F32 => Store::F32(try_zeroed_vec(len)?),
+            KvType::F16 => Store::F16(try_zeroed_vec(len)?),
         })
     }
 

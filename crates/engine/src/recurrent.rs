@@ -220,10 +220,9 @@ impl SnapshotRing {
             layout.n_layers * layout.ssm_len(),
         ];
         let allocate = |n_planes: usize| {
-            let mut conv = Vec::new();
-            conv.try_reserve_exact(n_planes.checked_mul(per_plane[0])?)
-                .ok()?;
-            conv.resize(n_planes * per_plane[0], 0.0);
+            // Zeroed lazily: planes a run never reaches occupy no memory.
+            let conv =
+                specula_kernels::aligned::try_zeroed_vec(n_planes.checked_mul(per_plane[0])?)?;
             let ssm = AlignedVec::try_zeroed(n_planes.checked_mul(per_plane[1])?)?;
             Some((conv, ssm))
         };

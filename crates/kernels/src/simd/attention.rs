@@ -560,6 +560,41 @@ mod avx512 {
         // least their limits; output rows `first + t` lie inside `out`.
         unsafe {
             let p: [*const f32; T] = std::array::from_fn(|t| probs.ptr(first + t));
+            if (T + 1) * C <= 24 {
+                // Few queries (a decode step's): every chunk's outputs in registers at once, so
+                // the key loop carries T · C independent multiply-add chains instead of T (one
+                // chunk at a time, each chain waits on the latency of the last). The same
+                // sequence per output element.
+                let mut acc: [[__m512; C]; T] = std::array::from_fn(|t| {
+                    std::array::from_fn(|c| {
+                        if onto {
+                            _mm512_loadu_ps(out.as_ptr().add((first + t) * dim + 16 * c))
+                        } else {
+                            _mm512_setzero_ps()
+                        }
+                    })
+                });
+                for j in 0..longest {
+                    prefetch_row_ahead(values, j);
+                    let vp = values.ptr(j);
+                    let v: [__m512; C] =
+                        std::array::from_fn(|c| load16::<KIND>(vp.add(16 * c * size), 16));
+                    for t in 0..T {
+                        if j < tile_limits[t] {
+                            let pj = _mm512_set1_ps(*p[t].add(j));
+                            for c in 0..C {
+                                acc[t][c] = _mm512_fmadd_ps(pj, v[c], acc[t][c]);
+                            }
+                        }
+                    }
+                }
+                for (t, row) in acc.iter().enumerate() {
+                    for (c, y) in row.iter().enumerate() {
+                        _mm512_storeu_ps(out.as_mut_ptr().add((first + t) * dim + 16 * c), *y);
+                    }
+                }
+                return T;
+            }
             for c in 0..C {
                 let mut acc: [__m512; T] = std::array::from_fn(|t| {
                     if onto {
