@@ -85,6 +85,21 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// The OS's page size (4096 where it cannot be asked).
+fn page_size() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf only reads a configuration value.
+        let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if let Ok(size) = usize::try_from(size) {
+            if size.is_power_of_two() {
+                return size;
+            }
+        }
+    }
+    4096
+}
+
 impl GgufFile {
     /// Opens and validates `path`: header, metadata, tensor records, and that every tensor's
     /// data lies inside the file's data section, aligned, sized by its type and shape, and
@@ -100,8 +115,9 @@ impl GgufFile {
         if !file.metadata().map_err(io)?.is_file() {
             return Err(GgufError::NotAFile { path });
         }
-        // SAFETY: the map is read-only and private to this process; we accept that another
-        // process truncating the file under us is undefined behaviour, as every mmap user does.
+        // SAFETY: a read-only shared mapping (memmap2 maps `PROT_READ`, `MAP_SHARED`) this
+        // process never writes; we accept that another process truncating or rewriting the file
+        // under us is undefined behaviour, as every mmap user does.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
         Self::parse(path, Bytes::Map(map))
     }
@@ -113,27 +129,26 @@ impl GgufFile {
     /// resident. Returns the bytes released: whole pages inside `data`, none for an image held
     /// in memory, bytes that are not this file's, or where the OS refuses.
     pub fn release(&self, data: &[u8]) -> usize {
-        /// The smallest page size of the platforms served; where pages are larger the OS
-        /// rounds the range out, which only drops neighbouring pages that fault back in.
-        const PAGE: usize = 4096;
         let Bytes::Map(map) = &self.map else {
             return 0;
         };
+        let page = page_size();
         let base = map.as_ptr() as usize;
         let start = data.as_ptr() as usize;
         if start < base || start + data.len() > base + map.len() {
             return 0;
         }
-        let first = (start - base).next_multiple_of(PAGE);
-        let end = (start - base + data.len()) / PAGE * PAGE;
+        let first = (start - base).next_multiple_of(page);
+        let end = (start - base + data.len()) / page * page;
         if end <= first {
             return 0;
         }
         #[cfg(unix)]
         {
-            // SAFETY: the map is a read-only mapping of a file this process never writes, so
-            // MADV_DONTNEED discards nothing: a later read of the range faults the same bytes
-            // back in from the file (every slice into it stays valid).
+            // SAFETY: the map is a read-only shared mapping of a file this process never
+            // writes, so MADV_DONTNEED discards nothing: a later read of the range faults the
+            // same bytes back in from the page cache or the file (every slice into it stays
+            // valid). The range is whole pages, so no neighbouring bytes are touched.
             let advised = unsafe {
                 map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first)
             };

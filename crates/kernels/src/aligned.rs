@@ -33,8 +33,11 @@ unsafe impl Zeroable for u32 {}
 unsafe impl Zeroable for f32 {}
 
 /// `len` zeros, from the allocator's zeroed allocation (pages the OS maps lazily, not written
-/// here), or `None` if the allocation fails.
+/// here), or `None` if the allocation fails or `T` has no size.
 pub fn try_zeroed_vec<T: Zeroable>(len: usize) -> Option<Vec<T>> {
+    if size_of::<T>() == 0 {
+        return None;
+    }
     let layout = std::alloc::Layout::array::<T>(len).ok()?;
     if layout.size() == 0 {
         return Some(Vec::new());

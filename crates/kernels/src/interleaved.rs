@@ -40,6 +40,12 @@
 //! | 192..320     | 4 × 32 bytes: for sub-block pair `p`, `(m_2p, m_2p+1)` of rows 0..16 (`vpmovzxbw` → one i16 pair per row's lane) |
 //! | 320..2368    | 4 chunks × 8 × 64 bytes: register `r` of chunk `c` holds bytes `4r..4r+4` of the file's 32-byte chunk `c` of rows 0..16 (low nibbles: sub-block `2c`, values `4r..`; high nibbles: sub-block `2c + 1`) |
 //!
+//! Q5_K (Q4_K with a fifth bit per level, `q` in `0..32`) is the same group block followed by
+//! its fifth bits as byte masks, 8 × 8 × 8 bytes: the `u64` at `64 · j + 8 · r` has bit
+//! `4 · i + t` set when value `4r + t` of sub-block `j` of row `i` has its fifth bit — the mask
+//! of the bytes of register `r` of sub-block `j` (as the nibbles lay them out) to add 16 to.
+//! 180 bytes per row and super-block (the file's 176 plus 4).
+//!
 //! Its nibbles are `vpdpbusd`'s unsigned operand as they are (no offset). Its activation
 //! format is the Q8_K row of the row-major path re-encoded per super-block: the 256 quants, the
 //! f32 scale `d_x`, and the 8 sub-block sums `Σ x` as i16, in pairs (one dword per pair, which
@@ -79,7 +85,7 @@
 use crate::aligned::AlignedVec;
 use crate::matvec::{Layout, WeightMatrix};
 use crate::simd::{self, OutRows, Rows, SimdLevel};
-use crate::{f16, k_quants, q4_k, q6_k, q8_0, q8_k, ActivationFormat, WeightType};
+use crate::{f16, k_quants, q4_k, q5_k, q6_k, q8_0, q8_k, ActivationFormat, WeightType};
 
 /// Weight rows per interleaved group: one output register of 16 f32 lanes.
 pub const GROUP_ROWS: usize = 16;
@@ -99,6 +105,9 @@ pub(crate) const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP_ROWS;
 /// Offset of the interleaved quants (4 chunks × 8 registers of 64 bytes) in a Q4_K group
 /// block.
 pub(crate) const Q4K_QUANTS: usize = Q4K_MINS + 8 * GROUP_ROWS;
+/// Offset of the fifth-bit masks (8 sub-blocks × 8 registers × 8 bytes) in a Q5_K group
+/// block, after the Q4_K layout.
+pub(crate) const Q5K_HIGH: usize = Q4K_QUANTS + GROUP_ROWS * q4_k::BLOCK_VALUES / 2;
 /// Offset of the f32 scale in a Q4_K activation block (after the 256 quants).
 pub(crate) const Q4K_ACT_SCALE: usize = q4_k::BLOCK_VALUES;
 /// Offset of the 8 i16 sub-block sums in a Q4_K activation block.
@@ -123,6 +132,7 @@ pub(crate) enum Encoding {
     Q8_0,
     Q4_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -131,7 +141,7 @@ impl Encoding {
     pub(crate) fn block_values(self) -> usize {
         match self {
             Encoding::Q8_0 | Encoding::Q4_0 => BLOCK32_VALUES,
-            Encoding::Q4K => q4_k::BLOCK_VALUES,
+            Encoding::Q4K | Encoding::Q5K => q4_k::BLOCK_VALUES,
             Encoding::Q6K => q6_k::BLOCK_VALUES,
         }
     }
@@ -142,6 +152,7 @@ impl Encoding {
             Encoding::Q8_0 => q8_0::BLOCK_BYTES,
             Encoding::Q4_0 => crate::q4_0::BLOCK_BYTES,
             Encoding::Q4K => q4_k::BLOCK_BYTES,
+            Encoding::Q5K => q5_k::BLOCK_BYTES,
             Encoding::Q6K => q6_k::BLOCK_BYTES,
         }
     }
@@ -152,6 +163,7 @@ impl Encoding {
             // The file's bytes, rearranged.
             Encoding::Q8_0 | Encoding::Q4_0 | Encoding::Q6K => GROUP_ROWS * self.file_block_bytes(),
             Encoding::Q4K => Q4K_QUANTS + GROUP_ROWS * q4_k::BLOCK_VALUES / 2,
+            Encoding::Q5K => Q5K_HIGH + GROUP_ROWS * q5_k::BLOCK_VALUES / 8,
         }
     }
 
@@ -161,7 +173,7 @@ impl Encoding {
             // 32 signed quants, the scale as f32, the i32 integer-sum start `-offset · Σ q`.
             Encoding::Q8_0 | Encoding::Q4_0 => BLOCK32_VALUES + 8,
             // 256 signed quants, the scale as f32, 8 i16 sub-block sums.
-            Encoding::Q4K => Q4K_ACT_SUMS + 2 * 8,
+            Encoding::Q4K | Encoding::Q5K => Q4K_ACT_SUMS + 2 * 8,
             // 256 signed quants, the scale as f32, 16 i32 group starts.
             Encoding::Q6K => Q6K_ACT_STARTS + 4 * 16,
         }
@@ -172,7 +184,7 @@ impl Encoding {
     pub(crate) fn activation(self) -> ActivationFormat {
         match self {
             Encoding::Q8_0 | Encoding::Q4_0 => ActivationFormat::Q8_0,
-            Encoding::Q4K | Encoding::Q6K => ActivationFormat::Q8K,
+            Encoding::Q4K | Encoding::Q5K | Encoding::Q6K => ActivationFormat::Q8K,
         }
     }
 
@@ -210,7 +222,7 @@ fn weight_offset(encoding: Encoding) -> i32 {
     match encoding {
         Encoding::Q8_0 => 128,
         Encoding::Q4_0 => 8,
-        Encoding::Q4K => 0,
+        Encoding::Q4K | Encoding::Q5K => 0,
         Encoding::Q6K => 32,
     }
 }
@@ -301,14 +313,28 @@ fn repack_row_block(encoding: Encoding, src: &[u8], dst: &mut [u8], i: usize) {
     match encoding {
         Encoding::Q8_0 => interleave_words(&src[2..], &mut dst[SCALES_BYTES..], i, |s| s ^ 0x80),
         Encoding::Q4_0 => interleave_words(&src[2..], &mut dst[SCALES_BYTES..], i, |s| s),
-        Encoding::Q4K => {
+        Encoding::Q4K | Encoding::Q5K => {
             dst[Q4K_DMIN + 2 * i..Q4K_DMIN + 2 * i + 2].copy_from_slice(&src[2..4]);
             let (sc, mn) = k_quants::unpack_scales_mins(src[4..16].try_into().unwrap());
             for j in 0..8 {
                 dst[Q4K_SCALES + GROUP_ROWS * j + i] = sc[j];
                 dst[Q4K_MINS + 2 * GROUP_ROWS * (j / 2) + 2 * i + j % 2] = mn[j];
             }
-            interleave_words(&src[16..], &mut dst[Q4K_QUANTS..], i, |s| s);
+            if encoding == Encoding::Q5K {
+                // Q5_K's `qh` (bytes 16..48: bit `j` of byte `l` for value `l` of sub-block
+                // `j`) into the masks, then its nibbles, packed as Q4_K's.
+                for j in 0..8 {
+                    for l in 0..32 {
+                        if src[16 + l] >> j & 1 == 1 {
+                            let bit = 4 * i + l % 4;
+                            dst[Q5K_HIGH + 64 * j + 8 * (l / 4) + bit / 8] |= 1 << (bit % 8);
+                        }
+                    }
+                }
+                interleave_words(&src[48..], &mut dst[Q4K_QUANTS..Q5K_HIGH], i, |s| s);
+            } else {
+                interleave_words(&src[16..], &mut dst[Q4K_QUANTS..], i, |s| s);
+            }
         }
         Encoding::Q6K => {
             // `d` is at the end of the file's block (the copy above took quant bytes).
@@ -377,7 +403,9 @@ fn row_block32(encoding: Encoding, block: &[u8], i: usize) -> (f32, [i8; BLOCK32
                 q[t + BLOCK32_VALUES / 2] = (byte >> 4) as i8 - 8;
             }
         }
-        Encoding::Q4K | Encoding::Q6K => unreachable!("K-quants have 256-value super-blocks"),
+        Encoding::Q4K | Encoding::Q5K | Encoding::Q6K => {
+            unreachable!("K-quants have 256-value super-blocks")
+        }
     }
     (d, q)
 }
@@ -416,8 +444,8 @@ struct Q4kRow {
     levels: [u8; q4_k::BLOCK_VALUES],
 }
 
-/// Decodes row `i` (within its group) of a Q4_K group block.
-fn q4k_row(block: &[u8], i: usize) -> Q4kRow {
+/// Decodes row `i` (within its group) of a Q4_K or Q5_K (`encoding`) group block.
+fn q4k_row(encoding: Encoding, block: &[u8], i: usize) -> Q4kRow {
     let half = |at: usize| {
         f16::to_f32(u16::from_le_bytes([
             block[at + 2 * i],
@@ -431,6 +459,13 @@ fn q4k_row(block: &[u8], i: usize) -> Q4kRow {
         let (c, l) = (t / 32, t % 32);
         levels[64 * c + l] = byte & 0x0f;
         levels[64 * c + 32 + l] = byte >> 4;
+    }
+    if encoding == Encoding::Q5K {
+        for (v, level) in levels.iter_mut().enumerate() {
+            let (j, l) = (v / 32, v % 32);
+            let bit = 4 * i + l % 4;
+            *level |= (block[Q5K_HIGH + 64 * j + 8 * (l / 4) + bit / 8] >> (bit % 8) & 1) << 4;
+        }
     }
     Q4kRow {
         d: half(0),
@@ -452,8 +487,8 @@ pub(crate) fn dequantize_row(encoding: Encoding, data: &[u8], r: usize, out: &mu
         .chunks_exact(group_block)
         .zip(out.chunks_exact_mut(encoding.block_values()))
     {
-        if encoding == Encoding::Q4K {
-            let row = q4k_row(block, i);
+        if matches!(encoding, Encoding::Q4K | Encoding::Q5K) {
+            let row = q4k_row(encoding, block, i);
             q4_k::dequantize_levels_with_mins(
                 row.d,
                 row.dmin,
@@ -491,7 +526,7 @@ pub(crate) fn encode_activation_row(encoding: Encoding, bytes: &[u8], out: &mut 
         .chunks_exact(plain_block)
         .zip(out.chunks_exact_mut(act_block))
     {
-        if encoding == Encoding::Q4K {
+        if matches!(encoding, Encoding::Q4K | Encoding::Q5K) {
             // Q8_K's sums of 16 quants, two per sub-block of 32 (|Σ| ≤ 32 · 127: an i16).
             let (d, quants, sums16) = q8_k::parts(src);
             dst[..Q4K_ACT_SCALE].copy_from_slice(quants);
@@ -623,7 +658,7 @@ pub(crate) fn dot_rows_scalar(
     let blocks = group
         .chunks_exact(encoding.group_block_bytes())
         .zip(x.chunks_exact(encoding.activation_block_bytes()));
-    if encoding == Encoding::Q4K {
+    if matches!(encoding, Encoding::Q4K | Encoding::Q5K) {
         for (block, xb) in blocks {
             let xq = &xb[..Q4K_ACT_SCALE];
             let dx = f32::from_le_bytes(xb[Q4K_ACT_SCALE..Q4K_ACT_SUMS].try_into().unwrap());
@@ -631,7 +666,7 @@ pub(crate) fn dot_rows_scalar(
                 i16::from_le_bytes([xb[Q4K_ACT_SUMS + 2 * j], xb[Q4K_ACT_SUMS + 2 * j + 1]])
             });
             for (i, acc) in out.iter_mut().enumerate() {
-                let row = q4k_row(block, i);
+                let row = q4k_row(encoding, block, i);
                 let (mut isum, mut imin) = (0i32, 0i32);
                 for (j, (levels, xq)) in row
                     .levels
@@ -705,10 +740,11 @@ mod tests {
     use crate::test_util::random_vec;
     use crate::{matmul_at, MatmulScratch};
 
-    const ENCODINGS: [(WeightType, Encoding); 4] = [
+    const ENCODINGS: [(WeightType, Encoding); 5] = [
         (WeightType::Q8_0, Encoding::Q8_0),
         (WeightType::Q4_0, Encoding::Q4_0),
         (WeightType::Q4K, Encoding::Q4K),
+        (WeightType::Q5K, Encoding::Q5K),
         (WeightType::Q6K, Encoding::Q6K),
     ];
 
@@ -813,7 +849,13 @@ mod tests {
             repacked_bytes(WeightType::Q6K, 16, 256),
             Some(GROUP_ROWS * 210)
         );
-        assert_eq!(repacked_bytes(WeightType::Q5K, 16, 256), None);
+        // Q5_K: the file's 176 bytes plus 4.
+        assert_eq!(Encoding::Q5K.group_block_bytes(), GROUP_ROWS * 180);
+        assert_eq!(
+            repacked_bytes(WeightType::Q5K, 16, 512),
+            Some(2 * GROUP_ROWS * 180)
+        );
+        assert_eq!(repacked_bytes(WeightType::BF16, 16, 256), None);
     }
 
     /// The AVX-512 kernel against the scalar reference, bit for bit, on awkward sizes and every
@@ -823,7 +865,9 @@ mod tests {
     fn simd_pass_equals_scalar_reference() {
         for (ty, encoding) in ENCODINGS {
             let blocks: &[(usize, usize)] = match encoding {
-                Encoding::Q4K | Encoding::Q6K => &[(16, 1), (5, 1), (17, 2), (33, 3)],
+                Encoding::Q4K | Encoding::Q5K | Encoding::Q6K => {
+                    &[(16, 1), (5, 1), (17, 2), (33, 3)]
+                }
                 _ => &[(16, 1), (5, 3), (33, 5), (17, 33)],
             };
             for (rows, cols) in shapes(encoding, blocks) {
@@ -900,6 +944,10 @@ mod tests {
                                     q8_k::quantize_row_scalar(xb, &mut q);
                                     q4_k::dot_scalar(plain.row(r), &q)
                                 }
+                                Encoding::Q5K => {
+                                    q8_k::quantize_row_scalar(xb, &mut q);
+                                    q5_k::dot_scalar(plain.row(r), &q)
+                                }
                                 Encoding::Q6K => {
                                     q8_k::quantize_row_scalar(xb, &mut q);
                                     q6_k::dot_scalar(plain.row(r), &q)
@@ -924,7 +972,7 @@ mod tests {
     fn batch_rows_equal_single_rows() {
         for (ty, encoding) in ENCODINGS {
             let blocks: &[(usize, usize)] = match encoding {
-                Encoding::Q4K | Encoding::Q6K => &[(50, 1), (300, 2)],
+                Encoding::Q4K | Encoding::Q5K | Encoding::Q6K => &[(50, 1), (300, 2)],
                 _ => &[(50, 3), (300, 8)],
             };
             for (rows, cols) in shapes(encoding, blocks) {

@@ -30,7 +30,7 @@
 //! Different SIMD levels sum in different lane orders, so their results differ in the last
 //! bits (bounded against an exact reference by the tests); a process never mixes levels.
 //!
-//! Q8_0, Q4_0, Q4_K and Q6_K matrices can be repacked once at load into interleaved 16-row groups
+//! Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices can be repacked once at load into interleaved 16-row groups
 //! ([`interleaved`]), whose AVX-512 kernels reduce each block inside `vpdpbusd` for 16 weight
 //! rows at once: a verify pass of 8 Q8_0 rows then costs little more than a single-row pass
 //! from DRAM (Q4_K, half the bytes per multiply, runs out of `vpdpbusd` throughput first).

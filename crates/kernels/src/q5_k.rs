@@ -42,7 +42,7 @@ pub(crate) const INFO: TypeInfo = TypeInfo {
         lanes: crate::k_quants::k_quant_lanes,
         row_sums: Some(RowSumsEncoding::KQuant(crate::k_quants::KEncoding::Q5K)),
     }),
-    interleaved: None,
+    interleaved: Some(crate::interleaved::Encoding::Q5K),
 };
 
 /// Byte offset of the fifth bits.

@@ -52,8 +52,10 @@ impl TypeMix {
                     || name.contains("attn_qkv.weight")
                     || name.contains("ffn_down")
                 {
-                    // Every block has exactly one attn_v-like matrix, so its index among them
-                    // is the block's.
+                    // llama.cpp counts attn_v and the fused attn_qkv together (its attn_v-like
+                    // branch comes first in its chain of rules, so its separate Q5_K rule for
+                    // attn_qkv never applies); every block here has exactly one of them, so a
+                    // matrix's index among them is its block's.
                     match block() {
                         Some(b) if more_bits(b, blocks) => GgmlType::Q6K,
                         _ => base,

@@ -136,9 +136,9 @@ pub struct BenchReport {
     pub decode_tokens_per_second: f64,
     /// Weight bytes per token × decode t/s ÷ bandwidth.
     pub roofline_fraction: f64,
-    /// The model's peak resident memory: the process's peak once the model was loaded (before
-    /// the bandwidth probe's buffer), or its resident memory after decoding (caches grown),
-    /// whichever is larger; where the OS reports them (Linux).
+    /// The model's peak resident memory: the larger of the process's peak while the model
+    /// loaded and its peak from prefill to the end of plain decoding (the bandwidth probe's
+    /// buffer between them left out); where the OS reports them (Linux).
     pub peak_rss_bytes: Option<u64>,
     pub verify: Vec<VerifyCost>,
     pub drafters: Vec<DrafterRun>,
@@ -174,6 +174,12 @@ fn tensor_types(file: &specula_gguf::GgufFile) -> Vec<TensorTypeShare> {
     }
     shares.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.ty.cmp(&b.ty)));
     shares
+}
+
+/// Resets the process's peak resident set (`VmHWM`) to its current size (Linux 4.0+;
+/// nothing elsewhere).
+fn reset_peak_resident() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 /// A `Vm…` line of `/proc/self/status` in bytes (Linux; `None` elsewhere).
@@ -243,6 +249,8 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
 
     bar.set_message("memory bandwidth");
     let bandwidth = read_bandwidth(options.bandwidth_bytes, threads as usize, 3);
+    // The probe's buffer is not the model's: start the peak again from here.
+    reset_peak_resident();
     bar.inc(1);
 
     // Prefill.
@@ -301,7 +309,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let plain = plain_output.context("no plain run")?;
     let decode_tps = median(plain_rates);
     let roofline_fraction = info.weight_bytes as f64 * decode_tps / bandwidth;
-    let peak_rss_bytes = load_peak.max(proc_status_bytes("VmRSS:"));
+    let peak_rss_bytes = load_peak.max(proc_status_bytes("VmHWM:"));
     drop(pipeline);
 
     // Drafters.

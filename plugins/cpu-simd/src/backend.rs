@@ -24,7 +24,7 @@
 //! Options (`[target.options]` of the profile): the engine's `ring_budget_bytes` and
 //! `deep_rollback` and `kv_type` ([`specula_engine::backend::options`]: `f16` by default,
 //! `f32` for an exact cache) and `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
-//! Q4_K / Q6_K matrices are repacked at load into interleaved 16-row groups where the CPU has
+//! Q4_K / Q5_K / Q6_K matrices are repacked at load into interleaved 16-row groups where the CPU has
 //! AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every matrix
 //! is read from the mapped file as stored). An unknown option is an error naming the known
 //! ones.
@@ -49,9 +49,9 @@ pub const OPTION_WEIGHT_LAYOUT: &str = "weight_layout";
 /// Where the multiplied weight matrices live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightLayout {
-    /// Q8_0 / Q4_0 / Q4_K / Q6_K matrices repacked at load into interleaved 16-row groups, where the SIMD
+    /// Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrices repacked at load into interleaved 16-row groups, where the SIMD
     /// level has a kernel for them (AVX-512): the multi-row verify pass reads them several
-    /// times faster. Costs their size again in memory and a moment at load.
+    /// times faster. Costs a moment at load; the copies replace the file's pages in memory.
     Interleaved,
     /// Every matrix read straight from the memory-mapped file.
     File,

@@ -17,8 +17,9 @@
 // `scores` is scratch of at least rows * n_head * score_stride floats (score_stride >= the
 // largest key count).
 //
-// Launch: grid = (n_head, rows), blockDim = 128. Thread t scores keys t, t + 128, ... and
-// accumulates output dimensions t, t + 128, ...
+// Launch (both kernels at the end of the file): grid = (n_head, rows), blockDim = 128. Thread t
+// scores keys t, t + 128, ... and accumulates output dimensions t, t + 128, ...
+
 // One cache value as f32.
 __device__ __forceinline__ float kv_value(const float* p, u64 i) {
     return p[i];

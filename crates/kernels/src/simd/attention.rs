@@ -561,7 +561,8 @@ mod avx512 {
         unsafe {
             let p: [*const f32; T] = std::array::from_fn(|t| probs.ptr(first + t));
             if (T + 1) * C <= 24 {
-                // Few queries (a decode step's): every chunk's outputs in registers at once, so
+                // Few queries × chunks (a decode step's, or short heads): every chunk's outputs in
+                // registers at once, so
                 // the key loop carries T · C independent multiply-add chains instead of T (one
                 // chunk at a time, each chain waits on the latency of the last). The same
                 // sequence per output element.

@@ -1,5 +1,5 @@
 //! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
-//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q6_K × Q8_K; there are no AVX2 ones) and their safe
+//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K; there are no AVX2 ones) and their safe
 //! entry point. Each block is reduced inside `vpdpbusd` for the 16 weight rows at once.
 
 #[cfg(target_arch = "x86_64")]
@@ -30,7 +30,8 @@ pub(crate) fn interleaved_pass(
         let kernel: Kernel = match encoding {
             E::Q8_0 => avx512::interleaved_pass::<Q8_0>,
             E::Q4_0 => avx512::interleaved_pass::<Q4_0>,
-            E::Q4K => avx512::interleaved_q4k_pass,
+            E::Q4K => avx512::interleaved_q4k_pass::<false>,
+            E::Q5K => avx512::interleaved_q4k_pass::<true>,
             E::Q6K => avx512::interleaved_q6k_pass,
         };
         // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
@@ -216,18 +217,19 @@ mod avx512 {
         unsafe { store_group_results(&acc, out, valid) };
     }
 
-    /// A run of interleaved Q4_K groups of 16 weight rows ([`crate::interleaved`]) times a pass of
-    /// activation rows in the interleaved Q4_K activation format: the product of the run's weight
-    /// row `i < valid` and activation row `b` at `out.row(b)[first + i]`.
+    /// A run of interleaved Q4_K (Q5_K when `FIVE`) groups of 16 weight rows
+    /// ([`crate::interleaved`]) times a pass of activation rows in the interleaved Q4_K activation
+    /// format: the product of the run's weight row `i < valid` and activation row `b` at
+    /// `out.row(b)[first + i]`.
     ///
     /// # Safety
     ///
-    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 276` Q4_K group blocks,
-    /// the last of which holds row `valid - 1`; `x` holds at most
+    /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 276` Q4_K (Q5_K) group
+    /// blocks, the last of which holds row `valid - 1`; `x` holds at most
     /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
     /// rows, each of at least `first + valid` outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(crate) unsafe fn interleaved_q4k_pass(
+    pub(crate) unsafe fn interleaved_q4k_pass<const FIVE: bool>(
         groups: &[u8],
         x: Rows<'_, u8>,
         out: &mut OutRows<'_>,
@@ -238,7 +240,7 @@ mod avx512 {
         unsafe {
             with_row_count!(
                 x.count(),
-                interleaved_q4k_groups(groups, x, out, first, valid)
+                interleaved_q4k_groups::<FIVE>(groups, x, out, first, valid)
             )
         }
     }
@@ -254,23 +256,24 @@ mod avx512 {
     ///
     /// As [`interleaved_q4k_pass`], with `x.count() == N`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn interleaved_q4k_groups<const N: usize>(
+    unsafe fn interleaved_q4k_groups<const FIVE: bool, const N: usize>(
         groups: &[u8],
         x: Rows<'_, u8>,
         out: &mut OutRows<'_>,
         first: usize,
         valid: usize,
     ) {
-        use crate::interleaved::{Encoding, GROUP_ROWS};
-        let blocks = x.len() / Encoding::Q4K.activation_block_bytes();
-        let group_bytes = blocks * Encoding::Q4K.group_block_bytes();
+        use crate::interleaved::GROUP_ROWS;
+        let encoding = q4k_encoding::<FIVE>();
+        let blocks = x.len() / encoding.activation_block_bytes();
+        let group_bytes = blocks * encoding.group_block_bytes();
         let xp = row_ptrs::<u8, N>(&x);
         let op = out.ptrs::<N>();
         for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
             let offset = first + g * GROUP_ROWS;
             // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
             unsafe {
-                interleaved_q4k_rows::<N>(
+                interleaved_q4k_rows::<FIVE, N>(
                     group.as_ptr(),
                     blocks,
                     xp,
@@ -308,6 +311,14 @@ mod avx512 {
         }
     }
 
+    /// The encoding the Q4_K kernel multiplies: Q5_K when `FIVE`.
+    const fn q4k_encoding<const FIVE: bool>() -> crate::interleaved::Encoding {
+        match FIVE {
+            true => crate::interleaved::Encoding::Q5K,
+            false => crate::interleaved::Encoding::Q4K,
+        }
+    }
+
     /// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains) give
     /// the 16 rows' `Σ q_w · q_x`, times the rows' `sc_j` (`vpmulld`) into `isum`; 4 `vpdpwssd` of
     /// the rows' min pairs against the activation's sub-block sum pairs give `imin`; then two
@@ -316,7 +327,7 @@ mod avx512 {
     /// weight registers and each row's `isum` are live.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    unsafe fn interleaved_q4k_rows<const N: usize>(
+    unsafe fn interleaved_q4k_rows<const FIVE: bool, const N: usize>(
         group: *const u8,
         blocks: usize,
         xp: [*const u8; N],
@@ -324,12 +335,14 @@ mod avx512 {
         valid: usize,
     ) {
         use crate::interleaved::{
-            Encoding, Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES,
+            Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES, Q5K_HIGH,
         };
-        let group_block = Encoding::Q4K.group_block_bytes();
-        let act_block = Encoding::Q4K.activation_block_bytes();
+        let encoding = q4k_encoding::<FIVE>();
+        let group_block = encoding.group_block_bytes();
+        let act_block = encoding.activation_block_bytes();
         let mut acc = [_mm512_setzero_ps(); N];
         let low_nibbles = _mm512_set1_epi8(0x0f);
+        let fifth_bit = _mm512_set1_epi8(0x10);
         for b in 0..blocks {
             // SAFETY: super-block `b` lies inside the group (2368 bytes: scales, mins, 4 chunks of
             // 8 quant registers) and every activation row (276 bytes: 256 quants, the scale, 4
@@ -342,7 +355,7 @@ mod avx512 {
                 let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
                 let mut isum = [_mm512_setzero_si512(); N];
                 for j in 0..8 {
-                    prefetch_part(Encoding::Q4K, ahead, j, 8);
+                    prefetch_part(encoding, ahead, j, 8);
                     // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
                     let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
                     let mut w = [_mm512_setzero_si512(); 8];
@@ -353,6 +366,14 @@ mod avx512 {
                         } else {
                             _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles)
                         };
+                        if FIVE {
+                            // 16 added to the bytes whose fifth bit the mask sets.
+                            let mask: __mmask64 = block
+                                .add(Q5K_HIGH + 64 * j + 8 * k)
+                                .cast::<u64>()
+                                .read_unaligned();
+                            *w = _mm512_mask_add_epi8(*w, mask, *w, fifth_bit);
+                        }
                     }
                     let scales = _mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(Q4K_SCALES + 16 * j).cast(),
