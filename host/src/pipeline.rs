@@ -37,7 +37,9 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// Loads the plugins and models a profile names. The drafter is opened only when the
-    /// profile has a `[drafter]` section and `speculation.enabled` is true.
+    /// profile has a `[drafter]` section and `speculation.enabled` is true. Without one the
+    /// target verifies one token per pass ([`Parts::verify_tokens`]): a drafter attached later
+    /// needs [`open_with_verify_tokens`](Self::open_with_verify_tokens).
     pub fn open(profile: &Profile) -> anyhow::Result<Self> {
         Self::open_with_corpus(profile, None)
     }
@@ -45,7 +47,17 @@ impl Pipeline {
     /// Like [`open`](Self::open), but hands the drafter `corpus` as token ids instead of
     /// tokenizing `drafter.corpus` (benchmarks use it to give prompt lookup the exact output).
     pub fn open_with_corpus(profile: &Profile, corpus: Option<Vec<u32>>) -> anyhow::Result<Self> {
-        let parts = Parts::open(profile, 1, corpus)?;
+        Self::from_parts(Parts::open(profile, 1, corpus)?)
+    }
+
+    /// Like [`open`](Self::open), with room for verify passes of `verify_tokens` rows even
+    /// when the profile does not speculate (the bench measures the verify cost of a plain
+    /// pipeline).
+    pub fn open_with_verify_tokens(profile: &Profile, verify_tokens: u32) -> anyhow::Result<Self> {
+        Self::from_parts(Parts::open_sized(profile, 1, None, verify_tokens)?)
+    }
+
+    fn from_parts(parts: Parts) -> anyhow::Result<Self> {
         let target = SeqModel::new(parts.target)
             .into_result()
             .context("cannot create a sequence of the target model")?;
@@ -111,16 +123,37 @@ pub struct Parts {
 }
 
 impl Parts {
-    /// Loads the plugins and models `profile` names, sized for `sequences` sequences.
+    /// Loads the plugins and models `profile` names, sized for `sequences` sequences and the
+    /// verify passes its speculation needs ([`Parts::verify_tokens`]).
     pub fn open(
         profile: &Profile,
         sequences: u32,
         corpus: Option<Vec<u32>>,
     ) -> anyhow::Result<Self> {
+        Self::open_sized(profile, sequences, corpus, Self::verify_tokens(profile))
+    }
+
+    /// The most tokens one verify pass of `profile` holds: the longest draft plus the certain
+    /// token when it speculates, one when it decodes plainly — so that a hybrid model's
+    /// recurrent-state snapshot ring (a plane per verify position) takes no memory a plain
+    /// run cannot use.
+    pub fn verify_tokens(profile: &Profile) -> u32 {
+        match profile.drafter.is_some() && profile.speculation.enabled {
+            true => profile.speculation.draft_max + 1,
+            false => 1,
+        }
+    }
+
+    /// [`open`](Self::open) with room for verify passes of `verify_tokens` rows.
+    pub fn open_sized(
+        profile: &Profile,
+        sequences: u32,
+        corpus: Option<Vec<u32>>,
+        verify_tokens: u32,
+    ) -> anyhow::Result<Self> {
         let search = SearchPath::new(&profile.plugin_dir);
         let target = &profile.target;
         let tokenizer = load_tokenizer(&target.model)?;
-        let verify_tokens = profile.speculation.draft_max + 1;
         let plugin = search.load(&target.backend, PluginKind::Backend)?;
         let mut plugins = vec![plugin.provenance()];
         let mut params = backend_params(

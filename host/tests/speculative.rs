@@ -24,9 +24,12 @@ const STORY_PROMPTS: &[&str] = &[
     "The cat sat on the mat. The cat sat on the mat. The cat",
 ];
 
+/// A pipeline with room for the profile's verify passes even without a drafter: some tests
+/// attach their own drafter after opening.
 fn open(dir: &Path, model: &str, drafter: &str) -> Pipeline {
-    let profile = write_spec_profile(dir, "p.toml", &shared(model), drafter);
-    Pipeline::open(&Profile::load(profile).unwrap()).unwrap()
+    let profile =
+        Profile::load(write_spec_profile(dir, "p.toml", &shared(model), drafter)).unwrap();
+    Pipeline::open_with_verify_tokens(&profile, profile.speculation.draft_max + 1).unwrap()
 }
 
 fn request(prompt: &str, max_tokens: u32, sampling: SamplingParams, spec: bool) -> Request {
@@ -669,4 +672,21 @@ fn hybrid_fixture_drafting_for_itself_accepts_everything() {
             assert_eq!(s.accepted + s.clamped, s.drafted, "{model}: {s:?}");
         }
     }
+}
+
+/// A profile that decodes plainly opens its target for one-token passes (a hybrid's snapshot
+/// ring then holds no planes it cannot use); a speculating one for its longest draft plus one.
+#[test]
+fn plain_profiles_open_one_token_verify_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = shared("models/trained/stories-qwen35-mtp-q8_0.gguf");
+    let plain = Profile::load(write_spec_profile(dir.path(), "plain.toml", &model, "")).unwrap();
+    let p = Pipeline::open(&plain).unwrap();
+    assert_eq!(p.target.capabilities().max_verify_tokens, 1);
+    let mtp = "[drafter]\nplugin = \"mtp\"\n[speculation]\ndraft_max = 3\n";
+    let spec = Profile::load(write_spec_profile(dir.path(), "mtp.toml", &model, mtp)).unwrap();
+    let p = Pipeline::open(&spec).unwrap();
+    assert_eq!(p.target.capabilities().max_verify_tokens, 4);
+    let p = Pipeline::open_with_verify_tokens(&plain, 4).unwrap();
+    assert_eq!(p.target.capabilities().max_verify_tokens, 4);
 }

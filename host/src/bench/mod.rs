@@ -216,7 +216,9 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let tensor_types = tensor_types(&specula_gguf::GgufFile::open(&profile.target.model)?);
     let mut plain_profile = profile.clone();
     plain_profile.drafter = None;
-    let mut pipeline = Pipeline::open(&plain_profile)?;
+    // Plain decoding, but with room for the verify passes whose cost the bench measures.
+    let mut pipeline =
+        Pipeline::open_with_verify_tokens(&plain_profile, profile.speculation.draft_max + 1)?;
     let load_peak = proc_status_bytes("VmHWM:");
     let info = pipeline.info.clone();
     let capacity = pipeline.target.capabilities().max_verify_tokens.max(1);
