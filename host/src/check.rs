@@ -53,7 +53,7 @@ pub fn check_profile(path: &Path) -> Report {
         "target.backend",
     );
     let tokenizer = read_model(&mut report, &target.model, "target.model");
-    let verify_tokens = profile.speculation.draft_max + 1;
+    let verify_tokens = crate::pipeline::Parts::verify_tokens(&profile);
     let params = backend_params(
         &target.model,
         target.threads,

@@ -16,7 +16,7 @@ use specula_gguf::GgufFile;
 
 use super::setup::Setup;
 use crate::chat_template::{ChatMessage, ChatTemplate};
-use crate::pipeline::Pipeline;
+use crate::pipeline::{Parts, Pipeline};
 use crate::request::{CancelFlag, Request, StopReason};
 use crate::sampling::SamplingParams;
 use crate::spec::{generate, generate_continuing, SpecSettings, SpecStats};
@@ -47,9 +47,16 @@ struct Session {
     speculative: SpecStats,
 }
 
+/// The fewest verify rows (and so rollback depth) a chat's target is opened for.
+const CHAT_MIN_VERIFY_TOKENS: u32 = 8;
+
 pub fn run(args: ChatArgs) -> anyhow::Result<ExitCode> {
     let (profile, _) = args.setup.profile()?;
-    let mut pipeline = Pipeline::open(&profile)?;
+    // Each turn continues the conversation's cache, cutting back where the new prompt's tokens
+    // leave the cached ones (often a few tokens before its end): room for that many verify
+    // rows keeps a hybrid's cut O(1) even when the profile does not speculate.
+    let verify_tokens = Parts::verify_tokens(&profile).max(CHAT_MIN_VERIFY_TOKENS);
+    let mut pipeline = Pipeline::open_with_verify_tokens(&profile, verify_tokens)?;
     let file = GgufFile::open(&profile.target.model)?;
     let (template, note) = ChatTemplate::of_model(&file, &pipeline.tokenizer);
     drop(file);

@@ -11,8 +11,8 @@
 
 use std::time::Instant;
 
-use abi_stable::std_types::RVec;
-use specula_plugin_api::{BoxedForwardPass, LogitRows, PluginResult, SequenceCalls};
+use abi_stable::std_types::{RSlice, RVec};
+use specula_plugin_api::{BoxedForwardPass, EvalChunk, LogitRows, PluginResult, SequenceCalls};
 
 /// Seconds a pass costs by its row count (piecewise linear between measured points).
 #[derive(Debug, Clone, PartialEq)]
@@ -38,8 +38,11 @@ impl CostCurve {
         Self { points }
     }
 
-    /// Measures the target: passes of 1 to 16 rows (as far as it verifies) after a short
-    /// context, on a scratch sequence it frees again; the fastest of three tries each.
+    /// Measures the target: passes of 1 to 16 rows after a short context, the fastest of
+    /// three tries each. A pass's rows are as many verify rows of one scratch sequence as the
+    /// target verifies, spread over more scratch sequences beyond that (a plain target, which
+    /// verifies one token per pass, is measured as one row from each of several sequences —
+    /// the passes continuous batching runs); the scratch sequences are freed again.
     pub fn measure(target: &mut BoxedForwardPass) -> PluginResult<Self> {
         let info = target.model_info();
         let capabilities = target.capabilities();
@@ -49,40 +52,66 @@ impl CostCurve {
         let tokens: Vec<u32> = (0..context as u32)
             .map(|i| (i.wrapping_mul(7919) + 1) % vocab)
             .collect();
-        let seq = match target.seq_create().into_result() {
-            Ok(seq) => seq,
-            Err(e) => return Err(e).into(),
-        };
+        let per_seq = (capabilities.max_verify_tokens as usize)
+            .min(context - before - 1)
+            .max(1);
+        let most_rows = *MEASURED_ROWS.last().expect("rows to measure");
+        let wanted_seqs = most_rows
+            .div_ceil(per_seq)
+            .min(capabilities.max_sequences.max(1) as usize);
+        let mut seqs = Vec::new();
         let result = (|| {
             let mut logits = RVec::new();
-            target
-                .eval(seq, &tokens[..before], LogitRows::None, &mut logits)
-                .into_result()?;
-            let max_rows = (capabilities.max_verify_tokens as usize)
-                .min(context - before - 1)
-                .max(1);
+            for _ in 0..wanted_seqs {
+                match target.seq_create().into_result() {
+                    Ok(seq) => seqs.push(seq),
+                    // A pool too small for more scratch sequences measures fewer rows.
+                    Err(_) if !seqs.is_empty() => break,
+                    Err(e) => return Err(e),
+                }
+                let seq = seqs[seqs.len() - 1];
+                target
+                    .eval(seq, &tokens[..before], LogitRows::None, &mut logits)
+                    .into_result()?;
+            }
+            let max_rows = per_seq * seqs.len();
             let mut points = Vec::new();
             for rows in MEASURED_ROWS.into_iter().filter(|&r| r <= max_rows) {
+                let chunks: Vec<EvalChunk<'_>> = seqs
+                    .iter()
+                    .zip((0..rows).step_by(per_seq))
+                    .map(|(&seq, first)| EvalChunk {
+                        seq,
+                        tokens: RSlice::from_slice(
+                            &tokens[before..before + per_seq.min(rows - first)],
+                        ),
+                        rows: LogitRows::All,
+                    })
+                    .collect();
                 let mut best = f64::INFINITY;
                 for _ in 0..3 {
-                    let batch = &tokens[before..before + rows];
                     let t = Instant::now();
                     target
-                        .eval(seq, batch, LogitRows::All, &mut logits)
+                        .eval_batch(RSlice::from_slice(&chunks), &mut logits)
                         .into_result()?;
                     best = best.min(t.elapsed().as_secs_f64());
-                    target.truncate(seq, before).into_result()?;
+                    for chunk in &chunks {
+                        target.truncate(chunk.seq, before).into_result()?;
+                    }
                 }
                 points.push((rows, best.max(1e-9)));
             }
             if points.len() < 2 {
-                // A target that verifies one row at a time: rows cost what they cost alone.
+                // One row per pass at most: rows cost what they cost alone.
                 let one = points.first().map_or(1e-3, |p| p.1);
                 points = vec![(1, one), (2, 2.0 * one)];
             }
             Ok(Self::from_points(points))
         })();
-        let freed = target.seq_free(seq).into_result();
+        let mut freed = Ok(());
+        for seq in seqs {
+            freed = freed.and(target.seq_free(seq).into_result());
+        }
         match (result, freed) {
             (Ok(curve), Ok(())) => PluginResult::ROk(curve),
             (Err(e), _) | (Ok(_), Err(e)) => PluginResult::RErr(e),

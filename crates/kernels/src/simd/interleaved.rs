@@ -344,9 +344,9 @@ mod avx512 {
         let low_nibbles = _mm512_set1_epi8(0x0f);
         let fifth_bit = _mm512_set1_epi8(0x10);
         for b in 0..blocks {
-            // SAFETY: super-block `b` lies inside the group (2368 bytes: scales, mins, 4 chunks of
-            // 8 quant registers) and every activation row (276 bytes: 256 quants, the scale, 4
-            // dwords of sums) by the caller's contract.
+            // SAFETY: super-block `b` lies inside the group (`group_block` bytes: scales, mins, 4
+            // chunks of 8 quant registers, Q5_K's masks) and every activation row (276 bytes:
+            // 256 quants, the scale, 4 dwords of sums) by the caller's contract.
             unsafe {
                 let block = group.add(b * group_block);
                 // Unlike Q8_0, a Q4_K single-row pass gains from prefetching too (4096² from DRAM,
