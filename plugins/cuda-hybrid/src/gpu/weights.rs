@@ -88,6 +88,10 @@ impl WeightStore {
             )));
         }
         let buf = gpu.upload(view.data)?;
+        // The device copy is what the passes read: the file's pages need not stay resident
+        // (anything on the host that reads them, such as a tied embedding's lookups, faults
+        // them back in).
+        file.release(view.data);
         self.bytes += buf.bytes();
         self.tensors.insert(name.to_string(), buf);
         Ok(())
