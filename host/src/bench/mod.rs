@@ -136,6 +136,12 @@ pub struct BenchReport {
     pub decode_tokens_per_second: f64,
     /// Weight bytes per token × decode t/s ÷ bandwidth.
     pub roofline_fraction: f64,
+    /// KV-cache bytes one position adds (every attention layer's keys and values in the
+    /// profile's `kv_type`), from the model file; `None` where its shape is not known.
+    pub kv_bytes_per_position: Option<u64>,
+    /// The roofline with the KV cache read too: (weight bytes + KV bytes of the mean context
+    /// of the decode runs) × decode t/s ÷ bandwidth — what bounds decoding at long contexts.
+    pub roofline_with_kv_fraction: Option<f64>,
     /// The model's peak resident memory: the larger of the process's peak while the model
     /// loaded and its peak from prefill through the verify passes to the end of plain decoding
     /// (the bandwidth probe's buffer between them left out); where the OS reports them (Linux).
@@ -178,6 +184,28 @@ fn tensor_types(file: &specula_gguf::GgufFile) -> Vec<TensorTypeShare> {
     shares
 }
 
+/// KV-cache bytes one position adds: the attention layers (every trunk layer of a dense model,
+/// the full-attention ones of a hybrid) times their key and value widths, in the profile's
+/// `kv_type` (f16 unless it says `f32`).
+fn kv_bytes_per_position(file: &specula_gguf::GgufFile, profile: &Profile) -> Option<u64> {
+    use specula_gguf::hparams::{HParams, HybridParams};
+    let hp = HParams::from_gguf(file).ok()?;
+    let layers = match HybridParams::from_gguf(file, &hp) {
+        Ok(hybrid) => hybrid.recurrent.iter().filter(|&&r| !r).count() as u64,
+        Err(_) => u64::from(hp.block_count),
+    };
+    let value_bytes = match profile
+        .target
+        .options
+        .get("kv_type")
+        .and_then(|v| v.as_str())
+    {
+        Some("f32") => 4,
+        _ => 2,
+    };
+    Some(layers * u64::from(hp.k_width() + hp.v_width()) * value_bytes)
+}
+
 /// Resets the process's peak resident set (`VmHWM`) to its current size (Linux 4.0+);
 /// whether it could.
 fn reset_peak_resident() -> bool {
@@ -215,7 +243,10 @@ const VERIFY_MIN_ROUNDS: usize = 9;
 
 pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchReport> {
     let runs = options.runs.max(1);
-    let tensor_types = tensor_types(&specula_gguf::GgufFile::open(&profile.target.model)?);
+    let file = specula_gguf::GgufFile::open(&profile.target.model)?;
+    let tensor_types = tensor_types(&file);
+    let kv_bytes_per_position = kv_bytes_per_position(&file, profile);
+    drop(file);
     let mut plain_profile = profile.clone();
     plain_profile.drafter = None;
     // Plain decoding, but with room for the verify passes whose cost the bench measures.
@@ -314,6 +345,9 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let plain = plain_output.context("no plain run")?;
     let decode_tps = median(plain_rates);
     let roofline_fraction = info.weight_bytes as f64 * decode_tps / bandwidth;
+    let mean_context = prompt_ids.len() as f64 + options.decode_tokens as f64 / 2.0;
+    let roofline_with_kv_fraction = kv_bytes_per_position
+        .map(|kv| (info.weight_bytes as f64 + kv as f64 * mean_context) * decode_tps / bandwidth);
     let run_peak = proc_status_bytes(if peak_reset { "VmHWM:" } else { "VmRSS:" });
     let peak_rss_bytes = load_peak.max(run_peak);
     drop(pipeline);
@@ -421,6 +455,8 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         prefill_tokens_per_second: median(prefill),
         decode_tokens_per_second: decode_tps,
         roofline_fraction,
+        kv_bytes_per_position,
+        roofline_with_kv_fraction,
         peak_rss_bytes,
         verify,
         drafters,
@@ -563,6 +599,16 @@ pub fn render(report: &BenchReport) -> String {
         report.bandwidth_bytes_per_second / report.weight_bytes.max(1) as f64,
         gb(report.bandwidth_bytes_per_second)
     );
+    if let (Some(kv), Some(fraction)) = (
+        report.kv_bytes_per_position,
+        report.roofline_with_kv_fraction,
+    ) {
+        out += &format!(
+            "  with the KV cache read ({:.1} KiB per position): {:.1}% of the roofline of weights + KV\n",
+            kv as f64 / 1024.0,
+            100.0 * fraction
+        );
+    }
     out += "verify cost ratio cost(k)/cost(1):";
     for v in &report.verify {
         out += &format!(" k={} {:.2}", v.k, v.ratio);
@@ -637,6 +683,8 @@ mod tests {
             prefill_tokens_per_second: 100.0,
             decode_tokens_per_second: 10.0,
             roofline_fraction: 0.5,
+            kv_bytes_per_position: Some(2048),
+            roofline_with_kv_fraction: Some(0.6),
             peak_rss_bytes: Some(3 << 20),
             verify: vec![VerifyCost {
                 k: 1,
@@ -648,12 +696,56 @@ mod tests {
         }
     }
 
+    /// A dense model's every layer holds KV, a hybrid's full-attention layers only; an f32
+    /// cache doubles it.
+    #[test]
+    fn kv_bytes_per_position_counts_the_attention_layers() {
+        let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models");
+        for (model, hybrid) in [
+            ("stories260K.gguf", false),
+            ("fixtures/tiny-qwen35-mtp.gguf", true),
+        ] {
+            let path = shared.join(model);
+            let file = specula_gguf::GgufFile::open(&path).unwrap();
+            let hp = specula_gguf::HParams::from_gguf(&file).unwrap();
+            let layers = match hybrid {
+                true => {
+                    let h = specula_gguf::HybridParams::from_gguf(&file, &hp).unwrap();
+                    let attention = h.recurrent.iter().filter(|&&r| !r).count() as u64;
+                    assert!(attention > 0 && attention < u64::from(h.n_trunk), "{model}");
+                    attention
+                }
+                false => u64::from(hp.block_count),
+            };
+            let per_layer = u64::from(hp.k_width() + hp.v_width());
+            let mut profile = Profile::builtin_default(path.clone());
+            assert_eq!(
+                kv_bytes_per_position(&file, &profile),
+                Some(2 * layers * per_layer),
+                "{model}"
+            );
+            profile
+                .target
+                .options
+                .insert("kv_type".into(), toml::Value::String("f32".into()));
+            assert_eq!(
+                kv_bytes_per_position(&file, &profile),
+                Some(4 * layers * per_layer),
+                "{model}"
+            );
+        }
+    }
+
     #[test]
     fn a_bandwidth_that_moved_during_the_run_is_flagged() {
         assert_eq!(report(40e9, 44e9).bandwidth_drift(), None);
         let text = render(&report(40e9, 44e9));
         assert!(text.contains("40.0 GB/s (44.0 GB/s at the end"), "{text}");
         assert!(text.contains("peak resident memory: 3.0 MiB"), "{text}");
+        assert!(
+            text.contains("(2.0 KiB per position): 60.0% of the roofline of weights + KV"),
+            "{text}"
+        );
         #[cfg(target_os = "linux")]
         assert!(proc_status_bytes("VmRSS:").is_some_and(|b| b > 0));
         assert!(
