@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use abi_stable::std_types::{RSlice, RVec};
-use specula_plugin_api::{BoxedForwardPass, EvalChunk, LogitRows, PluginResult, SequenceCalls};
+use specula_plugin_api::{BoxedForwardPass, EvalChunk, LogitRows, PluginResult};
 
 /// Seconds a pass costs by its row count (piecewise linear between measured points).
 #[derive(Debug, Clone, PartialEq)]
@@ -48,17 +48,21 @@ impl CostCurve {
         let capabilities = target.capabilities();
         let vocab = info.vocab_size.max(1);
         let context = (info.context_size as usize).max(2);
-        let before = MEASURE_CONTEXT.min(context / 2);
         let tokens: Vec<u32> = (0..context as u32)
             .map(|i| (i.wrapping_mul(7919) + 1) % vocab)
             .collect();
-        let per_seq = (capabilities.max_verify_tokens as usize)
-            .min(context - before - 1)
-            .max(1);
         let most_rows = *MEASURED_ROWS.last().expect("rows to measure");
+        let per_seq = (capabilities.max_verify_tokens as usize)
+            .min(context - MEASURE_CONTEXT.min(context / 2) - 1)
+            .max(1);
         let wanted_seqs = most_rows
             .div_ceil(per_seq)
             .min(capabilities.max_sequences.max(1) as usize);
+        // The scratch contexts together stay at MEASURE_CONTEXT tokens (at least a few each),
+        // read in one pass: a big model's load does not wait on many prefills.
+        let before = (MEASURE_CONTEXT / wanted_seqs)
+            .clamp(4, MEASURE_CONTEXT)
+            .min(context / 2);
         let mut seqs = Vec::new();
         let result = (|| {
             let mut logits = RVec::new();
@@ -69,11 +73,18 @@ impl CostCurve {
                     Err(_) if !seqs.is_empty() => break,
                     Err(e) => return Err(e),
                 }
-                let seq = seqs[seqs.len() - 1];
-                target
-                    .eval(seq, &tokens[..before], LogitRows::None, &mut logits)
-                    .into_result()?;
             }
+            let contexts: Vec<EvalChunk<'_>> = seqs
+                .iter()
+                .map(|&seq| EvalChunk {
+                    seq,
+                    tokens: RSlice::from_slice(&tokens[..before]),
+                    rows: LogitRows::None,
+                })
+                .collect();
+            target
+                .eval_batch(RSlice::from_slice(&contexts), &mut logits)
+                .into_result()?;
             let max_rows = per_seq * seqs.len();
             let mut points = Vec::new();
             for rows in MEASURED_ROWS.into_iter().filter(|&r| r <= max_rows) {
