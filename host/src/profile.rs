@@ -181,7 +181,8 @@ pub struct SpeculationSection {
     pub enabled: bool,
     /// Fewest drafts per step before speculation pauses itself.
     pub draft_min: u32,
-    /// Most drafts per step; the verify batch is `draft_max + 1` tokens.
+    /// Most drafts per step; the verify batch is `draft_max + 1` tokens when the profile
+    /// speculates, 1 otherwise (`specula chat` keeps at least 8).
     pub draft_max: u32,
     /// Let the draft length follow recent acceptance.
     pub adaptive: bool,

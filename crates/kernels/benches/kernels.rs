@@ -9,7 +9,7 @@
 //! - `matvec-cold/{type}/{n}x4096x4096xK/t{threads}`: the same product over K distinct copies
 //!   of the matrix in turn, K chosen so they exceed 96 MiB: weights come from DRAM, as they do
 //!   in a real model whose weights are gigabytes. `{type}-interleaved`: the same matrices
-//!   repacked into interleaved 16-row groups (Q8_0, Q4_0, Q4_K), as the engine multiplies them.
+//!   repacked into interleaved 16-row groups (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), as the engine multiplies them.
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an

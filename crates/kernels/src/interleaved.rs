@@ -73,11 +73,11 @@
 //! - Q8_0, Q4_0: per block, the exact integer sum `s = Σ q_w · q_x`, then
 //!   `acc = fma(s as f32, d_w · d_x, acc)` in block order. This is ggml's
 //!   `ggml_vec_dot_q8_0_q8_0` reference order with the multiply and add fused.
-//! - Q4_K: per super-block, the exact integers `isum = Σ_j sc_j · Σ q_w · q_x` and
+//! - Q4_K, Q5_K: per super-block, the exact integers `isum = Σ_j sc_j · Σ q_w · q_x` and
 //!   `imin = Σ_j m_j · Σ_{sub-block j} q_x`, then `acc = fma(isum as f32, d_w · d_x, acc)` and
 //!   `acc = fma(-(imin as f32), dmin_w · d_x, acc)`, super-blocks in order. The integers are
-//!   those of ggml's `ggml_vec_dot_q4_K_q8_K`; only the f32 steps are fused and ordered
-//!   differently (so results differ from the row-major Q4_K kernel in the last bits).
+//!   those of ggml's `ggml_vec_dot_q4_K_q8_K` (`…q5_K…`); only the f32 steps are fused and
+//!   ordered differently (so results differ from the row-major kernels in the last bits).
 //! - Q6_K: per super-block the exact integer `isum = Σ_j sc_j · Σ_{group j} (q_w - 32) · q_x`
 //!   (ggml's `ggml_vec_dot_q6_K_q8_K`'s), then `acc = fma(isum as f32, d_w · d_x, acc)`,
 //!   super-blocks in order.

@@ -571,6 +571,7 @@ pub fn render(report: &BenchReport) -> String {
         "tensor types (of the file's bytes): {}\n",
         shares.join(", ")
     );
+    out += &format!("AMX tiles: {} (no kernel uses them yet)\n", report.amx);
     if let Some(rss) = report.peak_rss_bytes {
         out += &format!(
             "peak resident memory: {:.1} MiB (the model loaded, verifying and decoding)\n",
@@ -742,6 +743,7 @@ mod tests {
         let text = render(&report(40e9, 44e9));
         assert!(text.contains("40.0 GB/s (44.0 GB/s at the end"), "{text}");
         assert!(text.contains("peak resident memory: 3.0 MiB"), "{text}");
+        assert!(text.contains("AMX tiles: not on this CPU"), "{text}");
         assert!(
             text.contains("(2.0 KiB per position): 60.0% of the roofline of weights + KV"),
             "{text}"

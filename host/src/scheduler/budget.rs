@@ -23,7 +23,8 @@ pub struct CostCurve {
 
 /// Row counts the engine measures at start.
 const MEASURED_ROWS: [usize; 6] = [1, 2, 4, 8, 12, 16];
-/// Tokens in the sequence the measurement decodes after (a short context).
+/// Tokens of context the measurement decodes after, over all its scratch sequences together
+/// (at least 4 each): a short context.
 const MEASURE_CONTEXT: usize = 32;
 
 impl CostCurve {
