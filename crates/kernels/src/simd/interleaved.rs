@@ -89,27 +89,54 @@ mod avx512 {
         first: usize,
         valid: usize,
     ) {
-        use crate::interleaved::{Encoding, GROUP_ROWS};
         let encoding = match KIND {
-            Q8_0 => Encoding::Q8_0,
-            _ => Encoding::Q4_0,
+            Q8_0 => crate::interleaved::Encoding::Q8_0,
+            _ => crate::interleaved::Encoding::Q4_0,
         };
+        // SAFETY: the caller's contract, which `for_each_group` hands on per group.
+        unsafe {
+            for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
+                interleaved_rows::<KIND, N>(g, b, xp, op, v)
+            })
+        }
+    }
+
+    /// Runs `rows` over each 16-row group of a run of `encoding` group blocks (`groups`) times
+    /// `N` activation rows (`x`): with the group's first block, its blocks per row, the
+    /// activation rows, the output rows advanced to the group's first weight row, and how many
+    /// of its rows are valid — every group in one call, no argument round trip through memory
+    /// between groups.
+    ///
+    /// # Safety
+    ///
+    /// As the passes' contract ([`interleaved_pass`]), with `x.count() == N`; `rows` may then
+    /// read the group's blocks and every activation row, and write its valid outputs.
+    #[inline(always)]
+    unsafe fn for_each_group<const N: usize>(
+        encoding: crate::interleaved::Encoding,
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+        mut rows: impl FnMut(*const u8, usize, [*const u8; N], [*mut f32; N], usize),
+    ) {
+        use crate::interleaved::GROUP_ROWS;
         let blocks = x.len() / encoding.activation_block_bytes();
         let group_bytes = blocks * encoding.group_block_bytes();
         let xp = row_ptrs::<u8, N>(&x);
         let op = out.ptrs::<N>();
         for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
             let offset = first + g * GROUP_ROWS;
-            // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
-            unsafe {
-                interleaved_rows::<KIND, N>(
-                    group.as_ptr(),
-                    blocks,
-                    xp,
-                    op.map(|p| p.add(offset)),
-                    GROUP_ROWS.min(valid - g * GROUP_ROWS),
-                )
-            }
+            // SAFETY: the caller's contract: group `g`'s outputs start at `offset` in every row.
+            let op = op.map(|p| unsafe { p.add(offset) });
+            rows(
+                group.as_ptr(),
+                blocks,
+                xp,
+                op,
+                GROUP_ROWS.min(valid - g * GROUP_ROWS),
+            );
         }
     }
 
@@ -263,24 +290,12 @@ mod avx512 {
         first: usize,
         valid: usize,
     ) {
-        use crate::interleaved::GROUP_ROWS;
         let encoding = q4k_encoding::<FIVE>();
-        let blocks = x.len() / encoding.activation_block_bytes();
-        let group_bytes = blocks * encoding.group_block_bytes();
-        let xp = row_ptrs::<u8, N>(&x);
-        let op = out.ptrs::<N>();
-        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
-            let offset = first + g * GROUP_ROWS;
-            // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
-            unsafe {
-                interleaved_q4k_rows::<FIVE, N>(
-                    group.as_ptr(),
-                    blocks,
-                    xp,
-                    op.map(|p| p.add(offset)),
-                    GROUP_ROWS.min(valid - g * GROUP_ROWS),
-                )
-            }
+        // SAFETY: the caller's contract, which `for_each_group` hands on per group.
+        unsafe {
+            for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
+                interleaved_q4k_rows::<FIVE, N>(g, b, xp, op, v)
+            })
         }
     }
 
@@ -462,23 +477,18 @@ mod avx512 {
         first: usize,
         valid: usize,
     ) {
-        use crate::interleaved::{Encoding, GROUP_ROWS};
-        let blocks = x.len() / Encoding::Q6K.activation_block_bytes();
-        let group_bytes = blocks * Encoding::Q6K.group_block_bytes();
-        let xp = row_ptrs::<u8, N>(&x);
-        let op = out.ptrs::<N>();
-        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
-            let offset = first + g * GROUP_ROWS;
-            // SAFETY: the caller's contract; group `g`'s outputs start at `offset` in every row.
-            unsafe {
-                interleaved_q6k_rows::<N>(
-                    group.as_ptr(),
-                    blocks,
-                    xp,
-                    op.map(|p| p.add(offset)),
-                    GROUP_ROWS.min(valid - g * GROUP_ROWS),
-                )
-            }
+        use crate::interleaved::Encoding;
+        // SAFETY: the caller's contract, which `for_each_group` hands on per group.
+        unsafe {
+            for_each_group::<N>(
+                Encoding::Q6K,
+                groups,
+                x,
+                out,
+                first,
+                valid,
+                |g, b, xp, op, v| interleaved_q6k_rows::<N>(g, b, xp, op, v),
+            )
         }
     }
 
