@@ -226,6 +226,75 @@ fn mtp_streams_on_a_hybrid_equal_their_output_alone() {
     );
 }
 
+/// A hybrid with an MTP head serves a repeated prompt from the prefix cache (its recurrent
+/// state at a block boundary, the head's cache rebuilt): the second request takes whole
+/// blocks of its prompt from the first, decodes the same tokens as alone, and its MTP drafts
+/// are still accepted — the drafter continues from the rebuilt head.
+#[test]
+fn a_repeated_prompt_on_an_mtp_hybrid_is_served_from_the_prefix_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = shared("models/trained/stories-qwen35-mtp-q8_0.gguf");
+    let profile = profile(dir.path(), &model, "[drafter]\nplugin = \"mtp\"\n");
+    let story = "Once upon a time, there was a little girl named Lily. She loved to play in \
+                 the park with her friends. One day, she found a big red ball under a tree. \
+                 She was very happy and ran to show her mom. Her mom smiled and said they \
+                 could play with it after lunch. Lily and her friend Ben played with the ball \
+                 all day. When the sun went down, they went home and had a big dinner. Lily";
+    let repeated = Request {
+        prompt: story.to_string(),
+        max_tokens: 32,
+        ..request(0, true)
+    };
+    let mut alone = Pipeline::open(&profile).unwrap();
+    let want = generate(&mut alone, &repeated, |_| {}).unwrap();
+    drop(alone);
+
+    let admitted = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = admitted.clone();
+    let options = EngineOptions {
+        prefill_chunk: 64,
+        cost_curve: Some(CostCurve::from_points(vec![(1, 1.0), (64, 1.0)])),
+        reopen: None,
+        observer: Arc::new(move |e| {
+            if let EngineEvent::Admitted { prompt, reused } = e {
+                seen.lock().unwrap().push((prompt, reused));
+            }
+        }),
+    };
+    let engine = Engine::start(Parts::open(&profile, 2, None).unwrap(), 2, options).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut outcomes = Vec::new();
+    for i in 0..2 {
+        engine.submit(job(i, repeated.clone(), &tx)).ok().unwrap();
+        loop {
+            match rx.recv_timeout(Duration::from_secs(120)).unwrap() {
+                Report::Done(_, result) => {
+                    outcomes.push(result.unwrap());
+                    break;
+                }
+                Report::Text(..) => {}
+            }
+        }
+    }
+    let admitted = admitted.lock().unwrap().clone();
+    let prompt = admitted[0].0;
+    assert!(prompt > 128, "a prompt of several blocks: {admitted:?}");
+    assert_eq!(admitted[0].1, 0, "nothing cached at first");
+    assert!(
+        admitted[1].1 >= 64 && admitted[1].1 < prompt,
+        "whole blocks reused: {admitted:?}"
+    );
+    for got in &outcomes {
+        assert_eq!(got.tokens, want.tokens);
+        assert_eq!(got.text, want.text);
+    }
+    assert!(
+        outcomes[1].speculative.accepted > 0,
+        "drafts after the reused prefix: {:?}",
+        outcomes[1].speculative
+    );
+}
+
 #[test]
 fn a_panic_in_one_request_fails_that_request_only() {
     let dir = tempfile::tempdir().unwrap();

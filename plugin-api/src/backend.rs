@@ -186,14 +186,17 @@ pub trait ForwardPass: Send + Sync {
     /// Ends `seq` and releases what it held.
     fn seq_free(&mut self, seq: SeqId) -> PluginResult<()>;
 
-    /// Gives the empty `seq` the longest start of `tokens` whose attention state the instance
-    /// still holds from earlier evaluations (the prefix cache: whole blocks of positions any
-    /// sequence evaluated with exactly these tokens before them), never the last token — its
-    /// logits are what the caller evaluates next — and returns how many tokens `seq` now
+    /// Gives the empty `seq` the longest start of `tokens` whose state the instance still
+    /// holds from earlier evaluations (the prefix cache: whole blocks of positions any
+    /// sequence evaluated with exactly these tokens before them — for a model with recurrent
+    /// layers, up to a block boundary whose recurrent state it kept), never the last token —
+    /// its logits are what the caller evaluates next — and returns how many tokens `seq` now
     /// holds. The caller then evaluates `tokens[returned..]`: the logits are the bits a full
     /// evaluation gives, and [`hidden_states`](ForwardPass::hidden_states) covers the
-    /// evaluated rows only. 0 when nothing is cached, or where the backend keeps no prefix
-    /// cache (models with recurrent state).
+    /// evaluated rows only. With an MTP head, the head's cache holds the returned positions
+    /// too, as if a drafter had stepped it through them ([`mtp_eval_batch`](ForwardPass::mtp_eval_batch)
+    /// continues at that position). 0 when nothing is cached, or where the backend keeps no
+    /// prefix cache.
     fn seq_reuse_prefix(&mut self, seq: SeqId, tokens: RSlice<'_, u32>) -> PluginResult<usize>;
 
     /// Number of tokens in `seq`; an error once the instance is unusable (an earlier call

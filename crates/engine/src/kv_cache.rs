@@ -230,7 +230,7 @@ pub struct SeqKv {
     blocks: Vec<u32>,
     len: usize,
     /// The prefix-cache keys of its first full blocks (as far as they were computed).
-    keys: Vec<(u64, u64)>,
+    keys: Vec<BlockKey>,
 }
 
 impl SeqKv {
@@ -247,20 +247,30 @@ impl SeqKv {
     pub fn blocks(&self) -> usize {
         self.blocks.len()
     }
+
+    /// The prefix-cache key of full block `b` (the chained hash of every token up to its
+    /// end), once the pool has computed it ([`KvPool::cache_prefix`], [`KvPool::reuse_prefix`]).
+    pub fn key(&self, b: usize) -> Option<BlockKey> {
+        self.keys.get(b).copied()
+    }
 }
+
+/// A full block's prefix-cache key: the chained hash of every token up to the block's end
+/// (two independently seeded 64-bit hashes).
+pub type BlockKey = (u64, u64);
 
 /// What the prefix cache knows of a full block.
 #[derive(Debug, Clone)]
 struct Cached128 {
     /// The chained hash of every token up to the block's end.
-    key: (u64, u64),
+    key: BlockKey,
     /// The block's own tokens (compared exactly on a hit).
     tokens: Vec<u32>,
 }
 
 /// The chained key of the block holding `tokens` after the prefix keyed `parent`: two
 /// independently seeded 64-bit hashes.
-fn chain_key(parent: (u64, u64), tokens: &[u32]) -> (u64, u64) {
+fn chain_key(parent: BlockKey, tokens: &[u32]) -> BlockKey {
     let half = |seed: u64, parent: u64| {
         let mut h = DefaultHasher::new();
         (seed, parent, tokens).hash(&mut h);
@@ -273,7 +283,7 @@ fn chain_key(parent: (u64, u64), tokens: &[u32]) -> (u64, u64) {
 }
 
 /// The key of the empty prefix.
-const ROOT_KEY: (u64, u64) = (0, 0);
+const ROOT_KEY: BlockKey = (0, 0);
 
 /// Why a pool could not give a block.
 fn pool_full(n_blocks: usize) -> PluginError {
@@ -305,7 +315,7 @@ pub struct KvPool {
     /// Blocks no sequence holds and the prefix cache does not keep.
     free: Vec<u32>,
     /// The prefix cache: chained key → block. `None` when prefix caching is off.
-    prefix: Option<HashMap<(u64, u64), u32>>,
+    prefix: Option<HashMap<BlockKey, u32>>,
 }
 
 impl KvPool {

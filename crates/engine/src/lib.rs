@@ -27,3 +27,4 @@ pub mod kv_cache;
 pub mod model;
 pub mod pool;
 pub mod recurrent;
+pub mod state_cache;

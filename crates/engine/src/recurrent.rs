@@ -169,6 +169,61 @@ impl RingIndex {
         self.len = 0;
         self.oldest = 0;
     }
+
+    /// Makes the live plane the state at length `len`, with no snapshot before it (the owner
+    /// has written that state into the live plane).
+    pub fn start_at(&mut self, len: usize) {
+        self.len = len;
+        self.oldest = len;
+    }
+}
+
+/// One sequence's recurrent state at one length, outside a ring: what the prefix cache keeps
+/// at block boundaries, so that a new sequence starting with the same tokens starts from it
+/// instead of re-running them. Filled layer by layer as a pass reaches the boundary
+/// ([`SnapshotRing::save_layer`]); complete once every layer holds the same length.
+#[derive(Debug)]
+pub struct StatePlane {
+    layout: StateLayout,
+    /// Convolution states, `[layer][conv_len]`.
+    conv: Vec<f32>,
+    /// S matrices, `[layer][head][head_len]`.
+    ssm: Vec<f32>,
+    /// Per layer: the sequence length whose state it holds (0: none).
+    lens: Vec<usize>,
+}
+
+impl StatePlane {
+    /// An empty plane for `layout`, or `None` when the memory cannot be had (mapped lazily:
+    /// a plane never written occupies no memory).
+    pub fn new(layout: StateLayout) -> Option<Self> {
+        Some(Self {
+            layout,
+            conv: specula_kernels::aligned::try_zeroed_vec(layout.n_layers * layout.conv_len)?,
+            ssm: specula_kernels::aligned::try_zeroed_vec(layout.n_layers * layout.ssm_len())?,
+            lens: vec![0; layout.n_layers],
+        })
+    }
+
+    /// The length whose state every layer holds, if they all hold the same one.
+    pub fn state_len(&self) -> Option<usize> {
+        let first = *self.lens.first()?;
+        (first > 0 && self.lens.iter().all(|&l| l == first)).then_some(first)
+    }
+
+    /// Forgets what it holds (a new pass fills it again).
+    pub fn clear(&mut self) {
+        self.lens.fill(0);
+    }
+
+    /// Bytes of state it holds.
+    pub fn n_bytes(&self) -> u64 {
+        self.layout.plane_bytes()
+    }
+
+    pub fn layout(&self) -> &StateLayout {
+        &self.layout
+    }
 }
 
 /// The planes of the recurrent state: the live one and the `depth` before it.
@@ -348,6 +403,58 @@ impl SnapshotRing {
             .as_mut_slice()
             .copy_from_slice(other.ssm.as_slice());
         self.index = other.index;
+    }
+
+    /// Copies layer `layer`'s state at length `len + step` (what the `step`-th token after the
+    /// live state reads) into `plane`, as the state at sequence length `at`.
+    pub fn save_layer(&self, layer: usize, step: usize, plane: &mut StatePlane, at: usize) {
+        assert_eq!(
+            plane.layout, self.layout,
+            "snapshot ring: a plane of another shape"
+        );
+        let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
+        plane.conv[layer * conv_len..][..conv_len].copy_from_slice(self.conv_state(layer, step));
+        let (read, _) = self.index.step_planes(step);
+        let per_head = self.head_planes_len();
+        let heads = self.layout.n_heads;
+        let layer_heads = &self.ssm.as_slice()[layer * heads * per_head..][..heads * per_head];
+        let dst = &mut plane.ssm[layer * heads * head_len..][..heads * head_len];
+        for (d, planes) in dst
+            .chunks_exact_mut(head_len.max(1))
+            .zip(layer_heads.chunks_exact(per_head.max(1)))
+        {
+            d.copy_from_slice(&planes[read * head_len..][..head_len]);
+        }
+        plane.lens[layer] = at;
+    }
+
+    /// Makes the complete `plane` the live state, as the state at its length, with no
+    /// snapshot before it. Returns that length, or `None` (and changes nothing) when the
+    /// plane is not complete.
+    pub fn load(&mut self, plane: &StatePlane) -> Option<usize> {
+        assert_eq!(
+            plane.layout, self.layout,
+            "snapshot ring: a plane of another shape"
+        );
+        let len = plane.state_len()?;
+        let live = self.index.live_plane();
+        let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
+        let per_head = self.head_planes_len();
+        for layer in 0..self.layout.n_layers {
+            self.conv_planes(layer)[live * conv_len..][..conv_len]
+                .copy_from_slice(&plane.conv[layer * conv_len..][..conv_len]);
+            let heads = self.layout.n_heads;
+            let src = &plane.ssm[layer * heads * head_len..][..heads * head_len];
+            for (planes, s) in self
+                .layer_heads_mut(layer)
+                .chunks_exact_mut(per_head.max(1))
+                .zip(src.chunks_exact(head_len.max(1)))
+            {
+                planes[live * head_len..][..head_len].copy_from_slice(s);
+            }
+        }
+        self.index.start_at(len);
+        Some(len)
     }
 
     /// Back to the empty sequence: the live plane is zeroed, every snapshot forgotten.

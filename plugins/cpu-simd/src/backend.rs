@@ -130,6 +130,7 @@ pub fn open(params: &BackendParams) -> Result<CpuBackend, PluginError> {
         ring_depth,
         max_sequences: opening.max_sequences,
         prefix_cache: true,
+        prefix_state_bytes: options.common.prefix_state_bytes,
     };
     let executor = CpuExecutor::whole_model(model, part).map_err(|e| attribute(PLUGIN, e))?;
     let depth = executor.ring_depth();

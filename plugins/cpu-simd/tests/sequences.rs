@@ -234,7 +234,7 @@ fn sequences_are_bounded_and_checked() {
 /// A new sequence whose prompt starts like an earlier one takes the cached blocks (whole
 /// blocks, never the last token) and evaluates only the rest: its logits are the bits of a
 /// full evaluation, also after the first sequence is gone; a prompt that differs inside a
-/// block takes only the blocks before it; hybrids keep no prefix cache.
+/// block takes only the blocks before it.
 #[test]
 fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
     const B: usize = BLOCK_TOKENS;
@@ -275,12 +275,144 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
     assert_eq!(bits(&got), bits(&want_other));
     let (_, n) = reuse(&mut b, &prompt);
     assert_eq!(n, 3 * B, "the first prompt's blocks outlived its sequence");
+}
 
-    let mut hybrid = open_many(&fixture("tiny-qwen35.gguf"), 2, &[]);
-    let h = hybrid.seq_create().into_result().unwrap();
-    eval_in(&mut hybrid, h, &prompt, LogitRows::Last);
-    let (_, n) = reuse(&mut hybrid, &prompt);
-    assert_eq!(n, 0);
+/// A hybrid serves a prefix from the cache with the recurrent state at its last block
+/// boundary: a sequence begun through the prefix cache leaves the state at the last block
+/// boundary each evaluation reaches — inside a long prefill chunk (whose later rows would
+/// overwrite that ring plane) or at a single decoded token — and a new sequence repeating
+/// the tokens takes the blocks up to the longest cached state and continues bit for bit as a
+/// sequence that evaluated everything — its MTP head too, whose cache is rebuilt for the
+/// reused positions. Without a state budget nothing is reused.
+#[test]
+fn a_hybrid_prefix_is_served_with_its_recurrent_state_bit_for_bit() {
+    const B: usize = BLOCK_TOKENS;
+    let reuse = |b: &mut CpuBackend, tokens: &[u32]| {
+        let seq = b.seq_create().into_result().unwrap();
+        let n = b
+            .seq_reuse_prefix(seq, RSlice::from_slice(tokens))
+            .into_result()
+            .unwrap();
+        assert_eq!(b.seq_len(seq).into_result(), Ok(n));
+        (seq, n)
+    };
+    let alone = |path: &Path, tokens: &[u32]| {
+        let mut fresh = open_many(path, 1, &[]);
+        let seq = fresh.seq_create().into_result().unwrap();
+        eval_in(&mut fresh, seq, tokens, LogitRows::Last)
+    };
+    // The MTP head's logits of positions `position ..` of `seq` after its last evaluation
+    // (which began there): each trunk row with the token after it, as a drafter steps it.
+    let head = |b: &mut CpuBackend, seq: SeqId, tokens: &[u32], position: usize| {
+        let mut hidden = RVec::new();
+        b.hidden_states(seq, &mut hidden).into_result().unwrap();
+        let e = b.model_info().hidden_size as usize;
+        let n = tokens.len() - 1 - position;
+        let (mut logits, mut out) = (RVec::new(), RVec::new());
+        b.mtp_eval(
+            seq,
+            &hidden[..n * e],
+            &tokens[position + 1..],
+            position,
+            LogitRows::All,
+            &mut logits,
+            &mut out,
+        )
+        .into_result()
+        .unwrap_or_else(|e| panic!("mtp_eval at {position}: {e}"));
+        logits.to_vec()
+    };
+    let models = [
+        fixture("tiny-qwen35.gguf"),
+        fixture("tiny-qwen3next.gguf"),
+        fixture("tiny-qwen35-mtp.gguf"),
+        fixture("tiny-qwen3next-mtp.gguf"),
+        trained_qwen35("q8_0"),
+    ];
+    for path in &models {
+        let name = path.file_name().unwrap().to_string_lossy();
+        let path = path.as_path();
+        let has_head = open_many(path, 1, &[]).capabilities().mtp_head;
+        let mut b = open_many(path, 3, &[]);
+        let vocab = b.model_info().vocab_size;
+        let prompt: Vec<u32> = Rng::new(9).tokens(2 * B + 10, vocab);
+        // A prefill pass across the first boundary with more rows after it than the ring
+        // holds, then single tokens across the second.
+        let (first, n) = reuse(&mut b, &prompt);
+        assert_eq!(n, 0, "{name}: nothing cached yet");
+        eval_in(&mut b, first, &prompt[..40], LogitRows::Last);
+        eval_in(&mut b, first, &prompt[40..B + 40], LogitRows::Last);
+        for t in B + 40..prompt.len() {
+            eval_in(&mut b, first, &prompt[t..t + 1], LogitRows::Last);
+        }
+        b.seq_free(first).into_result().unwrap();
+
+        let (second, n) = reuse(&mut b, &prompt);
+        assert_eq!(
+            n,
+            2 * B,
+            "{name}: up to the state the single tokens reached"
+        );
+        let got = eval_in(&mut b, second, &prompt[n..], LogitRows::Last);
+        assert_eq!(bits(&got), bits(&alone(path, &prompt)), "{name}");
+        if has_head {
+            let mut fresh = open_many(path, 1, &[]);
+            let seq = fresh.seq_create().into_result().unwrap();
+            eval_in(&mut fresh, seq, &prompt, LogitRows::Last);
+            let want = head(&mut fresh, seq, &prompt, 0);
+            let got = head(&mut b, second, &prompt, n);
+            let v = vocab as usize;
+            assert_eq!(
+                bits(&got),
+                bits(&want[n * v..]),
+                "{name}: the MTP head after the rebuilt prefix"
+            );
+        }
+        // The continuation too: a token past the cached state, in a pass beside another
+        // sequence's prefill.
+        let next = [(prompt[3] + 1) % vocab];
+        let third = b.seq_create().into_result().unwrap();
+        let mut logits = RVec::new();
+        let chunks = [
+            EvalChunk {
+                seq: second,
+                tokens: RSlice::from_slice(&next),
+                rows: LogitRows::All,
+            },
+            EvalChunk {
+                seq: third,
+                tokens: RSlice::from_slice(&prompt[..7]),
+                rows: LogitRows::Last,
+            },
+        ];
+        b.eval_batch(RSlice::from_slice(&chunks), &mut logits)
+            .into_result()
+            .unwrap();
+        let vocab_len = vocab as usize;
+        let mut longer = prompt.clone();
+        longer.push(next[0]);
+        assert_eq!(
+            bits(&logits[..vocab_len]),
+            bits(&alone(path, &longer)),
+            "{name}: continuing from the cached state"
+        );
+
+        // A prompt that leaves the first one inside its second block takes the first block,
+        // whose state the long chunk left.
+        let mut other = prompt.clone();
+        other[B + 20] = (other[B + 20] + 1) % vocab;
+        let (fourth, n) = reuse(&mut b, &other);
+        assert_eq!(n, B, "{name}: the state inside the long chunk");
+        let got = eval_in(&mut b, fourth, &other[n..], LogitRows::Last);
+        assert_eq!(bits(&got), bits(&alone(path, &other)), "{name}");
+
+        // No state budget: no hybrid prefix.
+        let mut none = open_many(path, 2, &[("prefix_state_bytes", "0")]);
+        let (s, _) = reuse(&mut none, &prompt);
+        eval_in(&mut none, s, &prompt, LogitRows::Last);
+        none.seq_free(s).into_result().unwrap();
+        assert_eq!(reuse(&mut none, &prompt).1, 0, "{name}");
+    }
 }
 
 /// The KV memory of all sequences is the pool's (`kv_tokens`), not sequences × context: a

@@ -324,6 +324,7 @@ fn open_with(
             max_sequences,
             // The device caches are not paged: nothing could be served from it.
             prefix_cache: false,
+            prefix_state_bytes: 0,
         },
     )
     .map_err(|e| specula_engine::backend::attribute(PLUGIN, e))?;
@@ -433,7 +434,13 @@ impl Executor for CudaExecutor {
     }
 
     /// The device's caches are not paged, so nothing is served from the host's prefix cache.
-    fn reuse_prefix(&mut self, _seq: usize, _tokens: &[u32]) -> Result<usize, PluginError> {
+    fn reuse_prefix(
+        &mut self,
+        _model: &Model,
+        _pool: &ThreadPool,
+        _seq: usize,
+        _tokens: &[u32],
+    ) -> Result<usize, PluginError> {
         Ok(0)
     }
 

@@ -14,7 +14,7 @@ use abi_stable::std_types::{RSlice, RVec};
 use specula_drafting::DraftPicker;
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, LentSequence, LogitRows,
-    PanicFence, PluginError, PluginResult,
+    PanicFence, PluginError, PluginResult, SeqId,
 };
 
 /// The MTP self-speculation drafter.
@@ -32,6 +32,8 @@ pub struct MtpDrafter {
     /// False when the hidden rows lost track of the trunk (then nothing is drafted until
     /// the next `begin`).
     in_step: bool,
+    /// The target sequence the head's cache and the rows belong to.
+    sequence: Option<SeqId>,
     rows: RVec<f32>,
     logits: RVec<f32>,
     hidden: RVec<f32>,
@@ -64,6 +66,7 @@ impl MtpDrafter {
             pending_from: 0,
             pending: Vec::new(),
             in_step: false,
+            sequence: None,
             rows: RVec::new(),
             logits: RVec::new(),
             hidden: RVec::new(),
@@ -177,9 +180,11 @@ impl Drafter for MtpDrafter {
         self.fence.clone().guard("mtp", || {
             let target = models.target_model()?;
             let reused = reused as usize;
+            let same_sequence = self.sequence.replace(target.seq) == Some(target.seq);
             // The head's cache (entries [0, real), cut with the trunk's) and the trunk rows
             // kept from the previous sequence stay valid for the reused positions.
             let continues = reused > 0
+                && same_sequence
                 && self.in_step
                 && (reused <= self.real
                     || (self.pending_from <= self.real
@@ -195,6 +200,13 @@ impl Drafter for MtpDrafter {
                     self.pending
                         .truncate((reused - self.pending_from) * self.hidden_size);
                 }
+            } else if !same_sequence {
+                // A new sequence, begun from the target's prefix cache when `reused` > 0: the
+                // backend rebuilt the head's cache for the reused positions with them.
+                self.real = reused;
+                self.pending.clear();
+                self.pending_from = reused;
+                self.in_step = true;
             } else {
                 self.real = 0;
                 self.pending.clear();

@@ -147,8 +147,15 @@ pub trait Executor: Send + Sync {
 
     /// Gives the empty sequence `seq` the longest start of `tokens` the prefix cache holds
     /// (whole blocks, never the last token) and returns its length: 0 when nothing is cached,
-    /// or where the executor keeps no prefix cache.
-    fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError>;
+    /// or where the executor keeps no prefix cache. With an MTP head, the head's cache then
+    /// holds those positions too (a drafter continues from them).
+    fn reuse_prefix(
+        &mut self,
+        model: &Model,
+        pool: &ThreadPool,
+        seq: usize,
+        tokens: &[u32],
+    ) -> Result<usize, PluginError>;
 
     /// Cuts sequence `seq` to `len` tokens in O(1) and returns true, or returns false
     /// (changing nothing of the trunk) when the recurrent state of that length is no longer

@@ -315,11 +315,20 @@ impl<X: Executor> Backend<X> {
         let n_ctx = self.setup.n_ctx;
         let reused = self
             .executor
-            .reuse_prefix(slot, &tokens[..tokens.len().min(n_ctx)])
+            .reuse_prefix(
+                &self.model,
+                &self.pool,
+                slot,
+                &tokens[..tokens.len().min(n_ctx)],
+            )
             .map_err(|e| attribute(self.setup.plugin, e))?;
         let seq = self.sequence_mut(slot);
         seq.tokens.extend_from_slice(&tokens[..reused]);
         seq.hidden_rows = 0;
+        // The executor rebuilt the MTP head's cache for the reused positions.
+        if let Some(mtp_len) = &mut seq.mtp_len {
+            *mtp_len = reused;
+        }
         Ok(reused)
     }
 
@@ -897,6 +906,7 @@ mod tests {
             ring_depth: 4,
             max_sequences: 1,
             prefix_cache: true,
+            prefix_state_bytes: 0,
         };
         let executor = CpuExecutor::whole_model(&model, part).unwrap();
         let setup = Setup {
@@ -948,8 +958,14 @@ mod tests {
         fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
             self.0.commit(seq, start, n, tokens)
         }
-        fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
-            self.0.reuse_prefix(seq, tokens)
+        fn reuse_prefix(
+            &mut self,
+            model: &Model,
+            pool: &ThreadPool,
+            seq: usize,
+            tokens: &[u32],
+        ) -> Result<usize, PluginError> {
+            self.0.reuse_prefix(model, pool, seq, tokens)
         }
         fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
             self.0.rollback(seq, len)
@@ -1011,8 +1027,14 @@ mod tests {
         fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
             self.cpu.commit(seq, start, n, tokens)
         }
-        fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
-            self.cpu.reuse_prefix(seq, tokens)
+        fn reuse_prefix(
+            &mut self,
+            model: &Model,
+            pool: &ThreadPool,
+            seq: usize,
+            tokens: &[u32],
+        ) -> Result<usize, PluginError> {
+            self.cpu.reuse_prefix(model, pool, seq, tokens)
         }
         fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError> {
             self.cpu.rollback(seq, len)

@@ -6,6 +6,7 @@
 //! | `ring_budget_bytes` | upper bound on the recurrent-state snapshot ring: a number of bytes, optionally with `KiB`, `MiB`, `GiB` (or `K`, `M`, `G`) | none |
 //! | `deep_rollback` | `redecode` or `refuse`: what truncation beyond the ring does | `redecode` |
 //! | `kv_type` | how the attention KV cache stores keys and values: `f16` (rounded to nearest-even when stored; half the memory and half the attention's memory traffic of `f32`) or `f32` (exact) | `f16` |
+//! | `prefix_state_bytes` | the most bytes of recurrent states (one per cached block boundary, every Gated DeltaNet layer) the prefix cache keeps for a hybrid model, a byte count as for `ring_budget_bytes`; `0` turns prefix caching off for hybrids | `512MiB` |
 
 use specula_plugin_api::{BackendParams, PluginError};
 
@@ -19,6 +20,12 @@ pub const OPTION_DEEP_ROLLBACK: &str = "deep_rollback";
 
 /// Backend option: the KV cache's storage type (`f16` or `f32`).
 pub const OPTION_KV_TYPE: &str = "kv_type";
+
+/// Backend option: the most bytes of recurrent states the prefix cache keeps (hybrid models).
+pub const OPTION_PREFIX_STATE_BYTES: &str = "prefix_state_bytes";
+
+/// The default of [`OPTION_PREFIX_STATE_BYTES`].
+pub const DEFAULT_PREFIX_STATE_BYTES: u64 = 512 << 20;
 
 /// What truncation does for a length the snapshot ring no longer holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +42,7 @@ pub struct CommonOptions {
     pub ring_budget_bytes: Option<u64>,
     pub deep_rollback: DeepRollback,
     pub kv_type: KvType,
+    pub prefix_state_bytes: u64,
 }
 
 impl Default for CommonOptions {
@@ -43,6 +51,7 @@ impl Default for CommonOptions {
             ring_budget_bytes: None,
             deep_rollback: DeepRollback::Redecode,
             kv_type: KvType::default(),
+            prefix_state_bytes: DEFAULT_PREFIX_STATE_BYTES,
         }
     }
 }
@@ -115,6 +124,13 @@ pub fn parse(
                 }
                 None => Parsed::Expected("'f16' or 'f32'"),
             },
+            OPTION_PREFIX_STATE_BYTES => match parse_bytes(value) {
+                Some(bytes) => {
+                    common.prefix_state_bytes = bytes;
+                    Parsed::Ok
+                }
+                None => Parsed::Expected("a number of bytes, optionally with KiB, MiB or GiB"),
+            },
             _ => own(key, value),
         };
         match parsed {
@@ -124,6 +140,7 @@ pub fn parse(
                     OPTION_RING_BUDGET_BYTES,
                     OPTION_DEEP_ROLLBACK,
                     OPTION_KV_TYPE,
+                    OPTION_PREFIX_STATE_BYTES,
                 ]
                 .into_iter()
                 .chain(own_keys.iter().copied())
@@ -184,6 +201,7 @@ mod tests {
                 ("ring_budget_bytes", "2MiB"),
                 ("deep_rollback", "refuse"),
                 ("kv_type", "f32"),
+                ("prefix_state_bytes", "0"),
                 ("colour", "red"),
             ]),
             &["colour"],
@@ -194,6 +212,7 @@ mod tests {
         assert_eq!(options.ring_budget_bytes, Some(2 << 20));
         assert_eq!(options.deep_rollback, DeepRollback::Refuse);
         assert_eq!(options.kv_type, KvType::F32);
+        assert_eq!(options.prefix_state_bytes, 0);
         let defaults = parse("test", &params(&[]), &[], |_, _| Parsed::Unknown).unwrap();
         assert_eq!(defaults, CommonOptions::default());
         assert_eq!(defaults.kv_type, KvType::F16);
@@ -216,7 +235,7 @@ mod tests {
             "'ring_budget_bytes' = 'lots'",
             "'deep_rollback' = 'maybe'",
             "'kv_type' = 'f8': expected 'f16' or 'f32'",
-            "unknown option 'color' (known: ring_budget_bytes, deep_rollback, kv_type, colour)",
+            "unknown option 'color' (known: ring_budget_bytes, deep_rollback, kv_type, prefix_state_bytes, colour)",
         ] {
             assert!(err.message.contains(part), "{part}: {}", err.message);
         }

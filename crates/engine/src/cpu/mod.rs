@@ -12,6 +12,7 @@ pub mod moe;
 pub mod ops;
 
 use std::ops::RangeInclusive;
+use std::sync::Arc;
 
 use rayon::ThreadPool;
 use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
@@ -20,10 +21,12 @@ use crate::arch::hybrid::Mixer;
 use crate::arch::{self};
 use crate::backend::{Chunk, Executor, MtpRows};
 use crate::graph::{Act, Dims, Rows};
+use crate::kv_cache::BLOCK_TOKENS;
 use crate::kv_cache::{KvPool, KvType, SeqKv};
 use crate::model::{Graph, Model};
 use crate::pool::install_busy;
-use crate::recurrent::{SnapshotRing, StateLayout};
+use crate::recurrent::{SnapshotRing, StateLayout, StatePlane};
+use crate::state_cache::{BoundaryState, HiddenRows, StateCache};
 pub use ops::{CpuOps, Scratch, SeqCaches};
 
 /// Which part of a model a [`CpuExecutor`] runs, and how its caches are sized.
@@ -44,6 +47,9 @@ pub struct CpuPart {
     pub max_sequences: usize,
     /// Whether full attention blocks go into a prefix cache (where a caller can reuse them).
     pub prefix_cache: bool,
+    /// The most bytes of recurrent states (at block boundaries) the prefix cache keeps for
+    /// a hybrid model; 0 keeps none, and hybrids then reuse no prefix.
+    pub prefix_state_bytes: u64,
 }
 
 /// What one sequence's recurrent state on the CPU looks like.
@@ -72,10 +78,41 @@ pub struct CpuExecutor {
     /// Snapshots each sequence's ring holds (0 for dense models).
     ring_depth: usize,
     /// Whether the model has recurrent (GDN) layers anywhere: then truncation is limited to
-    /// the ring's window, and prompts are not served from the prefix cache (it keeps attention
-    /// blocks only).
+    /// the ring's window, and a prompt is served from the prefix cache only as far as a
+    /// recurrent state at a block boundary is cached with it ([`StateCache`]).
     recurrent: bool,
+    /// The recurrent states at block boundaries of the prefix cache (hybrid models whose
+    /// recurrent layers all run here, with a prefix cache and a state budget).
+    states: Option<StateCache>,
     scratch: Box<Scratch>,
+}
+
+/// Moves the state `caches` captured at a block boundary of its first `len` positions into
+/// `states`, under that block's key; the sequence gets a plane back for its next capture.
+fn keep_boundary_state(states: &mut StateCache, caches: &mut SeqCaches, len: usize) {
+    let Some(at) = caches.boundary.as_ref().and_then(StatePlane::state_len) else {
+        return;
+    };
+    let key = match at <= len {
+        true => caches.kv.key(at / BLOCK_TOKENS - 1),
+        false => None,
+    };
+    // The head's cache is rebuilt from the trunk's hidden rows of the prefix.
+    let hidden = match &caches.hidden {
+        Some(rows) if rows.len() >= at => Some(rows.full_blocks(at / BLOCK_TOKENS)),
+        Some(_) => None,
+        None => Some(Vec::new()),
+    };
+    if let (Some(key), Some(hidden), Some(plane)) = (key, hidden, caches.boundary.take()) {
+        let layout = *plane.layout();
+        let mut next = states
+            .insert(key, BoundaryState { plane, hidden })
+            .or_else(|| StatePlane::new(layout));
+        if let Some(plane) = &mut next {
+            plane.clear();
+        }
+        caches.boundary = next;
+    }
 }
 
 fn internal(what: &str) -> PluginError {
@@ -130,6 +167,21 @@ impl CpuExecutor {
             None => 0,
         };
         let recurrent = matches!(&model.graph, Graph::Hybrid(h) if h.config.n_gdn_layers > 0);
+        // A prefix of a hybrid is served only with its recurrent state, and with the MTP
+        // head's cache where the model has one: when every recurrent layer and the head run
+        // here.
+        let all_here = match &model.graph {
+            Graph::Hybrid(h) => {
+                ring.map_or(0, |r| r.n_layers) == h.config.n_gdn_layers
+                    && (mtp || h.weights.mtp.is_none())
+            }
+            Graph::Dense(_) => true,
+        };
+        let states = (part.prefix_cache
+            && recurrent
+            && all_here
+            && ring.is_some_and(|r| r.plane_bytes() <= part.prefix_state_bytes))
+        .then(|| StateCache::new(part.prefix_state_bytes));
         let n_blocks = KvPool::blocks_for(part.kv_tokens.max(1));
         let a = &dims.attention;
         Ok(Self {
@@ -139,7 +191,7 @@ impl CpuExecutor {
                 n_blocks,
                 a,
                 part.kv_type,
-                part.prefix_cache && !recurrent,
+                part.prefix_cache && (!recurrent || states.is_some()),
             )?,
             mtp_pool: match mtp {
                 true => Some(KvPool::new(1, n_blocks, a, part.kv_type, false)?),
@@ -149,6 +201,7 @@ impl CpuExecutor {
             seqs: (0..part.max_sequences.max(1)).map(|_| None).collect(),
             ring_depth,
             recurrent,
+            states,
             part,
             dims,
         })
@@ -176,6 +229,8 @@ impl CpuExecutor {
             kv: SeqKv::default(),
             ring,
             mtp_kv: self.shape.mtp.then(SeqKv::default),
+            boundary: None,
+            hidden: None,
         })
     }
 
@@ -339,6 +394,87 @@ impl CpuExecutor {
     }
 }
 
+impl CpuExecutor {
+    /// [`Executor::reuse_prefix`] of a hybrid: gives the empty sequence `seq` the longest run
+    /// of cached blocks starting `tokens` (at most `limit` positions) that ends at a cached
+    /// recurrent state, and makes that state live. Returns the positions it now holds and the
+    /// trunk's hidden rows before them (for the MTP head), or `None` when nothing is reused.
+    fn reuse_recurrent_prefix(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        limit: usize,
+    ) -> Option<(usize, Vec<Arc<Vec<f32>>>)> {
+        let Self {
+            pool,
+            seqs,
+            states,
+            shape,
+            dims,
+            ..
+        } = self;
+        let caches = seqs.get_mut(seq)?.as_mut()?;
+        let (states, layout, ring) = (states.as_mut()?, shape.ring?, caches.ring.as_mut()?);
+        // A sequence a caller builds from the prefix cache leaves its own boundary states
+        // there too (its continuations are what later prompts repeat).
+        if caches.boundary.is_none() {
+            caches.boundary = StatePlane::new(layout);
+            caches.hidden = shape.mtp.then(|| HiddenRows::new(dims.n_embd));
+        }
+        let found = pool.reuse_prefix(&mut caches.kv, tokens, limit) / BLOCK_TOKENS;
+        let blocks = (1..=found).rev().find(|&b| {
+            caches
+                .kv
+                .key(b - 1)
+                .is_some_and(|key| states.contains(key, b * BLOCK_TOKENS))
+        });
+        let loaded = blocks.and_then(|b| {
+            pool.truncate(&mut caches.kv, b * BLOCK_TOKENS);
+            let state = states.get(caches.kv.key(b - 1)?, b * BLOCK_TOKENS)?;
+            let len = ring.load(&state.plane)?;
+            Some((len, state.hidden.clone()))
+        });
+        match loaded {
+            Some((len, hidden)) => {
+                if let Some(rows) = &mut caches.hidden {
+                    *rows = HiddenRows::from_blocks(dims.n_embd, hidden.clone());
+                }
+                Some((len, hidden))
+            }
+            None => {
+                pool.release(&mut caches.kv);
+                None
+            }
+        }
+    }
+
+    /// Fills sequence `seq`'s MTP-head cache for the positions of `hidden` (the trunk's
+    /// hidden rows of a reused prefix, whole blocks): the head's rows over them with the
+    /// tokens that follow each, as a drafter would have stepped it (no logits).
+    fn rebuild_mtp_cache(
+        &mut self,
+        model: &Model,
+        seq: usize,
+        tokens: &[u32],
+        hidden: &[Arc<Vec<f32>>],
+    ) -> Result<(), PluginError> {
+        let e = self.dims.n_embd;
+        let mut out = vec![0.0; BLOCK_TOKENS * e];
+        for (b, rows) in hidden.iter().enumerate() {
+            let position = b * BLOCK_TOKENS;
+            let chunk = MtpRows {
+                seq,
+                hidden: rows,
+                tokens: &tokens[position + 1..=position + BLOCK_TOKENS],
+                position,
+                logit_from: BLOCK_TOKENS,
+            };
+            self.mtp_pass(model, &[chunk], &mut [], &mut out)?;
+        }
+        Ok(())
+    }
+}
+
 impl Executor for CpuExecutor {
     fn add_sequence(&mut self, seq: usize) -> Result<(), PluginError> {
         let caches = self.new_caches()?;
@@ -367,6 +503,11 @@ impl Executor for CpuExecutor {
         if let (Some(ring), Some(parent)) = (&mut caches.ring, &parent.ring) {
             ring.copy_from(parent);
         }
+        if let (Some(plane), Some(layout)) = (&parent.boundary, self.shape.ring) {
+            debug_assert_eq!(plane.layout(), &layout);
+            caches.boundary = StatePlane::new(layout);
+            caches.hidden = parent.hidden.clone();
+        }
         if let (Some(pool), Some(parent)) = (mtp_pool.as_mut(), &parent.mtp_kv) {
             caches.mtp_kv = Some(pool.fork(parent));
         }
@@ -392,20 +533,49 @@ impl Executor for CpuExecutor {
         self.pool.usage()
     }
 
-    fn reuse_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, PluginError> {
-        if self.recurrent {
-            return Ok(0);
-        }
-        let Self { pool, seqs, .. } = self;
-        let caches = slot_mut(seqs, seq)?;
+    fn reuse_prefix(
+        &mut self,
+        model: &Model,
+        pool: &ThreadPool,
+        seq: usize,
+        tokens: &[u32],
+    ) -> Result<usize, PluginError> {
+        let caches = slot_mut(&mut self.seqs, seq)?;
         if !caches.kv.is_empty() {
             return Ok(0);
         }
         // The last token is left to evaluate: its logits are what the caller wants.
-        Ok(pool.reuse_prefix(&mut caches.kv, tokens, tokens.len().saturating_sub(1)))
+        let limit = tokens.len().saturating_sub(1);
+        if !self.recurrent {
+            return Ok(self.pool.reuse_prefix(&mut caches.kv, tokens, limit));
+        }
+        let Some((len, hidden)) = self.reuse_recurrent_prefix(seq, tokens, limit) else {
+            return Ok(0);
+        };
+        if self.shape.mtp {
+            let rebuilt =
+                install_busy(pool, || self.rebuild_mtp_cache(model, seq, tokens, &hidden));
+            if rebuilt.is_err() {
+                // No room for the head's cache: the prompt is evaluated from the start.
+                self.reset(seq)?;
+                return Ok(0);
+            }
+        }
+        Ok(len)
     }
 
     fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+        // An evaluation starts: what an earlier one captured and did not keep is stale.
+        for chunk in chunks {
+            if let Some(plane) = self
+                .seqs
+                .get_mut(chunk.seq)
+                .and_then(Option::as_mut)
+                .and_then(|c| c.boundary.as_mut())
+            {
+                plane.clear();
+            }
+        }
         CpuExecutor::reserve(self, chunks)
     }
 
@@ -424,16 +594,37 @@ impl Executor for CpuExecutor {
             self.run_layers(model, chunks)?;
             let spans = Chunk::spans(chunks);
             self.head(model, &Rows::new(&spans), hidden, logits)
-        })
+        })?;
+        // Sequences whose prefixes the cache keeps for the MTP head keep their hidden rows.
+        let e = self.dims.n_embd;
+        let mut row = 0;
+        for chunk in chunks {
+            let rows = &hidden[row * e..(row + chunk.rows()) * e];
+            row += chunk.rows();
+            if let Some(caches) = self.seqs.get_mut(chunk.seq).and_then(Option::as_mut) {
+                if let Some(history) = &mut caches.hidden {
+                    if !history.write(chunk.pos0, rows) {
+                        caches.hidden = None;
+                        caches.boundary = None;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
-        let Self { pool, seqs, .. } = self;
+        let Self {
+            pool, seqs, states, ..
+        } = self;
         if let Some(caches) = seqs.get_mut(seq).and_then(Option::as_mut) {
             pool.set_len(&mut caches.kv, start + n);
             pool.cache_prefix(&mut caches.kv, tokens);
             if let Some(ring) = &mut caches.ring {
                 ring.advance(n);
+            }
+            if let Some(states) = states {
+                keep_boundary_state(states, caches, start + n);
             }
         }
     }
@@ -460,6 +651,9 @@ impl Executor for CpuExecutor {
             }
         }
         pool.truncate(&mut caches.kv, len);
+        if let Some(rows) = &mut caches.hidden {
+            rows.truncate(len);
+        }
         Ok(true)
     }
 
@@ -482,6 +676,9 @@ impl Executor for CpuExecutor {
         let caches = slot_mut(seqs, seq)?;
         if let Some(ring) = &mut caches.ring {
             ring.reset();
+        }
+        if let Some(rows) = &mut caches.hidden {
+            rows.truncate(0);
         }
         pool.release(&mut caches.kv);
         if let (Some(pool), Some(kv)) = (mtp_pool.as_mut(), caches.mtp_kv.as_mut()) {

@@ -21,9 +21,10 @@ use crate::graph::{
     graph_error, Act, BetaAlphaRows, Cache, Cols, Dims, GdnInputs, KvSlot, LayerOps, QkNorms,
     Query, Rows,
 };
-use crate::kv_cache::{KvPool, SeqKv};
+use crate::kv_cache::{KvPool, SeqKv, BLOCK_TOKENS};
 use crate::model::weights::{MatrixRef, Vector};
-use crate::recurrent::SnapshotRing;
+use crate::recurrent::{SnapshotRing, StatePlane};
+use crate::state_cache::HiddenRows;
 
 /// The buffers of a CPU pass over up to `rows` rows: one per [`Act`] role, and what the
 /// operations need besides.
@@ -99,6 +100,13 @@ pub struct SeqCaches {
     pub ring: Option<SnapshotRing>,
     /// Its part of the MTP head's pool.
     pub mtp_kv: Option<SeqKv>,
+    /// Where a pass that crosses a block boundary leaves the recurrent state at the last
+    /// boundary it crosses, for the prefix cache (`None`: the sequence's states are not
+    /// captured).
+    pub boundary: Option<StatePlane>,
+    /// The trunk's hidden rows of every position, which a boundary state keeps for the MTP
+    /// head (kept beside `boundary` when the head runs here).
+    pub hidden: Option<HiddenRows>,
 }
 
 /// One pass's view of a [`super::CpuExecutor`]: its buffers, the attention pools and the
@@ -372,37 +380,61 @@ impl LayerOps for CpuOps<'_> {
             }
         };
         for (first, span) in rows.with_offsets() {
-            let state = self
+            let SeqCaches {
+                ring: state,
+                boundary,
+                ..
+            } = self
                 .seqs
                 .get_mut(span.seq)
                 .and_then(Option::as_mut)
-                .ok_or_else(|| graph_error(&format!("sequence slot {} has no caches", span.seq)))?
-                .ring
+                .ok_or_else(|| graph_error(&format!("sequence slot {} has no caches", span.seq)))?;
+            let state = state
                 .as_mut()
                 .filter(|state| ring < state.layout().n_layers)
                 .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not here")))?;
-            let span_input = GdnRows {
-                mixed: &input.mixed[first * c..],
-                z: &input.z[first * vd..],
-                beta_alpha: match input.beta_alpha {
-                    BetaAlphaIn::Separate { beta, alpha } => BetaAlphaIn::Separate {
-                        beta: &beta[first * hv..],
-                        alpha: &alpha[first * hv..],
+            // Rows `from .. from + n` of the span, from its `from`-th step after the live state.
+            let mut run = |state: &mut SnapshotRing, from: usize, n: usize| {
+                let at = first + from;
+                let rows = GdnRows {
+                    mixed: &input.mixed[at * c..],
+                    z: &input.z[at * vd..],
+                    beta_alpha: match input.beta_alpha {
+                        BetaAlphaIn::Separate { beta, alpha } => BetaAlphaIn::Separate {
+                            beta: &beta[at * hv..],
+                            alpha: &alpha[at * hv..],
+                        },
+                        BetaAlphaIn::Grouped(ba) => BetaAlphaIn::Grouped(&ba[at * 2 * hv..]),
                     },
-                    BetaAlphaIn::Grouped(ba) => BetaAlphaIn::Grouped(&ba[first * 2 * hv..]),
-                },
+                };
+                gdn::recurrence(
+                    &shape,
+                    w,
+                    rows,
+                    n,
+                    state,
+                    ring,
+                    span.ring_step0 + from,
+                    &mut s.gdn,
+                    &mut out[at * vd..(at + n) * vd],
+                );
             };
-            gdn::recurrence(
-                &shape,
-                w,
-                span_input,
-                span.n,
-                state,
-                ring,
-                span.ring_step0,
-                &mut s.gdn,
-                &mut out[first * vd..(first + span.n) * vd],
-            );
+            // The last block boundary the span's rows reach: the rows up to it run first,
+            // then its state is copied before the rest of the rows can overwrite its plane
+            // (each row runs the same steps either way).
+            let end = span.pos0 + span.n;
+            let crossed = end / BLOCK_TOKENS * BLOCK_TOKENS;
+            match boundary {
+                Some(plane) if crossed > span.pos0 => {
+                    let upto = crossed - span.pos0;
+                    run(state, 0, upto);
+                    state.save_layer(ring, span.ring_step0 + upto, plane, crossed);
+                    if upto < span.n {
+                        run(state, upto, span.n - upto);
+                    }
+                }
+                _ => run(state, 0, span.n),
+            }
         }
         Ok(())
     }
