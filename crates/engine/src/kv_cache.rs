@@ -248,6 +248,13 @@ impl SeqKv {
         self.blocks.len()
     }
 
+    /// The sequence's block table: the pool block holding positions `64 b .. 64 b + 63` at
+    /// index `b` (a store elsewhere that mirrors the pool's blocks, such as a GPU's, reads
+    /// the sequence through it).
+    pub fn block_ids(&self) -> &[u32] {
+        &self.blocks
+    }
+
     /// The prefix-cache key of full block `b` (the chained hash of every token up to its
     /// end), once the pool has computed it ([`KvPool::cache_prefix`], [`KvPool::reuse_prefix`]).
     pub fn key(&self, b: usize) -> Option<BlockKey> {
@@ -316,6 +323,9 @@ pub struct KvPool {
     free: Vec<u32>,
     /// The prefix cache: chained key → block. `None` when prefix caching is off.
     prefix: Option<HashMap<BlockKey, u32>>,
+    /// Copy-on-write copies made since [`KvPool::take_copies`] (block, its copy), for stores
+    /// that mirror the pool's blocks.
+    copies: Vec<(u32, u32)>,
 }
 
 impl KvPool {
@@ -366,6 +376,7 @@ impl KvPool {
             clock: 0,
             free: (0..n_blocks as u32).rev().collect(),
             prefix: prefix_cache.then(HashMap::new),
+            copies: Vec::new(),
         })
     }
 
@@ -483,6 +494,7 @@ impl KvPool {
                 }
                 self.refs[copy as usize] = 1;
                 self.release_block(id as u32);
+                self.copies.push((id as u32, copy));
                 seq.blocks[b] = copy;
             }
         }
@@ -587,6 +599,18 @@ impl KvPool {
             width: dim,
             count: n,
         }
+    }
+
+    /// The copy-on-write copies [`reserve`](Self::reserve) made since the last call, oldest
+    /// first: `(block, copy)`. A store that mirrors the pool's blocks (a GPU's cache of other
+    /// layers) makes the same copies.
+    pub fn take_copies(&mut self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.copies)
+    }
+
+    /// Blocks in the pool.
+    pub fn n_blocks(&self) -> usize {
+        self.n_blocks
     }
 
     /// Whether the pool keeps a prefix cache.

@@ -1,10 +1,13 @@
 // Grouped-query softmax attention of 1..k query rows over the KV cache, with the optional
 // sigmoid output gate of the gated (qwen35 / qwen3next / MTP) attention block.
 //
-// Row r (cache position pos0 + r) attends to cache positions 0 ..= pos0 + r of its layer:
-// keys at k_cache + j * n_head_kv * head_dim, values at v_cache + j * n_head_kv * value_dim,
-// stored as f32 (`attention`) or as IEEE binary16 bits (`attention_f16`, the `kv_type = "f16"`
-// cache; each value widened to f32 exactly before use, as the CPU backend does).
+// Row r (cache position pos0 + r) attends to cache positions 0 ..= pos0 + r of its sequence.
+// The cache is paged in blocks of KV_BLOCK positions: position j is cache row
+// slot(j) = table[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK (the sequence's block table; an
+// unpaged cache passes the identity table), its keys at k_cache + slot(j) * n_head_kv *
+// head_dim, its values at v_cache + slot(j) * n_head_kv * value_dim, stored as f32
+// (`attention`) or as IEEE binary16 bits (`attention_f16`, the `kv_type = "f16"` cache; each
+// value widened to f32 exactly before use, as the CPU backend does).
 // Query head h reads key/value head h / (n_head / n_head_kv) (ggml's broadcast). As the CPU
 // backend: scores q.k * scale in position order, softmax as exp(s - max) with the sum in f64
 // scaled by the f32 reciprocal, then the value rows accumulated in position order. With
@@ -20,6 +23,14 @@
 // Launch (both kernels at the end of the file): grid = (n_head, rows), blockDim = 128. Thread t
 // scores keys t, t + 128, ... and accumulates output dimensions t, t + 128, ...
 
+// Positions per block of a paged cache (the engine's BLOCK_TOKENS).
+#define KV_BLOCK 64
+
+// The cache row of position j.
+__device__ __forceinline__ u64 kv_slot(const u32* __restrict__ table, int j) {
+    return (u64)table[j / KV_BLOCK] * KV_BLOCK + (u64)(j % KV_BLOCK);
+}
+
 // One cache value as f32.
 __device__ __forceinline__ float kv_value(const float* p, u64 i) {
     return p[i];
@@ -32,7 +43,8 @@ __device__ __forceinline__ float kv_value(const u16* p, u64 i) {
 // kernel's (red: 1024 doubles, redf and qh: 1024 floats).
 template <typename Kv>
 __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_row_stride,
-                                           int q_head_stride, const Kv* __restrict__ k_cache,
+                                           int q_head_stride, const u32* __restrict__ table,
+                                           const Kv* __restrict__ k_cache,
                                            const Kv* __restrict__ v_cache, int n_head,
                                            int n_head_kv, int head_dim, int value_dim, int pos0,
                                            float scale, float* __restrict__ scores,
@@ -56,7 +68,7 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
     float* sc = scores + ((u64)r * n_head + h) * score_stride;
     float local_max = __int_as_float(0xff800000);  // -inf
     for (int j = tid; j < n_keys; j += blockDim.x) {
-        const Kv* kj = k_cache + (u64)j * k_width + (u64)kv_head * head_dim;
+        const Kv* kj = k_cache + kv_slot(table, j) * k_width + (u64)kv_head * head_dim;
         float s = 0.0f;
         for (int d = 0; d < head_dim; ++d) {
             s = fmaf(qh[d], kv_value(kj, d), s);
@@ -81,7 +93,7 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
         const Kv* vd = v_cache + (u64)kv_head * value_dim + d;
         float acc = 0.0f;
         for (int j = 0; j < n_keys; ++j) {
-            acc = fmaf(sc[j] * inverse, kv_value(vd, (u64)j * v_width), acc);
+            acc = fmaf(sc[j] * inverse, kv_value(vd, kv_slot(table, j) * v_width), acc);
         }
         if (gate != 0) {
             acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
@@ -91,7 +103,8 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
 }
 
 extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stride,
-                                     int q_head_stride, const float* __restrict__ k_cache,
+                                     int q_head_stride, const u32* __restrict__ table,
+                                     const float* __restrict__ k_cache,
                                      const float* __restrict__ v_cache, int n_head,
                                      int n_head_kv, int head_dim, int value_dim, int pos0,
                                      float scale, float* __restrict__ scores, u64 score_stride,
@@ -100,13 +113,14 @@ extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stri
     __shared__ double red[1024];
     __shared__ float redf[1024];
     __shared__ float qh[1024];
-    attend_row<float>(q, q_row_stride, q_head_stride, k_cache, v_cache, n_head, n_head_kv,
+    attend_row<float>(q, q_row_stride, q_head_stride, table, k_cache, v_cache, n_head, n_head_kv,
                       head_dim, value_dim, pos0, scale, scores, score_stride, gate,
                       gate_row_stride, gate_head_stride, out, red, redf, qh);
 }
 
 extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_stride,
-                                         int q_head_stride, const u16* __restrict__ k_cache,
+                                         int q_head_stride, const u32* __restrict__ table,
+                                         const u16* __restrict__ k_cache,
                                          const u16* __restrict__ v_cache, int n_head,
                                          int n_head_kv, int head_dim, int value_dim, int pos0,
                                          float scale, float* __restrict__ scores,
@@ -116,24 +130,30 @@ extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_
     __shared__ double red[1024];
     __shared__ float redf[1024];
     __shared__ float qh[1024];
-    attend_row<u16>(q, q_row_stride, q_head_stride, k_cache, v_cache, n_head, n_head_kv,
+    attend_row<u16>(q, q_row_stride, q_head_stride, table, k_cache, v_cache, n_head, n_head_kv,
                     head_dim, value_dim, pos0, scale, scores, score_stride, gate,
                     gate_row_stride, gate_head_stride, out, red, redf, qh);
 }
 
-// Stores n f32 values of src at dst (f32) or as binary16 bits rounded to nearest-even (f16):
-// the keys and values of new positions into the cache. Launch: blockDim = 256,
-// grid = ceil(n / 256); thread i handles value i.
-extern "C" __global__ void kv_store(const float* __restrict__ src, u64 n, float* __restrict__ dst) {
+// Stores rows * width f32 values of src (rows of width values: the keys or values of
+// positions pos0 ..) into the cache rows of those positions (see kv_slot) at dst, as f32
+// (`kv_store`) or as binary16 bits rounded to nearest-even (`kv_store_f16`). Launch:
+// blockDim = 256, grid = ceil(rows * width / 256); thread i handles value i.
+extern "C" __global__ void kv_store(const float* __restrict__ src, u64 rows, u64 width,
+                                    int pos0, const u32* __restrict__ table,
+                                    float* __restrict__ dst) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        dst[i] = src[i];
+    if (i < rows * width) {
+        const int pos = pos0 + (int)(i / width);
+        dst[kv_slot(table, pos) * width + i % width] = src[i];
     }
 }
-extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u64 n,
+extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u64 rows, u64 width,
+                                        int pos0, const u32* __restrict__ table,
                                         u16* __restrict__ dst) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        dst[i] = f32_to_f16(src[i]);
+    if (i < rows * width) {
+        const int pos = pos0 + (int)(i / width);
+        dst[kv_slot(table, pos) * width + i % width] = f32_to_f16(src[i]);
     }
 }

@@ -42,7 +42,7 @@ use specula_engine::backend::{Backend, Chunk, Executor, MtpRows};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
 use specula_engine::graph::{Act, Rows};
-use specula_engine::kv_cache::KvType;
+use specula_engine::kv_cache::{KvPool, KvType, BLOCK_TOKENS};
 use specula_engine::model::weights::MatrixRef;
 use specula_engine::model::{Graph, MatrixSite, Model};
 use specula_plugin_api::{BackendParams, ErrorKind, KvUsage, ModelInfo, PluginError};
@@ -125,21 +125,24 @@ fn mtp_bytes(w: &MtpWeights, output: &MatrixRef) -> u64 {
     w.eh_proj.n_bytes() + hybrid_layer_bytes(&w.block) + 4 * vectors as u64 + head
 }
 
-/// What every placeable part of `graph` costs on the device, with caches (of `kv_type`) and
-/// rings for `sequences` sequence slots.
+/// What every placeable part of `graph` costs on the device, with attention caches (of
+/// `kv_type`) for a pool of `kv_tokens` positions and rings (and MTP caches) for `sequences`
+/// sequence slots.
 fn costs(
     graph: &Graph,
     n_ctx: usize,
     n_planes: usize,
     rows: usize,
-    sequences: usize,
+    (sequences, kv_tokens): (usize, usize),
     kv_type: KvType,
 ) -> Costs {
     let sequences = sequences.max(1) as u64;
+    let pool_rows = KvPool::blocks_for(kv_tokens.max(1)) * BLOCK_TOKENS;
+    let head_rows = n_ctx.div_ceil(BLOCK_TOKENS) * BLOCK_TOKENS;
     match graph {
         Graph::Dense(d) => {
             let a = &d.config.attention;
-            let state = sequences * DeviceKv::bytes(1, n_ctx, (a.k_width(), a.v_width()), kv_type);
+            let state = DeviceKv::bytes(1, pool_rows, (a.k_width(), a.v_width()), kv_type);
             let w = &d.weights;
             Costs {
                 layers: w
@@ -159,12 +162,14 @@ fn costs(
                 config, weights, ..
             } = &**h;
             let a = &config.attention;
-            let kv = sequences * DeviceKv::bytes(1, n_ctx, (a.k_width(), a.v_width()), kv_type);
+            let widths = (a.k_width(), a.v_width());
+            let kv = DeviceKv::bytes(1, pool_rows, widths, kv_type);
+            let head_kv = sequences * DeviceKv::bytes(1, head_rows, widths, kv_type);
             let ring = sequences * config.gdn.state_layout(1).plane_bytes() * n_planes as u64;
             let mtp = weights
                 .mtp
                 .as_ref()
-                .map_or(0, |m| mtp_bytes(m, &weights.output) + kv);
+                .map_or(0, |m| mtp_bytes(m, &weights.output) + head_kv);
             Costs {
                 layers: weights
                     .layers
@@ -274,7 +279,7 @@ fn open_with(
                 n_ctx,
                 n_planes,
                 batch_rows,
-                max_sequences,
+                (max_sequences, kv_tokens),
                 options.common.kv_type,
             );
             let placement = placement::place(&costs, options.gpu_layers, budget).map_err(|e| {
@@ -322,9 +327,10 @@ fn open_with(
             kv_tokens,
             ring_depth: depth,
             max_sequences,
-            // The device caches are not paged: nothing could be served from it.
-            prefix_cache: false,
-            prefix_state_bytes: 0,
+            // The device's attention caches are stored in the host pool's blocks, so its prefix
+            // cache serves them too.
+            prefix_cache: true,
+            prefix_state_bytes: options.common.prefix_state_bytes,
         },
     )
     .map_err(|e| specula_engine::backend::attribute(PLUGIN, e))?;
@@ -360,6 +366,7 @@ fn open_with(
                 n_planes,
                 rows: batch_rows,
                 sequences: max_sequences,
+                kv_blocks: host.kv_blocks(),
                 kv_type: options.common.kv_type,
             };
             let gpu_model = GpuModel::build(gpu, model, plan)?;
@@ -424,24 +431,29 @@ impl Executor for CudaExecutor {
     }
 
     fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
-        self.host.reserve(chunks)
+        let reserved = self.host.reserve(chunks);
+        // Copies the pool made before a failure are harmless to mirror.
+        self.mirror_block_copies()?;
+        reserved
     }
 
-    /// The host part's pool accounts every sequence's positions in blocks (the device keeps a
-    /// whole context per sequence beside it).
+    /// The host part's pool accounts every sequence's positions in blocks; the device's
+    /// attention caches are stored in the same blocks.
     fn kv_usage(&self) -> KvUsage {
         self.host.kv_usage()
     }
 
-    /// The device's caches are not paged, so nothing is served from the host's prefix cache.
+    /// The host pool's prefix cache: its blocks hold the device layers' keys and values too.
+    /// (A hybrid reuses a prefix only where the host runs every recurrent layer and the MTP
+    /// head, if any: it keeps their states.)
     fn reuse_prefix(
         &mut self,
-        _model: &Model,
-        _pool: &ThreadPool,
-        _seq: usize,
-        _tokens: &[u32],
+        model: &Model,
+        pool: &ThreadPool,
+        seq: usize,
+        tokens: &[u32],
     ) -> Result<usize, PluginError> {
-        Ok(0)
+        self.host.reuse_prefix(model, pool, seq, tokens)
     }
 
     fn forward(
@@ -468,6 +480,7 @@ impl Executor for CudaExecutor {
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
             return pool.install(|| host.head(model, &rows, hidden, logits));
         };
+        sync_block_tables(host, &mut d.model, chunks)?;
         d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
         let gpu_model = &mut d.model;
         let x = gpu_model.scratch.act_mut(Act::X);
@@ -571,7 +584,43 @@ impl Executor for CudaExecutor {
     }
 }
 
+/// Makes the device's trunk caches follow the host pool before a pass: the pool's
+/// copy-on-write copies, and the block tables of the pass's sequences.
+fn sync_block_tables(
+    host: &mut CpuExecutor,
+    m: &mut GpuModel,
+    chunks: &[Chunk<'_>],
+) -> Result<(), PluginError> {
+    for (from, to) in host.take_block_copies() {
+        m.kv.copy_block(&m.gpu, from as usize, to as usize)?;
+    }
+    for chunk in chunks {
+        let table = host
+            .block_table(chunk.seq)
+            .ok_or_else(|| internal("a pass over a sequence slot the host does not hold"))?;
+        if table.len() > m.table_len || table.len() * BLOCK_TOKENS < chunk.pos0 + chunk.rows() {
+            return Err(internal(
+                "a sequence's block table does not fit its positions or the device's table",
+            ));
+        }
+        m.gpu.write(table, &mut m.tables, chunk.seq * m.table_len)?;
+    }
+    Ok(())
+}
+
 impl CudaExecutor {
+    /// Copies the host pool's copy-on-write copies into the device's trunk caches.
+    fn mirror_block_copies(&mut self) -> Result<(), PluginError> {
+        let copies = self.host.take_block_copies();
+        if let Some(d) = &mut self.device {
+            let m = &mut d.model;
+            for (from, to) in copies {
+                m.kv.copy_block(&m.gpu, from as usize, to as usize)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The device half of sequence slot `seq`'s ring, where the GPU runs GDN layers.
     fn device_ring(&mut self, seq: usize) -> Option<&mut DeviceRing> {
         self.device

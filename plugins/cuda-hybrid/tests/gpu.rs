@@ -527,15 +527,27 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
         assert!(d < 1e-5, "{mode:?}: {d}");
     }
 
-    // Attention of 3 rows over 40 cached positions, 4 query heads on 2 kv heads, over an f32
-    // cache and an f16 one (against the CPU code over the same values widened to f32).
+    // Attention of 3 rows over 133 cached positions, 4 query heads on 2 kv heads, over an f32
+    // cache and an f16 one (against the CPU code over the same values widened to f32), paged:
+    // the three blocks of 64 positions are stored out of order, read through a block table.
     let shape = AttentionShape {
         n_head: 4,
         n_head_kv: 2,
         head_dim: 16,
         value_dim: 16,
     };
-    let (n_ctx, rows, pos0) = (64, 3, 37);
+    let (n_ctx, rows, pos0) = (192, 3, 130);
+    let table: [u32; 3] = [2, 0, 1];
+    let paged = |logical: &[f32], width: usize| {
+        let mut physical = vec![0.0; logical.len()];
+        for (b, &at) in table.iter().enumerate() {
+            let block = 64 * width;
+            physical[at as usize * block..][..block]
+                .copy_from_slice(&logical[b * block..][..block]);
+        }
+        physical
+    };
+    let dtable = gpu.upload(&table).unwrap();
     let keys: Vec<f32> = (0..n_ctx * shape.k_width()).map(|_| rng.unit()).collect();
     let values: Vec<f32> = (0..n_ctx * shape.v_width()).map(|_| rng.unit()).collect();
     let q: Vec<f32> = (0..rows * shape.q_width()).map(|_| rng.unit()).collect();
@@ -558,10 +570,17 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
     let half = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<u16>>();
     let widen = |x: &[u16]| x.iter().map(|&h| f16::to_f32(h)).collect::<Vec<f32>>();
     let (half_keys, half_values) = (half(&keys), half(&values));
-    let (keys_f32, values_f32) = (gpu.upload(&keys).unwrap(), gpu.upload(&values).unwrap());
+    let (paged_keys, paged_values) = (
+        paged(&keys, shape.k_width()),
+        paged(&values, shape.v_width()),
+    );
+    let (keys_f32, values_f32) = (
+        gpu.upload(&paged_keys).unwrap(),
+        gpu.upload(&paged_values).unwrap(),
+    );
     let (keys_f16, values_f16) = (
-        gpu.upload(&half_keys).unwrap(),
-        gpu.upload(&half_values).unwrap(),
+        gpu.upload(&half(&paged_keys)).unwrap(),
+        gpu.upload(&half(&paged_values)).unwrap(),
     );
     for kv in [KvType::F32, KvType::F16] {
         let (keys, values, dk, dv) = match kv {
@@ -579,13 +598,17 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             ),
         };
         let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+        let layer = ops::KvLayer {
+            ty: kv,
+            keys: dk,
+            values: dv,
+            table: dtable.ptr(),
+        };
         ops::attention(
             &gpu,
             &dims,
             qh,
-            kv,
-            dk,
-            dv,
+            layer,
             pos0,
             rows,
             &scores,
@@ -654,6 +677,99 @@ fn batched_sequences_are_bit_identical_to_each_sequence_alone() {
                 &name,
             );
         }
+    }
+}
+
+/// The device's attention caches live in the host pool's blocks: a fork shares its parent's
+/// blocks and a write to a shared one copies it on the device too (parent and fork continue
+/// as fresh sequences fed the same tokens would); the sequences together hold at most the
+/// pool (`kv_tokens`), a pass needing more is refused as context-full and freeing a sequence
+/// makes room; a repeated prompt is served from the prefix cache bit for bit. On the dense
+/// llama, all on the GPU and split with the host.
+#[test]
+fn the_paged_device_cache_forks_is_bounded_and_serves_prefixes() {
+    use abi_stable::std_types::{RSlice, RVec};
+    use specula_plugin_api::{ForwardPass, SeqId, SequenceCalls};
+    let Some(device) =
+        device_or_skip("the_paged_device_cache_forks_is_bounded_and_serves_prefixes")
+    else {
+        return;
+    };
+    let open = |options: &[(&str, &str)], kv_tokens: u32| {
+        let mut p = params(&stories(), 256, options);
+        p.max_sequences = 4;
+        p.kv_tokens = kv_tokens;
+        let backend = match &device {
+            Device::Cuda => specula_cuda_hybrid::open(&p),
+            Device::Emulated(e) => {
+                specula_cuda_hybrid::backend::open_emulated(&p, e.clone(), 1 << 34)
+            }
+        };
+        backend.unwrap_or_else(|e| panic!("cuda-hybrid {options:?}: {e}"))
+    };
+    let run = |b: &mut CudaBackend, seq: SeqId, tokens: &[u32]| {
+        let mut logits = RVec::new();
+        b.eval(seq, tokens, LogitRows::Last, &mut logits)
+            .into_result()
+            .unwrap_or_else(|e| panic!("eval: {e}"));
+        logits.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500 + 1).collect();
+    for options in [&[][..], &[("gpu_layers", "2")][..]] {
+        let mut b = open(options, 0);
+        assert!(b.executor().placement().uses_gpu(), "{options:?}");
+        // Fork after 70 positions (a partial second block), then each writes that block.
+        let parent = b.seq_create().into_result().unwrap();
+        run(&mut b, parent, &prompt);
+        let fork = b.seq_fork(parent).into_result().unwrap();
+        let got_fork = run(&mut b, fork, &[7]);
+        let got_parent = run(&mut b, parent, &[9]);
+        let mut fresh = open(options, 0);
+        for (tail, got) in [(7, &got_fork), (9, &got_parent)] {
+            let seq = fresh.seq_create().into_result().unwrap();
+            let mut tokens = prompt.clone();
+            tokens.push(tail);
+            assert_eq!(
+                got,
+                &run(&mut fresh, seq, &tokens),
+                "{options:?}: after {tail}"
+            );
+        }
+
+        // A repeated prompt takes the cached blocks and evaluates the rest.
+        b.seq_free(fork).into_result().unwrap();
+        b.seq_free(parent).into_result().unwrap();
+        let again = b.seq_create().into_result().unwrap();
+        let reused = b
+            .seq_reuse_prefix(again, RSlice::from_slice(&prompt))
+            .into_result()
+            .unwrap();
+        assert_eq!(reused, 64, "{options:?}: the full block");
+        let got = run(&mut b, again, &prompt[reused..]);
+        let seq = fresh.seq_create().into_result().unwrap();
+        assert_eq!(
+            got,
+            run(&mut fresh, seq, &prompt),
+            "{options:?}: from the prefix cache"
+        );
+
+        // Two blocks in all: the sequences share them.
+        let mut small = open(options, 128);
+        assert_eq!(small.capabilities().kv_tokens, 128);
+        let seqs: Vec<SeqId> = (0..2)
+            .map(|_| small.seq_create().into_result().unwrap())
+            .collect();
+        let first = run(&mut small, seqs[0], &prompt[..60]);
+        run(&mut small, seqs[1], &prompt[..60]);
+        let third = small.seq_create().into_result().unwrap();
+        let mut logits = RVec::new();
+        let err = small
+            .eval(third, &prompt[..60], LogitRows::Last, &mut logits)
+            .into_result()
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::ContextFull, "{options:?}: {err}");
+        small.seq_free(seqs[1]).into_result().unwrap();
+        assert_eq!(run(&mut small, third, &prompt[..60]), first, "{options:?}");
     }
 }
 

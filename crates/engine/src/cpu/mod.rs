@@ -250,6 +250,24 @@ impl CpuExecutor {
         self.pool.n_bytes()
     }
 
+    /// Blocks of the attention pool (of [`BLOCK_TOKENS`] positions each).
+    pub fn kv_blocks(&self) -> usize {
+        self.pool.n_blocks()
+    }
+
+    /// Sequence slot `seq`'s block table in the attention pool (`None` without a sequence).
+    /// The pool keeps its block bookkeeping even when no attention layer runs here, so a
+    /// device that runs the others can store them in the same blocks.
+    pub fn block_table(&self, seq: usize) -> Option<&[u32]> {
+        Some(self.seqs.get(seq)?.as_ref()?.kv.block_ids())
+    }
+
+    /// The copy-on-write block copies the attention pool made since the last call
+    /// ([`KvPool::take_copies`]): a store mirroring the pool makes them too.
+    pub fn take_block_copies(&mut self) -> Vec<(u32, u32)> {
+        self.pool.take_copies()
+    }
+
     /// The residual rows of the last [`run_layers`](Self::run_layers), `rows × n_embd`.
     pub fn residual(&mut self) -> &mut [f32] {
         self.scratch.act_mut(Act::X)

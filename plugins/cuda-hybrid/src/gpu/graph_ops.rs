@@ -13,38 +13,39 @@ use specula_engine::blocks::moe::MoeWeights;
 use specula_engine::graph::{
     graph_error, Act, BetaAlphaRows, Cache, Cols, GdnInputs, KvSlot, LayerOps, QkNorms, Query, Rows,
 };
+use specula_engine::kv_cache::BLOCK_TOKENS;
 use specula_engine::model::weights::{MatrixRef, Vector};
 use specula_gguf::GgufFile;
 use specula_plugin_api::PluginError;
 
-use super::model::{DeviceKv, DeviceSeq, GpuModel};
-use super::ops::{self, AttentionDims, Gate, GdnDims, Heads};
+use super::model::GpuModel;
+use super::ops::{self, AttentionDims, Gate, GdnDims, Heads, KvLayer};
 use super::weights::WeightStore;
 use super::Gpu;
 
-/// Sequence slot `seq`'s state on the device.
-fn device_seq(seqs: &mut [DeviceSeq], seq: usize) -> Result<&mut DeviceSeq, PluginError> {
-    seqs.get_mut(seq)
-        .ok_or_else(|| graph_error(&format!("sequence slot {seq} is not on the GPU")))
-}
-
-/// A sequence's device cache of `slot` and its layer there: the trunk's cache holds the
-/// model's attention layers `first_attention ..`.
-fn device_cache(
-    seq: &mut DeviceSeq,
-    first_attention: usize,
-    slot: KvSlot,
-) -> Result<(&mut DeviceKv, usize), PluginError> {
+/// Sequence slot `seq`'s cache layer `slot` as the kernels read it, and the positions it holds
+/// for the sequence: the trunk's paged cache (the model's attention layers `first_attention
+/// ..`) through the sequence's block table, the MTP head's own cache through the identity.
+fn cache_layer(m: &GpuModel, seq: usize, slot: KvSlot) -> Result<(KvLayer, usize), PluginError> {
+    let device = m
+        .seqs
+        .get(seq)
+        .ok_or_else(|| graph_error(&format!("sequence slot {seq} is not on the GPU")))?;
     match slot.cache {
-        Cache::Trunk(layer) => layer
-            .checked_sub(first_attention)
-            .filter(|&i| i < seq.kv.k.len())
-            .map(|i| (&mut seq.kv, i))
-            .ok_or_else(|| graph_error(&format!("attention layer {layer} is not on the GPU"))),
-        Cache::Mtp => seq
+        Cache::Trunk(layer) => {
+            let i = layer
+                .checked_sub(m.first_attention)
+                .filter(|&i| i < m.kv.k.len())
+                .ok_or_else(|| {
+                    graph_error(&format!("attention layer {layer} is not on the GPU"))
+                })?;
+            let table = m.tables.at(seq * m.table_len);
+            Ok((m.kv.layer(i, table), m.table_len * BLOCK_TOKENS))
+        }
+        Cache::Mtp => device
             .mtp_kv
-            .as_mut()
-            .map(|kv| (kv, 0))
+            .as_ref()
+            .map(|kv| (kv.layer(0, m.identity.ptr()), kv.rows))
             .ok_or_else(|| graph_error("the MTP head's cache is not on the GPU")),
     }
 }
@@ -216,32 +217,28 @@ impl LayerOps for GpuOps<'_> {
         self.m.dims.check_kv(k, v)?;
         let a = &self.m.dims.attention;
         let (kw, vw) = (a.k_width(), a.v_width());
-        let GpuModel {
-            gpu,
-            seqs,
-            first_attention,
-            scratch,
-            ..
-        } = &mut *self.m;
+        let m = &*self.m;
         for (first, span) in rows.with_offsets() {
-            let seq = device_seq(seqs, span.seq)?;
-            let (cache, layer) = device_cache(seq, *first_attention, slot)?;
+            let (layer, capacity) = cache_layer(m, span.seq, slot)?;
             let (n, pos0) = (span.n, span.pos0);
-            let (kc, vc) = (&cache.k[layer], &cache.v[layer]);
-            let (sk, sv) = (scratch.act(k), scratch.act(v));
-            if cache.units((pos0 + n) * kw) > kc.len()
-                || cache.units((pos0 + n) * vw) > vc.len()
-                || (first + n) * kw > sk.len()
-                || (first + n) * vw > sv.len()
-            {
+            let (sk, sv) = (m.scratch.act(k), m.scratch.act(v));
+            if pos0 + n > capacity || (first + n) * kw > sk.len() || (first + n) * vw > sv.len() {
                 return Err(graph_error(&format!(
                     "rows {first}..{} at positions {pos0}.. exceed the device KV cache or scratch",
                     first + n
                 )));
             }
             let (ks, vs) = (sk.at(first * kw), sv.at(first * vw));
-            ops::kv_store(gpu, cache.ty, ks, cache.at(kc, pos0 * kw), n * kw)?;
-            ops::kv_store(gpu, cache.ty, vs, cache.at(vc, pos0 * vw), n * vw)?;
+            ops::kv_store(&m.gpu, layer.ty, ks, (n, kw), pos0, layer.table, layer.keys)?;
+            ops::kv_store(
+                &m.gpu,
+                layer.ty,
+                vs,
+                (n, vw),
+                pos0,
+                layer.table,
+                layer.values,
+            )?;
         }
         Ok(())
     }
@@ -269,19 +266,15 @@ impl LayerOps for GpuOps<'_> {
         });
         let out = self.ptr(dst);
         let ow = dims.n_head * dims.value_dim;
-        let m = &mut *self.m;
+        let m = &*self.m;
         for (first, span) in rows.with_offsets() {
-            let seq = device_seq(&mut m.seqs, span.seq)?;
-            let (kv, layer) = device_cache(seq, m.first_attention, slot)?;
-            let (keys, values) = (kv.k[layer].ptr(), kv.v[layer].ptr());
+            let (layer, _) = cache_layer(m, span.seq, slot)?;
             let s = &m.scratch;
             ops::attention(
                 &m.gpu,
                 &dims,
                 shifted(queries, first),
-                kv.ty,
-                keys,
-                values,
+                layer,
                 span.pos0,
                 span.n,
                 &s.extras.scores,

@@ -533,6 +533,108 @@ impl Gpu {
         }
     }
 
+    /// Copies `len` values of `buf[from..]` to `buf[to..]` (ranges that do not overlap), on
+    /// the device (queued on the stream).
+    pub fn copy_within<T: DeviceRepr>(
+        &self,
+        buf: &mut DevBuf<T>,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), PluginError> {
+        if len == 0 {
+            return Ok(());
+        }
+        if from.max(to) + len > buf.len || from.abs_diff(to) < len {
+            return Err(PluginError::new(
+                ErrorKind::Internal,
+                format!(
+                    "cuda-hybrid: a device copy of {len} values from {from} to {to} inside a buffer of {}",
+                    buf.len
+                ),
+            ));
+        }
+        let size = std::mem::size_of::<T>();
+        match (&self.backing, &buf.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(_)) => {
+                // SAFETY: both ranges lie inside the allocation behind `buf.ptr` and do not
+                // overlap (checked above); the copy is ordered on the one stream every
+                // launch and copy uses.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        buf.ptr + (to * size) as u64,
+                        buf.ptr + (from * size) as u64,
+                        len * size,
+                        cuda.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| driver_error("copy on the device", e))
+            }
+            (Backing::Emulated(_), Storage::Host(_)) => {
+                // SAFETY: both ranges are inside the host stand-in buffer and do not overlap
+                // (checked above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (buf.ptr as *const T).add(from),
+                        (buf.ptr as *mut T).add(to),
+                        len,
+                    )
+                };
+                Ok(())
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: copy inside a buffer of another device",
+            )),
+        }
+    }
+
+    /// Writes `data` into `dst[at..]` (a copy from pageable host memory: `data` may change
+    /// once this returns).
+    pub fn write<T: DeviceRepr>(
+        &self,
+        data: &[T],
+        dst: &mut DevBuf<T>,
+        at: usize,
+    ) -> Result<(), PluginError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if at + data.len() > dst.len {
+            return Err(PluginError::new(
+                ErrorKind::Internal,
+                format!(
+                    "cuda-hybrid: writing {} values at {at} of a device buffer of {}",
+                    data.len(),
+                    dst.len
+                ),
+            ));
+        }
+        match (&self.backing, &mut dst.storage) {
+            (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
+                let mut view = slice.slice_mut(at..at + data.len());
+                cuda.stream
+                    .memcpy_htod(data, &mut view)
+                    .map_err(|e| driver_error("copy to the device", e))
+            }
+            (Backing::Emulated(_), Storage::Host(_)) => {
+                // SAFETY: in bounds of the host stand-in buffer (checked above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        (dst.ptr as *mut T).add(at),
+                        data.len(),
+                    )
+                };
+                Ok(())
+            }
+            _ => Err(PluginError::new(
+                ErrorKind::Internal,
+                "cuda-hybrid: copy to a buffer of another device",
+            )),
+        }
+    }
+
     /// Zeroes `len` f32 values of `buf` from `at`.
     pub fn zero_range(
         &self,

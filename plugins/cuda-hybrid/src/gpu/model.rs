@@ -14,18 +14,21 @@
 use specula_engine::arch::{self, hybrid::Mixer};
 use specula_engine::blocks::ffn::FfnShape;
 use specula_engine::graph::{Act, Dims, Rows};
-use specula_engine::kv_cache::KvType;
+use specula_engine::kv_cache::{KvType, BLOCK_TOKENS};
 use specula_engine::model::{Graph, Model};
 use specula_engine::recurrent::{RingIndex, StateLayout};
 use specula_plugin_api::PluginError;
 
 use super::graph_ops::{GpuOps, Uploader};
-use super::ops::{DevRope, Q8Scratch, RingSlot, ATTENTION_ROWS};
+use super::ops::{DevRope, KvLayer, Q8Scratch, RingSlot, ATTENTION_ROWS};
 use super::weights::WeightStore;
 use super::{DevBuf, Gpu};
 
-/// Attention keys and values on the device, `n_ctx` rows per layer, stored as `ty` (the
-/// buffers count 16-bit units: two per f32 value, one per f16 value).
+/// Attention keys and values on the device, `rows` cache rows per layer, stored as `ty` (the
+/// buffers count 16-bit units: two per f32 value, one per f16 value). The trunk's cache is
+/// paged: its rows are the host pool's blocks, which every sequence's block table indexes
+/// (so the sequences together hold at most the pool, not sequences × context); the MTP
+/// head's cache is one per sequence, read through the identity table.
 #[derive(Debug)]
 pub struct DeviceKv {
     pub k: Vec<DevBuf<u16>>,
@@ -33,13 +36,15 @@ pub struct DeviceKv {
     pub k_width: usize,
     pub v_width: usize,
     pub ty: KvType,
+    /// Cache rows per layer.
+    pub rows: usize,
 }
 
 impl DeviceKv {
     pub fn new(
         gpu: &Gpu,
         layers: usize,
-        n_ctx: usize,
+        rows: usize,
         (k_width, v_width): (usize, usize),
         ty: KvType,
     ) -> Result<Self, PluginError> {
@@ -49,12 +54,47 @@ impl DeviceKv {
             k_width,
             v_width,
             ty,
+            rows,
         };
         for _ in 0..layers {
-            kv.k.push(gpu.zeros(kv.units(n_ctx * k_width))?);
-            kv.v.push(gpu.zeros(kv.units(n_ctx * v_width))?);
+            kv.k.push(gpu.zeros(kv.units(rows * k_width))?);
+            kv.v.push(gpu.zeros(kv.units(rows * v_width))?);
         }
         Ok(kv)
+    }
+
+    /// Layer `layer` as the kernels read it, through the block table at `table`.
+    pub fn layer(&self, layer: usize, table: u64) -> KvLayer {
+        KvLayer {
+            ty: self.ty,
+            keys: self.k[layer].ptr(),
+            values: self.v[layer].ptr(),
+            table,
+        }
+    }
+
+    /// Copies block `from` (cache rows `64 from ..`) to block `to` in every layer: a
+    /// copy-on-write of the host pool, mirrored.
+    pub fn copy_block(&mut self, gpu: &Gpu, from: usize, to: usize) -> Result<(), PluginError> {
+        let (kb, vb) = (
+            self.units(BLOCK_TOKENS * self.k_width),
+            self.units(BLOCK_TOKENS * self.v_width),
+        );
+        for (bufs, unit) in [(&mut self.k, kb), (&mut self.v, vb)] {
+            for buf in bufs.iter_mut() {
+                if (from.max(to) + 1) * unit > buf.len() {
+                    return Err(PluginError::new(
+                        specula_plugin_api::ErrorKind::Internal,
+                        format!(
+                            "cuda-hybrid: KV block {} is outside the device cache",
+                            from.max(to)
+                        ),
+                    ));
+                }
+                gpu.copy_within(buf, from * unit, to * unit, unit)?;
+            }
+        }
+        Ok(())
     }
 
     /// The 16-bit units of `values` cache values.
@@ -253,12 +293,10 @@ impl GpuScratch {
     }
 }
 
-/// One sequence slot's state on the device: the caches of the GPU's attention layers (and the
-/// MTP head's) and the device half of its snapshot ring.
+/// One sequence slot's state on the device: the MTP head's cache and the device half of its
+/// snapshot ring (its trunk attention rows are in [`GpuModel::kv`]'s blocks).
 #[derive(Debug)]
 pub struct DeviceSeq {
-    /// The model's attention layer `first_attention + i` is `kv` layer `i`.
-    pub kv: DeviceKv,
     pub mtp_kv: Option<DeviceKv>,
     /// The model's GDN layer `first_gdn + i` is ring layer `i`.
     pub ring: Option<DeviceRing>,
@@ -272,10 +310,8 @@ impl DeviceSeq {
         other: &DeviceSeq,
         len: usize,
     ) -> Result<(), PluginError> {
-        for (dst, src) in [(&mut self.kv, &other.kv)]
-            .into_iter()
-            .chain(self.mtp_kv.as_mut().zip(other.mtp_kv.as_ref()))
-        {
+        // The trunk's blocks are shared through the host pool's block tables.
+        if let Some((dst, src)) = self.mtp_kv.as_mut().zip(other.mtp_kv.as_ref()) {
             let (kw, vw) = (src.units(len * src.k_width), src.units(len * src.v_width));
             for (d, s) in dst.k.iter_mut().zip(&src.k) {
                 gpu.copy_device(s, 0, d, 0, kw)?;
@@ -305,6 +341,14 @@ pub struct GpuModel {
     pub head: bool,
     /// Per sequence slot: its caches and ring state.
     pub seqs: Vec<DeviceSeq>,
+    /// The trunk's attention caches (the model's attention layer `first_attention + i` is
+    /// layer `i`), in the host pool's blocks.
+    pub kv: DeviceKv,
+    /// Every sequence slot's block table, `table_len` entries each (uploaded before a pass).
+    pub tables: DevBuf<u32>,
+    pub table_len: usize,
+    /// The identity table (`0, 1, 2, …`): how an unpaged cache is read.
+    pub identity: DevBuf<u32>,
     /// The first of the model's attention layers on the GPU.
     pub first_attention: usize,
     /// The first of the model's GDN layers on the GPU.
@@ -336,6 +380,8 @@ pub struct GpuPlan {
     pub rows: usize,
     /// Sequence slots (each with its caches and ring).
     pub sequences: usize,
+    /// Blocks of the trunk's attention cache (the host pool's).
+    pub kv_blocks: usize,
     /// How the attention caches store keys and values.
     pub kv_type: KvType,
 }
@@ -383,14 +429,19 @@ impl GpuModel {
         let a = &dims.attention;
         let (first_attention, first_gdn) = layers_before(graph, plan.first_layer);
         let (n_attention, n_gdn) = layers_before(graph, n_layers);
+        let widths = (a.k_width(), a.v_width());
+        let table_len = plan.n_ctx.div_ceil(BLOCK_TOKENS);
         let mut seqs = Vec::with_capacity(plan.sequences.max(1));
         for _ in 0..plan.sequences.max(1) {
-            let widths = (a.k_width(), a.v_width());
-            let kv = |layers| DeviceKv::new(&gpu, layers, plan.n_ctx, widths, plan.kv_type);
             seqs.push(DeviceSeq {
-                kv: kv(n_attention - first_attention)?,
                 mtp_kv: match plan.head && dims.mtp {
-                    true => Some(kv(1)?),
+                    true => Some(DeviceKv::new(
+                        &gpu,
+                        1,
+                        table_len * BLOCK_TOKENS,
+                        widths,
+                        plan.kv_type,
+                    )?),
                     false => None,
                 },
                 ring: match (&dims.gdn, n_gdn - first_gdn) {
@@ -401,9 +452,22 @@ impl GpuModel {
                 },
             });
         }
+        let kv = DeviceKv::new(
+            &gpu,
+            n_attention - first_attention,
+            plan.kv_blocks * BLOCK_TOKENS,
+            widths,
+            plan.kv_type,
+        )?;
+        let tables = gpu.zeros(seqs.len() * table_len)?;
+        let identity = gpu.upload(&(0..table_len as u32).collect::<Vec<u32>>())?;
         let scratch = GpuScratch::new(&gpu, &dims, plan.rows, plan.n_ctx)?;
         gpu.sync()?;
         Ok(Self {
+            kv,
+            tables,
+            table_len,
+            identity,
             gpu,
             store,
             dims,

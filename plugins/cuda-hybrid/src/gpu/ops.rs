@@ -375,31 +375,57 @@ pub struct Gate {
     pub head_stride: usize,
 }
 
-/// Stores the `n` f32 values at `src` into a KV cache of type `kv` at `dst`.
-pub fn kv_store(gpu: &Gpu, kv: KvType, src: u64, dst: u64, n: usize) -> Result<(), PluginError> {
+/// A KV cache layer on the device, as the kernels read it: its keys and values (cache rows
+/// of `k_width` / `v_width` values of type `ty`) and the block table of the sequence at hand
+/// (position `p` is cache row `table[p / 64] · 64 + p % 64`; an unpaged cache passes the
+/// identity table).
+#[derive(Debug, Clone, Copy)]
+pub struct KvLayer {
+    pub ty: KvType,
+    pub keys: u64,
+    pub values: u64,
+    pub table: u64,
+}
+
+/// Stores `rows` rows of `width` f32 values at `src` (positions `pos0 ..` of the sequence
+/// whose block table `table` is) into the cache rows at `dst`, of type `kv`.
+pub fn kv_store(
+    gpu: &Gpu,
+    kv: KvType,
+    src: u64,
+    (rows, width): (usize, usize),
+    pos0: usize,
+    table: u64,
+    dst: u64,
+) -> Result<(), PluginError> {
     let kernel = match kv {
         KvType::F32 => "kv_store",
         KvType::F16 => "kv_store_f16",
     };
     gpu.launch(
         kernel,
-        (blocks(n, ROW_BLOCK as usize), 1, 1),
+        (blocks(rows * width, ROW_BLOCK as usize), 1, 1),
         ROW_BLOCK,
-        &[Arg::Ptr(src), Arg::U64(n as u64), Arg::Ptr(dst)],
+        &[
+            Arg::Ptr(src),
+            Arg::U64(rows as u64),
+            Arg::U64(width as u64),
+            int(pos0),
+            Arg::Ptr(table),
+            Arg::Ptr(dst),
+        ],
     )
 }
 
-/// Attention of `rows` query rows (`q`, positions `pos0 ..`) over the cache `k_cache` /
-/// `v_cache` (values of type `kv`), into `out` (`rows × n_head × value_dim`), in launches of
-/// [`ATTENTION_ROWS`] rows; `scores` holds `ATTENTION_ROWS × n_head × score_stride` floats.
+/// Attention of `rows` query rows (`q`, positions `pos0 ..`) over the cache layer `kv`, into
+/// `out` (`rows × n_head × value_dim`), in launches of [`ATTENTION_ROWS`] rows; `scores`
+/// holds `ATTENTION_ROWS × n_head × score_stride` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     dims: &AttentionDims,
     q: Heads,
-    kv: KvType,
-    k_cache: u64,
-    v_cache: u64,
+    kv: KvLayer,
     pos0: usize,
     rows: usize,
     scores: &DevBuf<f32>,
@@ -432,7 +458,7 @@ pub fn attention(
             None => [Arg::Ptr(0), Arg::U64(0), Arg::I32(0)],
         };
         gpu.launch(
-            match kv {
+            match kv.ty {
                 KvType::F32 => "attention",
                 KvType::F16 => "attention_f16",
             },
@@ -442,8 +468,9 @@ pub fn attention(
                 Arg::Ptr(q.ptr + (4 * first * q.row_stride) as u64),
                 Arg::U64(q.row_stride as u64),
                 int(q.head_stride),
-                Arg::Ptr(k_cache),
-                Arg::Ptr(v_cache),
+                Arg::Ptr(kv.table),
+                Arg::Ptr(kv.keys),
+                Arg::Ptr(kv.values),
                 int(dims.n_head),
                 int(dims.n_head_kv),
                 int(dims.head_dim),
