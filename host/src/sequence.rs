@@ -49,6 +49,15 @@ impl SeqModel {
             .seq_reuse_prefix(self.seq, RSlice::from_slice(tokens))
     }
 
+    /// Replaces the sequence by a new, empty one (a new id: what a drafter kept of the old
+    /// one no longer applies).
+    pub fn renew(&mut self) -> PluginResult<()> {
+        if let abi_stable::std_types::RResult::RErr(e) = self.backend.seq_free(self.seq) {
+            return abi_stable::std_types::RResult::RErr(e);
+        }
+        self.backend.seq_create().map(|seq| self.seq = seq)
+    }
+
     /// Cuts the sequence to `len` tokens.
     pub fn truncate(&mut self, len: usize) -> PluginResult<()> {
         self.backend.truncate(self.seq, len)

@@ -690,3 +690,32 @@ fn plain_profiles_open_one_token_verify_passes() {
     let p = Pipeline::open_with_verify_tokens(&plain, 4).unwrap();
     assert_eq!(p.target.capabilities().max_verify_tokens, 4);
 }
+
+/// A conversation on a hybrid with an MTP head whose next turn keeps less of the previous one
+/// than the recurrent state's snapshots reach: the turn starts a new target sequence (from the
+/// prefix cache as far as it serves) instead of re-decoding the kept tokens under the drafter,
+/// and its output equals the same request run afresh — MTP drafting still on.
+#[test]
+fn a_turn_that_keeps_less_than_the_rollback_window_starts_a_new_sequence() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = "models/trained/stories-qwen35-mtp-q8_0.gguf";
+    let mut chat = open(dir.path(), model, "[drafter]\nplugin = \"mtp\"\n");
+    let story = "Once upon a time, there was a little girl named Lily. She loved to play in \
+                 the park with her friends. One day, she found a big red ball under a tree. \
+                 She was very happy and ran to show her mom.";
+    let first = request(story, 40, SamplingParams::greedy(), true);
+    specula_host::spec::generate_continuing(&mut chat, &first, |_| {}).unwrap();
+    // The next prompt parts from the first inside it: far behind what the target holds.
+    let second = request(
+        &format!("{} Her mom said no.", &story[..story.len() / 2]),
+        24,
+        SamplingParams::greedy(),
+        true,
+    );
+    let got = specula_host::spec::generate_continuing(&mut chat, &second, |_| {}).unwrap();
+    check_accounting(&got);
+    let mut fresh = open(dir.path(), model, "[drafter]\nplugin = \"mtp\"\n");
+    let want = generate(&mut fresh, &second, |_| {}).unwrap();
+    assert_eq!(got.tokens, want.tokens);
+    assert!(got.speculative.accepted > 0, "{:?}", got.speculative);
+}

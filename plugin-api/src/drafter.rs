@@ -138,11 +138,12 @@ impl Draft {
 /// Proposes draft tokens continuing a context.
 #[sabi_trait]
 pub trait Drafter: Send + Sync {
-    /// Starts a new sequence with `prompt`. The target kept the first `reused` tokens of
-    /// `prompt` from its previous sequence (a conversation's earlier turns, or the backend's
-    /// prefix cache), so the prompt pass just before this call evaluated only
-    /// `prompt[reused..]` (the rows `hidden_states` returns); `reused` is 0 for a fresh
-    /// sequence.
+    /// Starts a new sequence with `prompt`. The target holds the first `reused` tokens of
+    /// `prompt` already — kept from its previous sequence (the same target sequence: a
+    /// conversation's earlier turns) or taken from the backend's prefix cache (a new target
+    /// sequence; an MTP head's cache then holds those positions too) — so the prompt pass just
+    /// before this call evaluated only `prompt[reused..]` (the rows `hidden_states` returns);
+    /// `reused` is 0 for a sequence that starts empty.
     ///
     /// A host that prefills a long prompt in chunks (the daemon's engine loop, beside other
     /// requests' decode rows) calls `begin` after each chunk: with the prompt so far, and

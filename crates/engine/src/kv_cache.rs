@@ -324,8 +324,8 @@ pub struct KvPool {
     /// The prefix cache: chained key → block. `None` when prefix caching is off.
     prefix: Option<HashMap<BlockKey, u32>>,
     /// Copy-on-write copies made since [`KvPool::take_copies`] (block, its copy), for stores
-    /// that mirror the pool's blocks.
-    copies: Vec<(u32, u32)>,
+    /// that mirror the pool's blocks; `None` unless [`KvPool::log_copies`] asked for them.
+    copies: Option<Vec<(u32, u32)>>,
 }
 
 impl KvPool {
@@ -376,7 +376,7 @@ impl KvPool {
             clock: 0,
             free: (0..n_blocks as u32).rev().collect(),
             prefix: prefix_cache.then(HashMap::new),
-            copies: Vec::new(),
+            copies: None,
         })
     }
 
@@ -494,7 +494,9 @@ impl KvPool {
                 }
                 self.refs[copy as usize] = 1;
                 self.release_block(id as u32);
-                self.copies.push((id as u32, copy));
+                if let Some(copies) = &mut self.copies {
+                    copies.push((id as u32, copy));
+                }
                 seq.blocks[b] = copy;
             }
         }
@@ -605,7 +607,20 @@ impl KvPool {
     /// first: `(block, copy)`. A store that mirrors the pool's blocks (a GPU's cache of other
     /// layers) makes the same copies.
     pub fn take_copies(&mut self) -> Vec<(u32, u32)> {
-        std::mem::take(&mut self.copies)
+        self.copies.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// From now on, logs the copy-on-write copies [`take_copies`](Self::take_copies) returns.
+    pub fn log_copies(&mut self) {
+        self.copies.get_or_insert_with(Vec::new);
+    }
+
+    /// Puts `copies` (taken, not yet mirrored) back before any logged since.
+    pub fn return_copies(&mut self, mut copies: Vec<(u32, u32)>) {
+        if let Some(logged) = &mut self.copies {
+            copies.append(logged);
+            *logged = copies;
+        }
     }
 
     /// Blocks in the pool.

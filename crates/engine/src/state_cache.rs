@@ -102,11 +102,13 @@ pub struct BoundaryState {
     pub hidden: Vec<Arc<Vec<f32>>>,
 }
 
-impl BoundaryState {
-    fn n_bytes(&self) -> u64 {
-        let rows: usize = self.hidden.iter().map(|b| b.len()).sum();
-        self.plane.n_bytes() + 4 * rows as u64
-    }
+/// A block of hidden rows, by identity: the entries along one sequence's prefix share them.
+fn block_id(block: &Arc<Vec<f32>>) -> usize {
+    Arc::as_ptr(block) as usize
+}
+
+fn block_bytes(block: &Arc<Vec<f32>>) -> u64 {
+    4 * block.len() as u64
 }
 
 struct Entry {
@@ -114,11 +116,14 @@ struct Entry {
     last_used: u64,
 }
 
-/// States at block boundaries, least recently used evicted first, at most `budget_bytes`.
+/// States at block boundaries, least recently used evicted first, at most `budget_bytes`
+/// (planes, and each block of hidden rows once however many entries share it).
 pub struct StateCache {
     budget_bytes: u64,
     used_bytes: u64,
     entries: HashMap<BlockKey, Entry>,
+    /// Per block of hidden rows held: how many entries hold it.
+    hidden_refs: HashMap<usize, u32>,
     clock: u64,
 }
 
@@ -129,6 +134,7 @@ impl StateCache {
             budget_bytes,
             used_bytes: 0,
             entries: HashMap::new(),
+            hidden_refs: HashMap::new(),
             clock: 0,
         }
     }
@@ -157,8 +163,8 @@ impl StateCache {
     /// the caller may reuse for its next capture: `state`'s own when it is not kept (the key
     /// already has a state, or it is larger than the budget), else an evicted one (if any).
     pub fn insert(&mut self, key: BlockKey, state: BoundaryState) -> Option<StatePlane> {
-        let bytes = state.n_bytes();
-        if state.plane.state_len().is_none() || bytes > self.budget_bytes {
+        let whole = state.plane.n_bytes() + state.hidden.iter().map(block_bytes).sum::<u64>();
+        if state.plane.state_len().is_none() || whole > self.budget_bytes {
             return Some(state.plane);
         }
         let now = self.tick();
@@ -167,7 +173,7 @@ impl StateCache {
             return Some(state.plane);
         }
         let mut spare = None;
-        while self.used_bytes + bytes > self.budget_bytes {
+        while self.used_bytes + self.added_bytes(&state) > self.budget_bytes {
             let oldest = *self
                 .entries
                 .iter()
@@ -175,10 +181,21 @@ impl StateCache {
                 .map(|(k, _)| k)
                 .expect("the budget is exceeded only by held states");
             let evicted = self.entries.remove(&oldest).expect("present");
-            self.used_bytes -= evicted.state.n_bytes();
+            self.used_bytes -= evicted.state.plane.n_bytes();
+            for block in &evicted.state.hidden {
+                let refs = self.hidden_refs.get_mut(&block_id(block)).expect("counted");
+                *refs -= 1;
+                if *refs == 0 {
+                    self.hidden_refs.remove(&block_id(block));
+                    self.used_bytes -= block_bytes(block);
+                }
+            }
             spare = Some(evicted.state.plane);
         }
-        self.used_bytes += bytes;
+        self.used_bytes += self.added_bytes(&state);
+        for block in &state.hidden {
+            *self.hidden_refs.entry(block_id(block)).or_insert(0) += 1;
+        }
         self.entries.insert(
             key,
             Entry {
@@ -187,6 +204,17 @@ impl StateCache {
             },
         );
         spare
+    }
+
+    /// Bytes `state` would add: its plane, and its blocks of hidden rows no entry holds yet.
+    fn added_bytes(&self, state: &BoundaryState) -> u64 {
+        let new_rows: u64 = state
+            .hidden
+            .iter()
+            .filter(|b| !self.hidden_refs.contains_key(&block_id(b)))
+            .map(block_bytes)
+            .sum();
+        state.plane.n_bytes() + new_rows
     }
 
     /// The state at the end of the block keyed `key` if it is held and is the state at
@@ -269,14 +297,34 @@ mod tests {
         assert!(cache.insert(key(4), partial).is_some());
         assert!(!cache.contains(key(4), 256));
 
-        // Hidden rows count towards the budget.
+        // Hidden rows count towards the budget, each block once however many entries hold it.
         let mut rows = HiddenRows::new(2);
-        assert!(rows.write(0, &vec![1.0; 2 * BLOCK_TOKENS]));
+        assert!(rows.write(0, &vec![1.0; 2 * 2 * BLOCK_TOKENS]));
+        let block = 4 * 2 * BLOCK_TOKENS as u64;
         let mut with_rows = at(64);
         with_rows.hidden = rows.full_blocks(1);
         let mut tight = StateCache::new(bytes);
         assert!(tight.insert(key(1), with_rows).is_some(), "over the budget");
         assert!(tight.is_empty());
+        let mut shared = StateCache::new(2 * bytes + 2 * block);
+        let mut first = at(64);
+        first.hidden = rows.full_blocks(1);
+        let mut second = at(128);
+        second.hidden = rows.full_blocks(2);
+        assert!(shared.insert(key(1), first).is_none());
+        assert!(shared.insert(key(2), second).is_none());
+        assert_eq!(
+            shared.used_bytes(),
+            2 * bytes + 2 * block,
+            "block 0 counted once"
+        );
+        assert!(shared.insert(key(3), at(192)).is_some(), "one eviction");
+        assert!(!shared.contains(key(1), 64));
+        assert_eq!(
+            shared.used_bytes(),
+            2 * bytes + 2 * block,
+            "block 0 still held by key 2"
+        );
     }
 
     #[test]

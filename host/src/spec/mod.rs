@@ -112,11 +112,20 @@ fn run(
     } else {
         0
     };
+    // Cutting a recurrent state back further than its snapshots reach would re-decode the
+    // kept tokens (and empty an MTP head's cache under a drafter that continues from it): a
+    // new sequence from the prefix cache does better.
+    let held = target.seq_len().into_result()?;
+    let depth = target.capabilities().rollback_depth as usize;
+    if reused > 0 && held - reused > depth {
+        reused = 0;
+    }
     if reused > 0 && target.truncate(reused).into_result().is_err() {
         reused = 0; // Beyond what the backend can roll back to: start afresh.
     }
     if reused == 0 {
-        target.truncate(0).into_result()?;
+        // A new sequence: a drafter starts over, or from the prefix cache's positions.
+        target.renew().into_result()?;
         if reuse {
             // What earlier sequences left in the backend's prefix cache (whole blocks).
             reused = target.reuse_prefix(prompt).into_result()?;

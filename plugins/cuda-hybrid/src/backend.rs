@@ -317,7 +317,7 @@ fn open_with(
     .map_err(|e| specula_engine::backend::attribute(PLUGIN, e))?;
 
     // The host half.
-    let host = CpuExecutor::new(
+    let mut host = CpuExecutor::new(
         model,
         CpuPart {
             layers: first_gpu,
@@ -388,6 +388,11 @@ fn open_with(
         placement.bytes >> 20,
         pool.current_num_threads(),
     );
+    if device.is_some() {
+        // The device stores its attention layers in the pool's blocks: it copies what the
+        // pool copies.
+        host.mirror_blocks();
+    }
     let executor = CudaExecutor {
         placement,
         host,
@@ -431,6 +436,7 @@ impl Executor for CudaExecutor {
     }
 
     fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
+        self.host.begin_evaluation(chunks);
         let reserved = self.host.reserve(chunks);
         // Copies the pool made before a failure are harmless to mirror.
         self.mirror_block_copies()?;
@@ -584,6 +590,19 @@ impl Executor for CudaExecutor {
     }
 }
 
+/// Makes the host pool's copy-on-write copies in the device's trunk caches; the ones a
+/// failure left unmade go back to the pool, first in line for the next try.
+fn mirror_copies(host: &mut CpuExecutor, m: &mut GpuModel) -> Result<(), PluginError> {
+    let copies = host.take_block_copies();
+    for (i, &(from, to)) in copies.iter().enumerate() {
+        if let Err(e) = m.kv.copy_block(&m.gpu, from as usize, to as usize) {
+            host.return_block_copies(copies[i..].to_vec());
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// Makes the device's trunk caches follow the host pool before a pass: the pool's
 /// copy-on-write copies, and the block tables of the pass's sequences.
 fn sync_block_tables(
@@ -591,9 +610,7 @@ fn sync_block_tables(
     m: &mut GpuModel,
     chunks: &[Chunk<'_>],
 ) -> Result<(), PluginError> {
-    for (from, to) in host.take_block_copies() {
-        m.kv.copy_block(&m.gpu, from as usize, to as usize)?;
-    }
+    mirror_copies(host, m)?;
     for chunk in chunks {
         let table = host
             .block_table(chunk.seq)
@@ -611,14 +628,10 @@ fn sync_block_tables(
 impl CudaExecutor {
     /// Copies the host pool's copy-on-write copies into the device's trunk caches.
     fn mirror_block_copies(&mut self) -> Result<(), PluginError> {
-        let copies = self.host.take_block_copies();
-        if let Some(d) = &mut self.device {
-            let m = &mut d.model;
-            for (from, to) in copies {
-                m.kv.copy_block(&m.gpu, from as usize, to as usize)?;
-            }
+        match &mut self.device {
+            Some(d) => mirror_copies(&mut self.host, &mut d.model),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The device half of sequence slot `seq`'s ring, where the GPU runs GDN layers.

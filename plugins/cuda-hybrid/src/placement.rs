@@ -21,8 +21,9 @@ use crate::options::GpuLayers;
 pub struct LayerCost {
     /// Bytes of its weights (matrices as stored, vectors as f32).
     pub weights: u64,
-    /// Bytes of its sequence state: the KV cache of an attention layer for the whole context,
-    /// the snapshot-ring planes of a Gated DeltaNet layer.
+    /// Bytes of its sequence state: an attention layer's share of the KV block pool
+    /// (`kv_tokens` positions over all sequences), a Gated DeltaNet layer's snapshot-ring
+    /// planes for every sequence slot.
     pub state: u64,
 }
 

@@ -263,9 +263,16 @@ impl CpuExecutor {
     }
 
     /// The copy-on-write block copies the attention pool made since the last call
-    /// ([`KvPool::take_copies`]): a store mirroring the pool makes them too.
+    /// ([`KvPool::take_copies`]; after [`mirror_blocks`](Self::mirror_blocks)): a store
+    /// mirroring the pool makes them too.
     pub fn take_block_copies(&mut self) -> Vec<(u32, u32)> {
         self.pool.take_copies()
+    }
+
+    /// Puts back copies [`take_block_copies`](Self::take_block_copies) gave that the mirror
+    /// could not make (they come first next time).
+    pub fn return_block_copies(&mut self, copies: Vec<(u32, u32)>) {
+        self.pool.return_copies(copies);
     }
 
     /// The residual rows of the last [`run_layers`](Self::run_layers), `rows × n_embd`.
@@ -357,7 +364,39 @@ impl CpuExecutor {
         let mut ops = self.ops(model, rows.n, logits)?;
         arch::head(model, &mut ops, rows)?;
         hidden.copy_from_slice(&self.scratch.act(Act::Hidden)[..rows.n * e]);
+        // Sequences whose prefixes the cache keeps for the MTP head keep their hidden rows.
+        for (first, span) in rows.with_offsets() {
+            if let Some(caches) = self.seqs.get_mut(span.seq).and_then(Option::as_mut) {
+                if let Some(history) = &mut caches.hidden {
+                    if !history.write(span.pos0, &hidden[first * e..(first + span.n) * e]) {
+                        caches.hidden = None;
+                        caches.boundary = None;
+                    }
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Starts an evaluation of `chunks` (before [`reserve`](Self::reserve)): what an earlier
+    /// one captured at a block boundary and did not keep is stale.
+    pub fn begin_evaluation(&mut self, chunks: &[Chunk<'_>]) {
+        for chunk in chunks {
+            if let Some(plane) = self
+                .seqs
+                .get_mut(chunk.seq)
+                .and_then(Option::as_mut)
+                .and_then(|c| c.boundary.as_mut())
+            {
+                plane.clear();
+            }
+        }
+    }
+
+    /// Makes the attention pool log its copy-on-write copies for a store that mirrors its
+    /// blocks ([`take_block_copies`](Self::take_block_copies)).
+    pub fn mirror_blocks(&mut self) {
+        self.pool.log_copies();
     }
 
     /// The MTP head over one pass of `chunks` (see [`Executor::mtp`]).
@@ -583,17 +622,7 @@ impl Executor for CpuExecutor {
     }
 
     fn reserve(&mut self, chunks: &[Chunk<'_>]) -> Result<(), PluginError> {
-        // An evaluation starts: what an earlier one captured and did not keep is stale.
-        for chunk in chunks {
-            if let Some(plane) = self
-                .seqs
-                .get_mut(chunk.seq)
-                .and_then(Option::as_mut)
-                .and_then(|c| c.boundary.as_mut())
-            {
-                plane.clear();
-            }
-        }
+        self.begin_evaluation(chunks);
         CpuExecutor::reserve(self, chunks)
     }
 
@@ -612,23 +641,7 @@ impl Executor for CpuExecutor {
             self.run_layers(model, chunks)?;
             let spans = Chunk::spans(chunks);
             self.head(model, &Rows::new(&spans), hidden, logits)
-        })?;
-        // Sequences whose prefixes the cache keeps for the MTP head keep their hidden rows.
-        let e = self.dims.n_embd;
-        let mut row = 0;
-        for chunk in chunks {
-            let rows = &hidden[row * e..(row + chunk.rows()) * e];
-            row += chunk.rows();
-            if let Some(caches) = self.seqs.get_mut(chunk.seq).and_then(Option::as_mut) {
-                if let Some(history) = &mut caches.hidden {
-                    if !history.write(chunk.pos0, rows) {
-                        caches.hidden = None;
-                        caches.boundary = None;
-                    }
-                }
-            }
-        }
-        Ok(())
+        })
     }
 
     fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
