@@ -26,6 +26,7 @@ use std::hash::{Hash, Hasher};
 
 use rayon::prelude::*;
 use specula_kernels::attention::{Cached, CachedRows};
+use specula_kernels::q8_0;
 use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
 
 use crate::blocks::attention::AttentionShape;
@@ -44,30 +45,56 @@ pub enum KvType {
     /// attention's memory traffic; llama.cpp's default cache type, and this one's).
     #[default]
     F16,
+    /// ggml's Q8_0 per head row: blocks of 32 values as an f16 scale and 32 signed bytes (34
+    /// bytes per 32 values, about half of f16; llama.cpp's `-ctk q8_0 -ctv q8_0`). Head sizes
+    /// must be multiples of 32.
+    Q8_0,
 }
 
 impl KvType {
-    /// The name used in options (`f32`, `f16`).
+    /// The name used in options (`f32`, `f16`, `q8_0`).
     pub fn name(self) -> &'static str {
         match self {
             KvType::F32 => "f32",
             KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
         }
     }
 
     /// The type named `name`.
     pub fn from_name(name: &str) -> Option<Self> {
-        [KvType::F32, KvType::F16]
+        [KvType::F32, KvType::F16, KvType::Q8_0]
             .into_iter()
             .find(|t| t.name() == name)
     }
 
-    /// Bytes per stored value.
-    pub fn bytes(self) -> usize {
+    /// Storage units (f32s, u16s or bytes) of one head row of `dim` values, or `None` where
+    /// the type cannot store such rows (Q8_0 needs whole blocks of 32).
+    pub fn row_units(self, dim: usize) -> Option<usize> {
+        match self {
+            KvType::F32 | KvType::F16 => Some(dim),
+            KvType::Q8_0 => dim
+                .is_multiple_of(q8_0::BLOCK_VALUES)
+                .then(|| dim / q8_0::BLOCK_VALUES * q8_0::BLOCK_BYTES),
+        }
+    }
+
+    /// Bytes of one storage unit.
+    pub fn unit_bytes(self) -> usize {
         match self {
             KvType::F32 => 4,
             KvType::F16 => 2,
+            KvType::Q8_0 => 1,
         }
+    }
+
+    /// Bytes of one head row of `dim` values (rounded up to whole Q8_0 blocks).
+    pub fn row_bytes(self, dim: usize) -> usize {
+        let dim = match self {
+            KvType::Q8_0 => dim.next_multiple_of(q8_0::BLOCK_VALUES),
+            _ => dim,
+        };
+        self.row_units(dim).unwrap_or(0) * self.unit_bytes()
     }
 }
 
@@ -76,6 +103,8 @@ impl KvType {
 enum Store {
     F32(Vec<f32>),
     F16(Vec<u16>),
+    /// Q8_0 blocks, each head row `dim / 32` of them.
+    Q8(Vec<u8>),
 }
 
 impl Store {
@@ -86,38 +115,56 @@ impl Store {
         Some(match ty {
             KvType::F32 => Store::F32(try_zeroed_vec(len)?),
             KvType::F16 => Store::F16(try_zeroed_vec(len)?),
+            KvType::Q8_0 => Store::Q8(try_zeroed_vec(len)?),
         })
     }
 
-    fn all(&self) -> Cached<'_> {
+    fn all(&self) -> Stored<'_> {
         match self {
-            Store::F32(v) => Cached::F32(v),
-            Store::F16(v) => Cached::F16(v),
+            Store::F32(v) => Stored::Float(Cached::F32(v)),
+            Store::F16(v) => Stored::Float(Cached::F16(v)),
+            Store::Q8(v) => Stored::Q8(v),
         }
     }
 
-    /// Copies block `from` onto block `to` (`block` values each).
+    /// Storage units held.
+    fn len(&self) -> usize {
+        match self {
+            Store::F32(v) => v.len(),
+            Store::F16(v) => v.len(),
+            Store::Q8(v) => v.len(),
+        }
+    }
+
+    /// Copies block `from` onto block `to` (`block` units each).
     fn copy_block(&mut self, from: usize, to: usize, block: usize) {
         match self {
             Store::F32(v) => v.copy_within(from * block..(from + 1) * block, to * block),
             Store::F16(v) => v.copy_within(from * block..(from + 1) * block, to * block),
+            Store::Q8(v) => v.copy_within(from * block..(from + 1) * block, to * block),
         }
     }
 
     /// Writes rows of `data` (each `heads × dim` values, the rows of positions `pos0 ..`) into
-    /// the blocks `table` lists (head-major blocks of `BLOCK_TOKENS` positions); heads on the
-    /// pool's threads when there are several rows.
-    fn write_rows(&mut self, table: &[u32], data: &[f32], heads: usize, dim: usize, pos0: usize) {
+    /// the blocks `table` lists (head-major blocks of `BLOCK_TOKENS` positions, a head row
+    /// `units` storage units); heads on the pool's threads when there are several rows.
+    fn write_rows(
+        &mut self,
+        table: &[u32],
+        data: &[f32],
+        (heads, dim, units): (usize, usize, usize),
+        pos0: usize,
+    ) {
         fn write<T: Send>(
             store: &mut [T],
             table: &[u32],
             data: &[f32],
-            (heads, dim, pos0): (usize, usize, usize),
-            convert: impl Fn(f32) -> T + Sync,
+            (heads, dim, units, pos0): (usize, usize, usize, usize),
+            convert: impl Fn(&[f32], &mut [T]) + Sync,
         ) {
             let width = heads * dim;
             let n = data.len() / width;
-            let block = heads * BLOCK_TOKENS * dim;
+            let block = heads * BLOCK_TOKENS * units;
             // Each block written, split into its heads: (block index in the table, head, region).
             let first_block = pos0 / BLOCK_TOKENS;
             let last_block = (pos0 + n).div_ceil(BLOCK_TOKENS);
@@ -133,7 +180,7 @@ impl Store {
                 let (this, tail) = tail.split_at_mut(block);
                 consumed = (id + 1) * block;
                 rest = tail;
-                for (h, head) in this.chunks_exact_mut(BLOCK_TOKENS * dim).enumerate() {
+                for (h, head) in this.chunks_exact_mut(BLOCK_TOKENS * units).enumerate() {
                     regions.push((b, h, head));
                 }
             }
@@ -141,10 +188,7 @@ impl Store {
                 let start = *b * BLOCK_TOKENS;
                 for i in pos0.max(start)..(pos0 + n).min(start + BLOCK_TOKENS) {
                     let src = &data[(i - pos0) * width + *h * dim..][..dim];
-                    let dst = &mut region[(i - start) * dim..][..dim];
-                    for (d, v) in dst.iter_mut().zip(src) {
-                        *d = convert(*v);
-                    }
+                    convert(src, &mut region[(i - start) * units..][..units]);
                 }
             };
             if n > 1 && rayon::current_num_threads() > 1 {
@@ -153,19 +197,34 @@ impl Store {
                 regions.iter_mut().for_each(fill);
             }
         }
-        let shape = (heads, dim, pos0);
+        let shape = (heads, dim, units, pos0);
         match self {
-            Store::F32(store) => write(store, table, data, shape, |v| v),
-            Store::F16(store) => write(store, table, data, shape, specula_kernels::f16::from_f32),
+            Store::F32(store) => write(store, table, data, shape, |src, dst| {
+                dst.copy_from_slice(src)
+            }),
+            Store::F16(store) => write(store, table, data, shape, |src, dst| {
+                for (d, v) in dst.iter_mut().zip(src) {
+                    *d = specula_kernels::f16::from_f32(*v);
+                }
+            }),
+            Store::Q8(store) => write(store, table, data, shape, q8_0::quantize_row),
         }
     }
+}
+
+/// A layer's cache as stored: values attention reads directly, or Q8_0 rows it reads
+/// dequantised.
+#[derive(Debug, Clone, Copy)]
+enum Stored<'a> {
+    Float(Cached<'a>),
+    Q8(&'a [u8]),
 }
 
 /// The cached keys (or values) of positions `0 .. count` of one layer of one sequence, head by
 /// head and block by block: what attention reads.
 #[derive(Debug, Clone, Copy)]
 pub struct CachedHeads<'a> {
-    data: Cached<'a>,
+    data: Stored<'a>,
     /// Block ids in position order (for a contiguous cache, one block at 0).
     blocks: &'a [u32],
     /// Positions per block.
@@ -176,8 +235,10 @@ pub struct CachedHeads<'a> {
     head_offset: usize,
     /// Values between consecutive positions of a head.
     row_stride: usize,
-    /// Values per head and position.
+    /// Storage units per head and position.
     width: usize,
+    /// Values per head and position.
+    values: usize,
     count: usize,
 }
 
@@ -191,13 +252,14 @@ impl<'a> CachedHeads<'a> {
         let row = width * heads;
         let count = data.len() / row.max(1);
         Self {
-            data,
+            data: Stored::Float(data),
             blocks: &ONE_BLOCK,
             block_tokens: count.max(1),
             block_stride: 0,
             head_offset: width,
             row_stride: row,
             width,
+            values: width,
             count,
         }
     }
@@ -212,15 +274,51 @@ impl<'a> CachedHeads<'a> {
         self.block_tokens
     }
 
-    /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's).
-    pub fn head_block(&self, h: usize, b: usize, n: usize) -> CachedRows<'a> {
+    /// Values per head and position.
+    pub fn values(&self) -> usize {
+        self.values
+    }
+
+    /// Whether [`head_block`](Self::head_block) dequantises into its scratch.
+    pub fn needs_scratch(&self) -> bool {
+        matches!(self.data, Stored::Q8(_))
+    }
+
+    /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's): the
+    /// stored rows, or for a Q8_0 cache the rows dequantised into `scratch` (at least `n`
+    /// rows of [`values`](Self::values) each; the same f32 values whatever else is read).
+    pub fn head_block<'s>(
+        &self,
+        h: usize,
+        b: usize,
+        n: usize,
+        scratch: &'s mut [f32],
+    ) -> CachedRows<'s>
+    where
+        'a: 's,
+    {
         assert!(
             n <= self.block_tokens && b * self.block_tokens + n <= self.count,
             "kv cache: {n} positions of block {b} beyond the {} held",
             self.count
         );
         let first = self.blocks[b] as usize * self.block_stride + h * self.head_offset;
-        self.data.rows(first, self.row_stride, self.width, n)
+        match self.data {
+            Stored::Float(data) => data.rows(first, self.row_stride, self.width, n),
+            Stored::Q8(bytes) => {
+                let rows = &mut scratch[..n * self.values];
+                if self.row_stride == self.width {
+                    // A block's rows of one head are contiguous: one call for all of them.
+                    q8_0::dequantize_row(&bytes[first..first + n * self.width], rows);
+                } else {
+                    for (i, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
+                        let at = first + i * self.row_stride;
+                        q8_0::dequantize_row(&bytes[at..at + self.width], row);
+                    }
+                }
+                Cached::F32(rows).rows(0, self.values, self.values, n)
+            }
+        }
     }
 }
 
@@ -351,9 +449,17 @@ impl KvPool {
         if u32::try_from(n_blocks).is_err() {
             return Err(too_big());
         }
+        for (what, dim) in [("key", shape.head_dim), ("value", shape.value_dim)] {
+            if ty.row_units(dim).is_none() {
+                return Err(PluginError::invalid_input(format!(
+                    "kv_type '{}' stores heads of a multiple of 32 values, but this model's {what} heads have {dim}; use kv_type 'f16'",
+                    ty.name()
+                )));
+            }
+        }
         let per_block = |dim: usize| {
             n_blocks
-                .checked_mul(shape.n_head_kv * BLOCK_TOKENS * dim)
+                .checked_mul(shape.n_head_kv * BLOCK_TOKENS * ty.row_units(dim).unwrap_or(0))
                 .ok_or_else(too_big)
         };
         let stores = |dim: usize| -> Result<Vec<Store>, PluginError> {
@@ -424,8 +530,9 @@ impl KvPool {
 
     /// Bytes of cache memory.
     pub fn n_bytes(&self) -> usize {
-        let row = self.heads * (self.key_dim + self.value_dim);
-        self.ty.bytes() * self.capacity() * row * self.keys.len()
+        let row =
+            self.heads * (self.ty.row_bytes(self.key_dim) + self.ty.row_bytes(self.value_dim));
+        self.capacity() * row * self.keys.len()
     }
 
     fn tick(&mut self) -> u64 {
@@ -486,10 +593,7 @@ impl KvPool {
             if self.refs[id] > 1 {
                 let copy = self.take_block()?;
                 for store in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                    let per_block = match store {
-                        Store::F32(v) => v.len(),
-                        Store::F16(v) => v.len(),
-                    } / self.n_blocks;
+                    let per_block = store.len() / self.n_blocks;
                     store.copy_block(id, copy as usize, per_block);
                 }
                 self.refs[copy as usize] = 1;
@@ -529,7 +633,11 @@ impl KvPool {
                 "kv cache: position {} beyond the reserved blocks",
                 end - 1
             );
-            store.write_rows(&seq.blocks, data, heads, dim, pos0);
+            let units = self
+                .ty
+                .row_units(dim)
+                .expect("checked when the pool was made");
+            store.write_rows(&seq.blocks, data, (heads, dim, units), pos0);
         }
     }
 
@@ -591,14 +699,19 @@ impl KvPool {
             Self::blocks_for(n) <= seq.blocks.len(),
             "kv cache: {n} positions beyond the reserved blocks"
         );
+        let units = self
+            .ty
+            .row_units(dim)
+            .expect("checked when the pool was made");
         CachedHeads {
             data: store.all(),
             blocks: &seq.blocks,
             block_tokens: BLOCK_TOKENS,
-            block_stride: self.heads * BLOCK_TOKENS * dim,
-            head_offset: BLOCK_TOKENS * dim,
-            row_stride: dim,
-            width: dim,
+            block_stride: self.heads * BLOCK_TOKENS * units,
+            head_offset: BLOCK_TOKENS * units,
+            row_stride: units,
+            width: units,
+            values: dim,
             count: n,
         }
     }
@@ -704,9 +817,10 @@ mod tests {
     fn head(heads: CachedHeads<'_>, h: usize) -> Vec<f32> {
         let mut out = Vec::new();
         let bt = heads.block_tokens();
+        let mut scratch = vec![0.0; bt * heads.values()];
         for b in 0..heads.count().div_ceil(bt) {
             let n = bt.min(heads.count() - b * bt);
-            let rows = heads.head_block(h, b, n);
+            let rows = heads.head_block(h, b, n, &mut scratch);
             for j in 0..n {
                 let probs: Vec<f32> = (0..n).map(|i| f32::from(u8::from(i == j))).collect();
                 let mut row = vec![0.0; rows.len()];
@@ -774,7 +888,7 @@ mod tests {
                 (BLOCK_TOKENS, 1, 7)
             );
             assert_eq!(pool.capacity(), 8 * BLOCK_TOKENS);
-            assert_eq!(pool.n_bytes(), ty.bytes() * 8 * BLOCK_TOKENS * 6 * 2);
+            assert_eq!(pool.n_bytes(), ty.unit_bytes() * 8 * BLOCK_TOKENS * 6 * 2);
         }
     }
 
@@ -894,6 +1008,82 @@ mod tests {
         let tenth = specula_kernels::f16::to_f32(0x2e66);
         assert_eq!(head(pool.values(0, &seq, 1), 0), [tenth]);
         assert_eq!(KvType::from_name("f16"), Some(KvType::F16));
-        assert_eq!(KvType::from_name("q8_0"), None);
+        assert_eq!(KvType::from_name("q8_0"), Some(KvType::Q8_0));
+        assert_eq!(KvType::from_name("q4_0"), None);
+    }
+
+    /// A Q8_0 cache stores each head row as ggml's Q8_0 blocks (the bytes of
+    /// `q8_0::quantize_row`) and reads back their dequantised values, across blocks, forks
+    /// and copy-on-write copies; heads that are not whole blocks of 32 are refused by name.
+    #[test]
+    fn q8_0_storage_holds_each_head_row_as_q8_0_blocks() {
+        let shape = AttentionShape {
+            n_head: 2,
+            n_head_kv: 2,
+            head_dim: 64,
+            value_dim: 32,
+        };
+        let mut pool = KvPool::new(1, 4, &shape, KvType::Q8_0, false).unwrap();
+        assert_eq!(
+            pool.n_bytes(),
+            4 * BLOCK_TOKENS * 2 * (2 * 34 + 34),
+            "34 bytes per 32 values"
+        );
+        let n = BLOCK_TOKENS + 9;
+        let value = |p: usize, h: usize, i: usize| ((p * 7 + h * 3 + i) % 23) as f32 * 0.37 - 4.0;
+        let rows = |dim: usize| -> Vec<f32> {
+            (0..n)
+                .flat_map(|p| (0..2).flat_map(move |h| (0..dim).map(move |i| value(p, h, i))))
+                .collect()
+        };
+        let (keys, values) = (rows(64), rows(32));
+        let mut seq = SeqKv::default();
+        pool.reserve(&mut seq, 0, n).unwrap();
+        pool.store(0, &seq, 0, &keys[..64 * 2 * 5], &values[..32 * 2 * 5]);
+        pool.store(0, &seq, 5, &keys[64 * 2 * 5..], &values[32 * 2 * 5..]);
+        pool.set_len(&mut seq, n);
+        let expect = |data: &[f32], dim: usize, h: usize| -> Vec<f32> {
+            let mut out = Vec::new();
+            for p in 0..n {
+                let src = &data[(p * 2 + h) * dim..][..dim];
+                let mut bytes = vec![0; dim / 32 * 34];
+                specula_kernels::q8_0::quantize_row(src, &mut bytes);
+                let mut back = vec![0.0; dim];
+                specula_kernels::q8_0::dequantize_row(&bytes, &mut back);
+                out.extend(back);
+            }
+            out
+        };
+        for h in 0..2 {
+            let got = head(pool.keys(0, &seq, n), h);
+            assert_eq!(got, expect(&keys, 64, h), "keys of head {h}");
+            let want = &keys[h * 64..][..64];
+            assert!(got[..64]
+                .iter()
+                .zip(want)
+                .all(|(a, b)| (a - b).abs() < 0.02));
+            assert_eq!(head(pool.values(0, &seq, n), h), expect(&values, 32, h));
+        }
+        // A fork writing into the shared partial block gets a copy; the parent keeps its rows.
+        let mut child = pool.fork(&seq);
+        pool.truncate(&mut child, n - 1);
+        pool.reserve(&mut child, n - 1, n).unwrap();
+        pool.store(0, &child, n - 1, &[9.0; 128], &[9.0; 64]);
+        pool.set_len(&mut child, n);
+        assert_eq!(head(pool.keys(0, &seq, n), 1), expect(&keys, 64, 1));
+        let nine = head(pool.keys(0, &child, n), 1)[(n - 1) * 64];
+        assert!((nine - 9.0).abs() < 0.01, "{nine}");
+
+        let odd = AttentionShape {
+            head_dim: 48,
+            ..shape
+        };
+        let err = KvPool::new(1, 4, &odd, KvType::Q8_0, false).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidInput);
+        assert!(
+            err.message.contains("kv_type 'q8_0'") && err.message.contains("48"),
+            "{}",
+            err.message
+        );
     }
 }

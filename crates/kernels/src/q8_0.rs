@@ -109,7 +109,20 @@ pub(crate) fn round_half_away(v: f32) -> i32 {
 }
 
 /// Decodes Q8_0 `bytes` into `out` (a whole number of blocks).
+///
+/// Runs an AVX-512 version at that [`simd::level`] (a Q8_0 KV cache is read through this,
+/// for every position of every step); it gives exactly the values of
+/// [`dequantize_row_scalar`].
 pub fn dequantize_row(bytes: &[u8], out: &mut [f32]) {
+    if simd::level() == SimdLevel::Avx512 {
+        simd::dequantize_q8_0_row(bytes, out);
+    } else {
+        dequantize_row_scalar(bytes, out);
+    }
+}
+
+/// Scalar reference of [`dequantize_row`]: each quant times the block's scale.
+pub fn dequantize_row_scalar(bytes: &[u8], out: &mut [f32]) {
     assert_eq!(out.len() % BLOCK_VALUES, 0, "q8_0 row: not whole blocks");
     assert_eq!(
         bytes.len(),
@@ -385,6 +398,26 @@ mod tests {
         // The ties really are ties: 2.5 rounds away from zero.
         let tie_block = &scalar[8 * BLOCK_BYTES..9 * BLOCK_BYTES];
         assert_eq!(tie_block[2] as i8, -62);
+    }
+
+    /// The SIMD dequantiser gives the reference's bits, on the awkward blocks (NaN, infinite
+    /// and subnormal scales, quants of -128) at every length up to 11 blocks.
+    #[test]
+    fn simd_dequantisation_gives_the_reference_values() {
+        let mut bytes = quantized(&awkward_blocks());
+        // Scales a quantiser never writes: NaN, infinity, subnormal; quants of -128.
+        for (i, scale) in [0x7e00u16, 0x7c00, 0x0001].into_iter().enumerate() {
+            bytes[i * BLOCK_BYTES..][..2].copy_from_slice(&scale.to_le_bytes());
+        }
+        bytes[3 * BLOCK_BYTES + 2..4 * BLOCK_BYTES].fill(0x80);
+        for blocks in 1..=11.min(bytes.len() / BLOCK_BYTES) {
+            let row = &bytes[..blocks * BLOCK_BYTES];
+            let mut want = vec![0.0; blocks * BLOCK_VALUES];
+            dequantize_row_scalar(row, &mut want);
+            let got = dequantized(row);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{blocks} blocks");
+        }
     }
 
     fn quantized(x: &[f32]) -> Vec<u8> {

@@ -186,7 +186,7 @@ fn tensor_types(file: &specula_gguf::GgufFile) -> Vec<TensorTypeShare> {
 
 /// KV-cache bytes one position adds: the attention layers (every trunk layer of a dense model,
 /// the full-attention ones of a hybrid) times their key and value widths, in the profile's
-/// `kv_type` (f16 unless it says `f32`).
+/// `kv_type` (f16 unless it says `f32` or `q8_0`).
 fn kv_bytes_per_position(file: &specula_gguf::GgufFile, profile: &Profile) -> Option<u64> {
     use specula_gguf::hparams::{HParams, HybridParams};
     let hp = HParams::from_gguf(file).ok()?;
@@ -194,16 +194,22 @@ fn kv_bytes_per_position(file: &specula_gguf::GgufFile, profile: &Profile) -> Op
         Ok(hybrid) => hybrid.recurrent.iter().filter(|&&r| !r).count() as u64,
         Err(_) => u64::from(hp.block_count),
     };
-    let value_bytes = match profile
+    let kv_type = profile
         .target
         .options
         .get("kv_type")
-        .and_then(|v| v.as_str())
-    {
-        Some("f32") => 4,
-        _ => 2,
+        .and_then(|v| v.as_str());
+    // Bytes of one head row of `dim` values: f32, f16, or Q8_0 blocks (34 bytes per 32).
+    let row = |dim: u32| {
+        let dim = u64::from(dim);
+        u64::from(hp.head_count_kv)
+            * match kv_type {
+                Some("f32") => 4 * dim,
+                Some("q8_0") => dim.div_ceil(32) * 34,
+                _ => 2 * dim,
+            }
     };
-    Some(layers * u64::from(hp.k_width() + hp.v_width()) * value_bytes)
+    Some(layers * (row(hp.key_length) + row(hp.value_length)))
 }
 
 /// Resets the process's peak resident set (`VmHWM`) to its current size (Linux 4.0+);

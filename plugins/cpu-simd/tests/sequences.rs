@@ -116,6 +116,52 @@ fn batched_rows_stay_bit_identical_with_other_cache_and_weight_layouts() {
     }
 }
 
+/// A Q8_0 KV cache (`kv_type = "q8_0"`): every row of a batched pass — verify rows of mixed
+/// widths, prefill chunks, forks, truncations — stays bit-identical to its sequence evaluated
+/// alone, on a dense and a hybrid model whose heads are whole Q8_0 blocks; its logits stay
+/// close to the f16 cache's; a model with other head sizes is refused naming the option.
+#[test]
+fn a_q8_0_cache_keeps_every_row_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let dense = dir.path().join("qwen3-heads64.gguf");
+    write_qwen3_shaped(&dense, GgmlType::Q8_0, 7, Qwen3Shape::K_QUANT);
+    let hybrid = dir.path().join("qwen35-wide.gguf");
+    write_qwen35(&hybrid, GgmlType::Q8_0, 3);
+    let q8 = [("kv_type", "q8_0")];
+    for path in [dense, hybrid] {
+        let name = format!("{} q8_0 cache", path.display());
+        let mut batched = open_many(&path, 6, &q8);
+        let mut alone = open_many(&path, 6, &q8);
+        assert_batches_match_sequences_alone(&mut batched, &mut alone, 6, 10, 8, 5, &name);
+
+        let prompt: Vec<u32> = Rng::new(4).tokens(BLOCK_TOKENS + 7, 512);
+        let logits = |options: &[(&str, &str)]| {
+            let mut b = open_many(&path, 1, options);
+            let seq = b.seq_create().into_result().unwrap();
+            eval_in(&mut b, seq, &prompt, LogitRows::Last)
+        };
+        let (quantised, half) = (logits(&q8), logits(&[]));
+        let diff = quantised
+            .iter()
+            .zip(&half)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let scale = half.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(
+            diff > 0.0 && diff < 0.03 * scale,
+            "{name}: q8_0 against f16 logits {diff} (largest {scale})"
+        );
+    }
+    let mut p = params(&tiny_llama(), 2, 256);
+    p.options.push(abi_stable::std_types::Tuple2(
+        "kv_type".into(),
+        "q8_0".into(),
+    ));
+    let err = specula_cpu_simd::open(&p).map(|_| ()).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
+    assert!(err.message.contains("kv_type 'q8_0'"), "{err}");
+}
+
 fn eval_in(b: &mut CpuBackend, seq: SeqId, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
     let mut logits = RVec::new();
     b.eval(seq, tokens, rows, &mut logits)

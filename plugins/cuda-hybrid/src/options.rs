@@ -121,6 +121,11 @@ impl Options {
             }
             Parsed::Ok
         })?;
+        if common.kv_type == specula_engine::kv_cache::KvType::Q8_0 {
+            return Err(PluginError::invalid_input(format!(
+                "{PLUGIN_NAME}: option 'kv_type' = 'q8_0' is not supported here yet (its GPU kernels read f16 or f32 caches); use 'f16' (or cpu-simd for q8_0)"
+            )));
+        }
         options.common = common;
         Ok(options)
     }
@@ -182,6 +187,7 @@ mod tests {
             ("vram_budget", "lots"),
             ("device", "-1"),
             ("deep_rollback", "maybe"),
+            ("kv_type", "q8_0"),
         ] {
             let err = Options::parse(&params(&[(key, value)])).unwrap_err();
             assert_eq!(err.kind, ErrorKind::InvalidInput);

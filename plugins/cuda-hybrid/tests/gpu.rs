@@ -596,6 +596,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
                 keys_f16.ptr(),
                 values_f16.ptr(),
             ),
+            KvType::Q8_0 => unreachable!("cuda-hybrid has no q8_0 cache"),
         };
         let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
         let layer = ops::KvLayer {

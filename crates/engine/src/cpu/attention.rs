@@ -63,6 +63,9 @@ pub struct AttentionScratch {
     outputs: Vec<f32>,
     /// Per job and key/value head: how many keys each query sees.
     limits: Vec<usize>,
+    /// Per job and key/value head, for a quantised cache: one block of its head's rows
+    /// dequantised.
+    rows: Vec<f32>,
 }
 
 impl AttentionScratch {
@@ -104,6 +107,8 @@ struct Item<'a> {
     limits: &'a mut [usize],
     /// The limits within one cache block.
     block_limits: &'a mut [usize],
+    /// A dequantised cache block (empty for a cache attention reads as stored).
+    rows: &'a mut [f32],
 }
 
 /// Attention of query rows (`queries`, `rows × q_width`) of several sequences, each
@@ -203,15 +208,26 @@ fn attend_wave(
     grow(&mut s.queries, totals.0);
     grow(&mut s.scores, totals.1);
     grow(&mut s.outputs, totals.2);
+    let quantised = segments
+        .iter()
+        .any(|seg| seg.keys.needs_scratch() || seg.values.needs_scratch());
+    let block_rows = if quantised {
+        let bt = segments.iter().map(|seg| seg.keys.block_tokens()).max();
+        bt.unwrap_or(0) * hd.max(vd)
+    } else {
+        0
+    };
+    grow(&mut s.rows, block_rows * jobs.len() * heads);
     if s.limits.len() < 2 * totals.3 {
         s.limits.resize(2 * totals.3, 0);
     }
     let mut items = Vec::with_capacity(jobs.len() * heads);
-    let (mut q_rest, mut s_rest, mut o_rest, mut l_rest) = (
+    let (mut q_rest, mut s_rest, mut o_rest, mut l_rest, mut r_rest) = (
         &mut s.queries[..],
         &mut s.scores[..],
         &mut s.outputs[..],
         &mut s.limits[..],
+        &mut s.rows[..],
     );
     for job in jobs {
         let (q, sc, o, l) = sizes(job);
@@ -221,7 +237,8 @@ fn attend_wave(
             let (outputs, o_next) = o_rest.split_at_mut(o);
             let (limits, l_next) = l_rest.split_at_mut(l);
             let (block_limits, l_next) = l_next.split_at_mut(l);
-            (q_rest, s_rest, o_rest, l_rest) = (q_next, s_next, o_next, l_next);
+            let (rows, r_next) = r_rest.split_at_mut(block_rows);
+            (q_rest, s_rest, o_rest, l_rest, r_rest) = (q_next, s_next, o_next, l_next, r_next);
             items.push(Item {
                 job: *job,
                 head,
@@ -230,6 +247,7 @@ fn attend_wave(
                 outputs,
                 limits,
                 block_limits,
+                rows,
             });
         }
     }
@@ -268,7 +286,7 @@ fn attend_wave(
         };
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
-            let keys = seg.keys.head_block(g, b, count);
+            let keys = seg.keys.head_block(g, b, count, item.rows);
             let scores = &mut item.scores[first_key..];
             kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
         }
@@ -285,7 +303,7 @@ fn attend_wave(
         }
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
-            let values = seg.values.head_block(g, b, count);
+            let values = seg.values.head_block(g, b, count, item.rows);
             let probs = Rows::new(&item.scores[first_key..], n_keys, count, n_queries);
             if b == 0 {
                 kattention::weighted_sums(probs, values, item.block_limits, item.outputs);

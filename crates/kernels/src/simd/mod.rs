@@ -80,7 +80,7 @@ pub(crate) use float::{axpy, float_accumulate, weighted_sum};
 pub(crate) use interleaved::interleaved_pass;
 pub(crate) use k_quant::k_quant_accumulate;
 pub(crate) use norm_rope::{rotate_pairs, scale_mul, sum_squares_f64};
-pub(crate) use quantize::{quantize_q8_0_row, quantize_q8_k_row};
+pub(crate) use quantize::{dequantize_q8_0_row, quantize_q8_0_row, quantize_q8_k_row};
 pub(crate) use rows::{
     accumulate_and_sum, f32_bytes, row_sums, widened_accumulate_and_sum, OutRows, RowSumsEncoding,
     WidenedFormat,

@@ -1,6 +1,7 @@
 //! Activation quantisation to Q8_0 and Q8_K ([`crate::q8_0::quantize_row`],
-//! [`crate::q8_k::quantize_row`]): the AVX-512 kernels (bit-identical to the scalar references;
-//! there are no AVX2 ones) and their safe entry points.
+//! [`crate::q8_k::quantize_row`]) and Q8_0 dequantisation ([`crate::q8_0::dequantize_row`], what
+//! a Q8_0 KV cache is read through): the AVX-512 kernels (bit-identical to the scalar
+//! references; there are no AVX2 ones) and their safe entry points.
 
 use super::SimdLevel;
 
@@ -17,6 +18,22 @@ pub(crate) fn quantize_q8_0_row(x: &[f32], out: &mut [u8]) {
     // SAFETY: AVX-512 is available and `out` holds one block per 32 values (checked above).
     unsafe {
         avx512::quantize_q8_0_row(x, out)
+    }
+}
+
+/// [`crate::q8_0::dequantize_row`] with AVX-512 (which the caller checked is available).
+pub(crate) fn dequantize_q8_0_row(bytes: &[u8], out: &mut [f32]) {
+    SimdLevel::Avx512.assert_supported();
+    assert_eq!(out.len() % crate::q8_0::BLOCK_VALUES, 0);
+    assert_eq!(
+        out.len() / crate::q8_0::BLOCK_VALUES * crate::q8_0::BLOCK_BYTES,
+        bytes.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512 is available and `bytes` holds one block per 32 values of `out`
+    // (checked above).
+    unsafe {
+        avx512::dequantize_q8_0_row(bytes, out)
     }
 }
 
@@ -62,6 +79,31 @@ mod avx512 {
             _mm512_castps_si512(_mm512_set1_ps(1.0)),
         ));
         _mm512_cvttps_epi32(_mm512_mask_add_ps(whole, up, whole, step))
+    }
+
+    /// Q8_0 dequantisation (`q8_0::dequantize_row_scalar`'s values): per block, each quant
+    /// widened to f32 exactly and multiplied by the block's scale, one rounding as there.
+    ///
+    /// # Safety
+    ///
+    /// The AVX-512 level must be available; `bytes` holds one block per 32 values of `out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize_q8_0_row(bytes: &[u8], out: &mut [f32]) {
+        for (block, values) in bytes
+            .chunks_exact(q8_0::BLOCK_BYTES)
+            .zip(out.chunks_exact_mut(q8_0::BLOCK_VALUES))
+        {
+            let d = _mm512_set1_ps(q8_0::scale(block));
+            // SAFETY: a block holds 2 scale bytes then 32 quants, and `values` 32 f32s.
+            unsafe {
+                let quants = _mm256_loadu_si256(block.as_ptr().add(2).cast());
+                let low = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(quants));
+                let high = _mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(quants));
+                let out = values.as_mut_ptr();
+                _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(low), d));
+                _mm512_storeu_ps(out.add(16), _mm512_mul_ps(_mm512_cvtepi32_ps(high), d));
+            }
+        }
     }
 
     /// Q8_0 activation quantisation (`q8_0::quantize_row_scalar`'s bytes): per block of 32 the

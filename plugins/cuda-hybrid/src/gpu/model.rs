@@ -99,7 +99,7 @@ impl DeviceKv {
 
     /// The 16-bit units of `values` cache values.
     pub fn units(&self, values: usize) -> usize {
-        values * self.ty.bytes() / 2
+        values * self.ty.unit_bytes() / 2
     }
 
     /// The device address of value `i` of `buf`.
@@ -114,7 +114,7 @@ impl DeviceKv {
         (k_width, v_width): (usize, usize),
         ty: KvType,
     ) -> u64 {
-        (ty.bytes() * layers * n_ctx * (k_width + v_width)) as u64
+        (ty.unit_bytes() * layers * n_ctx * (k_width + v_width)) as u64
     }
 }
 

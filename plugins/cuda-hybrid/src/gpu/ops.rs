@@ -401,6 +401,7 @@ pub fn kv_store(
     let kernel = match kv {
         KvType::F32 => "kv_store",
         KvType::F16 => "kv_store_f16",
+        KvType::Q8_0 => return Err(internal("cuda-hybrid: no q8_0 KV kernels".into())),
     };
     gpu.launch(
         kernel,
@@ -461,6 +462,7 @@ pub fn attention(
             match kv.ty {
                 KvType::F32 => "attention",
                 KvType::F16 => "attention_f16",
+                KvType::Q8_0 => return Err(internal("cuda-hybrid: no q8_0 KV kernels".into())),
             },
             (blocks(dims.n_head, 1), blocks(m, 1), 1),
             ATTENTION_BLOCK,
