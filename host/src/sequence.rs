@@ -11,12 +11,24 @@ use specula_plugin_api::{
 pub struct SeqModel {
     pub backend: BoxedForwardPass,
     pub seq: SeqId,
+    /// The length the sequence started at (what it took from the prefix cache): a recurrent
+    /// state cannot be rolled back before it.
+    started_at: usize,
 }
 
 impl SeqModel {
     /// `backend` with a new, empty sequence.
     pub fn new(mut backend: BoxedForwardPass) -> PluginResult<Self> {
-        backend.seq_create().map(|seq| Self { backend, seq })
+        backend.seq_create().map(|seq| Self {
+            backend,
+            seq,
+            started_at: 0,
+        })
+    }
+
+    /// The length the sequence started at ([`reuse_prefix`](Self::reuse_prefix)'s).
+    pub fn started_at(&self) -> usize {
+        self.started_at
     }
 
     pub fn model_info(&self) -> ModelInfo {
@@ -45,16 +57,23 @@ impl SeqModel {
     /// Gives the empty sequence what the backend's prefix cache holds of `tokens`' start;
     /// returns the tokens it now holds ([`specula_plugin_api::ForwardPass::seq_reuse_prefix`]).
     pub fn reuse_prefix(&mut self, tokens: &[u32]) -> PluginResult<usize> {
-        self.backend
-            .seq_reuse_prefix(self.seq, RSlice::from_slice(tokens))
+        let reused = self
+            .backend
+            .seq_reuse_prefix(self.seq, RSlice::from_slice(tokens));
+        if let abi_stable::std_types::RResult::ROk(n) = reused {
+            self.started_at = n;
+        }
+        reused
     }
 
     /// Replaces the sequence by a new, empty one (a new id: what a drafter kept of the old
     /// one no longer applies).
+    ///
+    /// Freeing the old one may fail (a failed renewal already freed it); creating the new one
+    /// is what decides.
     pub fn renew(&mut self) -> PluginResult<()> {
-        if let abi_stable::std_types::RResult::RErr(e) = self.backend.seq_free(self.seq) {
-            return abi_stable::std_types::RResult::RErr(e);
-        }
+        let _ = self.backend.seq_free(self.seq);
+        self.started_at = 0;
         self.backend.seq_create().map(|seq| self.seq = seq)
     }
 

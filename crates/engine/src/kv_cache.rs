@@ -1,6 +1,6 @@
 //! The attention KV cache: one pool of fixed-size blocks per backend instance, shared by its
-//! sequences through block tables (paged attention), stored as f32 or f16 ([`KvType`]), with a
-//! prefix cache of full blocks.
+//! sequences through block tables (paged attention), stored as f32, f16 or Q8_0 ([`KvType`]),
+//! with a prefix cache of full blocks.
 //!
 //! A block holds [`BLOCK_TOKENS`] positions of every layer the pool serves, **head-major** inside
 //! the block: all its positions of key/value head 0, then of head 1, … — so attending over one
@@ -229,11 +229,11 @@ pub struct CachedHeads<'a> {
     blocks: &'a [u32],
     /// Positions per block.
     block_tokens: usize,
-    /// Values between the starts of consecutive block ids.
+    /// Storage units between the starts of consecutive block ids.
     block_stride: usize,
-    /// Values between the starts of consecutive heads in a block.
+    /// Storage units between the starts of consecutive heads in a block.
     head_offset: usize,
-    /// Values between consecutive positions of a head.
+    /// Storage units between consecutive positions of a head.
     row_stride: usize,
     /// Storage units per head and position.
     width: usize,

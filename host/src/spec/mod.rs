@@ -112,12 +112,13 @@ fn run(
     } else {
         0
     };
-    // Cutting a recurrent state back further than its snapshots reach would re-decode the
-    // kept tokens (and empty an MTP head's cache under a drafter that continues from it): a
-    // new sequence from the prefix cache does better.
-    let held = target.seq_len().into_result()?;
+    // Cutting a recurrent state back further than its snapshots reach (the advertised depth,
+    // and never before the length the sequence started at from the prefix cache) would
+    // re-decode the kept tokens (and empty an MTP head's cache under a drafter that continues
+    // from it): a new sequence from the prefix cache does better.
+    let held = target.seq_len().into_result().unwrap_or(0);
     let depth = target.capabilities().rollback_depth as usize;
-    if reused > 0 && held - reused > depth {
+    if reused > held || held - reused > depth || reused < target.started_at() {
         reused = 0;
     }
     if reused > 0 && target.truncate(reused).into_result().is_err() {

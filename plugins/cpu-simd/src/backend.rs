@@ -22,8 +22,9 @@
 //! truncation cuts it together with the trunk.
 //!
 //! Options (`[target.options]` of the profile): the engine's `ring_budget_bytes` and
-//! `deep_rollback` and `kv_type` ([`specula_engine::backend::options`]: `f16` by default,
-//! `f32` for an exact cache) and `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
+//! `deep_rollback`, `kv_type` ([`specula_engine::backend::options`]: `f16` by default, `f32`
+//! for an exact cache, `q8_0` for half of f16's memory) and `prefix_state_bytes`, and
+//! `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
 //! Q4_K / Q5_K / Q6_K matrices are repacked at load into interleaved 16-row groups where the CPU has
 //! AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every matrix
 //! is read from the mapped file as stored). An unknown option is an error naming the known

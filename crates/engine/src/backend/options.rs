@@ -18,7 +18,7 @@ pub const OPTION_RING_BUDGET_BYTES: &str = "ring_budget_bytes";
 /// Backend option: what truncation beyond the rollback window does (`redecode` or `refuse`).
 pub const OPTION_DEEP_ROLLBACK: &str = "deep_rollback";
 
-/// Backend option: the KV cache's storage type (`f16` or `f32`).
+/// Backend option: the KV cache's storage type (`f16`, `f32` or `q8_0`).
 pub const OPTION_KV_TYPE: &str = "kv_type";
 
 /// Backend option: the most bytes of recurrent states the prefix cache keeps (hybrid models).

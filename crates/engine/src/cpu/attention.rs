@@ -154,8 +154,10 @@ pub fn attend_segments(
         }
     }
     let group = shape.n_head / shape.n_head_kv;
+    // A quantised cache is read a block at a time through each item's own scratch.
+    let block_rows = dequantised_block_values(shape, segments);
     let item_values =
-        |job: &Job| job.rows * group * (shape.head_dim + job.n_keys + shape.value_dim);
+        |job: &Job| job.rows * group * (shape.head_dim + job.n_keys + shape.value_dim) + block_rows;
     let mut start = 0;
     while start < jobs.len() {
         // A wave: the next jobs whose buffers fit `WAVE_VALUES` (at least one).
@@ -208,15 +210,7 @@ fn attend_wave(
     grow(&mut s.queries, totals.0);
     grow(&mut s.scores, totals.1);
     grow(&mut s.outputs, totals.2);
-    let quantised = segments
-        .iter()
-        .any(|seg| seg.keys.needs_scratch() || seg.values.needs_scratch());
-    let block_rows = if quantised {
-        let bt = segments.iter().map(|seg| seg.keys.block_tokens()).max();
-        bt.unwrap_or(0) * hd.max(vd)
-    } else {
-        0
-    };
+    let block_rows = dequantised_block_values(shape, segments);
     grow(&mut s.rows, block_rows * jobs.len() * heads);
     if s.limits.len() < 2 * totals.3 {
         s.limits.resize(2 * totals.3, 0);
@@ -338,6 +332,19 @@ fn attend_wave(
                     .copy_from_slice(&item.outputs[query * vd..(query + 1) * vd]);
             }
         }
+    }
+}
+
+/// Values of one item's scratch for a dequantised cache block: a block of the widest head, or
+/// 0 where every cache is read as stored.
+fn dequantised_block_values(shape: &AttentionShape, segments: &[Segment<'_>]) -> usize {
+    let quantised = segments
+        .iter()
+        .any(|seg| seg.keys.needs_scratch() || seg.values.needs_scratch());
+    let block = segments.iter().map(|seg| seg.keys.block_tokens()).max();
+    match quantised {
+        true => block.unwrap_or(0) * shape.head_dim.max(shape.value_dim),
+        false => 0,
     }
 }
 

@@ -99,6 +99,7 @@ impl DeviceKv {
 
     /// The 16-bit units of `values` cache values.
     pub fn units(&self, values: usize) -> usize {
+        debug_assert!(self.ty != KvType::Q8_0, "cuda-hybrid keeps no q8_0 cache");
         values * self.ty.unit_bytes() / 2
     }
 
@@ -114,6 +115,7 @@ impl DeviceKv {
         (k_width, v_width): (usize, usize),
         ty: KvType,
     ) -> u64 {
+        debug_assert!(ty != KvType::Q8_0, "cuda-hybrid keeps no q8_0 cache");
         (ty.unit_bytes() * layers * n_ctx * (k_width + v_width)) as u64
     }
 }
