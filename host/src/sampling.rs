@@ -188,16 +188,9 @@ impl Sampler {
     }
 }
 
-/// Index of the largest logit (the first one on ties).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Index of the largest logit (the first one on ties): the greedy pick, the same function
+/// the drafters pick greedy drafts with.
+pub use specula_drafting::argmax;
 
 /// Turns the `p` fields (holding logits) into probabilities.
 fn softmax_in_place(candidates: &mut [Candidate], scale: f32) {

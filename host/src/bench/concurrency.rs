@@ -24,6 +24,7 @@ use crate::genmodel::DEFAULT_CORPUS;
 use crate::pipeline::load_tokenizer;
 use crate::plugins::{backend_params, SearchPath};
 use crate::profile::{options_as_text, Profile};
+use crate::sampling::argmax;
 
 /// What `--concurrency` measures.
 #[derive(Debug, Clone)]
@@ -123,17 +124,6 @@ fn open_target(profile: &Profile, max_sequences: usize) -> anyhow::Result<BoxedF
         caps.max_sequences
     );
     Ok(backend)
-}
-
-/// The index of the largest value (the first of equals).
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// One batch of one chunk per `(sequence, tokens)`, the logits of each chunk's `rows`.
