@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use abi_stable::std_types::{RSlice, RVec};
 use common::*;
 use specula_cpu_simd::CpuBackend;
+use specula_drafting::argmax;
 use specula_engine::kv_cache::BLOCK_TOKENS;
 use specula_gguf::GgmlType;
 use specula_plugin_api::{ErrorKind, EvalChunk, ForwardPass, LogitRows, SeqId, SequenceCalls};
@@ -140,6 +141,44 @@ fn a_q8_0_cache_keeps_every_row_bit_identical() {
             let seq = b.seq_create().into_result().unwrap();
             eval_in(&mut b, seq, &prompt, LogitRows::Last)
         };
+        // Greedy speculation over the q8_0 cache: verify batches of the plain greedy tokens
+        // with a wrong last draft, rolled back after each, emit exactly the plain tokens.
+        // A q8_0 instance after the first 20 prompt tokens, and its greedy next token.
+        let start = || {
+            let mut b = open_many(&path, 1, &q8);
+            let seq = b.seq_create().into_result().unwrap();
+            let first = argmax(&eval_in(&mut b, seq, &prompt[..20], LogitRows::Last));
+            (b, seq, first)
+        };
+        let (mut plain, p, first) = start();
+        let mut want = vec![first];
+        while want.len() < 13 {
+            let last = *want.last().unwrap();
+            want.push(argmax(&eval_in(&mut plain, p, &[last], LogitRows::Last)));
+        }
+        let (mut spec, s, first) = start();
+        let mut got = vec![first];
+        let vocab = spec.model_info().vocab_size;
+        while got.len() < 13 {
+            let at = got.len();
+            let mut batch = vec![got[at - 1]];
+            batch.extend(&want[at..(at + 2).min(want.len())]);
+            batch.push((want[(at + 2).min(want.len() - 1)] + 1) % vocab);
+            let before = spec.seq_len(s).into_result().unwrap();
+            let rows = eval_in(&mut spec, s, &batch, LogitRows::All);
+            let mut kept = 0;
+            for (i, row) in rows.chunks_exact(vocab as usize).enumerate() {
+                let token = argmax(row);
+                got.push(token);
+                kept = i + 1;
+                if i + 1 == batch.len() || batch[i + 1] != token {
+                    break;
+                }
+            }
+            spec.truncate(s, before + kept).into_result().unwrap();
+        }
+        assert_eq!(&got[..13], &want[..], "{name}: greedy speculation");
+
         let (quantised, half) = (logits(&q8), logits(&[]));
         let diff = quantised
             .iter()
@@ -160,6 +199,17 @@ fn a_q8_0_cache_keeps_every_row_bit_identical() {
     let err = specula_cpu_simd::open(&p).map(|_| ()).unwrap_err();
     assert_eq!(err.kind, ErrorKind::InvalidInput, "{err}");
     assert!(err.message.contains("kv_type 'q8_0'"), "{err}");
+}
+
+/// A new sequence given what the prefix cache holds of `tokens`: it and the tokens it took.
+fn reuse(b: &mut CpuBackend, tokens: &[u32]) -> (SeqId, usize) {
+    let seq = b.seq_create().into_result().unwrap();
+    let n = b
+        .seq_reuse_prefix(seq, RSlice::from_slice(tokens))
+        .into_result()
+        .unwrap();
+    assert_eq!(b.seq_len(seq).into_result(), Ok(n));
+    (seq, n)
 }
 
 fn eval_in(b: &mut CpuBackend, seq: SeqId, tokens: &[u32], rows: LogitRows) -> Vec<f32> {
@@ -288,15 +338,6 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
     let mut b = open_many(&tiny_llama(), 3, &[]);
     let first = b.seq_create().into_result().unwrap();
     let want = eval_in(&mut b, first, &prompt, LogitRows::Last);
-    let reuse = |b: &mut CpuBackend, tokens: &[u32]| {
-        let seq = b.seq_create().into_result().unwrap();
-        let n = b
-            .seq_reuse_prefix(seq, RSlice::from_slice(tokens))
-            .into_result()
-            .unwrap();
-        assert_eq!(b.seq_len(seq).into_result(), Ok(n));
-        (seq, n)
-    };
     let (second, n) = reuse(&mut b, &prompt);
     assert_eq!(n, 3 * B, "the three full blocks");
     let got = eval_in(&mut b, second, &prompt[n..], LogitRows::Last);
@@ -333,15 +374,6 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_bit_for_bit() {
 #[test]
 fn a_hybrid_prefix_is_served_with_its_recurrent_state_bit_for_bit() {
     const B: usize = BLOCK_TOKENS;
-    let reuse = |b: &mut CpuBackend, tokens: &[u32]| {
-        let seq = b.seq_create().into_result().unwrap();
-        let n = b
-            .seq_reuse_prefix(seq, RSlice::from_slice(tokens))
-            .into_result()
-            .unwrap();
-        assert_eq!(b.seq_len(seq).into_result(), Ok(n));
-        (seq, n)
-    };
     let alone = |path: &Path, tokens: &[u32]| {
         let mut fresh = open_many(path, 1, &[]);
         let seq = fresh.seq_create().into_result().unwrap();
