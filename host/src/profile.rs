@@ -186,6 +186,9 @@ pub struct SpeculationSection {
     pub draft_max: u32,
     /// Let the draft length follow recent acceptance.
     pub adaptive: bool,
+    /// Verify a tree of drafts per pass where the drafter grows one and the backend verifies
+    /// trees (greedy requests; sampled ones keep chains): `draft_max` is then the most nodes.
+    pub tree: bool,
 }
 
 impl Default for SpeculationSection {
@@ -195,6 +198,7 @@ impl Default for SpeculationSection {
             draft_min: 0,
             draft_max: 7,
             adaptive: true,
+            tree: false,
         }
     }
 }

@@ -3,8 +3,8 @@
 
 use abi_stable::std_types::{RSlice, RVec};
 use specula_plugin_api::{
-    BoxedForwardPass, Capabilities, LentSequence, LogitRows, ModelInfo, PluginResult, SeqId,
-    SequenceCalls,
+    BoxedForwardPass, Capabilities, EvalChunk, LentSequence, LogitRows, ModelInfo, PluginResult,
+    SeqId, SequenceCalls,
 };
 
 /// A backend instance and the sequence of it this pipeline decodes.
@@ -52,6 +52,19 @@ impl SeqModel {
         logits: &mut RVec<f32>,
     ) -> PluginResult<()> {
         self.backend.eval(self.seq, tokens, rows, logits)
+    }
+
+    /// Evaluates `tokens` with logits for every row: a chain when `parents` is empty, else
+    /// the tree they describe ([`specula_plugin_api::EvalChunk::parents`]).
+    pub fn eval_tree(
+        &mut self,
+        tokens: &[u32],
+        parents: &[u32],
+        logits: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        let chunk = EvalChunk::tree(self.seq, tokens, parents, LogitRows::All);
+        self.backend
+            .eval_batch(RSlice::from_slice(&[chunk]), logits)
     }
 
     /// Gives the empty sequence what the backend's prefix cache holds of `tokens`' start;

@@ -58,6 +58,7 @@ fn request(i: usize, speculate: bool) -> Request {
             draft_min: 1,
             draft_max: 4,
             adaptive: false,
+            tree: false,
         }),
         sampling,
         cancel: CancelFlag::default(),
@@ -386,6 +387,10 @@ impl ForwardPass for Tripwire {
     }
     fn truncate(&mut self, seq: SeqId, len: usize) -> PluginResult<()> {
         self.check().and_then(|()| self.inner.truncate(seq, len))
+    }
+    fn seq_keep_path(&mut self, seq: SeqId, path: RSlice<'_, u32>) -> PluginResult<()> {
+        self.check()
+            .and_then(|()| self.inner.seq_keep_path(seq, path))
     }
     fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()> {
         self.check()

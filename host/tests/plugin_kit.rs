@@ -131,8 +131,8 @@ fn layout_mismatches_are_reported_in_a_line() {
     let drafter_rs = api.join("src/drafter.rs");
     let source = std::fs::read_to_string(&drafter_rs).unwrap();
     let grown = source.replacen(
-        "    pub seed: u64,\n}",
-        "    pub seed: u64,\n    pub hint: u64,\n}",
+        "    pub tree: bool,\n}",
+        "    pub tree: bool,\n    pub hint: u64,\n}",
         1,
     );
     assert_ne!(grown, source, "DraftRequest moved; update this test");
@@ -167,7 +167,7 @@ fn layout_mismatches_are_reported_in_a_line() {
     assert!(
         line.contains("libspecula_grown")
             && line.contains("DraftRequest")
-            && line.contains("size 32 here, 40 in the plugin")
+            && line.contains("size 40 here, 48 in the plugin")
             && line.contains("rebuild the plugin"),
         "{line}"
     );

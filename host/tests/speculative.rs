@@ -43,6 +43,7 @@ fn request(prompt: &str, max_tokens: u32, sampling: SamplingParams, spec: bool) 
             draft_min: 0,
             draft_max: 7,
             adaptive: true,
+            tree: false,
         }),
         cancel: Default::default(),
     }
@@ -81,6 +82,7 @@ const ADAPTIVE: SpecSettings = SpecSettings {
     draft_min: 0,
     draft_max: 7,
     adaptive: true,
+    tree: false,
 };
 
 /// A fixed draft length, for figures about the drafter itself and for runs that must not
@@ -89,11 +91,13 @@ const FIXED_4: SpecSettings = SpecSettings {
     draft_min: 4,
     draft_max: 4,
     adaptive: false,
+    tree: false,
 };
 const FIXED_7: SpecSettings = SpecSettings {
     draft_min: 7,
     draft_max: 7,
     adaptive: false,
+    tree: false,
 };
 
 fn assert_parity_with(
@@ -367,7 +371,11 @@ impl Drafter for BadDrafter {
         Ok(()).into()
     }
 
-    fn accept(&mut self, _n: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn accept(
+        &mut self,
+        _accepted: RSlice<'_, u32>,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         Ok(()).into()
     }
 }
@@ -508,6 +516,7 @@ fn rejection_sampling_keeps_the_target_distribution() {
                 draft_min: 3,
                 draft_max: 3,
                 adaptive: false,
+                tree: false,
             });
             let (o, _) = run(&mut p, &req);
             drafted += o.speculative.drafted;
@@ -718,4 +727,95 @@ fn a_turn_that_keeps_less_than_the_rollback_window_starts_a_new_sequence() {
     let want = generate(&mut fresh, &second, |_| {}).unwrap();
     assert_eq!(got.tokens, want.tokens);
     assert!(got.speculative.accepted > 0, "{:?}", got.speculative);
+}
+
+/// Tree speculation (greedy) through `p`'s drafter: the output equals plain decoding — also
+/// with token limits, stop strings and an end-of-generation token inside the accepted path —
+/// and returns the tokens per target pass of chains and of trees at 8 rows per pass.
+fn tree_parity(p: &mut Pipeline, name: &str) -> (f64, f64) {
+    let tree = SpecSettings {
+        tree: true,
+        ..FIXED_7
+    };
+    let (mut chains, mut trees) = (
+        specula_host::spec::SpecStats::default(),
+        specula_host::spec::SpecStats::default(),
+    );
+    for prompt in STORY_PROMPTS {
+        trees.merge(&assert_parity_with(p, prompt, 96, &[], tree).speculative);
+        chains.merge(&assert_parity_with(p, prompt, 96, &[], FIXED_7).speculative);
+        for max in [1, 3, 10] {
+            assert_parity_with(p, prompt, max, &[], tree);
+        }
+        for stop in ["Lily", "park.", "\n"] {
+            assert_parity_with(p, prompt, 96, &[stop], tree);
+        }
+    }
+    assert!(trees.drafted > 0, "{name}: {trees:?}");
+    let eos = p.info.eos_token;
+    let ids = p.tokenizer.encode(" the", false, false);
+    p.info.eos_token = Some(*ids.last().unwrap()).into();
+    for prompt in STORY_PROMPTS {
+        assert_parity_with(p, prompt, 150, &[], tree);
+    }
+    p.info.eos_token = eos;
+    let per_pass = |s: &specula_host::spec::SpecStats| s.emitted as f64 / s.target_passes as f64;
+    println!(
+        "{name}, 8 rows per pass: tokens per target pass chain {:.3}, tree {:.3}",
+        per_pass(&chains),
+        per_pass(&trees)
+    );
+    (per_pass(&chains), per_pass(&trees))
+}
+
+/// Tree speculation keeps greedy parity with the draft model (a dense pair) and with the MTP
+/// head on every MTP model (hybrids: each tree row's recurrent state from its parent's).
+#[test]
+fn tree_speculation_keeps_greedy_parity() {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = shared("models/llama2xs-281K.gguf");
+    let mut p = open(
+        dir.path(),
+        "models/stories260K.gguf",
+        &format!(
+            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            draft.to_str().unwrap()
+        ),
+    );
+    let (chain, tree) = tree_parity(&mut p, "stories260K + llama2xs-281K");
+    assert!(
+        tree > chain,
+        "trees {tree:.3} against chains {chain:.3} tokens per pass"
+    );
+    for model in MTP_MODELS {
+        let mut p = open(dir.path(), model, "[drafter]\nplugin = \"mtp\"\n");
+        tree_parity(&mut p, model);
+    }
+}
+
+/// Accepted drafts that fill the context end generation where plain decoding ends it, chains
+/// and trees alike (a drafter that drafts the target itself: every draft accepted up to the
+/// last position).
+#[test]
+fn drafts_that_fill_the_context_stop_where_plain_decoding_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = shared("models/stories260K.gguf");
+    let mut p = open(
+        dir.path(),
+        "models/stories260K.gguf",
+        &format!(
+            "context_size = 90\n[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+            model.to_str().unwrap()
+        ),
+    );
+    let tree = SpecSettings {
+        tree: true,
+        ..FIXED_7
+    };
+    for prompt in STORY_PROMPTS {
+        for settings in [FIXED_4, FIXED_7, tree] {
+            let o = assert_parity_with(&mut p, prompt, 400, &[], settings);
+            assert_eq!(o.stop_reason, StopReason::ContextFull, "{prompt:?}");
+        }
+    }
 }

@@ -78,6 +78,9 @@ pub struct Capabilities {
     pub mtp_head: bool,
     /// Bytes one recurrent-state snapshot slot occupies (0 for pure-attention models).
     pub snapshot_bytes_per_slot: u64,
+    /// [`EvalChunk::parents`] may describe a tree (tree speculation) and
+    /// [`ForwardPass::seq_keep_path`] works.
+    pub tree_verify: bool,
 }
 
 /// How full an instance's attention KV pool is, in blocks of `block_tokens` positions.
@@ -135,14 +138,48 @@ impl std::fmt::Display for SeqId {
     }
 }
 
+/// The parent of a tree row that continues the sequence itself (see [`EvalChunk::parents`]).
+pub const TREE_ROOT: u32 = u32::MAX;
+
 /// One sequence's part of an [`ForwardPass::eval_batch`]: `tokens` appended at the positions
 /// after the sequence, the logits of `rows` of them returned.
+///
+/// With `parents` empty the tokens are a chain: each continues the one before it. Otherwise
+/// (a backend advertising [`Capabilities::tree_verify`]) they are a tree in topological order:
+/// `parents[i]` is the index of the row token `i` continues (less than `i`), or [`TREE_ROOT`]
+/// for a row that continues the sequence's last token. A row is at the position after its
+/// parent's and sees the sequence and its own ancestors only, so its logits are the bits of
+/// evaluating the path to it alone. Until [`ForwardPass::seq_keep_path`] keeps one path (or
+/// [`ForwardPass::truncate`] cuts the tree off) the sequence takes no other evaluation.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Copy)]
 pub struct EvalChunk<'a> {
     pub seq: SeqId,
     pub tokens: RSlice<'a, u32>,
     pub rows: LogitRows,
+    pub parents: RSlice<'a, u32>,
+}
+
+impl<'a> EvalChunk<'a> {
+    /// A chunk of consecutive tokens (no tree).
+    pub fn chain(seq: SeqId, tokens: &'a [u32], rows: LogitRows) -> Self {
+        Self {
+            seq,
+            tokens: RSlice::from_slice(tokens),
+            rows,
+            parents: RSlice::empty(),
+        }
+    }
+
+    /// A chunk of `tokens` forming the tree `parents` (see [`EvalChunk`]).
+    pub fn tree(seq: SeqId, tokens: &'a [u32], parents: &'a [u32], rows: LogitRows) -> Self {
+        Self {
+            seq,
+            tokens: RSlice::from_slice(tokens),
+            rows,
+            parents: RSlice::from_slice(parents),
+        }
+    }
 }
 
 /// One sequence's part of an [`ForwardPass::mtp_eval_batch`]: the MTP head over consecutive
@@ -224,6 +261,14 @@ pub trait ForwardPass: Send + Sync {
     /// window of a recurrent model.
     fn truncate(&mut self, seq: SeqId, len: usize) -> PluginResult<()>;
 
+    /// After an evaluation of `seq` whose chunk was a tree ([`EvalChunk::parents`]): keeps
+    /// the tree's rows `path` — a root, then a child of it, and so on — as the sequence's next
+    /// tokens, in that order, and drops the other rows (their cache entries and states). The
+    /// sequence then holds `path.len()` tokens more than before the tree, exactly as if the
+    /// path alone had been evaluated, and [`hidden_states`](ForwardPass::hidden_states)
+    /// returns the path's rows. An error names what does not hold.
+    fn seq_keep_path(&mut self, seq: SeqId, path: RSlice<'_, u32>) -> PluginResult<()>;
+
     /// The final-norm hidden states of every row `seq` had in the last evaluation of it
     /// (row-major, `hidden_size` per row; resized).
     fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()>;
@@ -260,11 +305,20 @@ pub trait SequenceCalls: ForwardPass {
         rows: LogitRows,
         logits: &mut RVec<f32>,
     ) -> PluginResult<()> {
-        let chunk = EvalChunk {
-            seq,
-            tokens: RSlice::from_slice(tokens),
-            rows,
-        };
+        let chunk = EvalChunk::chain(seq, tokens, rows);
+        self.eval_batch(RSlice::from_slice(&[chunk]), logits)
+    }
+
+    /// Evaluates the tree `tokens` / `parents` after `seq` ([`ForwardPass::eval_batch`] of one
+    /// tree chunk), logits for every row.
+    fn eval_tree(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        parents: &[u32],
+        logits: &mut RVec<f32>,
+    ) -> PluginResult<()> {
+        let chunk = EvalChunk::tree(seq, tokens, parents, LogitRows::All);
         self.eval_batch(RSlice::from_slice(&[chunk]), logits)
     }
 

@@ -113,13 +113,20 @@ pub struct DraftRequest<'a> {
     pub temperature: f32,
     /// Seed for the drafter's own sampling (changes every step).
     pub seed: u64,
+    /// The host verifies a tree ([`Draft::parents`]) in one pass: a drafter may branch,
+    /// with `max_tokens` the most nodes. When false it must propose a chain.
+    pub tree: bool,
 }
 
-/// A proposal: up to `max_tokens` draft tokens.
+/// A proposal: up to `max_tokens` draft tokens, a chain or (when the request allows) a tree.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Default)]
 pub struct Draft {
     pub tokens: RVec<u32>,
+    /// Empty for a chain (each token continues the one before). For a tree, one entry per
+    /// token in topological order: the index of the draft it continues (less than its own), or
+    /// [`crate::TREE_ROOT`] for a token that continues the context.
+    pub parents: RVec<u32>,
     /// The draft distribution each token was drawn from (`tokens.len() × vocab_size`,
     /// row-major), or empty when the drafter has none (the host then treats it as one-hot).
     pub probs: RVec<f32>,
@@ -130,6 +137,7 @@ pub struct Draft {
 impl Draft {
     pub fn clear(&mut self) {
         self.tokens.clear();
+        self.parents.clear();
         self.probs.clear();
         self.confidence.clear();
     }
@@ -169,12 +177,13 @@ pub trait Drafter: Send + Sync {
     ) -> PluginResult<()>;
 
     /// Called after every target pass of the decode loop, whether or not drafts were
-    /// proposed for it: the pass evaluated the certain token and the proposal (the target's
-    /// last `eval`, whose rows the drafter may read with `hidden_states`), and the first
-    /// `n_accepted` drafts were accepted and emitted; the target was then truncated after
-    /// them. The certain token that follows arrives with the next `propose`.
+    /// proposed for it: the pass evaluated the certain token and the proposal, and the drafts
+    /// `accepted` (indices into the proposal, in order: `0, 1, ..` for a chain, a root-to-node
+    /// path of a tree) were accepted and emitted. The target then holds the certain token and
+    /// them (its `hidden_states` begin with their rows, in that order). The certain token that
+    /// follows arrives with the next `propose`.
     #[sabi(last_prefix_field)]
-    fn accept(&mut self, n_accepted: u32, models: DrafterModels<'_>) -> PluginResult<()>;
+    fn accept(&mut self, accepted: RSlice<'_, u32>, models: DrafterModels<'_>) -> PluginResult<()>;
 }
 
 /// An owned drafter as returned by a drafter plugin.

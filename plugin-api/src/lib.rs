@@ -26,6 +26,7 @@ pub use abi_stable;
 pub use backend::{
     box_forward_pass, BackendParams, BoxedForwardPass, Capabilities, EvalChunk, ForwardPass,
     ForwardPassMut, ForwardPass_TO, KvUsage, LogitRows, ModelInfo, MtpChunk, SeqId, SequenceCalls,
+    TREE_ROOT,
 };
 pub use drafter::{
     box_drafter, BoxedDrafter, Draft, DraftRequest, Drafter, DrafterModels, DrafterParams,
@@ -36,7 +37,7 @@ pub use module::{PluginInfo, PluginKind, PluginModule, PluginModuleRef};
 
 /// The ABI version this crate defines. The host accepts a plugin only when the plugin reports
 /// exactly this number. Bump it on any change to a type reachable from [`PluginModule`].
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 
 /// Name of the plain `extern "C" fn() -> u32` every plugin exports, returning its [`ABI_VERSION`].
 pub const ABI_VERSION_SYMBOL: &str = "specula_plugin_abi_version";

@@ -426,11 +426,7 @@ pub fn assert_batches_match_sequences_alone<B: ForwardPass>(
         }
         let chunks: Vec<EvalChunk<'_>> = plan
             .iter()
-            .map(|(i, tokens, rows)| EvalChunk {
-                seq: seqs[*i].batched,
-                tokens: RSlice::from_slice(tokens),
-                rows: *rows,
-            })
+            .map(|(i, tokens, rows)| EvalChunk::chain(seqs[*i].batched, tokens, *rows))
             .collect();
         let mut logits = RVec::new();
         batched
@@ -618,4 +614,135 @@ pub fn fingerprint<B: ForwardPass>(b: &mut B) -> Result<u64, PluginError> {
         .into_result()?;
     fp.add(&logits);
     Ok(fp.0)
+}
+
+/// A random tree of `n` rows in topological order: each row's parent is [`crate::TREE_ROOT`]
+/// or an earlier row, deeper chains more likely than wide fans.
+pub fn random_tree(rng: &mut Rng, n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| match i {
+            0 => crate::TREE_ROOT,
+            _ if rng.below(6) == 0 => crate::TREE_ROOT,
+            _ if rng.below(2) == 0 => i as u32 - 1,
+            _ => rng.below(i as u32),
+        })
+        .collect()
+}
+
+/// The rows from a root of `parents` down to `row`.
+pub fn tree_path(parents: &[u32], row: usize) -> Vec<u32> {
+    let mut path = vec![row as u32];
+    while let Some(&p) = parents
+        .get(*path.last().unwrap() as usize)
+        .filter(|&&p| p != crate::TREE_ROOT)
+    {
+        path.push(p);
+    }
+    path.reverse();
+    path
+}
+
+/// Tree evaluations on `b` (which advertises `tree_verify`), `rounds` of them: every row of a
+/// tree — evaluated alone or in one batch beside another sequence's prefill — gets the bits of
+/// its path evaluated alone as a chain after the same prefix; after
+/// [`ForwardPass::seq_keep_path`] the sequence continues (logits, hidden states, length) exactly
+/// as the path evaluated alone does; the misuses are refused. Prefixes of random lengths (so
+/// trees straddle cache blocks) and trees of 1 to 14 rows (at most `max_verify_tokens`). `b`
+/// needs 4 sequences.
+pub fn assert_tree_rows_match_their_paths<B: ForwardPass>(
+    b: &mut B,
+    rounds: usize,
+    seed: u64,
+    name: &str,
+) {
+    assert!(b.capabilities().tree_verify, "{name}: no tree_verify");
+    let vocab = b.model_info().vocab_size as usize;
+    let context = b.model_info().context_size as usize;
+    let most_rows = b.capabilities().max_verify_tokens.clamp(1, 14);
+    let mut rng = Rng::new(seed);
+    for round in 0..rounds {
+        let prefix_len = 1 + rng.below((context as u32 / 2).min(150)) as usize;
+        let n = 1 + rng.below(most_rows) as usize;
+        let prefix = rng.tokens(prefix_len, vocab as u32);
+        let tokens = rng.tokens(n, vocab as u32);
+        let parents = random_tree(&mut rng, n);
+        let name = format!("{name}: round {round} (prefix {prefix_len}, tree {parents:?})");
+
+        let base = new_seq(b);
+        eval(b, base, &prefix, LogitRows::Last);
+        let tree = b.seq_fork(base).into_result().unwrap();
+        let beside = new_seq(b);
+        let n_other = 1 + rng.below(20) as usize;
+        let other = rng.tokens(n_other, vocab as u32);
+        let mut logits = RVec::new();
+        let chunks = [
+            EvalChunk::chain(beside, &other, LogitRows::Last),
+            EvalChunk::tree(tree, &tokens, &parents, LogitRows::All),
+        ];
+        b.eval_batch(RSlice::from_slice(&chunks), &mut logits)
+            .into_result()
+            .unwrap_or_else(|e| panic!("{name}: tree eval: {e}"));
+        let tree_logits = &logits[vocab..];
+        b.seq_free(beside).into_result().unwrap();
+        assert_eq!(seq_len(b, tree), prefix_len + n, "{name}");
+
+        // Every row against its path alone.
+        for row in 0..n {
+            let path = tree_path(&parents, row);
+            let chain: Vec<u32> = path.iter().map(|&r| tokens[r as usize]).collect();
+            let alone = b.seq_fork(base).into_result().unwrap();
+            let want = eval(b, alone, &chain, LogitRows::Last);
+            b.seq_free(alone).into_result().unwrap();
+            assert!(
+                bits(self::row(tree_logits, row, vocab)) == bits(&want),
+                "{name}: row {row} (path {path:?}) differs from its path evaluated alone"
+            );
+        }
+
+        // Misuse: another eval, a truncation into the tree, a broken path.
+        let err = b.eval(tree, &[1], LogitRows::Last, &mut logits);
+        assert!(err.is_err(), "{name}: an eval on an unresolved tree");
+        if n > 0 {
+            assert!(
+                b.truncate(tree, prefix_len + 1).is_err(),
+                "{name}: a truncation into the tree"
+            );
+        }
+        if let Some(child) = (0..n).find(|&r| parents[r] != crate::TREE_ROOT) {
+            let bad = [child as u32];
+            let err = b.seq_keep_path(tree, RSlice::from_slice(&bad));
+            assert!(err.is_err(), "{name}: a path starting below a root");
+        }
+
+        // Keep a random leaf's path, or cut the whole tree off.
+        if rng.below(5) == 0 {
+            truncate(b, tree, prefix_len);
+            assert_eq!(seq_len(b, tree), prefix_len, "{name}");
+        } else {
+            let leaf = rng.below(n as u32) as usize;
+            let path = tree_path(&parents, leaf);
+            b.seq_keep_path(tree, RSlice::from_slice(&path))
+                .into_result()
+                .unwrap_or_else(|e| panic!("{name}: keep {path:?}: {e}"));
+            let chain: Vec<u32> = path.iter().map(|&r| tokens[r as usize]).collect();
+            let alone = b.seq_fork(base).into_result().unwrap();
+            eval(b, alone, &chain, LogitRows::All);
+            assert_eq!(seq_len(b, tree), seq_len(b, alone), "{name}");
+            assert!(
+                bits(&hidden(b, tree)) == bits(&hidden(b, alone)),
+                "{name}: hidden states after keeping {path:?}"
+            );
+            let n_next = 1 + rng.below(6) as usize;
+            let next = rng.tokens(n_next, vocab as u32);
+            let got = eval(b, tree, &next, LogitRows::All);
+            let want = eval(b, alone, &next, LogitRows::All);
+            assert!(
+                bits(&got) == bits(&want),
+                "{name}: continuing after keeping {path:?}"
+            );
+            b.seq_free(alone).into_result().unwrap();
+        }
+        b.seq_free(tree).into_result().unwrap();
+        b.seq_free(base).into_result().unwrap();
+    }
 }

@@ -6,6 +6,10 @@
 //! what the host's rejection sampling needs to stay exact. Either way the chosen token's
 //! probability is reported as its confidence.
 
+mod tree;
+
+pub use tree::{grow_shape, path_tokens, Shape, TreeGrower};
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use specula_plugin_api::{Draft, DraftRequest};
@@ -111,6 +115,7 @@ mod tests {
             max_tokens: 4,
             temperature,
             seed: 3,
+            tree: false,
         }
     }
 

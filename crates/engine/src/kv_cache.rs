@@ -145,6 +145,15 @@ impl Store {
         }
     }
 
+    /// Copies `units` storage units from unit `from` to unit `to`.
+    fn copy_units(&mut self, from: usize, to: usize, units: usize) {
+        match self {
+            Store::F32(v) => v.copy_within(from..from + units, to),
+            Store::F16(v) => v.copy_within(from..from + units, to),
+            Store::Q8(v) => v.copy_within(from..from + units, to),
+        }
+    }
+
     /// Writes rows of `data` (each `heads × dim` values, the rows of positions `pos0 ..`) into
     /// the blocks `table` lists (head-major blocks of `BLOCK_TOKENS` positions, a head row
     /// `units` storage units); heads on the pool's threads when there are several rows.
@@ -659,6 +668,38 @@ impl KvPool {
         for id in seq.blocks.split_off(keep).into_iter().rev() {
             self.release_block(id);
         }
+    }
+
+    /// Moves the rows of positions `base + path[k]` of `seq` to positions `base + k` in every
+    /// layer (each `path[k] >= k`, increasing: a tree's kept path), then cuts `seq` after them.
+    /// The positions moved must be in blocks only `seq` holds (as after storing them).
+    pub fn keep_rows(&mut self, seq: &mut SeqKv, base: usize, path: &[u32]) {
+        let heads = self.heads;
+        for (stores, dim) in [
+            (&mut self.keys, self.key_dim),
+            (&mut self.values, self.value_dim),
+        ] {
+            let units = self
+                .ty
+                .row_units(dim)
+                .expect("checked when the pool was made");
+            let unit = |pos: usize, h: usize| {
+                let block = seq.blocks[pos / BLOCK_TOKENS] as usize;
+                ((block * heads + h) * BLOCK_TOKENS + pos % BLOCK_TOKENS) * units
+            };
+            for store in stores.iter_mut() {
+                for (k, &row) in path.iter().enumerate() {
+                    let (from, to) = (base + row as usize, base + k);
+                    debug_assert!(from >= to, "kv cache: a path's rows only move down");
+                    if from != to {
+                        for h in 0..heads {
+                            store.copy_units(unit(from, h), unit(to, h), units);
+                        }
+                    }
+                }
+            }
+        }
+        self.truncate(seq, base + path.len());
     }
 
     /// A new sequence holding what `seq` holds, sharing its blocks.

@@ -146,6 +146,17 @@ impl RingIndex {
         (read, (read + 1) % self.n_planes)
     }
 
+    /// The plane of the `step`-th state after the live one (step 0: the live plane).
+    pub fn plane_of(&self, step: usize) -> usize {
+        (self.live + step) % self.n_planes
+    }
+
+    /// For row `row` of a tree evaluation whose parent's state is the `read`-th after the live
+    /// state (0 for a root): the plane it reads and the plane it writes (step `row + 1`).
+    pub fn tree_planes(&self, read: usize, row: usize) -> (usize, usize) {
+        (self.plane_of(read), self.plane_of(row + 1))
+    }
+
     /// Makes the state after `n` more tokens the live one.
     pub fn advance(&mut self, n: usize) {
         self.live = (self.live + n) % self.n_planes;
@@ -349,6 +360,49 @@ impl SnapshotRing {
         let (read, write) = self.index.step_planes(step);
         let len = self.layout.conv_len;
         read_write(self.conv_planes(layer), len, read, write)
+    }
+
+    /// Layer `layer`'s convolution states for a tree row ([`RingIndex::tree_planes`]): the
+    /// parent's state (step `read`) and the row's own (step `row + 1`).
+    pub fn conv_tree_io(&mut self, layer: usize, read: usize, row: usize) -> (&[f32], &mut [f32]) {
+        let (read, write) = self.index.tree_planes(read, row);
+        let len = self.layout.conv_len;
+        read_write(self.conv_planes(layer), len, read, write)
+    }
+
+    /// After a tree of `n` rows was evaluated and the ring advanced past it: makes the states
+    /// of the tree rows `path` (a root-to-node path; row `r` wrote step `r + 1`) the states at
+    /// the lengths after the tree's start, in order, the last one live — as if the path alone
+    /// had been evaluated. Needs `n` within the ring's depth (the tree's states all kept).
+    pub fn keep_path(&mut self, n: usize, path: &[u32]) {
+        let base = self.index.len() - n;
+        assert!(
+            n <= self.index.depth() && self.index.restore(base),
+            "snapshot ring: a tree of {n} rows does not fit a ring of depth {}",
+            self.index.depth()
+        );
+        let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
+        let per_head = self.head_planes_len();
+        for (k, &row) in path.iter().enumerate() {
+            let (from, to) = (
+                self.index.plane_of(row as usize + 1),
+                self.index.plane_of(k + 1),
+            );
+            if from == to {
+                continue;
+            }
+            for layer in 0..self.layout.n_layers {
+                self.conv_planes(layer)
+                    .copy_within(from * conv_len..(from + 1) * conv_len, to * conv_len);
+                for head in self
+                    .layer_heads_mut(layer)
+                    .chunks_exact_mut(per_head.max(1))
+                {
+                    head.copy_within(from * head_len..(from + 1) * head_len, to * head_len);
+                }
+            }
+        }
+        self.index.advance(path.len());
     }
 
     /// Layer `layer`'s convolution state at length `len + step` (what the `step`-th token

@@ -89,6 +89,15 @@ impl CachedRows<'_> {
         self.len() == 0
     }
 
+    /// Row `j` as f32 values (exact: every stored type widens to f32 without rounding) into
+    /// `out` (`len()` values).
+    pub fn row_f32(&self, j: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.len(), "attention: one row of values");
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.value(j, i);
+        }
+    }
+
     /// Value `i` of row `j`, as f32 (the scalar references read through this).
     fn value(&self, j: usize, i: usize) -> f32 {
         let row = self.rows.row(j);

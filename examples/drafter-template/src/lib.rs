@@ -140,7 +140,11 @@ impl Drafter for BigramDrafter {
         })
     }
 
-    fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn accept(
+        &mut self,
+        _accepted: RSlice<'_, u32>,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         // Accepted tokens arrive with the next context; nothing to do here.
         self.fence.clone().guard(NAME, || Ok(()))
     }

@@ -135,11 +135,7 @@ fn eval_batch(
 ) -> anyhow::Result<()> {
     let chunks: Vec<EvalChunk<'_>> = work
         .iter()
-        .map(|&(seq, tokens)| EvalChunk {
-            seq,
-            tokens: RSlice::from_slice(tokens),
-            rows,
-        })
+        .map(|&(seq, tokens)| EvalChunk::chain(seq, tokens, rows))
         .collect();
     backend
         .eval_batch(RSlice::from_slice(&chunks), logits)

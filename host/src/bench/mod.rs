@@ -49,6 +49,9 @@ pub struct BenchOptions {
     pub drafters: Vec<String>,
     /// Batch size of the oracle run (drafts = k − 1).
     pub oracle_k: u32,
+    /// Runs each drafter (but the oracle) twice at the same fixed rows per pass
+    /// (`draft_max` + 1): drafting chains, then trees.
+    pub tree: bool,
     /// Bytes read by the bandwidth measurement.
     pub bandwidth_bytes: usize,
 }
@@ -66,6 +69,7 @@ impl Default for BenchOptions {
                 "oracle".into(),
             ],
             oracle_k: 4,
+            tree: false,
             bandwidth_bytes: 1 << 30,
         }
     }
@@ -83,7 +87,10 @@ pub struct VerifyCost {
 /// One drafter's end-to-end result.
 #[derive(Debug, Clone, Serialize)]
 pub struct DrafterRun {
+    /// The drafter, with ` tree` after it for its tree runs.
     pub drafter: String,
+    /// Drafts proposed as trees (`--tree`).
+    pub tree: bool,
     pub decode_tokens_per_second: f64,
     /// Plain decoding in the drafter's pipeline (the same weights in memory), the runs taking
     /// turns with the speculative ones.
@@ -281,7 +288,11 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
 
     let rounds = runs.max(VERIFY_MIN_ROUNDS);
     let oracles = options.drafters.iter().filter(|d| *d == "oracle").count();
-    let total = 2 + runs + rounds + runs + 2 * runs * options.drafters.len() + rounds * oracles;
+    let drafter_runs = match options.tree {
+        true => 2 * options.drafters.len() - oracles,
+        false => options.drafters.len(),
+    };
+    let total = 2 + runs + rounds + runs + 2 * runs * drafter_runs + rounds * oracles;
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len}")
@@ -361,9 +372,24 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     // Drafters.
     let mut drafters = Vec::new();
     let mut skipped = Vec::new();
+    let mut runs_to_make = Vec::new();
     for name in &options.drafters {
+        match drafter_setup(profile, name, &info, options) {
+            // Chains and trees at the same rows per pass.
+            Ok(Some((mut settings, section))) if options.tree && name != "oracle" => {
+                settings.draft_min = settings.draft_max;
+                settings.adaptive = false;
+                runs_to_make.push((name.clone(), Ok(Some((settings, section.clone())))));
+                settings.tree = true;
+                runs_to_make.push((format!("{name} tree"), Ok(Some((settings, section)))));
+            }
+            setup => runs_to_make.push((name.clone(), setup)),
+        }
+    }
+    for (name, setup) in runs_to_make {
+        let name = &name;
         bar.set_message(format!("drafter {name}"));
-        let (settings, section) = match drafter_setup(profile, name, &info, options) {
+        let (settings, section) = match setup {
             Ok(Some(setup)) => setup,
             Ok(None) => {
                 bar.inc(runs as u64);
@@ -380,6 +406,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         p.speculation.enabled = true;
         p.speculation.draft_max = settings.draft_max;
         p.speculation.adaptive = settings.adaptive;
+        p.speculation.tree = settings.tree;
         // The oracle drafts from the plain run's exact tokens.
         let corpus = (name == "oracle").then(|| {
             let mut tokens = plain.prompt_tokens.clone();
@@ -429,6 +456,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         };
         drafters.push(DrafterRun {
             drafter: name.clone(),
+            tree: settings.tree,
             decode_tokens_per_second: tps,
             plain_decode_tokens_per_second: plain_tps,
             speedup,
@@ -533,6 +561,7 @@ fn drafter_setup(
                     draft_min: k - 1,
                     draft_max: k - 1,
                     adaptive: false,
+                    tree: false,
                 },
                 s,
             ))

@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// Verify batch size of the oracle run.
     #[arg(long, default_value_t = 4)]
     oracle_k: u32,
+    /// Run each drafter (but the oracle) twice at the profile's `draft_max` + 1 rows per
+    /// pass: drafting chains, then trees (tree speculation; greedy).
+    #[arg(long)]
+    tree: bool,
     /// Worker threads (overrides the profile).
     #[arg(short, long)]
     threads: Option<u32>,
@@ -78,6 +82,7 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
         decode_tokens: args.tokens,
         drafters: args.drafters,
         oracle_k: args.oracle_k,
+        tree: args.tree,
         ..BenchOptions::default()
     };
     let report = run(&profile, &options)?;

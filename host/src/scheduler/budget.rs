@@ -77,11 +77,7 @@ impl CostCurve {
             }
             let contexts: Vec<EvalChunk<'_>> = seqs
                 .iter()
-                .map(|&seq| EvalChunk {
-                    seq,
-                    tokens: RSlice::from_slice(&tokens[..before]),
-                    rows: LogitRows::None,
-                })
+                .map(|&seq| EvalChunk::chain(seq, &tokens[..before], LogitRows::None))
                 .collect();
             target
                 .eval_batch(RSlice::from_slice(&contexts), &mut logits)
@@ -92,12 +88,9 @@ impl CostCurve {
                 let chunks: Vec<EvalChunk<'_>> = seqs
                     .iter()
                     .zip((0..rows).step_by(per_seq))
-                    .map(|(&seq, first)| EvalChunk {
-                        seq,
-                        tokens: RSlice::from_slice(
-                            &tokens[before..before + per_seq.min(rows - first)],
-                        ),
-                        rows: LogitRows::All,
+                    .map(|(&seq, first)| {
+                        let n = per_seq.min(rows - first);
+                        EvalChunk::chain(seq, &tokens[before..before + n], LogitRows::All)
                     })
                     .collect();
                 let mut best = f64::INFINITY;

@@ -32,6 +32,8 @@ enum Call {
         seq: SeqId,
         tokens: Vec<u32>,
         rows: LogitRows,
+        /// A tree's parents (empty for a chain).
+        parents: Vec<u32>,
     },
     Mtp {
         seq: SeqId,
@@ -238,10 +240,16 @@ fn run_calls(
             let chunks: Vec<EvalChunk<'_>> = calls
                 .iter()
                 .map(|c| match c {
-                    Call::Eval { seq, tokens, rows } => EvalChunk {
+                    Call::Eval {
+                        seq,
+                        tokens,
+                        rows,
+                        parents,
+                    } => EvalChunk {
                         seq: *seq,
                         tokens: RSlice::from_slice(tokens),
                         rows: *rows,
+                        parents: RSlice::from_slice(parents),
                     },
                     Call::Mtp { .. } => unreachable!("one kind per pass"),
                 })
@@ -393,6 +401,7 @@ impl ForwardPass for Proxy<'_, '_> {
             seq: chunk.seq,
             tokens: chunk.tokens.to_vec(),
             rows: chunk.rows,
+            parents: chunk.parents.to_vec(),
         };
         self.gather.ask(self.which, call).map(|(l, _)| {
             logits.clear();
@@ -401,6 +410,9 @@ impl ForwardPass for Proxy<'_, '_> {
     }
     fn truncate(&mut self, seq: SeqId, len: usize) -> PluginResult<()> {
         self.with(|i| i.truncate(seq, len))
+    }
+    fn seq_keep_path(&mut self, seq: SeqId, path: RSlice<'_, u32>) -> PluginResult<()> {
+        self.with(|i| i.seq_keep_path(seq, path))
     }
     fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()> {
         self.with(|i| i.hidden_states(seq, out))

@@ -860,13 +860,16 @@ impl Loop {
 
 /// `r`'s chunk of the pass.
 fn chunk<'a>(r: &'a Running<'_>, part: Part) -> EvalChunk<'a> {
-    let (tokens, rows) = match part {
-        Part::Decode => (r.generation.rows(), LogitRows::All),
-        Part::Prefill(n) => r.generation.prefill_chunk(n),
-    };
-    EvalChunk {
-        seq: r.seq,
-        tokens: RSlice::from_slice(tokens),
-        rows,
+    match part {
+        Part::Decode => EvalChunk::tree(
+            r.seq,
+            r.generation.rows(),
+            r.generation.row_parents(),
+            LogitRows::All,
+        ),
+        Part::Prefill(n) => {
+            let (tokens, rows) = r.generation.prefill_chunk(n);
+            EvalChunk::chain(r.seq, tokens, rows)
+        }
     }
 }

@@ -20,7 +20,7 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use specula_plugin_api::{
     BoxedDrafter, Capabilities, Draft, DraftRequest, DrafterModels, ErrorKind, LentSequence,
-    LogitRows, ModelInfo, PluginError,
+    LogitRows, ModelInfo, PluginError, TREE_ROOT,
 };
 use specula_tokenizer::{StreamDecoder, Tokenizer};
 
@@ -152,6 +152,11 @@ pub struct Generation<'t, F: FnMut(&str)> {
     draft: Draft,
     /// The rows of this step's pass: the certain token and the drafts.
     rows: Vec<u32>,
+    /// When the drafts form a tree: each row's parent row ([`TREE_ROOT`] for the certain
+    /// token); empty for a chain.
+    row_parents: Vec<u32>,
+    /// Whether this request asks its drafter for trees.
+    tree: bool,
     /// The draft-length controller, when this request speculates.
     speculation: Option<DraftLength>,
     stats: SpecStats,
@@ -214,6 +219,10 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
                 prompt.len()
             );
         }
+        // Trees are verified greedily only (sampled trees keep chains for now).
+        let tree = request.speculation.is_some_and(|s| s.tree)
+            && capabilities.tree_verify
+            && request.sampling.temperature <= 0.0;
         let speculation = match request.speculation {
             Some(settings) if has_drafter && settings.draft_max > 0 => {
                 let max_drafts = settings
@@ -259,6 +268,8 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             judge: Judge::default(),
             draft: Draft::default(),
             rows: Vec::new(),
+            row_parents: Vec::new(),
+            tree,
             speculation,
             stats: SpecStats::default(),
             out,
@@ -436,6 +447,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         self.draft.clear();
         self.rows.clear();
         self.rows.push(self.t0);
+        self.row_parents.clear();
         true
     }
 
@@ -487,6 +499,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             max_tokens: n as u32,
             temperature: self.request.sampling.temperature,
             seed: self.draft_rng.next_u64(),
+            tree: self.tree,
         };
         drafter
             .propose(request, models, &mut self.draft)
@@ -497,10 +510,25 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             n,
             self.vocab,
             self.request.sampling.temperature <= 0.0,
+            self.tree,
         );
         self.stats.draft_seconds += t.elapsed().as_secs_f64();
         self.rows.extend_from_slice(&self.draft.tokens);
+        if !self.draft.parents.is_empty() {
+            self.row_parents.push(TREE_ROOT);
+            self.row_parents
+                .extend(self.draft.parents.iter().map(|&p| match p {
+                    TREE_ROOT => 0,
+                    p => p + 1,
+                }));
+        }
         Ok(())
+    }
+
+    /// The parent row of each of [`rows`](Self::rows) when the drafts form a tree (empty for
+    /// a chain): what the pass's chunk carries as its `parents`.
+    pub fn row_parents(&self) -> &[u32] {
+        &self.row_parents
     }
 
     /// The tokens this step's pass evaluates (logits for every row): the certain token, then
@@ -532,39 +560,19 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         logits: &[f32],
         pass_seconds: f64,
     ) -> anyhow::Result<()> {
-        let vocab = self.vocab;
         self.stats.target_passes += 1;
         self.stats.verify_seconds += pass_seconds;
 
-        // Walk the rows. Row i continues `history` + the first i drafts.
         let t = Instant::now();
         let n_drafts = self.draft.tokens.len();
-        let mut accepted = 0;
-        let mut next = None;
-        let has_probs = n_drafts > 0 && self.draft.probs.len() == n_drafts * vocab;
         let base = self.history.len();
-        self.history.extend_from_slice(&self.draft.tokens);
-        for (i, &d) in self.draft.tokens.iter().enumerate() {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let q = has_probs.then(|| &self.draft.probs[i * vocab..(i + 1) * vocab]);
-            match self
-                .judge
-                .judge(&mut self.sampler, row, &self.history[..base + i], d, q)
-            {
-                Verdict::Accept => accepted += 1,
-                Verdict::Reject(token) => {
-                    next = Some(token);
-                    break;
-                }
-            }
-        }
-        let next = match next {
-            Some(token) => token,
-            None => {
-                let row = &logits[n_drafts * vocab..(n_drafts + 1) * vocab];
-                self.sampler.sample(row, &self.history)
-            }
+        // The accepted drafts (indices into the proposal, in order) and the token after them.
+        let (path, next) = if self.row_parents.is_empty() {
+            self.walk_chain(logits)
+        } else {
+            self.walk_tree(logits)
         };
+        let accepted = path.len();
         self.history.truncate(base);
         self.stats.sample_seconds += t.elapsed().as_secs_f64();
         self.stats.record_verdicts(n_drafts, accepted);
@@ -581,8 +589,8 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         let evaluated = self.step.evaluated;
         let mut stop = None;
         let mut keep = evaluated + 1 + accepted;
-        for j in 0..accepted {
-            let d = self.draft.tokens[j];
+        for (j, &at) in path.iter().enumerate() {
+            let d = self.draft.tokens[at];
             if self.is_end(d) {
                 keep = evaluated + 1 + j;
                 stop = Some((j, StopReason::EndOfGeneration));
@@ -591,7 +599,13 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             self.history.push(d);
             self.stats.emitted += 1;
             self.stats.accepted += 1;
-            if let Emit::Stop(reason) = self.out.emit(d) {
+            let emitted = match self.out.emit(d) {
+                Emit::Continue if self.history.len() >= self.context => {
+                    Emit::Stop(StopReason::ContextFull)
+                }
+                emitted => emitted,
+            };
+            if let Emit::Stop(reason) = emitted {
                 // Like plain decoding, the last emitted token stays unevaluated.
                 keep = evaluated + 1 + j;
                 stop = Some((j + 1, reason));
@@ -600,16 +614,30 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         }
         let emitted_drafts = stop.map_or(accepted, |(n, _)| n);
         self.stats.clamped += (accepted - emitted_drafts) as u64;
-        let len_before = lane
-            .target
-            .len()
-            .into_result()
-            .context("the target cannot report its length")?;
-        if keep < len_before {
+        if !self.row_parents.is_empty() {
+            // The tree's rows down the emitted path stay; the rest of the tree goes.
+            let rows: Vec<u32> = std::iter::once(0)
+                .chain(path.iter().map(|&at| at as u32 + 1))
+                .take(keep - evaluated)
+                .collect();
+            let seq = lane.target.seq;
             lane.target
-                .truncate(keep)
+                .model
+                .seq_keep_path(seq, RSlice::from_slice(&rows))
                 .into_result()
-                .context("the target could not roll back")?;
+                .context("the target could not keep the accepted path of the tree")?;
+        } else {
+            let len_before = lane
+                .target
+                .len()
+                .into_result()
+                .context("the target cannot report its length")?;
+            if keep < len_before {
+                lane.target
+                    .truncate(keep)
+                    .into_result()
+                    .context("the target could not roll back")?;
+            }
         }
         if let Some(length) = self.speculation.as_mut() {
             length.record(
@@ -624,8 +652,10 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             // hidden states (MTP) must see every accepted position.
             if let Some((name, drafter, models)) = lane.drafter() {
                 let t = Instant::now();
+                let emitted: Vec<u32> =
+                    path[..emitted_drafts].iter().map(|&at| at as u32).collect();
                 drafter
-                    .accept(emitted_drafts as u32, models)
+                    .accept(RSlice::from_slice(&emitted), models)
                     .into_result()
                     .with_context(|| format!("drafter '{name}' failed to accept"))?;
                 self.stats.draft_seconds += t.elapsed().as_secs_f64();
@@ -639,6 +669,57 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             }
         };
         Ok(())
+    }
+
+    /// Judges a chain: row `i` continues the history and the first `i` drafts. Returns the
+    /// accepted drafts (`0 .. accepted`) and the token after them; leaves the drafts in the
+    /// history (the caller cuts it back).
+    fn walk_chain(&mut self, logits: &[f32]) -> (Vec<usize>, u32) {
+        let vocab = self.vocab;
+        let n_drafts = self.draft.tokens.len();
+        let has_probs = n_drafts > 0 && self.draft.probs.len() == n_drafts * vocab;
+        let base = self.history.len();
+        self.history.extend_from_slice(&self.draft.tokens);
+        for (i, &d) in self.draft.tokens.iter().enumerate() {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let q = has_probs.then(|| &self.draft.probs[i * vocab..(i + 1) * vocab]);
+            let verdict = self
+                .judge
+                .judge(&mut self.sampler, row, &self.history[..base + i], d, q);
+            if let Verdict::Reject(token) = verdict {
+                return ((0..i).collect(), token);
+            }
+        }
+        let row = &logits[n_drafts * vocab..(n_drafts + 1) * vocab];
+        (
+            (0..n_drafts).collect(),
+            self.sampler.sample(row, &self.history),
+        )
+    }
+
+    /// Judges a tree greedily: from the certain token's row, the target's choice is accepted
+    /// when a child proposes it, and the walk goes on from that child's row; the first choice
+    /// no child proposes is the token after the path. Every choice is plain decoding's at that
+    /// point, so the output is too.
+    fn walk_tree(&mut self, logits: &[f32]) -> (Vec<usize>, u32) {
+        let vocab = self.vocab;
+        let mut path = Vec::new();
+        let mut row = 0;
+        loop {
+            let choice = self
+                .sampler
+                .sample(&logits[row * vocab..(row + 1) * vocab], &self.history);
+            let child = (row + 1..self.rows.len())
+                .find(|&r| self.row_parents[r] as usize == row && self.rows[r] == choice);
+            match child {
+                Some(r) => {
+                    path.push(r - 1);
+                    self.history.push(choice);
+                    row = r;
+                }
+                None => return (path, choice),
+            }
+        }
     }
 
     /// Ends generation: flushes held-back text and returns the outcome and the tokens the
@@ -676,13 +757,44 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
 /// a malformed distribution. With `greedy`, also low-confidence tails: when sampling, keeping a
 /// draft must not depend on the sampled token, or the drafts would no longer follow the
 /// distribution the drafter reported and rejection sampling would lose its exactness.
-fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool) {
+///
+/// A tree is kept only where one was asked for (`tree`) and its parents are well formed; any
+/// prefix of a tree in topological order is a tree. Otherwise only the chain it starts with is.
+fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: bool) {
     let mut keep = draft.tokens.len().min(max);
     if let Some(bad) = draft.tokens[..keep]
         .iter()
         .position(|&t| t as usize >= vocab)
     {
         keep = bad;
+    }
+    if !draft.parents.is_empty() {
+        let well_formed = draft.parents.len() == draft.tokens.len()
+            && draft
+                .parents
+                .iter()
+                .enumerate()
+                .all(|(i, &p)| p == TREE_ROOT || (p as usize) < i);
+        if tree && well_formed {
+            draft.parents.truncate(keep);
+            draft.tokens.truncate(keep);
+            draft.probs.clear();
+            return;
+        }
+        let chain = draft
+            .parents
+            .iter()
+            .enumerate()
+            .take_while(|&(i, &p)| {
+                if i == 0 {
+                    p == TREE_ROOT
+                } else {
+                    p as usize == i - 1
+                }
+            })
+            .count();
+        keep = keep.min(chain);
+        draft.parents.clear();
     }
     if greedy && draft.confidence.len() >= keep {
         if let Some(low) = draft.confidence[..keep]

@@ -24,7 +24,6 @@ mod stats;
 
 use abi_stable::std_types::RVec;
 use anyhow::Context;
-use specula_plugin_api::LogitRows;
 
 pub use acceptance::{Judge, Verdict};
 pub use adaptive::DraftLength;
@@ -41,6 +40,8 @@ pub struct SpecSettings {
     pub draft_min: u32,
     pub draft_max: u32,
     pub adaptive: bool,
+    /// Ask the drafter for trees ([`crate::profile::SpeculationSection::tree`]).
+    pub tree: bool,
 }
 
 impl From<&crate::profile::SpeculationSection> for SpecSettings {
@@ -49,6 +50,7 @@ impl From<&crate::profile::SpeculationSection> for SpecSettings {
             draft_min: s.draft_min,
             draft_max: s.draft_max,
             adaptive: s.adaptive,
+            tree: s.tree,
         }
     }
 }
@@ -149,7 +151,7 @@ fn run(
         generation.draft(&mut lane(target, drafter), wanted)?;
         let t = std::time::Instant::now();
         match target
-            .eval(generation.rows(), LogitRows::All, &mut logits)
+            .eval_tree(generation.rows(), generation.row_parents(), &mut logits)
             .into_result()
         {
             Ok(()) => {

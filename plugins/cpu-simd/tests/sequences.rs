@@ -13,7 +13,10 @@ use specula_cpu_simd::CpuBackend;
 use specula_drafting::argmax;
 use specula_engine::kv_cache::BLOCK_TOKENS;
 use specula_gguf::GgmlType;
-use specula_plugin_api::{ErrorKind, EvalChunk, ForwardPass, LogitRows, SeqId, SequenceCalls};
+use specula_plugin_api::testing::assert_tree_rows_match_their_paths;
+use specula_plugin_api::{
+    ErrorKind, EvalChunk, ForwardPass, LogitRows, SeqId, SequenceCalls, TREE_ROOT,
+};
 
 /// Opens `path` with room for `max_sequences` sequences and backend `options`.
 fn open_many(path: &Path, max_sequences: u32, options: &[(&str, &str)]) -> CpuBackend {
@@ -285,16 +288,8 @@ fn sequences_are_bounded_and_checked() {
 
     eval_in(&mut b, a, &[1, 2, 3], LogitRows::Last);
     let twice = [
-        EvalChunk {
-            seq: a,
-            tokens: RSlice::from_slice(&[4]),
-            rows: LogitRows::Last,
-        },
-        EvalChunk {
-            seq: a,
-            tokens: RSlice::from_slice(&[5]),
-            rows: LogitRows::Last,
-        },
+        EvalChunk::chain(a, &[4], LogitRows::Last),
+        EvalChunk::chain(a, &[5], LogitRows::Last),
     ];
     let mut logits = RVec::new();
     let err = b
@@ -452,16 +447,8 @@ fn a_hybrid_prefix_is_served_with_its_recurrent_state_bit_for_bit() {
         let third = b.seq_create().into_result().unwrap();
         let mut logits = RVec::new();
         let chunks = [
-            EvalChunk {
-                seq: second,
-                tokens: RSlice::from_slice(&next),
-                rows: LogitRows::All,
-            },
-            EvalChunk {
-                seq: third,
-                tokens: RSlice::from_slice(&prompt[..7]),
-                rows: LogitRows::Last,
-            },
+            EvalChunk::chain(second, &next, LogitRows::All),
+            EvalChunk::chain(third, &prompt[..7], LogitRows::Last),
         ];
         b.eval_batch(RSlice::from_slice(&chunks), &mut logits)
             .into_result()
@@ -536,4 +523,36 @@ fn the_kv_pool_bounds_every_sequence_together() {
         bits(&got),
         bits(&eval_in(&mut fresh, alone, &tokens, LogitRows::Last))
     );
+}
+
+/// Tree verification (tree speculation) on every architecture — dense, and hybrid with each
+/// row's recurrent state taken from its parent's — every weight type and every KV cache type:
+/// each tree row bit-identical to its path evaluated alone, beside another sequence in the
+/// pass; keeping a path continues exactly as the path alone (caches, recurrent state, hidden
+/// rows). A tree larger than the verify capacity is refused.
+#[test]
+fn tree_rows_are_bit_identical_to_their_paths_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, path) in models(dir.path()) {
+        let mut b = open_many(&path, 4, &[]);
+        assert!(b.capabilities().tree_verify, "{name}");
+        assert_tree_rows_match_their_paths(&mut b, 6, 11, &name);
+
+        let most = b.capabilities().max_verify_tokens as usize;
+        let seq = b.seq_create().into_result().unwrap();
+        let mut logits = RVec::new();
+        let tokens = vec![1; most + 1];
+        let parents = vec![TREE_ROOT; most + 1];
+        let err = b
+            .eval_tree(seq, &tokens, &parents, &mut logits)
+            .into_result()
+            .unwrap_err();
+        assert!(err.message.contains("max_verify_tokens"), "{name}: {err}");
+    }
+    for kv_type in ["f32", "q8_0"] {
+        let path = dir.path().join("qwen3-heads64-tree.gguf");
+        write_qwen3_shaped(&path, GgmlType::Q8_0, 5, Qwen3Shape::K_QUANT);
+        let mut b = open_many(&path, 4, &[("kv_type", kv_type)]);
+        assert_tree_rows_match_their_paths(&mut b, 6, 12, &format!("qwen3 kv {kv_type}"));
+    }
 }

@@ -251,7 +251,9 @@ fn open_with(
     let (n_ctx, requested_verify) = (opening.n_ctx, opening.requested_verify);
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
-    let (capabilities, ring_depth) = opening.capabilities()?;
+    let (mut capabilities, ring_depth) = opening.capabilities()?;
+    // The device graph runs chains only.
+    capabilities.tree_verify = false;
     let (kv_tokens, max_sequences) = (opening.kv_tokens, opening.max_sequences);
     let Opening { model, pool, .. } = &mut opening;
     let (depth, n_planes) = match &model.graph {

@@ -126,7 +126,11 @@ impl Drafter for LookupDrafter {
         })
     }
 
-    fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn accept(
+        &mut self,
+        _accepted: RSlice<'_, u32>,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         // Accepted tokens arrive with the next context.
         self.fence.clone().guard("lookup", || Ok(()))
     }

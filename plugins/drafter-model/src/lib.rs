@@ -3,13 +3,15 @@
 //! plugin and lends it to each call; this plugin keeps the draft model's cache in step with
 //! the accepted tokens.
 //!
-//! Greedy requests get greedy drafts. Sampled requests get drafts sampled from the draft
+//! Greedy requests get greedy drafts: a chain of argmaxes, or — where the host verifies trees —
+//! a tree grown best first (each node the likeliest path the draft model sees, so it branches
+//! where the draft model is unsure). Sampled requests get a chain sampled from the draft
 //! model's softmax at the request's temperature, with that distribution handed over so the
 //! host's rejection sampling stays exact. Each draft's probability under the draft model is
 //! reported as its confidence.
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
-use specula_drafting::DraftPicker;
+use specula_drafting::{DraftPicker, TreeGrower};
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ErrorKind, LentSequence, LogitRows,
     PanicFence, PluginError, PluginResult,
@@ -24,6 +26,8 @@ pub struct ModelDrafter {
     /// Tokens the draft model has evaluated, in order (its cache).
     cached: Vec<u32>,
     logits: RVec<f32>,
+    /// Grows trees, learning which drafts the target accepts.
+    grower: TreeGrower,
 }
 
 impl ModelDrafter {
@@ -52,6 +56,7 @@ impl ModelDrafter {
             vocab: params.target.vocab_size as usize,
             cached: Vec::new(),
             logits: RVec::new(),
+            grower: TreeGrower::new(),
         })
     }
 
@@ -107,6 +112,21 @@ impl ModelDrafter {
             Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
             Err(e) => return Err(e),
         }
+        if request.tree && request.temperature <= 0.0 {
+            let root = self.logits[..self.vocab].to_vec();
+            let mut path_context = context.to_vec();
+            let mut grower = std::mem::take(&mut self.grower);
+            let grown = grower.grow(&root, n, out, |path, logits| {
+                path_context.truncate(context.len());
+                path_context.extend_from_slice(path);
+                self.catch_up(model, &path_context)?;
+                logits.clear();
+                logits.extend_from_slice(&self.logits[..self.vocab]);
+                Ok(())
+            });
+            self.grower = grower;
+            return grown;
+        }
         let mut picker = DraftPicker::new(request);
         for i in 0..n {
             let token = picker.pick(&self.logits[..self.vocab], out);
@@ -153,9 +173,16 @@ impl Drafter for ModelDrafter {
         })
     }
 
-    fn accept(&mut self, _n_accepted: u32, _models: DrafterModels<'_>) -> PluginResult<()> {
+    fn accept(
+        &mut self,
+        accepted: RSlice<'_, u32>,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         // The next `propose` cuts the cache back to what its context shares with it.
-        self.fence.clone().guard("model", || Ok(()))
+        self.fence.clone().guard("model", || {
+            self.grower.learn(accepted.len());
+            Ok(())
+        })
     }
 }
 

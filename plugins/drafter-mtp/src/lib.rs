@@ -11,7 +11,9 @@
 //! trunk on rollback.
 
 use abi_stable::std_types::{RSlice, RVec};
-use specula_drafting::DraftPicker;
+use std::collections::HashMap;
+
+use specula_drafting::{DraftPicker, TreeGrower};
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, LentSequence, LogitRows,
     PanicFence, PluginError, PluginResult, SeqId,
@@ -38,6 +40,8 @@ pub struct MtpDrafter {
     logits: RVec<f32>,
     hidden: RVec<f32>,
     chained: RVec<f32>,
+    /// Grows trees, learning which drafts the target accepts.
+    grower: TreeGrower,
 }
 
 impl MtpDrafter {
@@ -71,6 +75,7 @@ impl MtpDrafter {
             logits: RVec::new(),
             hidden: RVec::new(),
             chained: RVec::new(),
+            grower: TreeGrower::new(),
         })
     }
 
@@ -148,8 +153,11 @@ impl MtpDrafter {
         self.pending.clear();
         self.pending_from = certain_at;
 
-        let mut picker = DraftPicker::new(request);
         let n = max.min(room);
+        if request.tree && request.temperature <= 0.0 {
+            return self.draft_tree(target, certain_at, n, out);
+        }
+        let mut picker = DraftPicker::new(request);
         for i in 0..n {
             let token = picker.pick(&self.logits[..self.vocab], out);
             if i + 1 < n {
@@ -167,6 +175,67 @@ impl MtpDrafter {
             }
         }
         Ok(())
+    }
+}
+
+impl MtpDrafter {
+    /// Grows a tree of up to `n` drafts best first ([`TreeGrower`]) from the head's logits
+    /// after the catch-up. A node's children come from one head step over it, fed its
+    /// parent's head output; the head's cache holds one path's speculative entries at a
+    /// time, so a node on another branch first re-runs the head over its own ancestors from
+    /// where the two paths part (one call, the rows bit-identical to the first time).
+    fn draft_tree(
+        &mut self,
+        target: &mut LentSequence<'_>,
+        certain_at: usize,
+        n: usize,
+        out: &mut Draft,
+    ) -> Result<(), PluginError> {
+        let (h, vocab) = (self.hidden_size, self.vocab);
+        let root = self.logits[..vocab].to_vec();
+        let first_input = self.hidden[..h].to_vec();
+        // The head's output after each node evaluated (by its path), and the path whose
+        // entries the head's cache holds after the certain token.
+        let mut outputs: HashMap<Vec<u32>, Vec<f32>> = HashMap::new();
+        let mut cached: Vec<u32> = Vec::new();
+        let mut grower = std::mem::take(&mut self.grower);
+        let grown = grower.grow(&root, n, out, |path, logits| {
+            let common = cached
+                .iter()
+                .zip(path)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(path.len() - 1);
+            let mut inputs = Vec::with_capacity((path.len() - common) * h);
+            for k in common..path.len() {
+                match k {
+                    0 => inputs.extend_from_slice(&first_input),
+                    _ => inputs.extend_from_slice(&outputs[&path[..k]]),
+                }
+            }
+            target
+                .mtp_eval(
+                    &inputs,
+                    &path[common..],
+                    certain_at + common,
+                    LogitRows::Last,
+                    &mut self.logits,
+                    &mut self.hidden,
+                )
+                .into_result()?;
+            for (j, k) in (common..path.len()).enumerate() {
+                outputs.insert(
+                    path[..=k].to_vec(),
+                    self.hidden[j * h..(j + 1) * h].to_vec(),
+                );
+            }
+            cached = path.to_vec();
+            logits.clear();
+            logits.extend_from_slice(&self.logits[..vocab]);
+            Ok(())
+        });
+        self.grower = grower;
+        grown
     }
 }
 
@@ -234,15 +303,20 @@ impl Drafter for MtpDrafter {
         })
     }
 
-    fn accept(&mut self, n_accepted: u32, mut models: DrafterModels<'_>) -> PluginResult<()> {
+    fn accept(
+        &mut self,
+        accepted: RSlice<'_, u32>,
+        mut models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
         self.fence.clone().guard("mtp", || {
+            self.grower.learn(accepted.len());
             let target = models.target_model()?;
             // The pass began at the certain token, right after the rows kept so far, and
             // evaluated it and the drafts; the target now ends after the certain token and
             // the accepted drafts — or one token earlier, when a stop inside the accepted run
             // left the last emitted token unevaluated.
             let position = self.pending_from + self.pending_rows();
-            let kept = 1 + n_accepted as usize;
+            let kept = 1 + accepted.len();
             let held = target.len().into_result()?;
             if held < position || held > position + kept {
                 // The drafter missed a pass: stop drafting until restarted.

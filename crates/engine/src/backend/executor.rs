@@ -4,7 +4,7 @@ use std::ops::RangeInclusive;
 
 use specula_kernels::WeightMatrix;
 
-use crate::graph::Span;
+use crate::graph::{Span, Tree};
 use crate::model::Model;
 use rayon::ThreadPool;
 use specula_plugin_api::{KvUsage, PluginError};
@@ -21,27 +21,30 @@ pub struct Chunk<'a> {
     pub first: usize,
     /// Rows `logit_from ..` of the chunk get logits (`tokens.len()` for none).
     pub logit_from: usize,
+    /// The evaluation's tree, when its tokens form one.
+    pub tree: Option<Tree<'a>>,
 }
 
-impl Chunk<'_> {
+impl<'a> Chunk<'a> {
     /// Rows in the chunk.
     pub fn rows(&self) -> usize {
         self.tokens.len()
     }
 
     /// The chunk's rows as the graphs see them.
-    pub fn span(&self) -> Span {
+    pub fn span(&self) -> Span<'a> {
         Span {
             seq: self.seq,
             n: self.tokens.len(),
             pos0: self.pos0,
             ring_step0: self.first,
             logit_from: self.logit_from,
+            tree: self.tree,
         }
     }
 
     /// The spans of a pass over `chunks`, in order (build [`crate::graph::Rows`] over them).
-    pub fn spans(chunks: &[Chunk<'_>]) -> Vec<Span> {
+    pub fn spans(chunks: &[Chunk<'a>]) -> Vec<Span<'a>> {
         chunks.iter().map(Chunk::span).collect()
     }
 }
@@ -65,18 +68,19 @@ impl MtpRows<'_> {
     }
 
     /// The rows as the graphs see them.
-    pub fn span(&self) -> Span {
+    pub fn span(&self) -> Span<'static> {
         Span {
             seq: self.seq,
             n: self.tokens.len(),
             pos0: self.position,
             ring_step0: 0,
             logit_from: self.logit_from,
+            tree: None,
         }
     }
 
     /// The spans of a pass over `chunks`, in order.
-    pub fn spans(chunks: &[MtpRows<'_>]) -> Vec<Span> {
+    pub fn spans(chunks: &[MtpRows<'_>]) -> Vec<Span<'static>> {
         chunks.iter().map(MtpRows::span).collect()
     }
 
@@ -161,6 +165,26 @@ pub trait Executor: Send + Sync {
     /// (changing nothing of the trunk) when the recurrent state of that length is no longer
     /// kept. Either way it cuts the MTP head's cache to at most `len` entries.
     fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError>;
+
+    /// After a tree evaluation of sequence `seq` from position `base` (committed with the
+    /// tokens before it): keeps the tree's rows `path` (a validated root-to-node path) as
+    /// positions `base ..`, in order, and drops the other rows; `tokens` are the sequence's
+    /// tokens now (its full blocks may go into the prefix cache), `hidden` the path's
+    /// final-norm hidden rows. Only called where the capabilities advertise `tree_verify`.
+    fn keep_path(
+        &mut self,
+        seq: usize,
+        base: usize,
+        path: &[u32],
+        tokens: &[u32],
+        hidden: &[f32],
+    ) -> Result<(), PluginError> {
+        let _ = (seq, base, path, tokens, hidden);
+        Err(PluginError::new(
+            specula_plugin_api::ErrorKind::Unsupported,
+            "this backend keeps no trees",
+        ))
+    }
 
     /// The lengths [`rollback`](Self::rollback) can restore, for sequence `seq` of `seq_len`.
     fn window(&self, seq: usize, seq_len: usize) -> RangeInclusive<usize>;

@@ -23,12 +23,13 @@ use abi_stable::std_types::{RSlice, RVec};
 use rayon::ThreadPool;
 use specula_plugin_api::{
     guard, Capabilities, ErrorKind, EvalChunk, ForwardPass, KvUsage, LogitRows, ModelInfo,
-    MtpChunk, PanicFence, PluginError, PluginResult, SeqId,
+    MtpChunk, PanicFence, PluginError, PluginResult, SeqId, TREE_ROOT,
 };
 
 pub use executor::{Chunk, Executor, MtpRows};
 pub use options::DeepRollback;
 
+use crate::graph::Tree;
 use crate::model::Model;
 
 /// `max_verify_tokens` advertised when the host passes 0.
@@ -65,6 +66,15 @@ struct Sequence {
     hidden_rows: usize,
     /// Entries in the MTP head's KV cache (`None` without a head).
     mtp_len: Option<usize>,
+    /// The tree its last evaluation appended, until a path of it is kept or it is cut off.
+    tree: Option<PendingTree>,
+}
+
+/// A tree evaluation's rows still in a sequence (after `base` tokens), in evaluation order.
+#[derive(Debug, Clone)]
+struct PendingTree {
+    base: usize,
+    parents: Vec<u32>,
 }
 
 /// One model and its sequences, evaluated by `X`: the [`ForwardPass`] of a backend plugin.
@@ -114,13 +124,50 @@ pub fn attribute(plugin: &str, e: PluginError) -> PluginError {
 }
 
 /// One sequence's share of a batch, validated: its slot, its tokens, and where they go.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Work<'a> {
     slot: usize,
     tokens: &'a [u32],
     rows: LogitRows,
     /// The sequence's length before the batch.
     start: usize,
+    /// For a tree: each row's parent and depth (both empty for a chain).
+    parents: &'a [u32],
+    depths: Vec<u32>,
+}
+
+impl Work<'_> {
+    /// The tree the tokens form, if they form one.
+    fn tree(&self) -> Option<Tree<'_>> {
+        (!self.parents.is_empty()).then_some(Tree {
+            parents: self.parents,
+            depths: &self.depths,
+        })
+    }
+}
+
+/// The depth of each row of the tree `parents` (see [`EvalChunk::parents`]), or what is wrong
+/// with it.
+fn tree_depths(parents: &[u32], n_tokens: usize) -> Result<Vec<u32>, String> {
+    if parents.len() != n_tokens {
+        return Err(format!(
+            "a tree of {n_tokens} tokens needs {n_tokens} parents, got {}",
+            parents.len()
+        ));
+    }
+    let mut depths = Vec::with_capacity(n_tokens);
+    for (i, &parent) in parents.iter().enumerate() {
+        depths.push(match parent {
+            TREE_ROOT => 0,
+            p if (p as usize) < i => depths[p as usize] + 1,
+            p => {
+                return Err(format!(
+                    "row {i} of the tree names row {p} as its parent; a parent comes before its children (or is TREE_ROOT)"
+                ))
+            }
+        });
+    }
+    Ok(depths)
 }
 
 /// One sequence's share of an MTP batch, validated.
@@ -261,6 +308,7 @@ impl<X: Executor> Backend<X> {
             hidden: Vec::new(),
             hidden_rows: 0,
             mtp_len: self.setup.capabilities.mtp_head.then_some(0),
+            tree: None,
         });
         Ok(id)
     }
@@ -271,6 +319,9 @@ impl<X: Executor> Backend<X> {
         let from = self.slot_of(seq)?;
         let to = self.free_slot()?;
         let parent = self.slots[from].clone().expect("slot_of found it");
+        if parent.tree.is_some() {
+            return Err(self.unresolved_tree(seq));
+        }
         self.executor
             .fork_sequence(from, to, parent.tokens.len())
             .map_err(|e| attribute(self.setup.plugin, e))?;
@@ -356,6 +407,14 @@ impl<X: Executor> Backend<X> {
         Ok(&s.hidden[..s.hidden_rows * self.model.graph.n_embd()])
     }
 
+    /// The error for a call on a sequence that still holds a whole tree.
+    fn unresolved_tree(&self, seq: SeqId) -> PluginError {
+        self.plugin_error(
+            ErrorKind::InvalidInput,
+            format!("{seq} still holds every row of its last evaluation, a tree: keep one path of it (seq_keep_path) or truncate it to where the tree began first"),
+        )
+    }
+
     /// Refuses every call once the executor's state could not be reset.
     fn usable(&self) -> Result<(), PluginError> {
         match &self.broken {
@@ -375,12 +434,7 @@ impl<X: Executor> Backend<X> {
         rows: LogitRows,
         logits: &mut RVec<f32>,
     ) -> Result<(), PluginError> {
-        let chunk = EvalChunk {
-            seq,
-            tokens: RSlice::from_slice(tokens),
-            rows,
-        };
-        self.eval_batch_into(&[chunk], logits)
+        self.eval_batch_into(&[EvalChunk::chain(seq, tokens, rows)], logits)
     }
 
     /// [`ForwardPass::eval_batch`] without the panic guard.
@@ -432,7 +486,34 @@ impl<X: Executor> Backend<X> {
                     format!("token id {bad} is out of range (vocabulary size {vocab})"),
                 ));
             }
-            let len = self.slots[slot].as_ref().map_or(0, |s| s.tokens.len());
+            let sequence = self.slots[slot].as_ref().expect("slot_of found it");
+            if sequence.tree.is_some() {
+                return Err(self.unresolved_tree(seq));
+            }
+            let parents = chunk.parents.as_slice();
+            let depths = if parents.is_empty() {
+                Vec::new()
+            } else if !self.setup.capabilities.tree_verify {
+                return Err(self.plugin_error(
+                    ErrorKind::Unsupported,
+                    format!("{seq}: this backend does not verify trees (capability tree_verify is false); send the drafts as a chain"),
+                ));
+            } else if tokens.len() > self.setup.capabilities.max_verify_tokens as usize {
+                // Every row's state is kept until a path is chosen: the snapshot ring's depth.
+                return Err(self.plugin_error(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "{seq}: a tree of {} rows is larger than the {} a verify pass takes (max_verify_tokens)",
+                        tokens.len(),
+                        self.setup.capabilities.max_verify_tokens
+                    ),
+                ));
+            } else {
+                tree_depths(parents, tokens.len()).map_err(|what| {
+                    self.plugin_error(ErrorKind::InvalidInput, format!("{seq}: {what}"))
+                })?
+            };
+            let len = sequence.tokens.len();
             if len + tokens.len() > n_ctx {
                 return Err(self.plugin_error(
                     ErrorKind::ContextFull,
@@ -447,6 +528,8 @@ impl<X: Executor> Backend<X> {
                 tokens,
                 rows: chunk.rows,
                 start: len,
+                parents,
+                depths,
             });
         }
         Ok(work)
@@ -488,6 +571,7 @@ impl<X: Executor> Backend<X> {
                 pos0: w.start,
                 first: 0,
                 logit_from: w.tokens.len(),
+                tree: w.tree(),
             })
             .collect();
         self.executor.reserve(&whole)
@@ -525,6 +609,7 @@ impl<X: Executor> Backend<X> {
                         pos0: w.start + first,
                         first,
                         logit_from: piece_logit_from(w.rows, w.tokens.len(), first, take),
+                        tree: w.tree(),
                     }
                 })
                 .collect();
@@ -552,8 +637,96 @@ impl<X: Executor> Backend<X> {
             let seq = self.slots[w.slot].as_mut().expect("validated");
             seq.tokens.extend_from_slice(w.tokens);
             seq.hidden_rows = w.tokens.len();
+            // A tree's rows are not the sequence's tokens in order: the prefix cache keys only
+            // the blocks before it.
+            let keyed = if w.parents.is_empty() {
+                seq.tokens.len()
+            } else {
+                seq.tree = Some(PendingTree {
+                    base: w.start,
+                    parents: w.parents.to_vec(),
+                });
+                w.start
+            };
             self.executor
-                .commit(w.slot, w.start, w.tokens.len(), &seq.tokens);
+                .commit(w.slot, w.start, w.tokens.len(), &seq.tokens[..keyed]);
+        }
+        Ok(())
+    }
+
+    /// [`ForwardPass::seq_keep_path`] without the panic guard.
+    pub fn keep_path(&mut self, seq: SeqId, path: &[u32]) -> Result<(), PluginError> {
+        self.usable()?;
+        let slot = self.slot_of(seq)?;
+        let Some(tree) = self.sequence_mut(slot).tree.clone() else {
+            return Err(self.plugin_error(
+                ErrorKind::InvalidInput,
+                format!("seq_keep_path: the last evaluation of {seq} was not a tree"),
+            ));
+        };
+        let bad = |what: String| {
+            self.plugin_error(
+                ErrorKind::InvalidInput,
+                format!("seq_keep_path on {seq}: {what}"),
+            )
+        };
+        if path.is_empty() {
+            return Err(bad(
+                "the path is empty; truncate the sequence to drop the whole tree".into(),
+            ));
+        }
+        let mut parent = TREE_ROOT;
+        for (k, &row) in path.iter().enumerate() {
+            match tree.parents.get(row as usize) {
+                None => {
+                    return Err(bad(format!(
+                        "row {row} is not in the tree of {} rows",
+                        tree.parents.len()
+                    )))
+                }
+                Some(&p) if p != parent => {
+                    return Err(bad(format!(
+                        "step {k} of the path, row {row}, does not continue {}",
+                        if parent == TREE_ROOT {
+                            "the sequence (it is not a root)".to_string()
+                        } else {
+                            format!("row {parent}")
+                        }
+                    )))
+                }
+                Some(_) => parent = row,
+            }
+        }
+        let e = self.model.graph.n_embd();
+        let seq_state = self.sequence_mut(slot);
+        let base = tree.base;
+        let kept: Vec<u32> = path
+            .iter()
+            .map(|&row| seq_state.tokens[base + row as usize])
+            .collect();
+        seq_state.tokens.truncate(base);
+        seq_state.tokens.extend_from_slice(&kept);
+        // The path's hidden rows, in path order (each row only moves down or stays).
+        if seq_state.hidden_rows == tree.parents.len() {
+            for (k, &row) in path.iter().enumerate() {
+                let row = row as usize;
+                if row != k {
+                    seq_state.hidden.copy_within(row * e..(row + 1) * e, k * e);
+                }
+            }
+            seq_state.hidden_rows = path.len();
+        } else {
+            seq_state.hidden_rows = 0;
+        }
+        if let Some(mtp_len) = &mut seq_state.mtp_len {
+            *mtp_len = (*mtp_len).min(base);
+        }
+        seq_state.tree = None;
+        let tokens = seq_state.tokens.clone();
+        let hidden = seq_state.hidden[..seq_state.hidden_rows * e].to_vec();
+        if let Err(e) = self.executor.keep_path(slot, base, path, &tokens, &hidden) {
+            self.broken = Some(format!("keeping a path of a tree failed: {}", e.message));
+            return Err(attribute(self.setup.plugin, e));
         }
         Ok(())
     }
@@ -570,6 +743,11 @@ impl<X: Executor> Backend<X> {
                 format!("cannot truncate {seq} to {len} tokens: it has only {seq_len}"),
             ));
         }
+        if let Some(tree) = &self.sequence_mut(slot).tree {
+            if len > tree.base {
+                return Err(self.unresolved_tree(seq));
+            }
+        }
         if let Some(mtp_len) = &mut self.sequence_mut(slot).mtp_len {
             *mtp_len = (*mtp_len).min(len);
         }
@@ -579,7 +757,9 @@ impl<X: Executor> Backend<X> {
             .rollback(slot, len)
             .map_err(|e| attribute(plugin, e))?
         {
-            self.sequence_mut(slot).tokens.truncate(len);
+            let seq = self.sequence_mut(slot);
+            seq.tokens.truncate(len);
+            seq.tree = None;
             return Ok(());
         }
         match self.setup.deep_rollback {
@@ -622,11 +802,14 @@ impl<X: Executor> Backend<X> {
             return Ok(());
         }
         let hidden = (std::mem::take(&mut seq.hidden), seq.hidden_rows);
+        seq.tree = None;
         let work = [Work {
             slot,
             tokens: &replay,
             rows: LogitRows::None,
             start: 0,
+            parents: &[],
+            depths: Vec::new(),
         }];
         let result = self
             .reserve(&work)
@@ -863,6 +1046,12 @@ impl<X: Executor> ForwardPass for Backend<X> {
             .guard(self.setup.plugin, || self.truncate_to(seq, len))
     }
 
+    fn seq_keep_path(&mut self, seq: SeqId, path: RSlice<'_, u32>) -> PluginResult<()> {
+        self.fence
+            .clone()
+            .guard(self.setup.plugin, || self.keep_path(seq, path.as_slice()))
+    }
+
     fn hidden_states(&self, seq: SeqId, out: &mut RVec<f32>) -> PluginResult<()> {
         self.fence.guard(self.setup.plugin, || {
             out.clear();
@@ -920,6 +1109,7 @@ mod tests {
                 hidden_state_export: true,
                 mtp_head: true,
                 snapshot_bytes_per_slot: 0,
+                tree_verify: false,
             },
             n_ctx,
             batch_rows: 64,

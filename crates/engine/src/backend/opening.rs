@@ -80,6 +80,7 @@ impl Opening {
                     hidden_state_export: true,
                     mtp_head: false,
                     snapshot_bytes_per_slot: 0,
+                    tree_verify: true,
                 },
                 0,
             ),
@@ -105,6 +106,7 @@ impl Opening {
                     hidden_state_export: true,
                     mtp_head: h.weights.mtp.is_some(),
                     snapshot_bytes_per_slot: layout.plane_bytes(),
+                    tree_verify: true,
                 };
                 (capabilities, depth)
             }

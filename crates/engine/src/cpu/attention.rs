@@ -15,6 +15,7 @@ use specula_kernels::attention::{self as kattention, Cached};
 use specula_kernels::{ops, Rope, Rows};
 
 use crate::blocks::attention::AttentionShape;
+use crate::graph::Tree;
 use crate::kv_cache::CachedHeads;
 
 /// Below this many multiply-adds per row, heads run on the calling thread.
@@ -77,13 +78,28 @@ impl AttentionScratch {
 
 /// One sequence's rows of an attention: query rows `rows` (of the `queries` and `out` of
 /// [`attend_segments`]) over its cached `keys`/`values`; its first row sees positions
-/// `0 .. first_len`, each next row one more.
+/// `0 .. first_len`, each next row one more — or, for a tree, what [`SegmentTree`] says.
 #[derive(Debug, Clone)]
 pub struct Segment<'a> {
     pub rows: std::ops::Range<usize>,
     pub first_len: usize,
     pub keys: CachedHeads<'a>,
     pub values: CachedHeads<'a>,
+    pub tree: Option<SegmentTree<'a>>,
+}
+
+/// The rows of a [`Segment`] as part of a tree evaluation: the evaluation's row `e` is in
+/// cache slot `base + e` and sees the slots before `base` and its ancestors' (and its own), in
+/// path order. Its scores are computed over every slot up to its own, then those it sees are
+/// gathered in path order before the softmax and the weighted sums, so each number is the one
+/// the path evaluated alone gives.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentTree<'a> {
+    pub tree: Tree<'a>,
+    /// Cache slot of the evaluation's first row.
+    pub base: usize,
+    /// The segment's first row among the evaluation's.
+    pub first_row: usize,
 }
 
 /// At most [`ATTENTION_ROWS`] rows of one segment, attended together per key/value head.
@@ -284,6 +300,21 @@ fn attend_wave(
             let scores = &mut item.scores[first_key..];
             kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
         }
+        // A tree row: the scores of the slots it sees, in path order, after the prefix.
+        let paths: Vec<Vec<usize>> = match &seg.tree {
+            None => Vec::new(),
+            Some(t) => (0..n_queries)
+                .map(|query| {
+                    let path = t.tree.path(t.first_row + first + query / group);
+                    let row = &mut item.scores[query * n_keys..(query + 1) * n_keys];
+                    for (k, &at) in path.iter().enumerate() {
+                        row[t.base + k] = row[t.base + at];
+                    }
+                    item.limits[query] = t.base + path.len();
+                    path
+                })
+                .collect(),
+        };
         for (row, &limit) in item
             .scores
             .chunks_exact_mut(n_keys.max(1))
@@ -295,6 +326,12 @@ fn attend_wave(
             }
             activations::softmax_in_place(row);
         }
+        if let Some(t) = &seg.tree {
+            // The cached prefix block by block below; the path's values after it.
+            for limit in item.limits.iter_mut() {
+                *limit = t.base;
+            }
+        }
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
             let values = seg.values.head_block(g, b, count, item.rows);
@@ -303,6 +340,35 @@ fn attend_wave(
                 kattention::weighted_sums(probs, values, item.block_limits, item.outputs);
             } else {
                 kattention::weighted_sums_onto(probs, values, item.block_limits, item.outputs);
+            }
+        }
+        if let Some(t) = &seg.tree {
+            let vd = shape.value_dim;
+            let mut gathered = Vec::new();
+            for (query, path) in paths.iter().enumerate() {
+                gathered.clear();
+                gathered.resize(path.len() * vd, 0.0);
+                for (k, &at) in path.iter().enumerate() {
+                    let slot = t.base + at;
+                    let (b, j) = (slot / bt, slot % bt);
+                    let count = bt.min(n_keys - b * bt);
+                    seg.values
+                        .head_block(g, b, count, item.rows)
+                        .row_f32(j, &mut gathered[k * vd..(k + 1) * vd]);
+                }
+                let probs = Rows::new(
+                    &item.scores[query * n_keys + t.base..],
+                    n_keys,
+                    path.len(),
+                    1,
+                );
+                let values = Cached::F32(&gathered).rows(0, vd, vd, path.len());
+                kattention::weighted_sums_onto(
+                    probs,
+                    values,
+                    &[path.len()],
+                    &mut item.outputs[query * vd..(query + 1) * vd],
+                );
             }
         }
     };
@@ -373,6 +439,7 @@ pub fn attend_rows(
         first_len,
         keys,
         values,
+        tree: None,
     };
     attend_segments(shape, queries, &[segment], s, out);
 }

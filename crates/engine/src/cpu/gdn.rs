@@ -69,6 +69,11 @@ pub struct GdnRows<'a> {
 /// several; a row depends only on the inputs before it); then each value head runs all
 /// `m` rows with its S matrix hot in cache, the heads in parallel (one fork-join per layer
 /// however many rows are verified). Every row takes the same steps as a single-token call.
+///
+/// With `tree` (the rows of a tree evaluation), row `i` reads the state its parent wrote
+/// (`tree[i]`: that state's step, 0 for a root) instead of the one before it — its
+/// convolution's inputs and its S matrices are its path's — and still writes step
+/// `step0 + i + 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn recurrence(
     shape: &GdnShape,
@@ -78,6 +83,7 @@ pub fn recurrence(
     ring: &mut SnapshotRing,
     slot: usize,
     step0: usize,
+    tree: Option<&[usize]>,
     s: &mut GdnScratch,
     out: &mut [f32],
 ) {
@@ -103,16 +109,28 @@ pub fn recurrence(
         }
     };
     let mixed = &input.mixed[..m * c];
-    conv_rows(
-        shape,
-        w,
-        ring.conv_state(slot, step0),
-        mixed,
-        &mut s.qkv[..m * c],
-    );
-    for (i, mixed) in mixed.chunks_exact(c).enumerate() {
-        let (src, dst) = ring.conv_io(slot, step0 + i);
-        next_conv_state(src, mixed, dst);
+    match tree {
+        None => {
+            conv_rows(
+                shape,
+                w,
+                ring.conv_state(slot, step0),
+                mixed,
+                &mut s.qkv[..m * c],
+            );
+            for (i, mixed) in mixed.chunks_exact(c).enumerate() {
+                let (src, dst) = ring.conv_io(slot, step0 + i);
+                next_conv_state(src, mixed, dst);
+            }
+        }
+        // Row by row: a row's history is its parent's convolution state.
+        Some(reads) => {
+            for (i, mixed) in mixed.chunks_exact(c).enumerate() {
+                let (src, dst) = ring.conv_tree_io(slot, reads[i], step0 + i);
+                conv_rows(shape, w, src, mixed, &mut s.qkv[i * c..(i + 1) * c]);
+                next_conv_state(src, mixed, dst);
+            }
+        }
     }
 
     let index = *ring.index();
@@ -120,7 +138,10 @@ pub fn recurrence(
     let (qkv, z) = (&s.qkv[..m * c], &input.z[..m * vd]);
     let head = |(h, (planes, outputs)): (usize, (&mut [f32], &mut [f32]))| {
         for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-            let (read, write) = index.step_planes(step0 + i);
+            let (read, write) = match tree {
+                None => index.step_planes(step0 + i),
+                Some(reads) => index.tree_planes(reads[i], step0 + i),
+            };
             let (state_in, state_out) = read_write(planes, state_len, read, write);
             let inputs = HeadInputs {
                 qkv: &qkv[i * c..(i + 1) * c],

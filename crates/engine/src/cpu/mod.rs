@@ -688,6 +688,37 @@ impl Executor for CpuExecutor {
         Ok(true)
     }
 
+    fn keep_path(
+        &mut self,
+        seq: usize,
+        base: usize,
+        path: &[u32],
+        tokens: &[u32],
+        hidden: &[f32],
+    ) -> Result<(), PluginError> {
+        let recurrent = self.recurrent;
+        let Self { pool, seqs, .. } = self;
+        let caches = slot_mut(seqs, seq)?;
+        let n = caches.kv.len() - base;
+        pool.keep_rows(&mut caches.kv, base, path);
+        pool.cache_prefix(&mut caches.kv, tokens);
+        if let Some(ring) = &mut caches.ring {
+            if recurrent {
+                ring.keep_path(n, path);
+            } else {
+                ring.reset();
+                ring.advance(base + path.len());
+            }
+        }
+        if let Some(history) = &mut caches.hidden {
+            if !history.write(base, hidden) {
+                caches.hidden = None;
+                caches.boundary = None;
+            }
+        }
+        Ok(())
+    }
+
     fn window(&self, seq: usize, seq_len: usize) -> RangeInclusive<usize> {
         match self.seqs.get(seq).and_then(Option::as_ref) {
             Some(SeqCaches {

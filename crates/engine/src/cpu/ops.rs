@@ -10,9 +10,11 @@ use rayon::prelude::*;
 use specula_gguf::GgufFile;
 use specula_kernels::activations::{self, Gate};
 use specula_kernels::{matmul, matmul_many_one, ops, MatmulScratch, RopeAngles};
-use specula_plugin_api::PluginError;
+use specula_plugin_api::{PluginError, TREE_ROOT};
 
-use super::attention::{attend_segments, prepare_query_key, AttentionScratch, Segment};
+use super::attention::{
+    attend_segments, prepare_query_key, AttentionScratch, Segment, SegmentTree,
+};
 use super::gdn::{self, BetaAlphaIn, GdnRows, GdnScratch};
 use super::moe::{self, MoeScratch};
 use crate::blocks::gdn::GdnWeights;
@@ -241,11 +243,16 @@ impl LayerOps for CpuOps<'_> {
             None => (None, None),
         };
         let s = &mut *self.scratch;
-        let runs: Vec<(usize, usize)> = rows
-            .spans
-            .iter()
-            .map(|span| (span.pos0 + slot.rope_offset, span.n))
-            .collect();
+        // Consecutive positions per span; a tree's rows each at their own.
+        let mut runs: Vec<(usize, usize)> = Vec::with_capacity(rows.spans.len());
+        for span in rows.spans {
+            match span.tree {
+                None => runs.push((span.pos0 + slot.rope_offset, span.n)),
+                Some(_) => {
+                    runs.extend((0..span.n).map(|i| (span.position(i) + slot.rope_offset, 1)))
+                }
+            }
+        }
         s.angles.cover_runs(rope, &runs);
         let angles = &s.angles;
         // Rows on the pool's threads (a single row stays on this one).
@@ -317,6 +324,11 @@ impl LayerOps for CpuOps<'_> {
                 first_len: span.pos0 + 1,
                 keys: pool.keys(layer, seq, end),
                 values: pool.values(layer, seq, end),
+                tree: span.tree.map(|tree| SegmentTree {
+                    tree,
+                    base: span.pos0 - span.ring_step0,
+                    first_row: span.ring_step0,
+                }),
             });
         }
         attend_segments(
@@ -380,6 +392,15 @@ impl LayerOps for CpuOps<'_> {
             }
         };
         for (first, span) in rows.with_offsets() {
+            // A tree row reads the state its parent wrote: step `parent + 1`, 0 for a root.
+            let reads: Option<Vec<usize>> = span.tree.map(|tree| {
+                (0..span.n)
+                    .map(|i| match tree.parents[span.ring_step0 + i] {
+                        TREE_ROOT => 0,
+                        p => p as usize + 1,
+                    })
+                    .collect()
+            });
             let SeqCaches {
                 ring: state,
                 boundary,
@@ -415,6 +436,7 @@ impl LayerOps for CpuOps<'_> {
                     state,
                     ring,
                     span.ring_step0 + from,
+                    reads.as_ref().map(|r| &r[from..]),
                     &mut s.gdn,
                     &mut out[at * vd..(at + n) * vd],
                 );
@@ -422,10 +444,11 @@ impl LayerOps for CpuOps<'_> {
             // The last block boundary the span's rows reach: the rows up to it run first,
             // then its state is copied before the rest of the rows can overwrite its plane
             // (each row runs the same steps either way).
+            // (A tree's rows are not the sequence's positions: no boundary state is kept.)
             let end = span.pos0 + span.n;
             let crossed = end / BLOCK_TOKENS * BLOCK_TOKENS;
             match boundary {
-                Some(plane) if crossed > span.pos0 => {
+                Some(plane) if crossed > span.pos0 && span.tree.is_none() => {
                     let upto = crossed - span.pos0;
                     run(state, 0, upto);
                     state.save_layer(ring, span.ring_step0 + upto, plane, crossed);

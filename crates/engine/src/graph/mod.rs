@@ -24,7 +24,7 @@
 //! of several sequences (the batching of many sequences) extend it, not the operations.
 
 use specula_kernels::Rope;
-use specula_plugin_api::{ErrorKind, PluginError};
+use specula_plugin_api::{ErrorKind, PluginError, TREE_ROOT};
 
 use crate::blocks::attention::AttentionShape;
 use crate::blocks::ffn::FfnShape;
@@ -320,25 +320,66 @@ impl Dims {
 #[derive(Debug, Clone, Copy)]
 pub struct Rows<'a> {
     pub n: usize,
-    pub spans: &'a [Span],
+    pub spans: &'a [Span<'a>],
 }
 
-/// One sequence's rows in a pass: `n` tokens at consecutive positions `pos0 ..` of sequence
-/// `seq` (the executor's index), which are the `ring_step0`-th .. tokens after its recurrent
-/// state's live snapshot (the ring advances only when an evaluation is committed).
+/// One sequence's rows in a pass: `n` tokens in cache slots `pos0 ..` of sequence `seq` (the
+/// executor's index), which are the `ring_step0`-th .. tokens of their evaluation (the ring
+/// advances only when an evaluation is committed). Without `tree` the slots are the tokens'
+/// positions; with it, see [`Tree`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span {
+pub struct Span<'a> {
     pub seq: usize,
     pub n: usize,
     pub pos0: usize,
     pub ring_step0: usize,
     /// Rows `logit_from .. n` of the span get logits (`n` for none).
     pub logit_from: usize,
+    pub tree: Option<Tree<'a>>,
+}
+
+/// An evaluation whose tokens form a tree (tree speculation): row `e` of the evaluation (its
+/// `ring_step0 + i`-th for row `i` of a span) sits in cache slot `base + e` but is at position
+/// `base + depths[e]`, and sees the cache before `base` and its own ancestors only, so it gets
+/// the bits of the path to it evaluated alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tree<'a> {
+    /// Per row of the evaluation, its parent's row, or [`specula_plugin_api::TREE_ROOT`].
+    pub parents: &'a [u32],
+    /// Per row of the evaluation, its depth (0 for a root).
+    pub depths: &'a [u32],
+}
+
+impl Tree<'_> {
+    /// The rows from a root down to `row`, in order (`row` last).
+    pub fn path(&self, row: usize) -> Vec<usize> {
+        let mut path = vec![row];
+        let mut at = row;
+        while let Some(&parent) = self.parents.get(at).filter(|&&p| p != TREE_ROOT) {
+            at = parent as usize;
+            path.push(at);
+        }
+        path.reverse();
+        path
+    }
+}
+
+impl Span<'_> {
+    /// The position of row `i` (its RoPE position; its cache slot without a tree).
+    pub fn position(&self, i: usize) -> usize {
+        match &self.tree {
+            None => self.pos0 + i,
+            Some(tree) => {
+                let base = self.pos0 - self.ring_step0;
+                base + tree.depths[self.ring_step0 + i] as usize
+            }
+        }
+    }
 }
 
 impl<'a> Rows<'a> {
     /// The rows of `spans`, in order.
-    pub fn new(spans: &'a [Span]) -> Self {
+    pub fn new(spans: &'a [Span<'a>]) -> Self {
         Self {
             n: spans.iter().map(|s| s.n).sum(),
             spans,
@@ -346,7 +387,7 @@ impl<'a> Rows<'a> {
     }
 
     /// Each span with the index of its first row in the pass.
-    pub fn with_offsets(&self) -> impl Iterator<Item = (usize, &'a Span)> + 'a {
+    pub fn with_offsets(&self) -> impl Iterator<Item = (usize, &'a Span<'a>)> + 'a {
         self.spans.iter().scan(0, |first, span| {
             let at = *first;
             *first += span.n;

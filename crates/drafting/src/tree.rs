@@ -1,0 +1,335 @@
+//! Growing a draft tree best first (greedy requests): the node added next is always the
+//! candidate whose path scores highest — the product, down to it, of each token's probability
+//! under a sharpened draft distribution — so a confident drafter grows a chain and an unsure
+//! one branches where it is unsure, each node costing one row of the verify pass.
+//!
+//! Drafters' probabilities are not calibrated (a small draft model's are too flat, a trained
+//! MTP head's top choice is right more often than a branch would pay for), so the shape is
+//! chosen by what the target accepts: each [`TreeGrower`] tries a few [`Shape`]s and keeps
+//! growing the one whose trees got the most drafts accepted per pass, trying the others now
+//! and then ([`TreeGrower::learn`]).
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use specula_plugin_api::{Draft, TREE_ROOT};
+
+use crate::softmax;
+
+/// Candidates per node in a branching shape: its most likely next tokens.
+pub const BRANCHING: usize = 3;
+
+/// Paths scoring less than this are not proposed.
+pub const MIN_PATH_SCORE: f32 = 0.02;
+
+/// How trees are grown.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Shape {
+    /// The top choice after each draft: a chain.
+    Chain,
+    /// Best first over [`BRANCHING`] candidates per node, scored by `softmax(logits × s)`
+    /// (sharpened for `s > 1`).
+    Branching(f32),
+}
+
+/// The shapes a grower chooses from.
+const SHAPES: [Shape; 3] = [Shape::Chain, Shape::Branching(2.0), Shape::Branching(1.0)];
+
+/// Times each shape is tried before the choice follows the measurements.
+const WARMUP: u32 = 4;
+
+/// Every this many trees, one of another shape than the best so far.
+const EXPLORE_EVERY: u32 = 8;
+
+/// Weight of the newest pass in a shape's running mean of accepted drafts.
+const SMOOTHING: f64 = 0.1;
+
+/// A token that could join the tree under `parent`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Candidate {
+    /// Chance that the path down to and including it is accepted.
+    score: f32,
+    parent: u32,
+    token: u32,
+    /// Its probability under its parent's draft distribution.
+    p: f32,
+}
+
+impl Eq for Candidate {}
+
+impl Ord for Candidate {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Likelier first; then the earlier parent and the smaller token, so ties grow the
+        // same tree on every run.
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.parent.cmp(&self.parent))
+            .then_with(|| other.token.cmp(&self.token))
+    }
+}
+
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Grows draft trees for one sequence, choosing their shape by what the target accepted.
+#[derive(Debug, Clone)]
+pub struct TreeGrower {
+    /// Per shape of [`SHAPES`]: trees judged, and the running mean of drafts accepted.
+    tried: [u32; SHAPES.len()],
+    accepted: [f64; SHAPES.len()],
+    /// The shape of the last tree grown, until it is judged.
+    pending: Option<usize>,
+    /// Trees grown.
+    grown: u32,
+}
+
+impl Default for TreeGrower {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TreeGrower {
+    /// A grower that has measured nothing yet.
+    pub fn new() -> Self {
+        Self {
+            tried: [0; SHAPES.len()],
+            accepted: [0.0; SHAPES.len()],
+            pending: None,
+            grown: 0,
+        }
+    }
+
+    /// The shape with the most drafts accepted per pass so far (the first untried one first).
+    pub fn best_shape(&self) -> Shape {
+        SHAPES[self.best()]
+    }
+
+    fn best(&self) -> usize {
+        if let Some(untried) = (0..SHAPES.len()).find(|&s| self.tried[s] < WARMUP) {
+            return untried;
+        }
+        (0..SHAPES.len())
+            .max_by(|&a, &b| {
+                self.accepted[a]
+                    .total_cmp(&self.accepted[b])
+                    .then(b.cmp(&a))
+            })
+            .unwrap_or(0)
+    }
+
+    /// The shape of the next tree: the best, or now and then another one to measure it again.
+    fn next_shape(&self) -> usize {
+        let best = self.best();
+        if self.grown % EXPLORE_EVERY != EXPLORE_EVERY - 1 {
+            return best;
+        }
+        let others = SHAPES.len() - 1;
+        let other = (self.grown / EXPLORE_EVERY) as usize % others;
+        (0..SHAPES.len())
+            .filter(|&s| s != best)
+            .nth(other)
+            .unwrap_or(best)
+    }
+
+    /// Learns that the target accepted `accepted` drafts of the last tree grown.
+    pub fn learn(&mut self, accepted: usize) {
+        if let Some(shape) = self.pending.take() {
+            let a = accepted as f64;
+            self.accepted[shape] = match self.tried[shape] {
+                0 => a,
+                _ => self.accepted[shape] + SMOOTHING * (a - self.accepted[shape]),
+            };
+            self.tried[shape] += 1;
+        }
+    }
+
+    /// Grows a tree of at most `budget` nodes into `out` (tokens, parents, and each node's
+    /// probability under its parent's draft distribution as its confidence) in the shape the
+    /// measurements favour: the candidates under the context come from `root_logits`; each
+    /// node added gets its own from `next_logits(path)`, which returns the draft logits after
+    /// the node (`path`: the tokens from the first draft down to it).
+    pub fn grow<E>(
+        &mut self,
+        root_logits: &[f32],
+        budget: usize,
+        out: &mut Draft,
+        next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let shape = self.next_shape();
+        self.pending = Some(shape);
+        self.grown += 1;
+        grow_shape(SHAPES[shape], root_logits, budget, out, next_logits)
+    }
+}
+
+/// [`TreeGrower::grow`] in one shape.
+pub fn grow_shape<E>(
+    shape: Shape,
+    root_logits: &[f32],
+    budget: usize,
+    out: &mut Draft,
+    mut next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
+) -> Result<(), E> {
+    out.clear();
+    let mut heap = BinaryHeap::new();
+    let mut probs = Vec::new();
+    let mut logits = Vec::new();
+    push_children(shape, &mut heap, root_logits, TREE_ROOT, 1.0, &mut probs);
+    while out.tokens.len() < budget {
+        let Some(best) = heap.pop() else { break };
+        if best.score < MIN_PATH_SCORE && shape != Shape::Chain {
+            break;
+        }
+        let node = out.tokens.len() as u32;
+        out.tokens.push(best.token);
+        out.parents.push(best.parent);
+        out.confidence.push(best.p);
+        if out.tokens.len() == budget {
+            break;
+        }
+        let path = path_tokens(out, node as usize);
+        next_logits(&path, &mut logits)?;
+        push_children(shape, &mut heap, &logits, node, best.score, &mut probs);
+    }
+    Ok(())
+}
+
+/// Pushes the likeliest tokens of `logits` as children of `parent` (one for a chain).
+fn push_children(
+    shape: Shape,
+    heap: &mut BinaryHeap<Candidate>,
+    logits: &[f32],
+    parent: u32,
+    score: f32,
+    probs: &mut Vec<f32>,
+) {
+    let (branching, sharpness) = match shape {
+        Shape::Chain => (1, 1.0),
+        Shape::Branching(s) => (BRANCHING, s),
+    };
+    softmax(logits, sharpness, probs);
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(branching + 1);
+    for (token, &p) in probs.iter().enumerate() {
+        if best.len() < branching || p > best[best.len() - 1].1 {
+            let at = best.iter().position(|&(_, q)| p > q).unwrap_or(best.len());
+            best.insert(at, (token as u32, p));
+            best.truncate(branching);
+        }
+    }
+    for (token, p) in best {
+        heap.push(Candidate {
+            score: score * p,
+            parent,
+            token,
+            p,
+        });
+    }
+}
+
+/// The tokens from a root of `draft`'s tree down to `node`.
+pub fn path_tokens(draft: &Draft, node: usize) -> Vec<u32> {
+    let mut path = vec![draft.tokens[node]];
+    let mut at = node;
+    while draft.parents[at] != TREE_ROOT {
+        at = draft.parents[at] as usize;
+        path.push(draft.tokens[at]);
+    }
+    path.reverse();
+    path
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Logits over 4 tokens whose softmax is about `probs`.
+    fn logits(probs: [f32; 4]) -> Vec<f32> {
+        probs.iter().map(|p| p.ln()).collect()
+    }
+
+    fn grow(
+        shape: Shape,
+        root: [f32; 4],
+        after: [f32; 4],
+        budget: usize,
+    ) -> (Draft, Vec<Vec<u32>>) {
+        let mut out = Draft::default();
+        let mut asked = Vec::new();
+        grow_shape::<()>(shape, &logits(root), budget, &mut out, |path, l| {
+            asked.push(path.to_vec());
+            *l = logits(after);
+            Ok(())
+        })
+        .unwrap();
+        (out, asked)
+    }
+
+    #[test]
+    fn a_confident_drafter_grows_a_chain_and_an_unsure_one_branches() {
+        let plain = Shape::Branching(1.0);
+        // After any path: token 1 with 0.9 — a chain of 1s, its first node the argmax.
+        let (out, _) = grow(plain, [0.04, 0.9, 0.03, 0.03], [0.04, 0.9, 0.03, 0.03], 4);
+        assert_eq!(out.tokens.to_vec(), vec![1, 1, 1, 1]);
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, 0, 1, 2]);
+
+        // Unsure at the root (0.5 / 0.48), surer after: both branches, then their chains.
+        let (out, asked) = grow(plain, [0.5, 0.48, 0.01, 0.01], [0.1, 0.05, 0.8, 0.05], 4);
+        assert_eq!(out.tokens.to_vec(), vec![0, 1, 2, 2]);
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, TREE_ROOT, 0, 1]);
+        assert_eq!(asked, vec![vec![0], vec![1], vec![0, 2]]);
+
+        // The chain shape never branches.
+        let (out, _) = grow(
+            Shape::Chain,
+            [0.5, 0.48, 0.01, 0.01],
+            [0.3, 0.3, 0.2, 0.2],
+            5,
+        );
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, 0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn the_shape_whose_drafts_are_accepted_most_is_grown() {
+        let mut grower = TreeGrower::new();
+        let flat = logits([0.5, 0.45, 0.03, 0.02]);
+        let mut shapes = Vec::new();
+        for _ in 0..60 {
+            let mut out = Draft::default();
+            grower
+                .grow::<()>(&flat, 6, &mut out, |_, l| {
+                    *l = flat.clone();
+                    Ok(())
+                })
+                .unwrap();
+            let chain = out.parents.iter().enumerate().all(|(i, &p)| match i {
+                0 => p == TREE_ROOT,
+                _ => p as usize == i - 1,
+            });
+            shapes.push(chain);
+            // The target accepts 4 drafts of a chain, 1 of a branching tree.
+            grower.learn(if chain { 4 } else { 1 });
+        }
+        assert_eq!(grower.best_shape(), Shape::Chain);
+        // After the warm-up, chains but for the occasional other shape.
+        let late = &shapes[40..];
+        assert!(
+            late.iter().filter(|&&c| c).count() >= late.len() * 3 / 4,
+            "{shapes:?}"
+        );
+        assert!(late.iter().any(|&c| !c), "never measured again: {shapes:?}");
+    }
+
+    #[test]
+    fn unlikely_paths_are_not_proposed() {
+        // 0.25 per step: paths of three score below the floor, so 3 + 9 nodes.
+        let (out, _) = grow(Shape::Branching(1.0), [0.25; 4], [0.25; 4], 60);
+        assert_eq!(out.tokens.len(), 12, "{:?}", out.tokens);
+        for node in 0..out.tokens.len() {
+            assert!(path_tokens(&out, node).len() <= 2);
+        }
+    }
+}
