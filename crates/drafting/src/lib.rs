@@ -8,7 +8,7 @@
 
 mod tree;
 
-pub use tree::{grow_shape, path_tokens, Shape, TreeGrower};
+pub use tree::{grow_shape, path_tokens, Shape, TreeGrower, BRANCHING, MIN_PATH_SCORE};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
