@@ -54,11 +54,12 @@ fn request(i: usize, speculate: bool) -> Request {
         stop: if i == 2 { vec![".".into()] } else { Vec::new() },
         add_bos: true,
         // Fixed draft lengths, so that the drafts of every drafter reach the batched passes.
+        // Requests 1 and 5 draft trees, verified beside the others' chains and prompt chunks.
         speculation: (speculate && i % 4 != 3).then_some(SpecSettings {
             draft_min: 1,
             draft_max: 4,
             adaptive: false,
-            tree: false,
+            tree: i % 4 == 1,
         }),
         sampling,
         cancel: CancelFlag::default(),

@@ -460,8 +460,10 @@ fn expected_pairs(
 fn rejection_sampling_keeps_the_target_distribution() {
     let dir = tempfile::tempdir().unwrap();
     let draft = shared("models/llama2xs-281K.gguf");
-    let sampling = |seed| SamplingParams {
-        temperature: 1.0,
+    // Trees at a higher temperature: their drafters are then unsure enough at the first
+    // token to draw several siblings, which the target judges one after another.
+    let sampling = |seed, tree: bool| SamplingParams {
+        temperature: if tree { 3.0 } else { 1.0 },
         top_k: 3,
         top_p: 1.0,
         min_p: 0.0,
@@ -471,7 +473,29 @@ fn rejection_sampling_keeps_the_target_distribution() {
     };
     let prompt = "Once upon a time, there was a";
     type Setup<'a> = (&'a str, Box<dyn Fn(&Path) -> Pipeline + 'a>);
+    let draft_model = |d: &Path| {
+        open(
+            d,
+            "models/stories260K.gguf",
+            &format!(
+                "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+                draft.to_str().unwrap()
+            ),
+        )
+    };
     let setups: Vec<Setup> = vec![
+        // Trees: siblings drawn without replacement, judged by recursive rejection.
+        ("draft model, trees", Box::new(draft_model)),
+        (
+            "mtp (trained stories-qwen35), trees",
+            Box::new(|d: &Path| {
+                open(
+                    d,
+                    "models/trained/stories-qwen35-mtp-q8_0.gguf",
+                    "[drafter]\nplugin = \"mtp\"\n",
+                )
+            }),
+        ),
         (
             "draft model",
             Box::new(|d: &Path| {
@@ -505,18 +529,19 @@ fn rejection_sampling_keeps_the_target_distribution() {
     for (name, make) in setups {
         let mut p = make(dir.path());
         let prompt_ids = p.tokenizer.encode(prompt, true, true);
-        let expected = expected_pairs(&mut p, &prompt_ids, &sampling(0));
+        let tree = name.ends_with("trees");
+        let expected = expected_pairs(&mut p, &prompt_ids, &sampling(0, tree));
         let n = 3000;
         let mut counts = vec![0u64; expected.len()];
         let mut drafted = 0;
         for seed in 0..n {
-            let mut req = request(prompt, 2, sampling(seed), true);
+            let mut req = request(prompt, 2, sampling(seed, tree), true);
             // Always draft, so every second token goes through rejection sampling.
             req.speculation = Some(SpecSettings {
                 draft_min: 3,
                 draft_max: 3,
                 adaptive: false,
-                tree: false,
+                tree,
             });
             let (o, _) = run(&mut p, &req);
             drafted += o.speculative.drafted;
@@ -768,8 +793,9 @@ fn tree_parity(p: &mut Pipeline, name: &str) -> (f64, f64) {
     (per_pass(&chains), per_pass(&trees))
 }
 
-/// Tree speculation keeps greedy parity with the draft model (a dense pair) and with the MTP
-/// head on every MTP model (hybrids: each tree row's recurrent state from its parent's).
+/// Tree speculation keeps greedy parity with the draft model (a dense pair), with lookup (a
+/// dense and a hybrid model) and with the MTP head on every MTP model (hybrids: each tree
+/// row's recurrent state from its parent's).
 #[test]
 fn tree_speculation_keeps_greedy_parity() {
     let dir = tempfile::tempdir().unwrap();
@@ -787,6 +813,13 @@ fn tree_speculation_keeps_greedy_parity() {
         tree > chain,
         "trees {tree:.3} against chains {chain:.3} tokens per pass"
     );
+    for model in [
+        "models/stories260K.gguf",
+        "models/fixtures/tiny-qwen35.gguf",
+    ] {
+        let mut p = open(dir.path(), model, "[drafter]\nplugin = \"lookup\"\n");
+        tree_parity(&mut p, &format!("{model} + lookup"));
+    }
     for model in MTP_MODELS {
         let mut p = open(dir.path(), model, "[drafter]\nplugin = \"mtp\"\n");
         tree_parity(&mut p, model);

@@ -12,9 +12,11 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use specula_plugin_api::{Draft, TREE_ROOT};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use specula_plugin_api::{Draft, DraftRequest, TREE_ROOT};
 
-use crate::softmax;
+use crate::{draw, softmax};
 
 /// Candidates per node in a branching shape: its most likely next tokens.
 pub const BRANCHING: usize = 3;
@@ -147,13 +149,15 @@ impl TreeGrower {
         }
     }
 
-    /// Grows a tree of at most `budget` nodes into `out` (tokens, parents, and each node's
-    /// probability under its parent's draft distribution as its confidence) in the shape the
-    /// measurements favour: the candidates under the context come from `root_logits`; each
-    /// node added gets its own from `next_logits(path)`, which returns the draft logits after
-    /// the node (`path`: the tokens from the first draft down to it).
+    /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, and
+    /// each node's probability under the distribution it was chosen from as its confidence)
+    /// in the shape the measurements favour: the candidates under the context come from
+    /// `root_logits`; each node added gets its own from `next_logits(path)`, which returns the
+    /// draft logits after the node (`path`: the tokens from the first draft down to it).
+    /// Greedy requests get [`grow_shape`]'s trees, sampled ones [`grow_sampled`]'s.
     pub fn grow<E>(
         &mut self,
+        request: &DraftRequest<'_>,
         root_logits: &[f32],
         budget: usize,
         out: &mut Draft,
@@ -162,7 +166,18 @@ impl TreeGrower {
         let shape = self.next_shape();
         self.pending = Some(shape);
         self.grown += 1;
-        grow_shape(SHAPES[shape], root_logits, budget, out, next_logits)
+        match request.temperature > 0.0 {
+            false => grow_shape(SHAPES[shape], root_logits, budget, out, next_logits),
+            true => grow_sampled(
+                SHAPES[shape],
+                root_logits,
+                budget,
+                request.temperature,
+                request.seed,
+                out,
+                next_logits,
+            ),
+        }
     }
 }
 
@@ -194,6 +209,65 @@ pub fn grow_shape<E>(
         let path = path_tokens(out, node as usize);
         next_logits(&path, &mut logits)?;
         push_children(shape, &mut heap, &logits, node, best.score, &mut probs);
+    }
+    Ok(())
+}
+
+/// A sampled tree (a request at `temperature`): each node is drawn from its parent's draft
+/// distribution `softmax(logits / temperature)`, reported in `out.probs` (one row per node) —
+/// what the host's recursive rejection sampling needs to keep the target's distribution
+/// exactly. A chain shape samples a chain; a branching one draws two siblings under the context
+/// (the second from the distribution without the first, renormalised), then grows the
+/// likelier branch (by the product of its drafts' probabilities) one sampled node at a time.
+pub fn grow_sampled<E>(
+    shape: Shape,
+    root_logits: &[f32],
+    budget: usize,
+    temperature: f32,
+    seed: u64,
+    out: &mut Draft,
+    mut next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
+) -> Result<(), E> {
+    out.clear();
+    if budget == 0 {
+        return Ok(());
+    }
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    let mut q = Vec::new();
+    let mut logits = Vec::new();
+    // Appends a node drawn from `q` under `parent`; returns its index and probability.
+    let add = |q: &[f32], parent: u32, out: &mut Draft, rng: &mut ChaCha20Rng| {
+        let token = draw(q, rng.gen());
+        out.tokens.push(token);
+        out.parents.push(parent);
+        out.confidence.push(q[token as usize]);
+        out.probs.extend_from_slice(q);
+        (out.tokens.len() as u32 - 1, q[token as usize])
+    };
+    softmax(root_logits, 1.0 / temperature, &mut q);
+    // Branch ends that may grow: (score, node).
+    let mut ends: Vec<(f32, u32)> = Vec::new();
+    let (first, p) = add(&q, TREE_ROOT, out, &mut rng);
+    ends.push((p, first));
+    if matches!(shape, Shape::Branching(_)) && budget >= 2 {
+        let taken = out.tokens[first as usize] as usize;
+        let rest = 1.0 - q[taken];
+        if rest > 0.0 {
+            q[taken] = 0.0;
+            q.iter_mut().for_each(|x| *x /= rest);
+            let (second, p) = add(&q, TREE_ROOT, out, &mut rng);
+            ends.push((p, second));
+        }
+    }
+    while out.tokens.len() < budget {
+        let Some(at) = (0..ends.len()).max_by(|&a, &b| ends[a].0.total_cmp(&ends[b].0)) else {
+            break;
+        };
+        let (score, node) = ends[at];
+        next_logits(&path_tokens(out, node as usize), &mut logits)?;
+        softmax(&logits, 1.0 / temperature, &mut q);
+        let (child, p) = add(&q, node, out, &mut rng);
+        ends[at] = (score * p, child);
     }
     Ok(())
 }
@@ -251,6 +325,16 @@ mod tests {
         probs.iter().map(|p| p.ln()).collect()
     }
 
+    fn greedy_request() -> DraftRequest<'static> {
+        DraftRequest {
+            context: abi_stable::std_types::RSlice::from_slice(&[]),
+            max_tokens: 8,
+            temperature: 0.0,
+            seed: 1,
+            tree: true,
+        }
+    }
+
     fn grow(
         shape: Shape,
         root: [f32; 4],
@@ -300,7 +384,7 @@ mod tests {
         for _ in 0..60 {
             let mut out = Draft::default();
             grower
-                .grow::<()>(&flat, 6, &mut out, |_, l| {
+                .grow::<()>(&greedy_request(), &flat, 6, &mut out, |_, l| {
                     *l = flat.clone();
                     Ok(())
                 })
@@ -321,6 +405,44 @@ mod tests {
             "{shapes:?}"
         );
         assert!(late.iter().any(|&c| !c), "never measured again: {shapes:?}");
+    }
+
+    #[test]
+    fn sampled_trees_report_the_distribution_of_each_node() {
+        let root = logits([0.4, 0.3, 0.2, 0.1]);
+        let after = logits([0.1, 0.2, 0.3, 0.4]);
+        for seed in 0..20 {
+            let mut out = Draft::default();
+            grow_sampled::<()>(
+                Shape::Branching(1.0),
+                &root,
+                5,
+                1.0,
+                seed,
+                &mut out,
+                |_, l| {
+                    *l = after.clone();
+                    Ok(())
+                },
+            )
+            .unwrap();
+            assert_eq!(out.tokens.len(), 5);
+            assert_eq!(out.probs.len(), 5 * 4);
+            let (t0, t1) = (out.tokens[0] as usize, out.tokens[1] as usize);
+            assert_eq!(out.parents[..2], [TREE_ROOT, TREE_ROOT]);
+            assert_ne!(t0, t1, "siblings are drawn without replacement");
+            // The second sibling's distribution is the first's without it.
+            let (q0, q1) = (&out.probs[..4], &out.probs[4..8]);
+            assert_eq!(q1[t0], 0.0);
+            let rest = 1.0 - q0[t0];
+            for i in (0..4).filter(|&i| i != t0) {
+                assert!((q1[i] - q0[i] / rest).abs() < 1e-6);
+            }
+            for (node, &token) in out.tokens.iter().enumerate() {
+                assert!(out.probs[node * 4 + token as usize] > 0.0);
+                assert_eq!(out.confidence[node], out.probs[node * 4 + token as usize]);
+            }
+        }
     }
 
     #[test]

@@ -52,6 +52,9 @@ pub struct BenchOptions {
     /// Runs each drafter (but the oracle) twice at the same fixed rows per pass
     /// (`draft_max` + 1): drafting chains, then trees.
     pub tree: bool,
+    /// Sampling temperature of the drafter runs and their plain runs (0: greedy); sampled runs
+    /// are seeded by their run index, so every build samples the same.
+    pub temperature: f32,
     /// Bytes read by the bandwidth measurement.
     pub bandwidth_bytes: usize,
 }
@@ -70,6 +73,7 @@ impl Default for BenchOptions {
             ],
             oracle_k: 4,
             tree: false,
+            temperature: 0.0,
             bandwidth_bytes: 1 << 30,
         }
     }
@@ -100,8 +104,8 @@ pub struct DrafterRun {
     pub acceptance: f64,
     pub mean_accepted_length: f64,
     pub passes_per_token: f64,
-    /// Same greedy output as plain decoding.
-    pub output_matches_plain: bool,
+    /// Same greedy output as plain decoding (`None` for sampled runs).
+    pub output_matches_plain: Option<bool>,
     /// For the oracle: ratio(k) measured in its pipeline, k ÷ ratio(k), and speedup ÷ that.
     pub verify_ratio: Option<f64>,
     pub ideal_speedup: Option<f64>,
@@ -425,19 +429,38 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         // memory and the same moment of the machine.
         let (mut rates, mut plain_rates_here) = (Vec::new(), Vec::new());
         let mut last = None;
-        for _ in 0..runs {
-            let plain_here = generate(&mut pipeline, &request(None), |_| {})?;
+        let mut stats = crate::spec::SpecStats::default();
+        let sampled = |speculation, run: usize| {
+            let mut request = request(speculation);
+            if options.temperature > 0.0 {
+                // The profile's sampling filters at the temperature asked for.
+                let s = &profile.sampling;
+                request.sampling = SamplingParams {
+                    temperature: options.temperature,
+                    top_k: s.top_k,
+                    top_p: s.top_p,
+                    min_p: s.min_p,
+                    repeat_penalty: s.repeat_penalty,
+                    repeat_last_n: s.repeat_last_n,
+                    seed: Some(run as u64),
+                };
+            }
+            request
+        };
+        for run in 0..runs {
+            let plain_here = generate(&mut pipeline, &sampled(None, run), |_| {})?;
             plain_rates_here.push(plain_here.timings.decode_tokens_per_second());
             bar.inc(1);
-            let outcome = generate(&mut pipeline, &request(Some(settings)), |_| {})?;
+            let outcome = generate(&mut pipeline, &sampled(Some(settings), run), |_| {})?;
             rates.push(outcome.timings.decode_tokens_per_second());
+            stats.merge(&outcome.speculative);
             last = Some(outcome);
             bar.inc(1);
         }
         let outcome = last.context("no run")?;
         let (tps, plain_tps) = (median(rates), median(plain_rates_here));
         let speedup = tps / plain_tps;
-        let s = &outcome.speculative;
+        let s = &stats;
         let (verify_ratio, ideal, efficiency) = if name == "oracle" {
             let k = (settings.draft_max + 1).min(capacity) as usize;
             let seconds = verify_seconds(
@@ -463,7 +486,8 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
             acceptance: s.acceptance_rate(),
             mean_accepted_length: s.mean_accepted_length(),
             passes_per_token: s.passes_per_token(),
-            output_matches_plain: outcome.tokens == plain.tokens,
+            output_matches_plain: (options.temperature <= 0.0)
+                .then(|| outcome.tokens == plain.tokens),
             verify_ratio,
             ideal_speedup: ideal,
             efficiency,
@@ -672,7 +696,11 @@ pub fn render(report: &BenchReport) -> String {
             100.0 * d.acceptance,
             d.mean_accepted_length,
             d.passes_per_token,
-            if d.output_matches_plain { "yes" } else { "NO" }
+            match d.output_matches_plain {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "sampled",
+            }
         );
         if let (Some(ratio), Some(ideal), Some(eff)) =
             (d.verify_ratio, d.ideal_speedup, d.efficiency)

@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// pass: drafting chains, then trees (tree speculation; greedy).
     #[arg(long)]
     tree: bool,
+    /// Sample the drafter runs (and the plain runs they are compared with) at this
+    /// temperature, with the profile's other sampling settings and a seed per run; 0 = greedy.
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    temp: f32,
     /// Worker threads (overrides the profile).
     #[arg(short, long)]
     threads: Option<u32>,
@@ -83,6 +87,7 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
         drafters: args.drafters,
         oracle_k: args.oracle_k,
         tree: args.tree,
+        temperature: args.temp,
         ..BenchOptions::default()
     };
     let report = run(&profile, &options)?;

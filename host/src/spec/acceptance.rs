@@ -76,6 +76,72 @@ impl Judge {
     }
 }
 
+/// The target's decision among the children of one tree node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TreeVerdict {
+    /// The child at this index (among those given) is accepted.
+    Accept(usize),
+    /// Every child was rejected; the target emits this token instead.
+    Reject(u32),
+}
+
+impl Judge {
+    /// Judges the children of one tree node against the node's target logits row — the
+    /// children in order, each with the distribution it was drawn from (`None`: one-hot).
+    ///
+    /// Greedy: the target's choice, accepted where a child proposes it. Sampling: recursive
+    /// rejection sampling (SpecInfer; Jeon et al.'s recursive speculative decoding): child `j`
+    /// is accepted with probability `min(1, p(x)/q_j(x))`; on rejection the target's
+    /// distribution becomes the residual `normalize(max(0, p − q_j))` for the next child, and
+    /// when every child is rejected the token is drawn from the last residual. Each step is a
+    /// rejection sampler whose output follows its target distribution whatever its proposal,
+    /// so the emitted token follows `p` exactly — siblings drawn with or without replacement,
+    /// the tree's shape chosen however the drafter likes.
+    pub fn judge_children(
+        &mut self,
+        sampler: &mut Sampler,
+        logits: &[f32],
+        history: &[u32],
+        children: &[(u32, Option<&[f32]>)],
+    ) -> TreeVerdict {
+        if sampler.params().is_greedy() {
+            let choice = sampler.sample(logits, history);
+            return match children.iter().position(|&(d, _)| d == choice) {
+                Some(j) => TreeVerdict::Accept(j),
+                None => TreeVerdict::Reject(choice),
+            };
+        }
+        sampler.distribution(logits, history, &mut self.candidates);
+        for (j, &(draft, q)) in children.iter().enumerate() {
+            let q_of = |id: u32| match q {
+                Some(q) => q.get(id as usize).copied().unwrap_or(0.0),
+                None => f32::from(id == draft),
+            };
+            let p_d = self
+                .candidates
+                .iter()
+                .find(|c| c.id == draft)
+                .map_or(0.0, |c| c.p);
+            let q_d = q_of(draft);
+            if q_d > 0.0 && sampler.uniform() * q_d < p_d {
+                return TreeVerdict::Accept(j);
+            }
+            self.residual.clear();
+            self.residual.extend(self.candidates.iter().filter_map(|c| {
+                let r = c.p - q_of(c.id);
+                (r > 0.0).then_some(Candidate { id: c.id, p: r })
+            }));
+            let total: f32 = self.residual.iter().map(|c| c.p).sum();
+            if total > 0.0 {
+                self.residual.iter_mut().for_each(|c| c.p /= total);
+                std::mem::swap(&mut self.candidates, &mut self.residual);
+            }
+            // Else p ≤ q everywhere, so p = q and the rejection had probability zero: p stays.
+        }
+        TreeVerdict::Reject(sampler.draw(&self.candidates))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,6 +250,56 @@ mod tests {
             )
         });
         assert!(chi_square(&counts, &pe) < CHI2_5_999);
+    }
+
+    /// Siblings drawn from `q` without replacement (each next one from `q` with the earlier
+    /// ones taken out), or one-hot siblings: the emitted token follows `p` exactly.
+    #[test]
+    fn recursive_rejection_over_siblings_is_exact() {
+        let logits = [1.2f32, 0.3, -0.5, 2.0, 0.0, -1.5];
+        let p = softmax(&logits);
+        let q = [0.05f32, 0.1, 0.5, 0.05, 0.2, 0.1];
+        for (name, with_q, siblings) in [
+            ("3 siblings without replacement", true, 3),
+            ("1 sibling", true, 1),
+            ("2 one-hot siblings", false, 2),
+        ] {
+            let mut sampler = Sampler::new(sampling(7));
+            let mut judge = Judge::default();
+            let mut counts = vec![0u64; logits.len()];
+            for _ in 0..60_000 {
+                // Draw the siblings, each from what is left of q.
+                let mut left = q.to_vec();
+                let mut children: Vec<(u32, Vec<f32>)> = Vec::new();
+                for _ in 0..siblings {
+                    let total: f32 = left.iter().sum();
+                    let dist: Vec<f32> = left.iter().map(|x| x / total).collect();
+                    let pick = sampler.draw(
+                        &dist
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &p)| Candidate { id: i as u32, p })
+                            .collect::<Vec<_>>(),
+                    );
+                    left[pick as usize] = 0.0;
+                    children.push((pick, dist));
+                }
+                let judged: Vec<(u32, Option<&[f32]>)> = children
+                    .iter()
+                    .map(|(d, dist)| (*d, with_q.then_some(&dist[..])))
+                    .collect();
+                let token = match judge.judge_children(&mut sampler, &logits, &[], &judged) {
+                    TreeVerdict::Accept(j) => children[j].0,
+                    TreeVerdict::Reject(t) => t,
+                };
+                counts[token as usize] += 1;
+            }
+            let chi2 = chi_square(&counts, &p);
+            assert!(
+                chi2 < CHI2_5_999,
+                "{name}: chi2 = {chi2}, counts {counts:?}, p {p:?}"
+            );
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use specula_plugin_api::{
 };
 use specula_tokenizer::{StreamDecoder, Tokenizer};
 
-use super::acceptance::{Judge, Verdict};
+use super::acceptance::{Judge, TreeVerdict, Verdict};
 use super::adaptive::{self, DraftLength};
 use super::stats::SpecStats;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
@@ -219,10 +219,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
                 prompt.len()
             );
         }
-        // Trees are verified greedily only (sampled trees keep chains for now).
-        let tree = request.speculation.is_some_and(|s| s.tree)
-            && capabilities.tree_verify
-            && request.sampling.temperature <= 0.0;
+        let tree = request.speculation.is_some_and(|s| s.tree) && capabilities.tree_verify;
         let speculation = match request.speculation {
             Some(settings) if has_drafter && settings.draft_max > 0 => {
                 let max_drafts = settings
@@ -455,8 +452,13 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
     /// the tokens still allowed and the context). Call once per step, after
     /// [`begin_step`](Self::begin_step).
     pub fn wanted_drafts(&mut self) -> usize {
-        let room = (self.request.max_tokens as usize - self.out.tokens.len())
-            .min(self.context - self.history.len());
+        // Every draft takes a cache slot; a chain's beyond the tokens still allowed could never
+        // be emitted, while a tree's nodes spread over fewer positions (deeper ones are clamped).
+        let slots = self.context - self.history.len();
+        let room = match self.tree {
+            true => slots,
+            false => slots.min(self.request.max_tokens as usize - self.out.tokens.len()),
+        };
         let Some(length) = self.speculation.as_mut() else {
             return 0;
         };
@@ -697,27 +699,41 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         )
     }
 
-    /// Judges a tree greedily: from the certain token's row, the target's choice is accepted
-    /// when a child proposes it, and the walk goes on from that child's row; the first choice
-    /// no child proposes is the token after the path. Every choice is plain decoding's at that
-    /// point, so the output is too.
+    /// Judges a tree from the certain token's row down: at each row its children are judged
+    /// together ([`Judge::judge_children`]: greedily, the target's choice where a child
+    /// proposes it — plain decoding's choice at that point, so the output is plain decoding's
+    /// —; sampling, by recursive rejection, so the output follows the target's distribution),
+    /// and the walk goes on from the accepted child's row. Returns the accepted drafts and the
+    /// token after them; leaves the accepted drafts in the history (the caller cuts it back).
     fn walk_tree(&mut self, logits: &[f32]) -> (Vec<usize>, u32) {
         let vocab = self.vocab;
+        let has_probs = self.draft.probs.len() == self.draft.tokens.len() * vocab;
         let mut path = Vec::new();
         let mut row = 0;
         loop {
-            let choice = self
-                .sampler
-                .sample(&logits[row * vocab..(row + 1) * vocab], &self.history);
-            let child = (row + 1..self.rows.len())
-                .find(|&r| self.row_parents[r] as usize == row && self.rows[r] == choice);
-            match child {
-                Some(r) => {
-                    path.push(r - 1);
-                    self.history.push(choice);
-                    row = r;
+            let children: Vec<usize> = (row + 1..self.rows.len())
+                .filter(|&r| self.row_parents[r] as usize == row)
+                .collect();
+            let judged: Vec<(u32, Option<&[f32]>)> = children
+                .iter()
+                .map(|&r| {
+                    let q = has_probs.then(|| &self.draft.probs[(r - 1) * vocab..r * vocab]);
+                    (self.rows[r], q)
+                })
+                .collect();
+            let verdict = self.judge.judge_children(
+                &mut self.sampler,
+                &logits[row * vocab..(row + 1) * vocab],
+                &self.history,
+                &judged,
+            );
+            match verdict {
+                TreeVerdict::Accept(j) => {
+                    row = children[j];
+                    path.push(row - 1);
+                    self.history.push(self.rows[row]);
                 }
-                None => return (path, choice),
+                TreeVerdict::Reject(token) => return (path, token),
             }
         }
     }
@@ -778,7 +794,11 @@ fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: boo
         if tree && well_formed {
             draft.parents.truncate(keep);
             draft.tokens.truncate(keep);
-            draft.probs.clear();
+            if draft.probs.len() >= keep * vocab && !draft.probs.is_empty() {
+                draft.probs.truncate(keep * vocab);
+            } else {
+                draft.probs.clear();
+            }
             return;
         }
         let chain = draft

@@ -5,6 +5,11 @@
 //! most recent occurrence wins), then in the optional static corpus. When nothing matches it
 //! proposes nothing, so the step costs the target nothing extra.
 //!
+//! Where the host verifies trees, the continuations of several earlier occurrences are offered
+//! at once, merged where they agree: the best match's continuation first (two thirds of the
+//! nodes at most), then the others' until the nodes run out — so where the text went on in
+//! different ways before, each way is verified in the same pass.
+//!
 //! Options (`[drafter.options]`): `n_min` (default 2), `n_max` (default 5).
 
 mod ngram;
@@ -12,7 +17,7 @@ mod ngram;
 use abi_stable::std_types::RSlice;
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, PanicFence, PluginError,
-    PluginResult,
+    PluginResult, TREE_ROOT,
 };
 
 pub use ngram::{Match, NgramIndex};
@@ -69,6 +74,54 @@ impl LookupDrafter {
         self.context.extend(&context[from..]);
     }
 
+    /// Proposes a tree of up to `max` tokens continuing `context` into `out` (tokens and
+    /// parents): the continuations of every match (the context's before the corpus's at equal
+    /// lengths), longest match first, merged into a trie.
+    pub fn draft_tree(&mut self, context: &[u32], max: usize, out: &mut Draft) {
+        out.clear();
+        self.sync(context);
+        let n_max = self.n_max.min(context.len());
+        let own = self
+            .context
+            .matches(context, self.n_min, n_max, context.len())
+            .into_iter()
+            .map(|m| (m, self.context.tokens()));
+        let corpus = self
+            .corpus
+            .matches(context, self.n_min, n_max, usize::MAX)
+            .into_iter()
+            .map(|m| (m, self.corpus.tokens()));
+        let mut all: Vec<(Match, &[u32])> = own.chain(corpus).collect();
+        all.sort_by_key(|(m, _)| std::cmp::Reverse(m.len));
+        let first_share = match all.len() {
+            1 => max,
+            _ => (max * 2).div_ceil(3).max(1),
+        };
+        for (i, (m, tokens)) in all.iter().enumerate() {
+            let mut at = TREE_ROOT;
+            let mut added = 0;
+            for &token in &tokens[m.start..] {
+                if out.tokens.len() >= max || (i == 0 && added >= first_share) {
+                    break;
+                }
+                let child =
+                    (0..out.tokens.len()).find(|&j| out.parents[j] == at && out.tokens[j] == token);
+                at = match child {
+                    Some(j) => j as u32,
+                    None => {
+                        out.tokens.push(token);
+                        out.parents.push(at);
+                        added += 1;
+                        out.tokens.len() as u32 - 1
+                    }
+                };
+            }
+            if out.tokens.len() >= max {
+                break;
+            }
+        }
+    }
+
     /// Proposes up to `max` tokens continuing `context`.
     pub fn draft(&mut self, context: &[u32], max: usize) -> Vec<u32> {
         self.sync(context);
@@ -120,6 +173,10 @@ impl Drafter for LookupDrafter {
     ) -> PluginResult<()> {
         self.fence.clone().guard("lookup", || {
             out.clear();
+            if request.tree {
+                self.draft_tree(&request.context, request.max_tokens as usize, out);
+                return Ok(());
+            }
             let tokens = self.draft(&request.context, request.max_tokens as usize);
             out.tokens.extend(tokens);
             Ok(())
@@ -179,6 +236,24 @@ mod tests {
         let context = [10, 11, 12, 13, 14, 50, 10, 11, 12];
         assert_eq!(d.draft(&context, 3), vec![13, 14, 50]);
         assert_eq!(d.draft(&context, 10), vec![13, 14, 50, 10, 11, 12]);
+    }
+
+    #[test]
+    fn a_tree_offers_every_earlier_continuation_merged_where_they_agree() {
+        let mut d = LookupDrafter::new(&params(&[], &[])).unwrap();
+        // [7, 8] went on as 1 2 3 9, then as 1 2 4 9.
+        let context = [7, 8, 1, 2, 3, 9, 7, 8, 1, 2, 4, 9, 6, 8, 5, 7, 8];
+        let mut out = Draft::default();
+        d.draft_tree(&context, 6, &mut out);
+        // The most recent continuation (two thirds of the nodes), then the earlier one,
+        // sharing its first two tokens and branching where it differs.
+        assert_eq!(out.tokens.to_vec(), vec![1, 2, 4, 9, 3, 9]);
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, 0, 1, 2, 1, 4]);
+        // A chain when one match only.
+        let mut out = Draft::default();
+        d.draft_tree(&[10, 11, 12, 13, 10, 11], 3, &mut out);
+        assert_eq!(out.tokens.to_vec(), vec![12, 13, 10]);
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, 0, 1]);
     }
 
     #[test]

@@ -62,12 +62,28 @@ impl NgramIndex {
         max_len: usize,
         before: usize,
     ) -> Option<Match> {
+        self.matches(query, min_len, max_len, before)
+            .into_iter()
+            .next()
+    }
+
+    /// Every match of [`longest_match`](Self::longest_match)'s kind among the most recent
+    /// occurrences of the key, longest first, most recent first among equals.
+    pub fn matches(
+        &self,
+        query: &[u32],
+        min_len: usize,
+        max_len: usize,
+        before: usize,
+    ) -> Vec<Match> {
         if query.len() < self.key_len {
-            return None;
+            return Vec::new();
         }
         let key = &query[query.len() - self.key_len..];
-        let ends = self.ends.get(key)?;
-        let mut best: Option<Match> = None;
+        let Some(ends) = self.ends.get(key) else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
         for &end in ends
             .iter()
             .rev()
@@ -83,11 +99,13 @@ impl NgramIndex {
             {
                 len += 1;
             }
-            if len >= min_len && best.is_none_or(|b| len > b.len) {
-                best = Some(Match { len, start: end });
+            if len >= min_len {
+                found.push(Match { len, start: end });
             }
         }
-        best
+        // Stable: the most recent first among equal lengths.
+        found.sort_by_key(|m| std::cmp::Reverse(m.len));
+        found
     }
 }
 

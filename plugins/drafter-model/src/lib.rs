@@ -5,9 +5,11 @@
 //!
 //! Greedy requests get greedy drafts: a chain of argmaxes, or — where the host verifies trees —
 //! a tree grown best first (each node the likeliest path the draft model sees, so it branches
-//! where the draft model is unsure). Sampled requests get a chain sampled from the draft
-//! model's softmax at the request's temperature, with that distribution handed over so the
-//! host's rejection sampling stays exact. Each draft's probability under the draft model is
+//! where the draft model is unsure). Sampled requests get drafts sampled from the draft
+//! model's softmax at the request's temperature (a chain, or a tree with sampled siblings),
+//! with each draft's distribution handed over so the host's rejection sampling stays exact.
+//! Trees take the shape that got the most drafts accepted so far
+//! ([`specula_drafting::TreeGrower`]). Each draft's probability under the draft model is
 //! reported as its confidence.
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
@@ -112,11 +114,11 @@ impl ModelDrafter {
             Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
             Err(e) => return Err(e),
         }
-        if request.tree && request.temperature <= 0.0 {
+        if request.tree {
             let root = self.logits[..self.vocab].to_vec();
             let mut path_context = context.to_vec();
             let mut grower = std::mem::take(&mut self.grower);
-            let grown = grower.grow(&root, n, out, |path, logits| {
+            let grown = grower.grow(request, &root, n, out, |path, logits| {
                 path_context.truncate(context.len());
                 path_context.extend_from_slice(path);
                 self.catch_up(model, &path_context)?;

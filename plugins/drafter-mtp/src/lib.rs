@@ -154,8 +154,8 @@ impl MtpDrafter {
         self.pending_from = certain_at;
 
         let n = max.min(room);
-        if request.tree && request.temperature <= 0.0 {
-            return self.draft_tree(target, certain_at, n, out);
+        if request.tree {
+            return self.draft_tree(target, request, certain_at, n, out);
         }
         let mut picker = DraftPicker::new(request);
         for i in 0..n {
@@ -187,6 +187,7 @@ impl MtpDrafter {
     fn draft_tree(
         &mut self,
         target: &mut LentSequence<'_>,
+        request: &DraftRequest<'_>,
         certain_at: usize,
         n: usize,
         out: &mut Draft,
@@ -199,7 +200,7 @@ impl MtpDrafter {
         let mut outputs: HashMap<Vec<u32>, Vec<f32>> = HashMap::new();
         let mut cached: Vec<u32> = Vec::new();
         let mut grower = std::mem::take(&mut self.grower);
-        let grown = grower.grow(&root, n, out, |path, logits| {
+        let grown = grower.grow(request, &root, n, out, |path, logits| {
             let common = cached
                 .iter()
                 .zip(path)
