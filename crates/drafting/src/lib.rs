@@ -8,7 +8,9 @@
 
 mod tree;
 
-pub use tree::{grow_shape, path_tokens, Shape, TreeGrower, BRANCHING, MIN_PATH_SCORE};
+pub use tree::{
+    grow_sampled, grow_shape, path_tokens, Shape, TreeGrower, BRANCHING, MIN_PATH_SCORE,
+};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
