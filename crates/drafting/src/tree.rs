@@ -35,13 +35,13 @@ pub enum Shape {
 }
 
 /// The shapes a grower chooses from.
-const SHAPES: [Shape; 3] = [Shape::Chain, Shape::Branching(2.0), Shape::Branching(1.0)];
+const SHAPES: [Shape; 3] = [Shape::Chain, Shape::Branching(1.5), Shape::Branching(1.0)];
 
 /// Times each shape is tried before the choice follows the measurements.
-const WARMUP: u32 = 4;
+const WARMUP: u32 = 3;
 
 /// Every this many trees, one of another shape than the best so far.
-const EXPLORE_EVERY: u32 = 8;
+const EXPLORE_EVERY: u32 = 16;
 
 /// Weight of the newest pass in a shape's running mean of accepted drafts.
 const SMOOTHING: f64 = 0.1;
