@@ -187,7 +187,7 @@ pub struct SpeculationSection {
     /// Let the draft length follow recent acceptance.
     pub adaptive: bool,
     /// Verify a tree of drafts per pass where the drafter grows one and the backend verifies
-    /// trees (greedy requests; sampled ones keep chains): `draft_max` is then the most nodes.
+    /// trees: `draft_max` is then the most nodes.
     pub tree: bool,
 }
 

@@ -216,9 +216,10 @@ pub fn grow_shape<E>(
 /// A sampled tree (a request at `temperature`): each node is drawn from its parent's draft
 /// distribution `softmax(logits / temperature)`, reported in `out.probs` (one row per node) —
 /// what the host's recursive rejection sampling needs to keep the target's distribution
-/// exactly. A chain shape samples a chain; a branching one draws two siblings under the context
-/// (the second from the distribution without the first, renormalised), then grows the
-/// likelier branch (by the product of its drafts' probabilities) one sampled node at a time.
+/// exactly. A chain shape samples a chain; a branching one `Branching(s)` draws two siblings
+/// under the context (the second from the distribution without the first, renormalised), then
+/// grows the likelier branch — by the product of its drafts' probabilities raised to `s`, so a
+/// larger `s` favours the likelier branch more — one sampled node at a time.
 pub fn grow_sampled<E>(
     shape: Shape,
     root_logits: &[f32],
@@ -232,6 +233,10 @@ pub fn grow_sampled<E>(
     if budget == 0 {
         return Ok(());
     }
+    let sharpness = match shape {
+        Shape::Chain => 1.0,
+        Shape::Branching(s) => s,
+    };
     let mut rng = ChaCha20Rng::seed_from_u64(seed);
     let mut q = Vec::new();
     let mut logits = Vec::new();
@@ -248,7 +253,7 @@ pub fn grow_sampled<E>(
     // Branch ends that may grow: (score, node).
     let mut ends: Vec<(f32, u32)> = Vec::new();
     let (first, p) = add(&q, TREE_ROOT, out, &mut rng);
-    ends.push((p, first));
+    ends.push((p.powf(sharpness), first));
     if matches!(shape, Shape::Branching(_)) && budget >= 2 {
         let taken = out.tokens[first as usize] as usize;
         let rest = 1.0 - q[taken];
@@ -256,7 +261,15 @@ pub fn grow_sampled<E>(
             q[taken] = 0.0;
             q.iter_mut().for_each(|x| *x /= rest);
             let (second, p) = add(&q, TREE_ROOT, out, &mut rng);
-            ends.push((p, second));
+            if p > 0.0 {
+                ends.push((p.powf(sharpness), second));
+            } else {
+                // Rounding drew the excluded token (probability 0 now): no second sibling.
+                out.tokens.pop();
+                out.parents.pop();
+                out.confidence.pop();
+                out.probs.truncate(out.tokens.len() * q.len());
+            }
         }
     }
     while out.tokens.len() < budget {
@@ -267,7 +280,7 @@ pub fn grow_sampled<E>(
         next_logits(&path_tokens(out, node as usize), &mut logits)?;
         softmax(&logits, 1.0 / temperature, &mut q);
         let (child, p) = add(&q, node, out, &mut rng);
-        ends[at] = (score * p, child);
+        ends[at] = (score * p.powf(sharpness), child);
     }
     Ok(())
 }

@@ -374,7 +374,14 @@ impl SnapshotRing {
     /// of the tree rows `path` (a root-to-node path; row `r` wrote step `r + 1`) the states at
     /// the lengths after the tree's start, in order, the last one live — as if the path alone
     /// had been evaluated. Needs `n` within the ring's depth (the tree's states all kept).
-    pub fn keep_path(&mut self, n: usize, path: &[u32]) {
+    /// With `boundary` (a length the path reaches, and a plane), the state at that length is
+    /// copied into the plane too, as a pass crossing it would ([`Self::save_layer`]).
+    pub fn keep_path(
+        &mut self,
+        n: usize,
+        path: &[u32],
+        boundary: Option<(usize, &mut StatePlane)>,
+    ) {
         let base = self.index.len() - n;
         assert!(
             n <= self.index.depth() && self.index.restore(base),
@@ -400,6 +407,15 @@ impl SnapshotRing {
                 {
                     head.copy_within(from * head_len..(from + 1) * head_len, to * head_len);
                 }
+            }
+        }
+        if let Some((at, plane)) = boundary {
+            assert!(
+                at > base && at <= base + path.len(),
+                "snapshot ring: length {at} is not on the kept path"
+            );
+            for layer in 0..self.layout.n_layers {
+                self.save_layer(layer, at - base, plane, at);
             }
         }
         self.index.advance(path.len());

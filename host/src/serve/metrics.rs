@@ -393,7 +393,7 @@ mod tests {
 
     fn outcome(drafted: usize, accepted: usize) -> Outcome {
         let mut speculative = SpecStats::default();
-        speculative.record_verdicts(drafted, accepted);
+        speculative.record_verdicts(drafted, drafted, accepted);
         speculative.accepted = accepted as u64;
         Outcome {
             prompt_tokens: vec![1, 2, 3],

@@ -108,6 +108,11 @@ impl DraftLength {
         }
     }
 
+    /// The most drafts a step may have.
+    pub fn max_len(&self) -> u32 {
+        self.max
+    }
+
     /// The smoothed fraction of drafts accepted (0.5 before any evidence).
     pub fn acceptance(&self) -> f64 {
         self.acceptance

@@ -462,7 +462,14 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         let Some(length) = self.speculation.as_mut() else {
             return 0;
         };
-        let n = (length.next_len() as usize).min(room);
+        // A chain's length follows acceptance; a tree keeps its node budget (its drafter
+        // shapes it) unless speculation is paused.
+        let n = match length.next_len() {
+            0 => 0,
+            _ if self.tree => length.max_len() as usize,
+            len => len as usize,
+        }
+        .min(room);
         if let Some(reason) = length.pause_reason() {
             self.stats.record_pause(reason);
         }
@@ -577,7 +584,12 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         let accepted = path.len();
         self.history.truncate(base);
         self.stats.sample_seconds += t.elapsed().as_secs_f64();
-        self.stats.record_verdicts(n_drafts, accepted);
+        // A tree's drafts by depth: its deepest path stands for a chain's length.
+        let positions = match self.row_parents.is_empty() {
+            true => n_drafts,
+            false => self.tree_depth(),
+        };
+        self.stats.record_verdicts(n_drafts, positions, accepted);
         tracing::trace!(
             target: "specula::spec",
             step = self.stats.steps,
@@ -644,7 +656,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         if let Some(length) = self.speculation.as_mut() {
             length.record(
                 self.step.asked,
-                n_drafts as u32,
+                positions as u32,
                 accepted as u32,
                 1 + emitted_drafts as u32,
                 self.timed
@@ -671,6 +683,15 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             }
         };
         Ok(())
+    }
+
+    /// The depth of this step's tree: drafts on its deepest path.
+    fn tree_depth(&self) -> usize {
+        let mut depth = vec![0usize; self.row_parents.len()];
+        for row in 1..self.row_parents.len() {
+            depth[row] = depth[self.row_parents[row] as usize] + 1;
+        }
+        depth.into_iter().max().unwrap_or(0)
     }
 
     /// Judges a chain: row `i` continues the history and the first `i` drafts. Returns the
@@ -775,7 +796,8 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
 /// distribution the drafter reported and rejection sampling would lose its exactness.
 ///
 /// A tree is kept only where one was asked for (`tree`) and its parents are well formed; any
-/// prefix of a tree in topological order is a tree. Otherwise only the chain it starts with is.
+/// prefix of a tree in topological order is a tree, and its drafts are not trimmed by
+/// confidence (its drafter shaped it). Otherwise only the chain it starts with is kept.
 fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: bool) {
     let mut keep = draft.tokens.len().min(max);
     if let Some(bad) = draft.tokens[..keep]

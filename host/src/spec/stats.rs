@@ -44,17 +44,18 @@ pub struct SpecStats {
 }
 
 impl SpecStats {
-    /// Records a verified step: `drafted` proposals, of which the first `accepted` were
-    /// accepted by the target (before any stop clamp).
-    pub fn record_verdicts(&mut self, drafted: usize, accepted: usize) {
+    /// Records a verified step: `drafted` proposals reaching `positions` tokens ahead (a
+    /// chain's length, a tree's depth), of which `accepted` were accepted by the target
+    /// (before any stop clamp).
+    pub fn record_verdicts(&mut self, drafted: usize, positions: usize, accepted: usize) {
         if drafted == 0 {
             return;
         }
         self.steps_with_drafts += 1;
         self.drafted += drafted as u64;
-        grow(&mut self.drafted_by_position, drafted);
-        grow(&mut self.accepted_by_position, drafted);
-        for i in 0..drafted {
+        grow(&mut self.drafted_by_position, positions);
+        grow(&mut self.accepted_by_position, positions);
+        for i in 0..positions {
             self.drafted_by_position[i] += 1;
         }
         for i in 0..accepted {
@@ -216,9 +217,9 @@ mod tests {
     #[test]
     fn verdicts_count_by_position() {
         let mut s = SpecStats::default();
-        s.record_verdicts(3, 1);
-        s.record_verdicts(2, 2);
-        s.record_verdicts(0, 0);
+        s.record_verdicts(3, 3, 1);
+        s.record_verdicts(2, 2, 2);
+        s.record_verdicts(0, 0, 0);
         assert_eq!(s.drafted, 5);
         assert_eq!(s.steps_with_drafts, 2);
         assert_eq!(s.drafted_by_position, vec![2, 2, 1]);

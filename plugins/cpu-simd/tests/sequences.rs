@@ -556,3 +556,54 @@ fn tree_rows_are_bit_identical_to_their_paths_alone() {
         assert_tree_rows_match_their_paths(&mut b, 6, 12, &format!("qwen3 kv {kv_type}"));
     }
 }
+
+/// A hybrid sequence that decodes with trees across a block boundary still leaves that
+/// boundary's recurrent state (and, with an MTP head, its hidden rows) to the prefix cache: a
+/// new sequence with the same tokens takes the block and continues bit for bit as a full
+/// evaluation.
+#[test]
+fn a_kept_tree_path_leaves_its_boundary_state_to_the_prefix_cache() {
+    const B: usize = BLOCK_TOKENS;
+    for path in [fixture("tiny-qwen35.gguf"), fixture("tiny-qwen35-mtp.gguf")] {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let mut b = open_many(&path, 3, &[]);
+        let vocab = b.model_info().vocab_size;
+        let mut rng = Rng::new(5);
+        let prompt = rng.tokens(B - 3, vocab);
+        // Begun through the prefix cache (nothing cached yet): the sequence is armed.
+        let (seq, reused) = reuse(&mut b, &prompt);
+        assert_eq!(reused, 0, "{name}");
+        eval_in(&mut b, seq, &prompt, LogitRows::Last);
+        // A tree of 6 rows whose kept path (rows 0, 2, 3, 5) ends past the boundary.
+        let tree = rng.tokens(6, vocab);
+        let parents = [TREE_ROOT, 0, 0, 2, 2, 3];
+        let mut logits = RVec::new();
+        b.eval_tree(seq, &tree, &parents, &mut logits)
+            .into_result()
+            .unwrap();
+        let kept = [0u32, 2, 3, 5];
+        b.seq_keep_path(seq, RSlice::from_slice(&kept))
+            .into_result()
+            .unwrap();
+        let mut tokens = prompt.clone();
+        tokens.extend(kept.iter().map(|&r| tree[r as usize]));
+        assert!(tokens.len() > B, "{name}");
+        let more = rng.tokens(2, vocab);
+        eval_in(&mut b, seq, &more, LogitRows::Last);
+        tokens.extend_from_slice(&more);
+
+        let (again, reused) = reuse(&mut b, &tokens);
+        assert_eq!(
+            reused, B,
+            "{name}: the boundary after the tree's path was not kept"
+        );
+        let got = eval_in(&mut b, again, &tokens[B..], LogitRows::Last);
+        let mut fresh = open_many(&path, 1, &[]);
+        let whole = fresh.seq_create().into_result().unwrap();
+        let want = eval_in(&mut fresh, whole, &tokens, LogitRows::Last);
+        assert!(
+            bits(&got) == bits(&want),
+            "{name}: continuing from the cache"
+        );
+    }
+}

@@ -300,21 +300,24 @@ fn attend_wave(
             let scores = &mut item.scores[first_key..];
             kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
         }
-        // A tree row: the scores of the slots it sees, in path order, after the prefix.
+        // A tree row: the scores of the slots it sees, in path order, after the prefix (for
+        // each of its query heads).
         let paths: Vec<Vec<usize>> = match &seg.tree {
             None => Vec::new(),
-            Some(t) => (0..n_queries)
-                .map(|query| {
-                    let path = t.tree.path(t.first_row + first + query / group);
-                    let row = &mut item.scores[query * n_keys..(query + 1) * n_keys];
-                    for (k, &at) in path.iter().enumerate() {
-                        row[t.base + k] = row[t.base + at];
-                    }
-                    item.limits[query] = t.base + path.len();
-                    path
-                })
+            Some(t) => (0..rows)
+                .map(|i| t.tree.path(t.first_row + first + i))
                 .collect(),
         };
+        if let Some(t) = &seg.tree {
+            for query in 0..n_queries {
+                let path = &paths[query / group];
+                let row = &mut item.scores[query * n_keys..(query + 1) * n_keys];
+                for (k, &at) in path.iter().enumerate() {
+                    row[t.base + k] = row[t.base + at];
+                }
+                item.limits[query] = t.base + path.len();
+            }
+        }
         for (row, &limit) in item
             .scores
             .chunks_exact_mut(n_keys.max(1))
@@ -343,32 +346,40 @@ fn attend_wave(
             }
         }
         if let Some(t) = &seg.tree {
+            // Per row: its path's value rows gathered once (each cache block read once), then
+            // summed onto the output of each of its query heads.
             let vd = shape.value_dim;
             let mut gathered = Vec::new();
-            for (query, path) in paths.iter().enumerate() {
+            for (i, path) in paths.iter().enumerate() {
                 gathered.clear();
                 gathered.resize(path.len() * vd, 0.0);
-                for (k, &at) in path.iter().enumerate() {
-                    let slot = t.base + at;
-                    let (b, j) = (slot / bt, slot % bt);
-                    let count = bt.min(n_keys - b * bt);
-                    seg.values
-                        .head_block(g, b, count, item.rows)
-                        .row_f32(j, &mut gathered[k * vd..(k + 1) * vd]);
+                let mut k = 0;
+                while k < path.len() {
+                    let b = (t.base + path[k]) / bt;
+                    let block = seg
+                        .values
+                        .head_block(g, b, bt.min(n_keys - b * bt), item.rows);
+                    while k < path.len() && (t.base + path[k]) / bt == b {
+                        let j = (t.base + path[k]) % bt;
+                        block.row_f32(j, &mut gathered[k * vd..(k + 1) * vd]);
+                        k += 1;
+                    }
                 }
-                let probs = Rows::new(
-                    &item.scores[query * n_keys + t.base..],
-                    n_keys,
-                    path.len(),
-                    1,
-                );
                 let values = Cached::F32(&gathered).rows(0, vd, vd, path.len());
-                kattention::weighted_sums_onto(
-                    probs,
-                    values,
-                    &[path.len()],
-                    &mut item.outputs[query * vd..(query + 1) * vd],
-                );
+                for query in i * group..(i + 1) * group {
+                    let probs = Rows::new(
+                        &item.scores[query * n_keys + t.base..],
+                        n_keys,
+                        path.len(),
+                        1,
+                    );
+                    kattention::weighted_sums_onto(
+                        probs,
+                        values,
+                        &[path.len()],
+                        &mut item.outputs[query * vd..(query + 1) * vd],
+                    );
+                }
             }
         }
     };

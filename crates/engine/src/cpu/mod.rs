@@ -697,17 +697,28 @@ impl Executor for CpuExecutor {
         hidden: &[f32],
     ) -> Result<(), PluginError> {
         let recurrent = self.recurrent;
-        let Self { pool, seqs, .. } = self;
+        let Self {
+            pool, seqs, states, ..
+        } = self;
         let caches = slot_mut(seqs, seq)?;
         let n = caches.kv.len() - base;
+        let end = base + path.len();
         pool.keep_rows(&mut caches.kv, base, path);
         pool.cache_prefix(&mut caches.kv, tokens);
         if let Some(ring) = &mut caches.ring {
             if recurrent {
-                ring.keep_path(n, path);
+                // The state at a block boundary the path crosses, for the prefix cache (the
+                // tree's own pass kept none: its rows were not the sequence's positions).
+                let crossed = end / BLOCK_TOKENS * BLOCK_TOKENS;
+                let boundary = caches
+                    .boundary
+                    .as_mut()
+                    .filter(|_| crossed > base)
+                    .map(|plane| (crossed, plane));
+                ring.keep_path(n, path, boundary);
             } else {
                 ring.reset();
-                ring.advance(base + path.len());
+                ring.advance(end);
             }
         }
         if let Some(history) = &mut caches.hidden {
@@ -715,6 +726,9 @@ impl Executor for CpuExecutor {
                 caches.hidden = None;
                 caches.boundary = None;
             }
+        }
+        if let Some(states) = states {
+            keep_boundary_state(states, caches, end);
         }
         Ok(())
     }
