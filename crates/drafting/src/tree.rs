@@ -216,10 +216,10 @@ pub fn grow_shape<E>(
 /// A sampled tree (a request at `temperature`): each node is drawn from its parent's draft
 /// distribution `softmax(logits / temperature)`, reported in `out.probs` (one row per node) —
 /// what the host's recursive rejection sampling needs to keep the target's distribution
-/// exactly. A chain shape samples a chain; a branching one `Branching(s)` draws two siblings
-/// under the context (the second from the distribution without the first, renormalised), then
-/// grows the likelier branch — by the product of its drafts' probabilities raised to `s`, so a
-/// larger `s` favours the likelier branch more — one sampled node at a time.
+/// exactly. A chain shape samples a chain; a branching one draws two siblings under the context
+/// (the second from the distribution without the first, renormalised), then grows the likelier
+/// branch (by the product of its drafts' probabilities) one sampled node at a time. (Sampled
+/// trees do not use the sharpness: three siblings, tried, were accepted less than two.)
 pub fn grow_sampled<E>(
     shape: Shape,
     root_logits: &[f32],
@@ -233,10 +233,6 @@ pub fn grow_sampled<E>(
     if budget == 0 {
         return Ok(());
     }
-    let sharpness = match shape {
-        Shape::Chain => 1.0,
-        Shape::Branching(s) => s,
-    };
     let mut rng = ChaCha20Rng::seed_from_u64(seed);
     let mut q = Vec::new();
     let mut logits = Vec::new();
@@ -253,7 +249,7 @@ pub fn grow_sampled<E>(
     // Branch ends that may grow: (score, node).
     let mut ends: Vec<(f32, u32)> = Vec::new();
     let (first, p) = add(&q, TREE_ROOT, out, &mut rng);
-    ends.push((p.powf(sharpness), first));
+    ends.push((p, first));
     if matches!(shape, Shape::Branching(_)) && budget >= 2 {
         let taken = out.tokens[first as usize] as usize;
         let rest = 1.0 - q[taken];
@@ -262,7 +258,7 @@ pub fn grow_sampled<E>(
             q.iter_mut().for_each(|x| *x /= rest);
             let (second, p) = add(&q, TREE_ROOT, out, &mut rng);
             if p > 0.0 {
-                ends.push((p.powf(sharpness), second));
+                ends.push((p, second));
             } else {
                 // Rounding drew the excluded token (probability 0 now): no second sibling.
                 out.tokens.pop();
@@ -280,7 +276,7 @@ pub fn grow_sampled<E>(
         next_logits(&path_tokens(out, node as usize), &mut logits)?;
         softmax(&logits, 1.0 / temperature, &mut q);
         let (child, p) = add(&q, node, out, &mut rng);
-        ends[at] = (score * p.powf(sharpness), child);
+        ends[at] = (score * p, child);
     }
     Ok(())
 }
