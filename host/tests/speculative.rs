@@ -49,6 +49,20 @@ fn request(prompt: &str, max_tokens: u32, sampling: SamplingParams, spec: bool) 
     }
 }
 
+/// The `[drafter]` section of a profile drafting with the model at `draft`.
+fn draft_model_section(draft: &Path) -> String {
+    format!(
+        "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
+        draft.to_str().unwrap()
+    )
+}
+
+/// stories260K drafted by its real draft model, llama2xs-281K.
+fn open_story_pair(dir: &Path) -> Pipeline {
+    let draft = shared("models/llama2xs-281K.gguf");
+    open(dir, "models/stories260K.gguf", &draft_model_section(&draft))
+}
+
 /// Generates, checks the accounting invariants, and returns the outcome with the target's
 /// final sequence length.
 fn run(pipeline: &mut Pipeline, request: &Request) -> (Outcome, usize) {
@@ -239,15 +253,7 @@ fn cancellation_stops_within_a_step_and_leaves_the_pipeline_usable() {
 #[test]
 fn model_drafting_real_pair_has_real_acceptance_and_parity() {
     let dir = tempfile::tempdir().unwrap();
-    let draft = shared("models/llama2xs-281K.gguf");
-    let mut p = open(
-        dir.path(),
-        "models/stories260K.gguf",
-        &format!(
-            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-            draft.to_str().unwrap()
-        ),
-    );
+    let mut p = open_story_pair(dir.path());
     let mut total = specula_host::spec::SpecStats::default();
     for prompt in STORY_PROMPTS {
         let o = assert_parity_with(&mut p, prompt, 96, &[], FIXED_4);
@@ -277,14 +283,7 @@ fn self_drafting_accepts_everything() {
         "models/next-arch/tiny-qwen2.gguf",
     ] {
         let draft = shared(model);
-        let mut p = open(
-            dir.path(),
-            model,
-            &format!(
-                "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-                draft.to_str().unwrap()
-            ),
-        );
+        let mut p = open(dir.path(), model, &draft_model_section(&draft));
         for prompt in STORY_PROMPTS {
             let o = assert_parity_with(&mut p, prompt, 80, &[], FIXED_4);
             let s = &o.speculative;
@@ -314,10 +313,7 @@ fn mismatched_draft_vocabulary_is_refused() {
         dir.path(),
         "p.toml",
         &shared("models/stories260K.gguf"),
-        &format!(
-            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-            other.to_str().unwrap()
-        ),
+        &draft_model_section(&other),
     );
     let err = match Pipeline::open(&Profile::load(profile).unwrap()) {
         Ok(_) => panic!("opened a draft model with another vocabulary"),
@@ -459,7 +455,6 @@ fn expected_pairs(
 #[test]
 fn rejection_sampling_keeps_the_target_distribution() {
     let dir = tempfile::tempdir().unwrap();
-    let draft = shared("models/llama2xs-281K.gguf");
     // Trees at a higher temperature: their drafters are then unsure enough at the first
     // token to draw several siblings, which the target judges one after another.
     let sampling = |seed, tree: bool| SamplingParams {
@@ -473,19 +468,9 @@ fn rejection_sampling_keeps_the_target_distribution() {
     };
     let prompt = "Once upon a time, there was a";
     type Setup<'a> = (&'a str, Box<dyn Fn(&Path) -> Pipeline + 'a>);
-    let draft_model = |d: &Path| {
-        open(
-            d,
-            "models/stories260K.gguf",
-            &format!(
-                "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-                draft.to_str().unwrap()
-            ),
-        )
-    };
     let setups: Vec<Setup> = vec![
         // Trees: siblings drawn without replacement, judged by recursive rejection.
-        ("draft model, trees", Box::new(draft_model)),
+        ("draft model, trees", Box::new(open_story_pair)),
         (
             "mtp (trained stories-qwen35), trees",
             Box::new(|d: &Path| {
@@ -496,19 +481,7 @@ fn rejection_sampling_keeps_the_target_distribution() {
                 )
             }),
         ),
-        (
-            "draft model",
-            Box::new(|d: &Path| {
-                open(
-                    d,
-                    "models/stories260K.gguf",
-                    &format!(
-                        "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-                        draft.to_str().unwrap()
-                    ),
-                )
-            }),
-        ),
+        ("draft model", Box::new(open_story_pair)),
         (
             "bad drafter with a distribution",
             Box::new(|d: &Path| {
@@ -577,15 +550,7 @@ fn rejection_sampling_keeps_the_target_distribution() {
 #[test]
 fn sampled_speculation_is_reproducible_with_a_seed() {
     let dir = tempfile::tempdir().unwrap();
-    let draft = shared("models/llama2xs-281K.gguf");
-    let mut p = open(
-        dir.path(),
-        "models/stories260K.gguf",
-        &format!(
-            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-            draft.to_str().unwrap()
-        ),
-    );
+    let mut p = open_story_pair(dir.path());
     let sampling = SamplingParams {
         temperature: 0.8,
         top_k: 40,
@@ -691,14 +656,7 @@ fn hybrid_fixture_drafting_for_itself_accepts_everything() {
         "models/fixtures/tiny-qwen3next.gguf",
     ] {
         let draft = shared(model);
-        let mut p = open(
-            dir.path(),
-            model,
-            &format!(
-                "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-                draft.to_str().unwrap()
-            ),
-        );
+        let mut p = open(dir.path(), model, &draft_model_section(&draft));
         for prompt in STORY_PROMPTS {
             let o = assert_parity_with(&mut p, prompt, 64, &[], FIXED_4);
             let s = &o.speculative;
@@ -799,15 +757,7 @@ fn tree_parity(p: &mut Pipeline, name: &str) -> (f64, f64) {
 #[test]
 fn tree_speculation_keeps_greedy_parity() {
     let dir = tempfile::tempdir().unwrap();
-    let draft = shared("models/llama2xs-281K.gguf");
-    let mut p = open(
-        dir.path(),
-        "models/stories260K.gguf",
-        &format!(
-            "[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-            draft.to_str().unwrap()
-        ),
-    );
+    let mut p = open_story_pair(dir.path());
     let (chain, tree) = tree_parity(&mut p, "stories260K + llama2xs-281K");
     assert!(
         tree > chain,
@@ -836,10 +786,7 @@ fn drafts_that_fill_the_context_stop_where_plain_decoding_does() {
     let mut p = open(
         dir.path(),
         "models/stories260K.gguf",
-        &format!(
-            "context_size = 90\n[drafter]\nplugin = \"model\"\nmodel = {:?}\n",
-            model.to_str().unwrap()
-        ),
+        &format!("context_size = 90\n{}", draft_model_section(&model)),
     );
     let tree = SpecSettings {
         tree: true,
