@@ -20,6 +20,12 @@
 // `scores` is scratch of at least rows * n_head * score_stride floats (score_stride >= the
 // largest key count).
 //
+// Tree rows (tree speculation; `tree` non-null): row r sees the positions before `tree_base`
+// and then its path: tree[r * tree_stride] = the path's length L, tree[r * tree_stride + 1 + k]
+// = the cache position of its k-th node (the row's own last). Key j < tree_base is position j,
+// key tree_base + k the k-th node's: the same keys, in the same order, as the path evaluated
+// alone as consecutive positions, so the row gets that evaluation's bits.
+//
 // Launch (both kernels at the end of the file): grid = (n_head, rows), blockDim = 128. Thread t
 // scores keys t, t + 128, ... and accumulates output dimensions t, t + 128, ...
 
@@ -50,12 +56,14 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
                                            float scale, float* __restrict__ scores,
                                            u64 score_stride, const float* __restrict__ gate,
                                            u64 gate_row_stride, int gate_head_stride,
-                                           float* __restrict__ out, double* red, float* redf,
-                                           float* qh) {
+                                           float* __restrict__ out,
+                                           const int* __restrict__ tree, int tree_stride,
+                                           int tree_base, double* red, float* redf, float* qh) {
     const int h = blockIdx.x;
     const int r = blockIdx.y;
     const int tid = threadIdx.x;
-    const int n_keys = pos0 + r + 1;
+    const int* path = tree != 0 ? tree + (u64)r * tree_stride : 0;
+    const int n_keys = path != 0 ? tree_base + path[0] : pos0 + r + 1;
     const int kv_head = h / (n_head / n_head_kv);
     const u64 k_width = (u64)n_head_kv * head_dim;
     const u64 v_width = (u64)n_head_kv * value_dim;
@@ -68,7 +76,8 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
     float* sc = scores + ((u64)r * n_head + h) * score_stride;
     float local_max = __int_as_float(0xff800000);  // -inf
     for (int j = tid; j < n_keys; j += blockDim.x) {
-        const Kv* kj = k_cache + kv_slot(table, j) * k_width + (u64)kv_head * head_dim;
+        const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
+        const Kv* kj = k_cache + kv_slot(table, pj) * k_width + (u64)kv_head * head_dim;
         float s = 0.0f;
         for (int d = 0; d < head_dim; ++d) {
             s = fmaf(qh[d], kv_value(kj, d), s);
@@ -93,7 +102,8 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
         const Kv* vd = v_cache + (u64)kv_head * value_dim + d;
         float acc = 0.0f;
         for (int j = 0; j < n_keys; ++j) {
-            acc = fmaf(sc[j] * inverse, kv_value(vd, kv_slot(table, j) * v_width), acc);
+            const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
+            acc = fmaf(sc[j] * inverse, kv_value(vd, kv_slot(table, pj) * v_width), acc);
         }
         if (gate != 0) {
             acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
@@ -109,13 +119,16 @@ extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stri
                                      int n_head_kv, int head_dim, int value_dim, int pos0,
                                      float scale, float* __restrict__ scores, u64 score_stride,
                                      const float* __restrict__ gate, u64 gate_row_stride,
-                                     int gate_head_stride, float* __restrict__ out) {
+                                     int gate_head_stride, float* __restrict__ out,
+                                     const int* __restrict__ tree, int tree_stride,
+                                     int tree_base) {
     __shared__ double red[1024];
     __shared__ float redf[1024];
     __shared__ float qh[1024];
     attend_row<float>(q, q_row_stride, q_head_stride, table, k_cache, v_cache, n_head, n_head_kv,
                       head_dim, value_dim, pos0, scale, scores, score_stride, gate,
-                      gate_row_stride, gate_head_stride, out, red, redf, qh);
+                      gate_row_stride, gate_head_stride, out, tree, tree_stride, tree_base, red,
+                      redf, qh);
 }
 
 extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_stride,
@@ -126,13 +139,16 @@ extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_
                                          float scale, float* __restrict__ scores,
                                          u64 score_stride, const float* __restrict__ gate,
                                          u64 gate_row_stride, int gate_head_stride,
-                                         float* __restrict__ out) {
+                                         float* __restrict__ out,
+                                         const int* __restrict__ tree, int tree_stride,
+                                         int tree_base) {
     __shared__ double red[1024];
     __shared__ float redf[1024];
     __shared__ float qh[1024];
     attend_row<u16>(q, q_row_stride, q_head_stride, table, k_cache, v_cache, n_head, n_head_kv,
                     head_dim, value_dim, pos0, scale, scores, score_stride, gate,
-                    gate_row_stride, gate_head_stride, out, red, redf, qh);
+                    gate_row_stride, gate_head_stride, out, tree, tree_stride, tree_base, red,
+                    redf, qh);
 }
 
 // Stores rows * width f32 values of src (rows of width values: the keys or values of

@@ -252,8 +252,8 @@ fn open_with(
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
     let (mut capabilities, ring_depth) = opening.capabilities()?;
-    // The device graph runs chains only.
-    capabilities.tree_verify = false;
+    // The device graph verifies trees through attention layers only.
+    capabilities.tree_verify = matches!(opening.model.graph, Graph::Dense(_));
     let (kv_tokens, max_sequences) = (opening.kv_tokens, opening.max_sequences);
     let Opening { model, pool, .. } = &mut opening;
     let (depth, n_planes) = match &model.graph {
@@ -534,6 +534,36 @@ impl Executor for CudaExecutor {
             }
         }
         Ok(true)
+    }
+
+    /// The host part keeps the path in its layers' caches (and the pool's blocks); the
+    /// device's attention caches, stored in the same blocks, move the same rows.
+    fn keep_path(
+        &mut self,
+        seq: usize,
+        base: usize,
+        path: &[u32],
+        tokens: &[u32],
+        hidden: &[f32],
+    ) -> Result<(), PluginError> {
+        if let Some(d) = self.device.as_mut().filter(|_| self.placement.uses_gpu()) {
+            let table = self.host.block_table(seq).ok_or_else(|| {
+                internal("keeping a tree path of a sequence the host does not hold")
+            })?;
+            let row = |pos: usize| {
+                table
+                    .get(pos / BLOCK_TOKENS)
+                    .map(|&b| b as usize * BLOCK_TOKENS + pos % BLOCK_TOKENS)
+                    .ok_or_else(|| internal("a tree row beyond the sequence's blocks"))
+            };
+            for (k, &node) in path.iter().enumerate() {
+                let (from, to) = (base + node as usize, base + k);
+                if from != to {
+                    d.model.kv.copy_row(&d.model.gpu, row(from)?, row(to)?)?;
+                }
+            }
+        }
+        self.host.keep_path(seq, base, path, tokens, hidden)
     }
 
     fn window(&self, seq: usize, seq_len: usize) -> std::ops::RangeInclusive<usize> {

@@ -615,6 +615,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             &scores,
             n_ctx,
             None,
+            None,
             out.ptr(),
         )
         .unwrap();
@@ -771,6 +772,37 @@ fn the_paged_device_cache_forks_is_bounded_and_serves_prefixes() {
         assert_eq!(err.kind, ErrorKind::ContextFull, "{options:?}: {err}");
         small.seq_free(seqs[1]).into_result().unwrap();
         assert_eq!(run(&mut small, third, &prompt[..60]), first, "{options:?}");
+    }
+}
+
+/// Tree verification on the device (dense models: attention sees each row's path): every
+/// tree row bit-identical to its path evaluated alone, beside another sequence's rows, and a
+/// kept path continuing exactly as the path alone — all on the GPU and split with the host.
+#[test]
+fn tree_rows_are_bit_identical_to_their_paths_on_the_gpu() {
+    let Some(device) = device_or_skip("tree_rows_are_bit_identical_to_their_paths_on_the_gpu")
+    else {
+        return;
+    };
+    for path in [fixture("tiny-llama.gguf"), stories()] {
+        for options in [
+            &[][..],
+            &[("gpu_layers", "2")][..],
+            &[("kv_type", "f32")][..],
+        ] {
+            let mut p = params(&path, 256, options);
+            p.max_sequences = 4;
+            let mut b = match &device {
+                Device::Cuda => specula_cuda_hybrid::open(&p),
+                Device::Emulated(e) => {
+                    specula_cuda_hybrid::backend::open_emulated(&p, e.clone(), 1 << 34)
+                }
+            }
+            .unwrap_or_else(|e| panic!("cuda-hybrid {options:?}: {e}"));
+            assert!(b.executor().placement().uses_gpu(), "{options:?}");
+            let name = format!("{} {options:?}", path.display());
+            specula_plugin_api::testing::assert_tree_rows_match_their_paths(&mut b, 4, 9, &name);
+        }
     }
 }
 

@@ -189,25 +189,34 @@ impl LayerOps for GpuOps<'_> {
         };
         let m = &*self.m;
         let (eps, offset) = (m.dims.rms_eps, slot.rope_offset);
-        // Each sequence's rows rotate by their own positions.
+        // Each sequence's rows rotate by their own positions (consecutive ones together, a
+        // tree's rows one by one).
         for (first, span) in rows.with_offsets() {
-            for (input, output, n_heads, norm) in [
-                (q_in, q_out, a.n_head, &q_norm),
-                (keys, keys, a.n_head_kv, &k_norm),
-            ] {
-                ops::qk_norm_rope(
-                    &m.gpu,
-                    shifted(input, first),
-                    shifted(output, first),
-                    n_heads,
-                    span.n,
-                    hd,
-                    norm.as_ref(),
-                    eps,
-                    span.pos0,
-                    offset,
-                    &m.rope,
-                )?;
+            let runs: Vec<(usize, usize, usize)> = match span.tree {
+                None => vec![(first, span.n, span.pos0)],
+                Some(_) => (0..span.n)
+                    .map(|i| (first + i, 1, span.position(i)))
+                    .collect(),
+            };
+            for (row, n, position) in runs {
+                for (input, output, n_heads, norm) in [
+                    (q_in, q_out, a.n_head, &q_norm),
+                    (keys, keys, a.n_head_kv, &k_norm),
+                ] {
+                    ops::qk_norm_rope(
+                        &m.gpu,
+                        shifted(input, row),
+                        shifted(output, row),
+                        n_heads,
+                        n,
+                        hd,
+                        norm.as_ref(),
+                        eps,
+                        position,
+                        offset,
+                        &m.rope,
+                    )?;
+                }
             }
         }
         Ok(())
@@ -270,6 +279,28 @@ impl LayerOps for GpuOps<'_> {
         for (first, span) in rows.with_offsets() {
             let (layer, _) = cache_layer(m, span.seq, slot)?;
             let s = &m.scratch;
+            // A tree's rows: each its path (length, then its nodes' cache positions).
+            let paths = match span.tree {
+                None => None,
+                Some(tree) => {
+                    let base = span.pos0 - span.ring_step0;
+                    let stride = span.ring_step0 + span.n + 1;
+                    let mut map = vec![0i32; span.n * stride];
+                    for (i, row) in map.chunks_exact_mut(stride).enumerate() {
+                        let path = tree.path(span.ring_step0 + i);
+                        row[0] = path.len() as i32;
+                        for (k, &node) in path.iter().enumerate() {
+                            row[1 + k] = (base + node) as i32;
+                        }
+                    }
+                    Some((m.gpu.upload(&map)?, stride, base))
+                }
+            };
+            let tree = paths.as_ref().map(|(map, stride, base)| ops::TreePaths {
+                map: map.ptr(),
+                stride: *stride,
+                base: *base,
+            });
             ops::attention(
                 &m.gpu,
                 &dims,
@@ -283,6 +314,7 @@ impl LayerOps for GpuOps<'_> {
                     ptr: g.ptr + 4 * (first * g.row_stride) as u64,
                     ..g
                 }),
+                tree,
                 out + 4 * (first * ow) as u64,
             )?;
         }
@@ -331,6 +363,11 @@ impl LayerOps for GpuOps<'_> {
         };
         let q_scale = 1.0 / (sd as f32).sqrt();
         for (row0, span) in rows.with_offsets() {
+            if span.tree.is_some() {
+                return Err(graph_error(
+                    "a tree through a Gated DeltaNet layer on the GPU (cuda-hybrid verifies trees on dense models only)",
+                ));
+            }
             let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
                 return Err(graph_error("a Gated DeltaNet layer without a device ring"));
             };

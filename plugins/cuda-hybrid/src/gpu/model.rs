@@ -97,6 +97,26 @@ impl DeviceKv {
         Ok(())
     }
 
+    /// Copies the keys and values of cache row `from` onto cache row `to` in every layer.
+    pub fn copy_row(&mut self, gpu: &Gpu, from: usize, to: usize) -> Result<(), PluginError> {
+        let (kr, vr) = (self.units(self.k_width), self.units(self.v_width));
+        for (bufs, unit) in [(&mut self.k, kr), (&mut self.v, vr)] {
+            for buf in bufs.iter_mut() {
+                if (from.max(to) + 1) * unit > buf.len() {
+                    return Err(PluginError::new(
+                        specula_plugin_api::ErrorKind::Internal,
+                        format!(
+                            "cuda-hybrid: KV row {} is outside the device cache",
+                            from.max(to)
+                        ),
+                    ));
+                }
+                gpu.copy_within(buf, from * unit, to * unit, unit)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The 16-bit units of `values` cache values.
     pub fn units(&self, values: usize) -> usize {
         debug_assert!(self.ty != KvType::Q8_0, "cuda-hybrid keeps no q8_0 cache");

@@ -418,9 +418,19 @@ pub fn kv_store(
     )
 }
 
-/// Attention of `rows` query rows (`q`, positions `pos0 ..`) over the cache layer `kv`, into
-/// `out` (`rows × n_head × value_dim`), in launches of [`ATTENTION_ROWS`] rows; `scores`
-/// holds `ATTENTION_ROWS × n_head × score_stride` floats.
+/// The paths of a tree's rows for [`attention`]: per row `stride` ints at `map` (the path's
+/// length, then its nodes' cache positions), the positions before `base` seen by every row.
+#[derive(Debug, Clone, Copy)]
+pub struct TreePaths {
+    pub map: u64,
+    pub stride: usize,
+    pub base: usize,
+}
+
+/// Attention of `rows` query rows (`q`, positions `pos0 ..`, or a tree's rows seeing their
+/// `tree` paths) over the cache layer `kv`, into `out` (`rows × n_head × value_dim`), in
+/// launches of [`ATTENTION_ROWS`] rows; `scores` holds `ATTENTION_ROWS × n_head ×
+/// score_stride` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
@@ -432,6 +442,7 @@ pub fn attention(
     scores: &DevBuf<f32>,
     score_stride: usize,
     gate: Option<Gate>,
+    tree: Option<TreePaths>,
     out: u64,
 ) -> Result<(), PluginError> {
     if dims.head_dim > 1024 {
@@ -485,6 +496,9 @@ pub fn attention(
                 gate_args[1],
                 gate_args[2],
                 Arg::Ptr(out + (4 * first * out_row) as u64),
+                Arg::Ptr(tree.map_or(0, |t| t.map + (4 * first * t.stride) as u64)),
+                int(tree.map_or(0, |t| t.stride)),
+                int(tree.map_or(0, |t| t.base)),
             ],
         )?;
         first += m;
