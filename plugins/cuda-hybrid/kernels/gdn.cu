@@ -34,7 +34,8 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ x, int channels, in
 //   row j:  M_j <- decay * M_j;  d_j = (v_j - M_j . k) * beta;  M_j <- M_j + d_j * k;
 //           o_j = M_j . q;
 //   out[t][h*S + j] = rms_norm(o)_j * norm_w[j] * silu(z[t][h*S + j])  (squares in f64).
-// The state is read from plane (start_plane + t) % n_planes and written to the next plane;
+// The state is read from plane (start_plane + t) % n_planes and written to the next plane (to
+// write_plane when it is >= 0: one token, a tree's row, reading its parent's state);
 // row j is only ever touched by thread j, so no synchronisation is needed for the state.
 // b and a: `grouped` 0 (qwen35): beta_raw[t * n_v_heads + h], alpha_raw[t * n_v_heads + h];
 // `grouped` 1 (qwen3next ssm_ba, both pointers the same buffer of 2 * n_v_heads per row): per
@@ -48,7 +49,8 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
                                           const float* __restrict__ ssm_a,
                                           const float* __restrict__ norm_w, float eps,
                                           float* planes, u64 plane_len, u64 layer_offset,
-                                          u64 conv_len, int n_planes, int start_plane, int rows,
+                                          u64 conv_len, int n_planes, int start_plane,
+                                          int write_plane, int rows,
                                           int head_dim, int n_k_heads, int n_v_heads,
                                           int head_map, float* __restrict__ out) {
     __shared__ double red[1024];
@@ -85,7 +87,7 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
         __syncthreads();
 
         const int read = (start_plane + t) % n_planes;
-        const int write = (read + 1) % n_planes;
+        const int write = write_plane >= 0 ? write_plane : (read + 1) % n_planes;
         const float* m_in = planes + (u64)read * plane_len + layer_offset + conv_len +
                             (u64)h * S * S + (u64)j * S;
         float* m_out = planes + (u64)write * plane_len + layer_offset + conv_len +

@@ -251,9 +251,7 @@ fn open_with(
     let (n_ctx, requested_verify) = (opening.n_ctx, opening.requested_verify);
 
     // The ring depth comes first: it sizes the device ring the placement charges for.
-    let (mut capabilities, ring_depth) = opening.capabilities()?;
-    // The device graph verifies trees through attention layers only.
-    capabilities.tree_verify = matches!(opening.model.graph, Graph::Dense(_));
+    let (capabilities, ring_depth) = opening.capabilities()?;
     let (kv_tokens, max_sequences) = (opening.kv_tokens, opening.max_sequences);
     let Opening { model, pool, .. } = &mut opening;
     let (depth, n_planes) = match &model.graph {
@@ -537,7 +535,8 @@ impl Executor for CudaExecutor {
     }
 
     /// The host part keeps the path in its layers' caches (and the pool's blocks); the
-    /// device's attention caches, stored in the same blocks, move the same rows.
+    /// device's attention caches, stored in the same blocks, move the same rows, and its
+    /// snapshot ring keeps the path's states as the host's does.
     fn keep_path(
         &mut self,
         seq: usize,
@@ -546,7 +545,14 @@ impl Executor for CudaExecutor {
         tokens: &[u32],
         hidden: &[f32],
     ) -> Result<(), PluginError> {
+        let n =
+            self.host.positions(seq).ok_or_else(|| {
+                internal("keeping a tree path of a sequence the host does not hold")
+            })? - base;
         if let Some(d) = self.device.as_mut().filter(|_| self.placement.uses_gpu()) {
+            if let Some(ring) = d.model.seqs.get_mut(seq).and_then(|s| s.ring.as_mut()) {
+                ring.keep_path(&d.model.gpu, n, path)?;
+            }
             let table = self.host.block_table(seq).ok_or_else(|| {
                 internal("keeping a tree path of a sequence the host does not hold")
             })?;

@@ -775,16 +775,22 @@ fn the_paged_device_cache_forks_is_bounded_and_serves_prefixes() {
     }
 }
 
-/// Tree verification on the device (dense models: attention sees each row's path): every
-/// tree row bit-identical to its path evaluated alone, beside another sequence's rows, and a
-/// kept path continuing exactly as the path alone — all on the GPU and split with the host.
+/// Tree verification on the device (attention sees each row's path; a Gated DeltaNet row
+/// starts from its parent's state in the device ring): every tree row bit-identical to its
+/// path evaluated alone, beside another sequence's rows, and a kept path continuing exactly
+/// as the path alone — all on the GPU and split with the host, dense and hybrid.
 #[test]
 fn tree_rows_are_bit_identical_to_their_paths_on_the_gpu() {
     let Some(device) = device_or_skip("tree_rows_are_bit_identical_to_their_paths_on_the_gpu")
     else {
         return;
     };
-    for path in [fixture("tiny-llama.gguf"), stories()] {
+    for path in [
+        fixture("tiny-llama.gguf"),
+        stories(),
+        fixture("tiny-qwen35-4l-mtp.gguf"),
+        fixture("tiny-qwen3next-mtp.gguf"),
+    ] {
         for options in [
             &[][..],
             &[("gpu_layers", "2")][..],

@@ -7,9 +7,7 @@ mod common;
 
 use common::*;
 use specula_cuda_hybrid::CudaBackend;
-use specula_plugin_api::{
-    BoxedForwardPass, ErrorKind, ForwardPass, LogitRows, SequenceCalls, TREE_ROOT,
-};
+use specula_plugin_api::{BoxedForwardPass, ErrorKind, ForwardPass, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 
@@ -36,13 +34,7 @@ fn every_architecture_matches_cpu_simd_bit_for_bit() {
         );
         let (mut cpu, mut cuda) = pair(path, &[("kv_type", kv_type)]);
         assert_eq!(cpu.model_info(), cuda.model_info(), "{name}");
-        // Everything but trees through recurrent layers, which the device graph does not run.
-        let dense = cuda.model_info().architecture == "llama";
-        let cpu_caps = specula_plugin_api::Capabilities {
-            tree_verify: dense,
-            ..cpu.capabilities()
-        };
-        assert_eq!(cpu_caps, cuda.capabilities(), "{name}");
+        assert_eq!(cpu.capabilities(), cuda.capabilities(), "{name}");
         assert!(!cuda.executor().placement().uses_gpu(), "{name}");
         let vocab = cuda.info().vocab_size;
         let mut rng = Rng::new(7);
@@ -60,22 +52,12 @@ fn every_architecture_matches_cpu_simd_bit_for_bit() {
         }
         assert_eq!(cpu.len(), cuda.len());
 
-        // A hybrid's tree is refused naming the capability; a dense model's rows are each
-        // bit-identical to their path alone.
-        if dense {
-            let mut p = params(path, 256, &[("kv_type", kv_type)]);
-            p.max_sequences = 4;
-            let mut b = specula_cuda_hybrid::backend::open_host_only(&p).unwrap();
-            specula_plugin_api::testing::assert_tree_rows_match_their_paths(&mut b, 4, 3, &name);
-        } else {
-            let mut logits = abi_stable::std_types::RVec::new();
-            let err = cuda
-                .backend
-                .eval_tree(cuda.seq, &[1, 2], &[TREE_ROOT, 0], &mut logits)
-                .into_result()
-                .unwrap_err();
-            assert!(err.message.contains("tree_verify"), "{name}: {err}");
-        }
+        // Trees: every row bit-identical to its path alone, through the host half's
+        // orchestration (keeping a path moves its caches and recurrent states).
+        let mut p = params(path, 256, &[("kv_type", kv_type)]);
+        p.max_sequences = 4;
+        let mut b = specula_cuda_hybrid::backend::open_host_only(&p).unwrap();
+        specula_plugin_api::testing::assert_tree_rows_match_their_paths(&mut b, 4, 3, &name);
     }
 }
 

@@ -255,6 +255,11 @@ impl CpuExecutor {
         self.pool.n_blocks()
     }
 
+    /// Positions sequence slot `seq`'s attention cache holds (evaluated, committed or not).
+    pub fn positions(&self, seq: usize) -> Option<usize> {
+        Some(self.seqs.get(seq)?.as_ref()?.kv.len())
+    }
+
     /// Sequence slot `seq`'s block table in the attention pool (`None` without a sequence).
     /// The pool keeps its block bookkeeping even when no attention layer runs here, so a
     /// device that runs the others can store them in the same blocks.

@@ -16,7 +16,7 @@ use specula_engine::graph::{
 use specula_engine::kv_cache::BLOCK_TOKENS;
 use specula_engine::model::weights::{MatrixRef, Vector};
 use specula_gguf::GgufFile;
-use specula_plugin_api::PluginError;
+use specula_plugin_api::{PluginError, TREE_ROOT};
 
 use super::model::GpuModel;
 use super::ops::{self, AttentionDims, Gate, GdnDims, Heads, KvLayer};
@@ -363,11 +363,6 @@ impl LayerOps for GpuOps<'_> {
         };
         let q_scale = 1.0 / (sd as f32).sqrt();
         for (row0, span) in rows.with_offsets() {
-            if span.tree.is_some() {
-                return Err(graph_error(
-                    "a tree through a Gated DeltaNet layer on the GPU (cuda-hybrid verifies trees on dense models only)",
-                ));
-            }
             let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
                 return Err(graph_error("a Gated DeltaNet layer without a device ring"));
             };
@@ -378,18 +373,34 @@ impl LayerOps for GpuOps<'_> {
             let ring_slot = state.slot(local);
             // At most depth tokens per launch, so no token overwrites the plane the launch
             // starts from (the convolution reads it for every token).
+            // A tree's rows one at a time, each from its parent's state (the plane of step
+            // parent + 1, or the live one for a root) into its own (step row + 1).
             let depth = state.index.depth();
             let mut step = 0;
             while step < span.n {
-                let n = depth.min(span.n - step);
                 let first = row0 + step;
-                let (start, _) = state.index.step_planes(span.ring_step0 + step);
+                let (n, start, write) = match span.tree {
+                    None => {
+                        let (start, _) = state.index.step_planes(span.ring_step0 + step);
+                        (depth.min(span.n - step), start, None)
+                    }
+                    Some(tree) => {
+                        let row = span.ring_step0 + step;
+                        let read = match tree.parents[row] {
+                            TREE_ROOT => 0,
+                            p => p as usize + 1,
+                        };
+                        let (start, write) = state.index.tree_planes(read, row);
+                        (1, start, Some(write))
+                    }
+                };
                 ops::gdn_conv(
                     &m.gpu,
                     mixed.at(first * c),
                     &conv,
                     &ring_slot,
                     start,
+                    write,
                     n,
                     shape.conv_kernel,
                     c,
@@ -421,6 +432,7 @@ impl LayerOps for GpuOps<'_> {
                     &dims,
                     &ring_slot,
                     start,
+                    write,
                     n,
                     out.at(first * vd),
                 )?;

@@ -177,6 +177,34 @@ impl DeviceRing {
         Ok(())
     }
 
+    /// After a tree of `n` rows was evaluated and the ring advanced past it: the states of the
+    /// tree rows `path` become the states after the tree's start, in order, the last one live
+    /// (the device half of [`specula_engine::recurrent::SnapshotRing::keep_path`]).
+    pub fn keep_path(&mut self, gpu: &Gpu, n: usize, path: &[u32]) -> Result<(), PluginError> {
+        let base = self.index.len() - n;
+        if n > self.index.depth() || !self.index.restore(base) {
+            return Err(PluginError::new(
+                specula_plugin_api::ErrorKind::Internal,
+                format!(
+                    "cuda-hybrid: a tree of {n} rows does not fit a device ring of depth {}",
+                    self.index.depth()
+                ),
+            ));
+        }
+        let plane = self.layout.plane_len();
+        for (k, &row) in path.iter().enumerate() {
+            let (from, to) = (
+                self.index.plane_of(row as usize + 1),
+                self.index.plane_of(k + 1),
+            );
+            if from != to {
+                gpu.copy_within(&mut self.planes, from * plane, to * plane, plane)?;
+            }
+        }
+        self.index.advance(path.len());
+        Ok(())
+    }
+
     /// Back to the empty sequence: the live plane zeroed, every snapshot forgotten.
     pub fn reset(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
         let plane = self.layout.plane_len();

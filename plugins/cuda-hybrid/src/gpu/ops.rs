@@ -519,7 +519,7 @@ pub struct RingSlot {
 }
 
 /// The causal convolution of `rows` tokens (`rows < n_planes`) whose first token reads ring
-/// plane `start_plane`.
+/// plane `start_plane` (one token writing `write_plane` when given: a tree's row).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_conv(
     gpu: &Gpu,
@@ -527,12 +527,13 @@ pub fn gdn_conv(
     taps: &DevVec,
     ring: &RingSlot,
     start_plane: usize,
+    write_plane: Option<usize>,
     rows: usize,
     kernel: usize,
     channels: usize,
     out: u64,
 ) -> Result<(), PluginError> {
-    if rows >= ring.n_planes {
+    if rows >= ring.n_planes || (write_plane.is_some() && rows != 1) {
         return Err(internal(format!(
             "cuda-hybrid: {rows} convolution steps in one launch, but the ring has {} planes",
             ring.n_planes
@@ -550,6 +551,7 @@ pub fn gdn_conv(
             Arg::U64(ring.layer_offset as u64),
             int(ring.n_planes),
             int(start_plane),
+            plane_arg(write_plane),
             int(kernel),
             int(channels),
             Arg::Ptr(out),
@@ -610,16 +612,24 @@ pub struct GdnDims {
 }
 
 /// The recurrence and gated output norm of `rows` tokens, the first reading plane
-/// `start_plane`; writes `rows × n_v_heads × head_dim` values to `out`.
+/// `start_plane` (one token writing `write_plane` when given: a tree's row); writes
+/// `rows × n_v_heads × head_dim` values to `out`.
+#[allow(clippy::too_many_arguments)]
 pub fn gdn_recurrence(
     gpu: &Gpu,
     inputs: &GdnInputs,
     dims: &GdnDims,
     ring: &RingSlot,
     start_plane: usize,
+    write_plane: Option<usize>,
     rows: usize,
     out: u64,
 ) -> Result<(), PluginError> {
+    if write_plane.is_some() && rows != 1 {
+        return Err(internal(
+            "cuda-hybrid: a recurrence launch writing a chosen plane runs one token".into(),
+        ));
+    }
     if dims.head_dim > 1024 {
         return Err(internal(format!(
             "cuda-hybrid: Gated DeltaNet state size {} exceeds the kernel's 1024",
@@ -647,6 +657,7 @@ pub fn gdn_recurrence(
             Arg::U64(ring.conv_len as u64),
             int(ring.n_planes),
             int(start_plane),
+            plane_arg(write_plane),
             int(rows),
             int(dims.head_dim),
             int(dims.n_k_heads),
@@ -655,6 +666,12 @@ pub fn gdn_recurrence(
             Arg::Ptr(out),
         ],
     )
+}
+
+/// A kernel's `write_plane` argument: the plane a one-token launch writes (a tree's row), or
+/// -1 for the plane after the one each token reads.
+fn plane_arg(plane: Option<usize>) -> Arg {
+    plane.map_or(Arg::I32(-1), int)
 }
 
 /// Routing of `rows` rows of router logits (overwritten with probabilities).
