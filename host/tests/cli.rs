@@ -309,6 +309,31 @@ fn models_run_without_a_profile() {
         err.contains("drafter: model") && err.contains("check: plain decoding"),
         "{err}"
     );
+    // Trees of drafts (`--tree`): the same text, checked against plain decoding.
+    let out = specula_ok(
+        &[
+            "run",
+            "-m",
+            stories.to_str().unwrap(),
+            "--draft-model",
+            shared("models/llama2xs-281K.gguf").to_str().unwrap(),
+            "--tree",
+            "--fixed-draft",
+            "-n",
+            "24",
+            "--temp",
+            "0",
+            "--check-plain",
+            "Once upon a time",
+        ],
+        dir.path(),
+    );
+    assert!(stdout(&out).starts_with(", there was a little girl named Lily"));
+    let err = stderr(&out);
+    assert!(
+        err.contains("check: plain decoding") && err.contains("gives the same"),
+        "{err}"
+    );
 
     let out = specula(&["run", stories.to_str().unwrap()], dir.path());
     assert!(!out.status.success());

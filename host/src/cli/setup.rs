@@ -73,6 +73,10 @@ pub struct Setup {
     /// and pauses speculation when it does not pay, judged partly by measured time).
     #[arg(long)]
     pub(super) fixed_draft: bool,
+    /// Verify a tree of drafts per pass (tree speculation; `draft_max` is then the most
+    /// nodes): the profile's `[speculation] tree = true`.
+    #[arg(long)]
+    pub(super) tree: bool,
     /// Plain decoding: ignore the profile's drafter.
     #[arg(long)]
     pub(super) no_spec: bool,
@@ -188,6 +192,9 @@ impl Setup {
         );
         if self.fixed_draft {
             spec.adaptive = false;
+        }
+        if self.tree {
+            spec.tree = true;
         }
         if self.no_spec {
             spec.enabled = false;
