@@ -275,31 +275,38 @@ impl LayerOps for GpuOps<'_> {
         });
         let out = self.ptr(dst);
         let ow = dims.n_head * dims.value_dim;
+        // The paths of every tree's rows (each row: the path's length, then its nodes' cache
+        // positions), one span after another, written to the device scratch once.
+        let mut map: Vec<i32> = Vec::new();
+        let mut trees = Vec::with_capacity(rows.spans.len());
+        for span in rows.spans {
+            trees.push(span.tree.map(|tree| {
+                let base = span.pos0 - span.ring_step0;
+                let stride = span.ring_step0 + span.n + 1;
+                let at = map.len();
+                map.resize(at + span.n * stride, 0);
+                for (i, row) in map[at..].chunks_exact_mut(stride).enumerate() {
+                    let path = tree.path(span.ring_step0 + i);
+                    row[0] = path.len() as i32;
+                    for (k, &node) in path.iter().enumerate() {
+                        row[1 + k] = (base + node) as i32;
+                    }
+                }
+                (at, stride, base)
+            }));
+        }
+        if !map.is_empty() {
+            let m = &mut *self.m;
+            m.gpu.write(&map, &mut m.scratch.extras.tree_paths, 0)?;
+        }
         let m = &*self.m;
-        for (first, span) in rows.with_offsets() {
+        for ((first, span), tree) in rows.with_offsets().zip(trees) {
             let (layer, _) = cache_layer(m, span.seq, slot)?;
             let s = &m.scratch;
-            // A tree's rows: each its path (length, then its nodes' cache positions).
-            let paths = match span.tree {
-                None => None,
-                Some(tree) => {
-                    let base = span.pos0 - span.ring_step0;
-                    let stride = span.ring_step0 + span.n + 1;
-                    let mut map = vec![0i32; span.n * stride];
-                    for (i, row) in map.chunks_exact_mut(stride).enumerate() {
-                        let path = tree.path(span.ring_step0 + i);
-                        row[0] = path.len() as i32;
-                        for (k, &node) in path.iter().enumerate() {
-                            row[1 + k] = (base + node) as i32;
-                        }
-                    }
-                    Some((m.gpu.upload(&map)?, stride, base))
-                }
-            };
-            let tree = paths.as_ref().map(|(map, stride, base)| ops::TreePaths {
-                map: map.ptr(),
-                stride: *stride,
-                base: *base,
+            let tree = tree.map(|(at, stride, base)| ops::TreePaths {
+                map: s.extras.tree_paths.ptr() + 4 * at as u64,
+                stride,
+                base,
             });
             ops::attention(
                 &m.gpu,

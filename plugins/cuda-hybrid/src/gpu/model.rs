@@ -264,7 +264,7 @@ fn extra_lens(dims: &Dims, rows: usize, n_ctx: usize) -> [usize; 9] {
 pub fn scratch_bytes(dims: &Dims, rows: usize, n_ctx: usize) -> u64 {
     let acts: usize = Act::ALL.iter().map(|a| rows * a.width(dims)).sum();
     let extras: usize = extra_lens(dims, rows, n_ctx).iter().sum();
-    let indices = 2 * rows * dims.moe().map_or(0, |m| m.n_used);
+    let indices = 2 * rows * dims.moe().map_or(0, |m| m.n_used) + tree_path_values(rows);
     4 * (acts + extras + indices) as u64 + Q8Scratch::bytes(q8_values(dims, rows))
 }
 
@@ -289,6 +289,14 @@ pub struct Extras {
     /// MoE: each (row, rank)'s expert and weight.
     pub ids: DevBuf<i32>,
     pub route_weights: DevBuf<f32>,
+    /// Attention of a tree's rows: each row's path ([`tree_path_values`] ints).
+    pub tree_paths: DevBuf<i32>,
+}
+
+/// Ints the paths of a pass's tree rows take at most: per row its path's length and nodes
+/// (a tree is at most the pass's rows).
+pub fn tree_path_values(rows: usize) -> usize {
+    rows * (rows + 1)
 }
 
 /// Activation buffers of the GPU pass, for up to `rows` rows.
@@ -326,6 +334,7 @@ impl GpuScratch {
                 logits: gpu.zeros(l[8])?,
                 ids: gpu.zeros(rows * k)?,
                 route_weights: gpu.zeros(rows * k)?,
+                tree_paths: gpu.zeros(tree_path_values(rows))?,
             },
             q8: Q8Scratch::new(gpu, q8_values(dims, rows))?,
             n_ctx,
