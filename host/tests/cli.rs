@@ -286,54 +286,33 @@ fn models_run_without_a_profile() {
         "{}",
         stdout(&out)
     );
-    // With a drafter and a draft model, flags only.
-    let out = specula_ok(
-        &[
+    // With a drafter and a draft model, flags only; then with trees of drafts (`--tree`):
+    // the same text, checked against plain decoding.
+    let draft_model = shared("models/llama2xs-281K.gguf");
+    for extra in [&[][..], &["--tree", "--fixed-draft"][..]] {
+        let mut args = vec![
             "run",
             "-m",
             stories.to_str().unwrap(),
             "--draft-model",
-            shared("models/llama2xs-281K.gguf").to_str().unwrap(),
+            draft_model.to_str().unwrap(),
             "-n",
             "24",
             "--temp",
             "0",
             "--check-plain",
-            "Once upon a time",
-        ],
-        dir.path(),
-    );
-    assert!(stdout(&out).starts_with(", there was a little girl named Lily"));
-    let err = stderr(&out);
-    assert!(
-        err.contains("drafter: model") && err.contains("check: plain decoding"),
-        "{err}"
-    );
-    // Trees of drafts (`--tree`): the same text, checked against plain decoding.
-    let out = specula_ok(
-        &[
-            "run",
-            "-m",
-            stories.to_str().unwrap(),
-            "--draft-model",
-            shared("models/llama2xs-281K.gguf").to_str().unwrap(),
-            "--tree",
-            "--fixed-draft",
-            "-n",
-            "24",
-            "--temp",
-            "0",
-            "--check-plain",
-            "Once upon a time",
-        ],
-        dir.path(),
-    );
-    assert!(stdout(&out).starts_with(", there was a little girl named Lily"));
-    let err = stderr(&out);
-    assert!(
-        err.contains("check: plain decoding") && err.contains("gives the same"),
-        "{err}"
-    );
+        ];
+        args.extend_from_slice(extra);
+        args.push("Once upon a time");
+        let out = specula_ok(&args, dir.path());
+        assert!(stdout(&out).starts_with(", there was a little girl named Lily"));
+        let err = stderr(&out);
+        assert!(
+            err.contains("drafter: model")
+                && err.contains("check: plain decoding (no drafts) gives the same"),
+            "{extra:?}: {err}"
+        );
+    }
 
     let out = specula(&["run", stories.to_str().unwrap()], dir.path());
     assert!(!out.status.success());

@@ -38,7 +38,7 @@ use rayon::ThreadPool;
 use specula_engine::arch::hybrid::{self, HybridModel, Mixer};
 use specula_engine::arch::nextn::MtpWeights;
 use specula_engine::backend::opening::{self, Opening};
-use specula_engine::backend::{Backend, Chunk, Executor, MtpRows};
+use specula_engine::backend::{Backend, Chunk, Executor, KeptPath, MtpRows};
 use specula_engine::blocks::ffn::FfnBlock;
 use specula_engine::cpu::{CpuExecutor, CpuPart};
 use specula_engine::graph::{Act, Rows};
@@ -537,14 +537,8 @@ impl Executor for CudaExecutor {
     /// The host part keeps the path in its layers' caches (and the pool's blocks); the
     /// device's attention caches, stored in the same blocks, move the same rows, and its
     /// snapshot ring keeps the path's states as the host's does.
-    fn keep_path(
-        &mut self,
-        seq: usize,
-        base: usize,
-        path: &[u32],
-        tokens: &[u32],
-        hidden: &[f32],
-    ) -> Result<(), PluginError> {
+    fn keep_path(&mut self, seq: usize, kept: KeptPath<'_>) -> Result<(), PluginError> {
+        let (base, path) = (kept.base, kept.path);
         let n =
             self.host.positions(seq).ok_or_else(|| {
                 internal("keeping a tree path of a sequence the host does not hold")
@@ -569,7 +563,7 @@ impl Executor for CudaExecutor {
                 }
             }
         }
-        self.host.keep_path(seq, base, path, tokens, hidden)
+        self.host.keep_path(seq, kept)
     }
 
     fn window(&self, seq: usize, seq_len: usize) -> std::ops::RangeInclusive<usize> {

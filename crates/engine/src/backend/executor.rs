@@ -49,6 +49,18 @@ impl<'a> Chunk<'a> {
     }
 }
 
+/// What [`Executor::keep_path`] keeps of a tree evaluated from position `base`: its rows
+/// `path` (a validated root-to-node path), as positions `base ..` in order.
+#[derive(Debug, Clone, Copy)]
+pub struct KeptPath<'a> {
+    pub base: usize,
+    pub path: &'a [u32],
+    /// The sequence's tokens with the path (its full blocks may go into the prefix cache).
+    pub tokens: &'a [u32],
+    /// The path's final-norm hidden rows.
+    pub hidden: &'a [f32],
+}
+
 /// One sequence's rows of an MTP-head pass: the trunk's final hidden states
 /// (`tokens.len() × n_embd`) and the tokens after them, at positions `position ..` of sequence
 /// slot `seq`; rows `logit_from ..` get logits.
@@ -166,20 +178,11 @@ pub trait Executor: Send + Sync {
     /// kept. Either way it cuts the MTP head's cache to at most `len` entries.
     fn rollback(&mut self, seq: usize, len: usize) -> Result<bool, PluginError>;
 
-    /// After a tree evaluation of sequence `seq` from position `base` (committed with the
-    /// tokens before it): keeps the tree's rows `path` (a validated root-to-node path) as
-    /// positions `base ..`, in order, and drops the other rows; `tokens` are the sequence's
-    /// tokens now (its full blocks may go into the prefix cache), `hidden` the path's
-    /// final-norm hidden rows. Only called where the capabilities advertise `tree_verify`.
-    fn keep_path(
-        &mut self,
-        seq: usize,
-        base: usize,
-        path: &[u32],
-        tokens: &[u32],
-        hidden: &[f32],
-    ) -> Result<(), PluginError> {
-        let _ = (seq, base, path, tokens, hidden);
+    /// After a tree evaluation of sequence `seq` (committed with the tokens before it): keeps
+    /// the path [`KeptPath`] names and drops the tree's other rows. Only called where the
+    /// capabilities advertise `tree_verify`.
+    fn keep_path(&mut self, seq: usize, kept: KeptPath<'_>) -> Result<(), PluginError> {
+        let _ = (seq, kept);
         Err(PluginError::new(
             specula_plugin_api::ErrorKind::Unsupported,
             "this backend keeps no trees",

@@ -26,7 +26,7 @@ use specula_plugin_api::{
     MtpChunk, PanicFence, PluginError, PluginResult, SeqId, TREE_ROOT,
 };
 
-pub use executor::{Chunk, Executor, MtpRows};
+pub use executor::{Chunk, Executor, KeptPath, MtpRows};
 pub use options::DeepRollback;
 
 use crate::graph::Tree;
@@ -724,7 +724,13 @@ impl<X: Executor> Backend<X> {
         seq_state.tree = None;
         let tokens = seq_state.tokens.clone();
         let hidden = seq_state.hidden[..seq_state.hidden_rows * e].to_vec();
-        if let Err(e) = self.executor.keep_path(slot, base, path, &tokens, &hidden) {
+        let kept = KeptPath {
+            base,
+            path,
+            tokens: &tokens,
+            hidden: &hidden,
+        };
+        if let Err(e) = self.executor.keep_path(slot, kept) {
             self.broken = Some(format!("keeping a path of a tree failed: {}", e.message));
             return Err(attribute(self.setup.plugin, e));
         }

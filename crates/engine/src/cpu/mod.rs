@@ -19,7 +19,7 @@ use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
 
 use crate::arch::hybrid::Mixer;
 use crate::arch::{self};
-use crate::backend::{Chunk, Executor, MtpRows};
+use crate::backend::{Chunk, Executor, KeptPath, MtpRows};
 use crate::graph::{Act, Dims, Rows};
 use crate::kv_cache::BLOCK_TOKENS;
 use crate::kv_cache::{KvPool, KvType, SeqKv};
@@ -693,14 +693,13 @@ impl Executor for CpuExecutor {
         Ok(true)
     }
 
-    fn keep_path(
-        &mut self,
-        seq: usize,
-        base: usize,
-        path: &[u32],
-        tokens: &[u32],
-        hidden: &[f32],
-    ) -> Result<(), PluginError> {
+    fn keep_path(&mut self, seq: usize, kept: KeptPath<'_>) -> Result<(), PluginError> {
+        let KeptPath {
+            base,
+            path,
+            tokens,
+            hidden,
+        } = kept;
         let recurrent = self.recurrent;
         let Self {
             pool, seqs, states, ..

@@ -76,42 +76,36 @@ impl DeviceKv {
     /// Copies block `from` (cache rows `64 from ..`) to block `to` in every layer: a
     /// copy-on-write of the host pool, mirrored.
     pub fn copy_block(&mut self, gpu: &Gpu, from: usize, to: usize) -> Result<(), PluginError> {
-        let (kb, vb) = (
-            self.units(BLOCK_TOKENS * self.k_width),
-            self.units(BLOCK_TOKENS * self.v_width),
-        );
-        for (bufs, unit) in [(&mut self.k, kb), (&mut self.v, vb)] {
-            for buf in bufs.iter_mut() {
-                if (from.max(to) + 1) * unit > buf.len() {
-                    return Err(PluginError::new(
-                        specula_plugin_api::ErrorKind::Internal,
-                        format!(
-                            "cuda-hybrid: KV block {} is outside the device cache",
-                            from.max(to)
-                        ),
-                    ));
-                }
-                gpu.copy_within(buf, from * unit, to * unit, unit)?;
-            }
-        }
-        Ok(())
+        self.copy_rows(gpu, from * BLOCK_TOKENS, to * BLOCK_TOKENS, BLOCK_TOKENS)
     }
 
-    /// Copies the keys and values of cache row `from` onto cache row `to` in every layer.
+    /// Copies the keys and values of cache row `from` onto cache row `to` in every layer (a
+    /// kept tree path's row moving to its position).
     pub fn copy_row(&mut self, gpu: &Gpu, from: usize, to: usize) -> Result<(), PluginError> {
+        self.copy_rows(gpu, from, to, 1)
+    }
+
+    /// Copies `n` cache rows from row `from` onto the rows from `to`, in every layer.
+    fn copy_rows(
+        &mut self,
+        gpu: &Gpu,
+        from: usize,
+        to: usize,
+        n: usize,
+    ) -> Result<(), PluginError> {
         let (kr, vr) = (self.units(self.k_width), self.units(self.v_width));
         for (bufs, unit) in [(&mut self.k, kr), (&mut self.v, vr)] {
             for buf in bufs.iter_mut() {
-                if (from.max(to) + 1) * unit > buf.len() {
+                if (from.max(to) + n) * unit > buf.len() {
                     return Err(PluginError::new(
                         specula_plugin_api::ErrorKind::Internal,
                         format!(
-                            "cuda-hybrid: KV row {} is outside the device cache",
+                            "cuda-hybrid: KV rows {}.. are outside the device cache",
                             from.max(to)
                         ),
                     ));
                 }
-                gpu.copy_within(buf, from * unit, to * unit, unit)?;
+                gpu.copy_within(buf, from * unit, to * unit, n * unit)?;
             }
         }
         Ok(())
