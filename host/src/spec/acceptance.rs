@@ -1,20 +1,26 @@
-//! Deciding a verify row: does the target accept the draft token, and if not, what does it
-//! emit instead?
+//! Deciding a verify row: does the target accept one of the drafts continuing it, and if
+//! not, what does it emit instead?
 //!
-//! Greedy: accept while the draft equals the target's choice (the same `Sampler::sample` that
-//! plain decoding uses, so the emitted stream is identical). Sampling: exact rejection
-//! sampling (Leviathan et al.; Chen et al.): accept draft `d` with probability
-//! `min(1, p(d)/q(d))`; on rejection draw from `normalize(max(0, p − q))`. A drafter without a
-//! distribution counts as `q = one-hot(d)`. Either way the emitted token is distributed exactly
-//! as `p`, the target's distribution after every sampling transform.
+//! A row's drafts are its children in the pass: one for a chain, several for a tree. Greedy:
+//! a draft is accepted when it is the target's choice (the same `Sampler::sample` that plain
+//! decoding uses, so the emitted stream is identical). Sampling: exact rejection sampling
+//! (Leviathan et al.; Chen et al.), recursive over siblings (SpecInfer; Jeon et al.): draft
+//! `j` is accepted with probability `min(1, p(x)/q_j(x))`; on rejection the target's
+//! distribution becomes the residual `normalize(max(0, p − q_j))` for the next draft, and when
+//! every draft is rejected the token is drawn from the last residual. A drafter without a
+//! distribution counts as `q = one-hot(x)`. Each step is a rejection sampler whose output
+//! follows its target distribution whatever its proposal, so the emitted token is distributed
+//! exactly as `p`, the target's distribution after every sampling transform — siblings drawn
+//! with or without replacement, the tree shaped however the drafter likes.
 
 use crate::sampling::{Candidate, Sampler};
 
-/// The target's decision on one draft token.
+/// The target's decision among the drafts continuing one row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
-    Accept,
-    /// Rejected; the target emits this token instead.
+    /// The draft at this index (among those given) is accepted.
+    Accept(usize),
+    /// Every draft was rejected; the target emits this token instead.
     Reject(u32),
 }
 
@@ -26,93 +32,25 @@ pub struct Judge {
 }
 
 impl Judge {
-    /// Judges draft token `draft` against a target logits row. `q` is the drafter's
-    /// distribution over the vocabulary for this draft, if it has one. `history` is the
+    /// Judges the drafts continuing one row against the row's target logits: each draft in
+    /// order, with the distribution it was drawn from (`None`: one-hot). `history` is the
     /// sequence the row continues (for the repetition penalty).
     pub fn judge(
         &mut self,
         sampler: &mut Sampler,
         logits: &[f32],
         history: &[u32],
-        draft: u32,
-        q: Option<&[f32]>,
+        drafts: &[(u32, Option<&[f32]>)],
     ) -> Verdict {
         if sampler.params().is_greedy() {
             let choice = sampler.sample(logits, history);
-            return if choice == draft {
-                Verdict::Accept
-            } else {
-                Verdict::Reject(choice)
+            return match drafts.iter().position(|&(d, _)| d == choice) {
+                Some(j) => Verdict::Accept(j),
+                None => Verdict::Reject(choice),
             };
         }
         sampler.distribution(logits, history, &mut self.candidates);
-        let p_of = |id: u32| {
-            self.candidates
-                .iter()
-                .find(|c| c.id == id)
-                .map_or(0.0, |c| c.p)
-        };
-        let q_of = |id: u32| match q {
-            Some(q) => q.get(id as usize).copied().unwrap_or(0.0),
-            None => f32::from(id == draft),
-        };
-        let (p_d, q_d) = (p_of(draft), q_of(draft));
-        let u = sampler.uniform();
-        if q_d > 0.0 && u * q_d < p_d {
-            return Verdict::Accept;
-        }
-        self.residual.clear();
-        self.residual.extend(self.candidates.iter().filter_map(|c| {
-            let r = c.p - q_of(c.id);
-            (r > 0.0).then_some(Candidate { id: c.id, p: r })
-        }));
-        let total: f32 = self.residual.iter().map(|c| c.p).sum();
-        if total <= 0.0 {
-            // p ≤ q everywhere means p = q: rejection has probability zero; draw from p.
-            return Verdict::Reject(sampler.draw(&self.candidates));
-        }
-        self.residual.iter_mut().for_each(|c| c.p /= total);
-        Verdict::Reject(sampler.draw(&self.residual))
-    }
-}
-
-/// The target's decision among the children of one tree node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TreeVerdict {
-    /// The child at this index (among those given) is accepted.
-    Accept(usize),
-    /// Every child was rejected; the target emits this token instead.
-    Reject(u32),
-}
-
-impl Judge {
-    /// Judges the children of one tree node against the node's target logits row — the
-    /// children in order, each with the distribution it was drawn from (`None`: one-hot).
-    ///
-    /// Greedy: the target's choice, accepted where a child proposes it. Sampling: recursive
-    /// rejection sampling (SpecInfer; Jeon et al.'s recursive speculative decoding): child `j`
-    /// is accepted with probability `min(1, p(x)/q_j(x))`; on rejection the target's
-    /// distribution becomes the residual `normalize(max(0, p − q_j))` for the next child, and
-    /// when every child is rejected the token is drawn from the last residual. Each step is a
-    /// rejection sampler whose output follows its target distribution whatever its proposal,
-    /// so the emitted token follows `p` exactly — siblings drawn with or without replacement,
-    /// the tree's shape chosen however the drafter likes.
-    pub fn judge_children(
-        &mut self,
-        sampler: &mut Sampler,
-        logits: &[f32],
-        history: &[u32],
-        children: &[(u32, Option<&[f32]>)],
-    ) -> TreeVerdict {
-        if sampler.params().is_greedy() {
-            let choice = sampler.sample(logits, history);
-            return match children.iter().position(|&(d, _)| d == choice) {
-                Some(j) => TreeVerdict::Accept(j),
-                None => TreeVerdict::Reject(choice),
-            };
-        }
-        sampler.distribution(logits, history, &mut self.candidates);
-        for (j, &(draft, q)) in children.iter().enumerate() {
+        for (j, &(draft, q)) in drafts.iter().enumerate() {
             let q_of = |id: u32| match q {
                 Some(q) => q.get(id as usize).copied().unwrap_or(0.0),
                 None => f32::from(id == draft),
@@ -124,7 +62,7 @@ impl Judge {
                 .map_or(0.0, |c| c.p);
             let q_d = q_of(draft);
             if q_d > 0.0 && sampler.uniform() * q_d < p_d {
-                return TreeVerdict::Accept(j);
+                return Verdict::Accept(j);
             }
             self.residual.clear();
             self.residual.extend(self.candidates.iter().filter_map(|c| {
@@ -138,7 +76,7 @@ impl Judge {
             }
             // Else p ≤ q everywhere, so p = q and the rejection had probability zero: p stays.
         }
-        TreeVerdict::Reject(sampler.draw(&self.candidates))
+        Verdict::Reject(sampler.draw(&self.candidates))
     }
 }
 
@@ -193,8 +131,8 @@ mod tests {
         let mut counts = vec![0u64; logits.len()];
         for _ in 0..60_000 {
             let d = draw_draft(&mut sampler);
-            let token = match judge.judge(&mut sampler, &logits, &[], d, q.as_deref()) {
-                Verdict::Accept => d,
+            let token = match judge.judge(&mut sampler, &logits, &[], &[(d, q.as_deref())]) {
+                Verdict::Accept(_) => d,
                 Verdict::Reject(t) => t,
             };
             counts[token as usize] += 1;
@@ -288,9 +226,9 @@ mod tests {
                     .iter()
                     .map(|(d, dist)| (*d, with_q.then_some(&dist[..])))
                     .collect();
-                let token = match judge.judge_children(&mut sampler, &logits, &[], &judged) {
-                    TreeVerdict::Accept(j) => children[j].0,
-                    TreeVerdict::Reject(t) => t,
+                let token = match judge.judge(&mut sampler, &logits, &[], &judged) {
+                    Verdict::Accept(j) => children[j].0,
+                    Verdict::Reject(t) => t,
                 };
                 counts[token as usize] += 1;
             }
@@ -308,12 +246,16 @@ mod tests {
         let mut judge = Judge::default();
         let logits = [0.0f32, 3.0, 1.0];
         assert_eq!(
-            judge.judge(&mut sampler, &logits, &[], 1, None),
-            Verdict::Accept
+            judge.judge(&mut sampler, &logits, &[], &[(1, None)]),
+            Verdict::Accept(0)
         );
         assert_eq!(
-            judge.judge(&mut sampler, &logits, &[], 2, None),
+            judge.judge(&mut sampler, &logits, &[], &[(2, None)]),
             Verdict::Reject(1)
+        );
+        assert_eq!(
+            judge.judge(&mut sampler, &logits, &[], &[(2, None), (1, None)]),
+            Verdict::Accept(1)
         );
     }
 }

@@ -24,7 +24,7 @@ use specula_plugin_api::{
 };
 use specula_tokenizer::{StreamDecoder, Tokenizer};
 
-use super::acceptance::{Judge, TreeVerdict, Verdict};
+use super::acceptance::{Judge, Verdict};
 use super::adaptive::{self, DraftLength};
 use super::stats::SpecStats;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
@@ -576,11 +576,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         let n_drafts = self.draft.tokens.len();
         let base = self.history.len();
         // The accepted drafts (indices into the proposal, in order) and the token after them.
-        let (path, next) = if self.row_parents.is_empty() {
-            self.walk_chain(logits)
-        } else {
-            self.walk_tree(logits)
-        };
+        let (path, next) = self.walk(logits);
         let accepted = path.len();
         self.history.truncate(base);
         self.stats.sample_seconds += t.elapsed().as_secs_f64();
@@ -694,67 +690,51 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         depth.into_iter().max().unwrap_or(0)
     }
 
-    /// Judges a chain: row `i` continues the history and the first `i` drafts. Returns the
-    /// accepted drafts (`0 .. accepted`) and the token after them; leaves the drafts in the
-    /// history (the caller cuts it back).
-    fn walk_chain(&mut self, logits: &[f32]) -> (Vec<usize>, u32) {
-        let vocab = self.vocab;
-        let n_drafts = self.draft.tokens.len();
-        let has_probs = n_drafts > 0 && self.draft.probs.len() == n_drafts * vocab;
-        let base = self.history.len();
-        self.history.extend_from_slice(&self.draft.tokens);
-        for (i, &d) in self.draft.tokens.iter().enumerate() {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let q = has_probs.then(|| &self.draft.probs[i * vocab..(i + 1) * vocab]);
-            let verdict = self
-                .judge
-                .judge(&mut self.sampler, row, &self.history[..base + i], d, q);
-            if let Verdict::Reject(token) = verdict {
-                return ((0..i).collect(), token);
-            }
+    /// The row the pass's row `row` continues: its parent in a tree, the row before it in a
+    /// chain.
+    fn parent_row(&self, row: usize) -> usize {
+        match self.row_parents.get(row) {
+            Some(&parent) => parent as usize,
+            None => row - 1,
         }
-        let row = &logits[n_drafts * vocab..(n_drafts + 1) * vocab];
-        (
-            (0..n_drafts).collect(),
-            self.sampler.sample(row, &self.history),
-        )
     }
 
-    /// Judges a tree from the certain token's row down: at each row its children are judged
-    /// together ([`Judge::judge_children`]: greedily, the target's choice where a child
-    /// proposes it — plain decoding's choice at that point, so the output is plain decoding's
-    /// —; sampling, by recursive rejection, so the output follows the target's distribution),
-    /// and the walk goes on from the accepted child's row. Returns the accepted drafts and the
-    /// token after them; leaves the accepted drafts in the history (the caller cuts it back).
-    fn walk_tree(&mut self, logits: &[f32]) -> (Vec<usize>, u32) {
+    /// Judges the pass from the certain token's row down: at each row the drafts continuing
+    /// it (one in a chain, its children in a tree) are judged together ([`Judge::judge`]:
+    /// greedily, the target's choice where a draft proposes it — plain decoding's choice at
+    /// that point, so the output is plain decoding's —; sampling, by rejection sampling
+    /// recursive over siblings, so the output follows the target's distribution), and the walk
+    /// goes on from the accepted draft's row. Returns the accepted drafts and the token after
+    /// them; leaves the accepted drafts in the history (the caller cuts it back).
+    fn walk(&mut self, logits: &[f32]) -> (Vec<usize>, u32) {
         let vocab = self.vocab;
         let has_probs = self.draft.probs.len() == self.draft.tokens.len() * vocab;
         let mut path = Vec::new();
         let mut row = 0;
         loop {
             let children: Vec<usize> = (row + 1..self.rows.len())
-                .filter(|&r| self.row_parents[r] as usize == row)
+                .filter(|&r| self.parent_row(r) == row)
                 .collect();
-            let judged: Vec<(u32, Option<&[f32]>)> = children
+            let drafts: Vec<(u32, Option<&[f32]>)> = children
                 .iter()
                 .map(|&r| {
                     let q = has_probs.then(|| &self.draft.probs[(r - 1) * vocab..r * vocab]);
                     (self.rows[r], q)
                 })
                 .collect();
-            let verdict = self.judge.judge_children(
+            let verdict = self.judge.judge(
                 &mut self.sampler,
                 &logits[row * vocab..(row + 1) * vocab],
                 &self.history,
-                &judged,
+                &drafts,
             );
             match verdict {
-                TreeVerdict::Accept(j) => {
+                Verdict::Accept(j) => {
                     row = children[j];
                     path.push(row - 1);
                     self.history.push(self.rows[row]);
                 }
-                TreeVerdict::Reject(token) => return (path, token),
+                Verdict::Reject(token) => return (path, token),
             }
         }
     }

@@ -25,7 +25,7 @@ mod stats;
 use abi_stable::std_types::RVec;
 use anyhow::Context;
 
-pub use acceptance::{Judge, TreeVerdict, Verdict};
+pub use acceptance::{Judge, Verdict};
 pub use adaptive::DraftLength;
 pub use generation::{Generation, Lane, LaneDrafter};
 pub use stats::SpecStats;
