@@ -874,6 +874,59 @@ fn bench_concurrency_reports_every_figure_as_json() {
     }
 }
 
+/// `specula bench --tree --vary-prompts`: each drafter runs as chains and as trees at the
+/// same rows per pass, each run from its own prompt, and greedy outputs equal plain decoding
+/// run by run.
+#[test]
+fn bench_compares_chains_and_trees_over_varied_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = write_profile(
+        dir.path(),
+        "mtp.toml",
+        &shared("models/trained/stories-qwen35-mtp-q8_0.gguf"),
+        "",
+    );
+    let out = specula_ok(
+        &[
+            "bench",
+            "--profile",
+            profile.to_str().unwrap(),
+            "--runs",
+            "3",
+            "-n",
+            "24",
+            "--prompt-tokens",
+            "16",
+            "--drafters",
+            "mtp,lookup",
+            "--tree",
+            "--vary-prompts",
+            "--json",
+        ],
+        dir.path(),
+    );
+    let report = json_of(&out);
+    let drafters = report["drafters"].as_array().expect("drafter runs");
+    let names: Vec<&str> = drafters
+        .iter()
+        .map(|d| d["drafter"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["mtp", "mtp tree", "lookup", "lookup tree"],
+        "{report}"
+    );
+    let trees: Vec<bool> = drafters.iter().map(|d| d["tree"] == true).collect();
+    assert_eq!(trees, [false, true, false, true], "{report}");
+    for run in drafters {
+        assert_eq!(run["output_matches_plain"], true, "{run}");
+    }
+    // The trained head's drafts are accepted, as chains and as trees.
+    for mtp in &drafters[..2] {
+        assert!(mtp["mean_accepted_length"].as_f64().unwrap() > 1.0, "{mtp}");
+    }
+}
+
 /// `specula bench` end to end on the trained stories model: every batch size up to the
 /// backend's capacity has a verify cost (the first one the unit), the oracle drafter accepts
 /// everything and gives the plain output, and both bandwidth measurements are there.

@@ -8,9 +8,7 @@
 
 mod tree;
 
-pub use tree::{
-    grow_sampled, grow_shape, path_tokens, Shape, TreeGrower, BRANCHING, MIN_PATH_SCORE,
-};
+pub use tree::{path_tokens, TreeGrower, BRANCHING, MIN_PATH_SCORE};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;

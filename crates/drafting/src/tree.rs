@@ -1,16 +1,20 @@
-//! Growing a draft tree best first (greedy requests): the node added next is always the
-//! candidate whose path scores highest — the product, down to it, of each token's probability
-//! under a sharpened draft distribution — so a confident drafter grows a chain and an unsure
-//! one branches where it is unsure, each node costing one row of the verify pass.
+//! Growing a draft tree best first: the node added next is always the candidate likeliest to
+//! be accepted — the chance that the target accepts every draft down to and including it — so
+//! a drafter that is usually right grows a chain and an unsure one branches where it is
+//! unsure, each node costing one row of the verify pass. The best `n` nodes of a tree form a
+//! tree themselves (a node is never likelier than its parent), so growing best first gives
+//! the tree of `n` nodes with the most drafts accepted on average (EAGLE-2's dynamic trees).
 //!
-//! Drafters' probabilities are not calibrated (a small draft model's are too flat, a trained
-//! MTP head's top choice is right more often than a branch would pay for), so the shape is
-//! chosen by what the target accepts: each [`TreeGrower`] tries a few [`Shape`]s and keeps
-//! growing the one whose trees got the most drafts accepted per pass, trying the others now
-//! and then ([`TreeGrower::learn`]).
+//! A draft's chance of acceptance is not its draft probability: a small draft model's are too
+//! flat, a trained MTP head's top choice is right more often than its softmax says, and deep
+//! drafts of a head trained one step ahead less often. So each [`TreeGrower`] calibrates its
+//! drafter: a logistic regression from a draft's probability, its rank among its siblings
+//! and its depth to how often the target accepted such drafts when it judged them, refitted
+//! as the target judges trees ([`TreeGrower::learn`]). It replaces choosing among fixed
+//! shapes by their measured acceptance, which had to spend passes trying the worse ones.
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -18,54 +22,209 @@ use specula_plugin_api::{Draft, DraftRequest, TREE_ROOT};
 
 use crate::{draw, softmax};
 
-/// Candidates per node in a branching shape: its most likely next tokens.
-pub const BRANCHING: usize = 3;
+/// Most children a node offers: a greedy tree's its drafter's likeliest next tokens, a
+/// sampled tree's siblings drawn without replacement.
+pub const BRANCHING: usize = 4;
 
-/// Paths scoring less than this are not proposed.
+/// Paths less likely than this to be accepted are not proposed (but for a tree's first node:
+/// a drafter the target keeps rejecting is still judged, so the calibration can learn better).
 pub const MIN_PATH_SCORE: f32 = 0.02;
 
-/// How trees are grown.
+/// Depths a calibration tells apart: 1, 2, 3 and deeper.
+const DEPTHS: usize = 4;
+/// Judged drafts a calibration fits.
+const WINDOW: usize = 2048;
+/// Judged drafts between two fits.
+const REFIT_EVERY: usize = 8;
+/// Newton steps per fit (each from the last fit's weights).
+const NEWTON_STEPS: usize = 2;
+/// How strongly a fit is pulled toward [`PRIOR`] (in judged drafts, roughly).
+const RIDGE: f64 = 4.0;
+/// The weights before any judgement: the chance is the draft probability itself.
+const PRIOR: [f32; FEATURES] = {
+    let mut w = [0.0; FEATURES];
+    w[1] = 1.0;
+    w
+};
+
+/// What a calibration knows of a draft.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Shape {
-    /// The top choice after each draft: a chain.
-    Chain,
-    /// Best first over [`BRANCHING`] candidates per node, scored by `softmax(logits × s)`
-    /// (sharpened for `s > 1`).
-    Branching(f32),
+struct Facts {
+    /// Its rank among its siblings (0: the first offered).
+    rank: usize,
+    /// 1 under the context.
+    depth: usize,
+    /// Its probability under the distribution it was chosen from.
+    p: f32,
+    /// Its first sibling's probability (its own for the first).
+    eldest: f32,
+    /// Whether an ancestor is not its parent's first child: the drafter's own first choice
+    /// was rejected on the way.
+    off_track: bool,
 }
 
-/// The shapes a grower chooses from.
-const SHAPES: [Shape; 3] = [Shape::Chain, Shape::Branching(1.5), Shape::Branching(1.0)];
+/// Weights of a calibration: bias, logit(p), logit(p) for later siblings, rank 1, rank 2+,
+/// depth 2, depth 3, depth 4+, the first sibling's logit for later siblings, off track.
+const FEATURES: usize = 6 + DEPTHS;
 
-/// Times each shape is tried before the choice follows the measurements.
-const WARMUP: u32 = 3;
+impl Facts {
+    fn features(self) -> [f32; FEATURES] {
+        let logit = |p: f32| {
+            let p = p.clamp(1e-4, 1.0 - 1e-4);
+            (p / (1.0 - p)).ln()
+        };
+        let mut x = [0.0; FEATURES];
+        x[0] = 1.0;
+        x[1] = logit(self.p);
+        if self.rank > 0 {
+            x[2] = x[1];
+            x[2 + self.rank.min(2)] = 1.0;
+            x[4 + DEPTHS] = logit(self.eldest);
+        }
+        if self.depth > 1 {
+            x[3 + self.depth.min(DEPTHS)] = 1.0;
+        }
+        x[5 + DEPTHS] = f32::from(u8::from(self.off_track));
+        x
+    }
+}
 
-/// Every this many trees, one of another shape than the best so far.
-const EXPLORE_EVERY: u32 = 16;
+/// How likely the target is to accept a draft it judges, by rank, depth and draft
+/// probability: a logistic regression over the last [`WINDOW`] judged drafts (refitted every
+/// [`REFIT_EVERY`]), pulled toward `p` itself — all it knows before any judgement.
+#[derive(Debug, Clone)]
+struct Calibration {
+    weights: [f32; FEATURES],
+    /// The judged drafts the fit sees: (draft, accepted).
+    window: VecDeque<(Facts, bool)>,
+    /// Drafts judged since the last fit.
+    unfitted: usize,
+}
 
-/// Weight of the newest pass in a shape's running mean of accepted drafts.
-const SMOOTHING: f64 = 0.1;
+impl Calibration {
+    fn new() -> Self {
+        Self {
+            weights: PRIOR,
+            window: VecDeque::new(),
+            unfitted: 0,
+        }
+    }
+
+    fn predict(weights: &[f32; FEATURES], cell: Facts) -> f32 {
+        let z: f32 = cell
+            .features()
+            .iter()
+            .zip(weights)
+            .map(|(x, w)| x * w)
+            .sum();
+        1.0 / (1.0 + (-z).exp())
+    }
+
+    /// The chance that a draft of this rank, depth and draft probability `p` is accepted if
+    /// the target judges it.
+    fn chance(&self, facts: Facts) -> f32 {
+        Self::predict(&self.weights, facts)
+    }
+
+    fn record(&mut self, cell: Facts, accepted: bool) {
+        if self.window.len() == WINDOW {
+            self.window.pop_front();
+        }
+        self.window.push_back((cell, accepted));
+        self.unfitted += 1;
+    }
+
+    /// Refits the weights if enough drafts were judged since the last fit: Newton steps on the
+    /// window's log-likelihood with a ridge toward [`PRIOR`].
+    fn refit(&mut self) {
+        if self.unfitted < REFIT_EVERY {
+            return;
+        }
+        self.unfitted = 0;
+        let mut w = self.weights.map(f64::from);
+        for _ in 0..NEWTON_STEPS {
+            // Gradient and Hessian of the penalised negative log-likelihood.
+            let mut g = [0.0f64; FEATURES];
+            let mut h = [[0.0f64; FEATURES]; FEATURES];
+            for i in 0..FEATURES {
+                g[i] = RIDGE * (w[i] - f64::from(PRIOR[i]));
+                h[i][i] = RIDGE;
+            }
+            for &(cell, accepted) in &self.window {
+                let x = cell.features().map(f64::from);
+                let z: f64 = x.iter().zip(&w).map(|(x, w)| x * w).sum();
+                let p = 1.0 / (1.0 + (-z).exp());
+                let err = p - f64::from(u8::from(accepted));
+                let curve = p * (1.0 - p);
+                for i in 0..FEATURES {
+                    g[i] += err * x[i];
+                    for j in 0..FEATURES {
+                        h[i][j] += curve * x[i] * x[j];
+                    }
+                }
+            }
+            let Some(step) = solve(h, g) else { break };
+            for i in 0..FEATURES {
+                w[i] -= step[i];
+            }
+        }
+        if w.iter().all(|w| w.is_finite()) {
+            self.weights = w.map(|w| w as f32);
+        }
+    }
+}
+
+/// Solves `a x = b` by Gaussian elimination with partial pivoting (`None` if `a` is singular).
+fn solve(mut a: [[f64; FEATURES]; FEATURES], mut b: [f64; FEATURES]) -> Option<[f64; FEATURES]> {
+    for col in 0..FEATURES {
+        let pivot = (col..FEATURES).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, pivot);
+        b.swap(col, pivot);
+        for row in col + 1..FEATURES {
+            let f = a[row][col] / a[col][col];
+            let pivot_row = a[col];
+            for (x, p) in a[row][col..].iter_mut().zip(&pivot_row[col..]) {
+                *x -= f * p;
+            }
+            b[row] -= f * b[col];
+        }
+    }
+    let mut x = [0.0; FEATURES];
+    for row in (0..FEATURES).rev() {
+        let rest: f64 = (row + 1..FEATURES).map(|k| a[row][k] * x[k]).sum();
+        x[row] = (b[row] - rest) / a[row][row];
+    }
+    Some(x)
+}
 
 /// A token that could join the tree under `parent`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Candidate {
-    /// Chance that the path down to and including it is accepted.
+    /// Chance that it and every draft above it are accepted.
     score: f32,
+    /// Chance that the target judges it (its parent accepted; when sampling, its earlier
+    /// siblings rejected).
+    reach: f32,
     parent: u32,
     token: u32,
-    /// Its probability under its parent's draft distribution.
-    p: f32,
+    facts: Facts,
+    /// Sampled trees: the distribution it was drawn from (an index into the grower's).
+    dist: usize,
 }
 
 impl Eq for Candidate {}
 
 impl Ord for Candidate {
     fn cmp(&self, other: &Self) -> Ordering {
-        // Likelier first; then the earlier parent and the smaller token, so ties grow the
-        // same tree on every run.
+        // Likelier first; then the earlier parent, rank and the smaller token, so ties grow
+        // the same tree on every run.
         self.score
             .total_cmp(&other.score)
             .then_with(|| other.parent.cmp(&self.parent))
+            .then_with(|| other.facts.rank.cmp(&self.facts.rank))
             .then_with(|| other.token.cmp(&self.token))
     }
 }
@@ -76,16 +235,21 @@ impl PartialOrd for Candidate {
     }
 }
 
-/// Grows draft trees for one sequence, choosing their shape by what the target accepted.
+/// The last tree grown, until the target has judged it.
+#[derive(Debug, Clone)]
+struct Grown {
+    sampled: bool,
+    parents: Vec<u32>,
+    facts: Vec<Facts>,
+}
+
+/// Grows draft trees for one sequence, learning from each judged tree how likely its drafts
+/// are to be accepted.
 #[derive(Debug, Clone)]
 pub struct TreeGrower {
-    /// Per shape of [`SHAPES`]: trees judged, and the running mean of drafts accepted.
-    tried: [u32; SHAPES.len()],
-    accepted: [f64; SHAPES.len()],
-    /// The shape of the last tree grown, until it is judged.
-    pending: Option<usize>,
-    /// Trees grown.
-    grown: u32,
+    greedy: Calibration,
+    sampled: Calibration,
+    last: Option<Grown>,
 }
 
 impl Default for TreeGrower {
@@ -95,66 +259,27 @@ impl Default for TreeGrower {
 }
 
 impl TreeGrower {
-    /// A grower that has measured nothing yet.
+    /// A grower that has seen no judgement yet (it trusts the draft probabilities).
     pub fn new() -> Self {
         Self {
-            tried: [0; SHAPES.len()],
-            accepted: [0.0; SHAPES.len()],
-            pending: None,
-            grown: 0,
+            greedy: Calibration::new(),
+            sampled: Calibration::new(),
+            last: None,
         }
     }
 
-    /// The shape with the most drafts accepted per pass so far (the first untried one first).
-    pub fn best_shape(&self) -> Shape {
-        SHAPES[self.best()]
-    }
-
-    fn best(&self) -> usize {
-        if let Some(untried) = (0..SHAPES.len()).find(|&s| self.tried[s] < WARMUP) {
-            return untried;
-        }
-        (0..SHAPES.len())
-            .max_by(|&a, &b| {
-                self.accepted[a]
-                    .total_cmp(&self.accepted[b])
-                    .then(b.cmp(&a))
-            })
-            .unwrap_or(0)
-    }
-
-    /// The shape of the next tree: the best, or now and then another one to measure it again.
-    fn next_shape(&self) -> usize {
-        let best = self.best();
-        if self.grown % EXPLORE_EVERY != EXPLORE_EVERY - 1 {
-            return best;
-        }
-        let others = SHAPES.len() - 1;
-        let other = (self.grown / EXPLORE_EVERY) as usize % others;
-        (0..SHAPES.len())
-            .filter(|&s| s != best)
-            .nth(other)
-            .unwrap_or(best)
-    }
-
-    /// Learns that the target accepted `accepted` drafts of the last tree grown.
-    pub fn learn(&mut self, accepted: usize) {
-        if let Some(shape) = self.pending.take() {
-            let a = accepted as f64;
-            self.accepted[shape] = match self.tried[shape] {
-                0 => a,
-                _ => self.accepted[shape] + SMOOTHING * (a - self.accepted[shape]),
-            };
-            self.tried[shape] += 1;
-        }
-    }
-
-    /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, and
-    /// each node's probability under the distribution it was chosen from as its confidence)
-    /// in the shape the measurements favour: the candidates under the context come from
-    /// `root_logits`; each node added gets its own from `next_logits(path)`, which returns the
-    /// draft logits after the node (`path`: the tokens from the first draft down to it).
-    /// Greedy requests get [`grow_shape`]'s trees, sampled ones [`grow_sampled`]'s.
+    /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, each
+    /// node's probability under the distribution it was chosen from as its confidence and,
+    /// when sampling, that distribution): the candidates under the context come from
+    /// `root_logits`; each node added gets its own from `next_logits(path, logits)`, which
+    /// writes the draft logits after the node (`path`: the tokens from the first draft down
+    /// to it).
+    ///
+    /// Greedy requests get the likeliest tokens after each node as its candidates. Sampled
+    /// ones draw them from `softmax(logits / temperature)`, siblings without replacement
+    /// (each reports the distribution it was drawn from: the one before without the earlier
+    /// siblings, renormalised) — what the host's recursive rejection sampling needs to keep
+    /// the target's distribution exactly.
     pub fn grow<E>(
         &mut self,
         request: &DraftRequest<'_>,
@@ -163,152 +288,204 @@ impl TreeGrower {
         out: &mut Draft,
         next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
     ) -> Result<(), E> {
-        let shape = self.next_shape();
-        self.pending = Some(shape);
-        self.grown += 1;
-        match request.temperature > 0.0 {
-            false => grow_shape(SHAPES[shape], root_logits, budget, out, next_logits),
-            true => grow_sampled(
-                SHAPES[shape],
-                root_logits,
-                budget,
-                request.temperature,
-                request.seed,
-                out,
-                next_logits,
-            ),
-        }
+        let sampled = request.temperature > 0.0;
+        let mut growth = Growth {
+            calibration: match sampled {
+                false => &self.greedy,
+                true => &self.sampled,
+            },
+            heap: BinaryHeap::new(),
+            dists: Vec::new(),
+            rng: ChaCha20Rng::seed_from_u64(request.seed),
+            temperature: request.temperature,
+            probs: Vec::new(),
+            facts: Vec::new(),
+        };
+        let grown = growth.grow(root_logits, budget, out, next_logits);
+        self.last = Some(Grown {
+            sampled,
+            parents: out.parents.to_vec(),
+            facts: std::mem::take(&mut growth.facts),
+        });
+        grown
     }
-}
 
-/// [`TreeGrower::grow`] in one shape.
-pub fn grow_shape<E>(
-    shape: Shape,
-    root_logits: &[f32],
-    budget: usize,
-    out: &mut Draft,
-    mut next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
-) -> Result<(), E> {
-    out.clear();
-    let mut heap = BinaryHeap::new();
-    let mut probs = Vec::new();
-    let mut logits = Vec::new();
-    push_children(shape, &mut heap, root_logits, TREE_ROOT, 1.0, &mut probs);
-    while out.tokens.len() < budget {
-        let Some(best) = heap.pop() else { break };
-        if best.score < MIN_PATH_SCORE && shape != Shape::Chain {
-            break;
-        }
-        let node = out.tokens.len() as u32;
-        out.tokens.push(best.token);
-        out.parents.push(best.parent);
-        out.confidence.push(best.p);
-        if out.tokens.len() == budget {
-            break;
-        }
-        let path = path_tokens(out, node as usize);
-        next_logits(&path, &mut logits)?;
-        push_children(shape, &mut heap, &logits, node, best.score, &mut probs);
-    }
-    Ok(())
-}
-
-/// A sampled tree (a request at `temperature`): each node is drawn from its parent's draft
-/// distribution `softmax(logits / temperature)`, reported in `out.probs` (one row per node) —
-/// what the host's recursive rejection sampling needs to keep the target's distribution
-/// exactly. A chain shape samples a chain; a branching one draws two siblings under the context
-/// (the second from the distribution without the first, renormalised), then grows the likelier
-/// branch (by the product of its drafts' probabilities) one sampled node at a time. (Sampled
-/// trees do not use the sharpness: three siblings, tried, were accepted less than two.)
-pub fn grow_sampled<E>(
-    shape: Shape,
-    root_logits: &[f32],
-    budget: usize,
-    temperature: f32,
-    seed: u64,
-    out: &mut Draft,
-    mut next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
-) -> Result<(), E> {
-    out.clear();
-    if budget == 0 {
-        return Ok(());
-    }
-    let mut rng = ChaCha20Rng::seed_from_u64(seed);
-    let mut q = Vec::new();
-    let mut logits = Vec::new();
-    // Appends a node drawn from `q` under `parent`; returns its index and probability.
-    let add = |q: &[f32], parent: u32, out: &mut Draft, rng: &mut ChaCha20Rng| {
-        let token = draw(q, rng.gen());
-        out.tokens.push(token);
-        out.parents.push(parent);
-        out.confidence.push(q[token as usize]);
-        out.probs.extend_from_slice(q);
-        (out.tokens.len() as u32 - 1, q[token as usize])
-    };
-    softmax(root_logits, 1.0 / temperature, &mut q);
-    // Branch ends that may grow: (score, node).
-    let mut ends: Vec<(f32, u32)> = Vec::new();
-    let (first, p) = add(&q, TREE_ROOT, out, &mut rng);
-    ends.push((p, first));
-    if matches!(shape, Shape::Branching(_)) && budget >= 2 {
-        let taken = out.tokens[first as usize] as usize;
-        let rest = 1.0 - q[taken];
-        if rest > 0.0 {
-            q[taken] = 0.0;
-            q.iter_mut().for_each(|x| *x /= rest);
-            let (second, p) = add(&q, TREE_ROOT, out, &mut rng);
-            if p > 0.0 {
-                ends.push((p, second));
-            } else {
-                // Rounding drew the excluded token (probability 0 now): no second sibling.
-                out.tokens.pop();
-                out.parents.pop();
-                out.confidence.pop();
-                out.probs.truncate(out.tokens.len() * q.len());
+    /// Learns from the target's judgement of the last tree grown: `accepted`, the indices of
+    /// its drafts the target accepted (a root-to-node path). A draft was judged when its
+    /// parent was accepted — and, when sampling, none of its earlier siblings was (recursive
+    /// rejection stops at the first sibling accepted).
+    pub fn learn(&mut self, accepted: &[u32]) {
+        let Some(grown) = self.last.take() else {
+            return;
+        };
+        let n = grown.facts.len().min(grown.parents.len());
+        let mut taken = vec![false; n];
+        for &a in accepted {
+            if let Some(t) = taken.get_mut(a as usize) {
+                *t = true;
             }
         }
-    }
-    while out.tokens.len() < budget {
-        let Some(at) = (0..ends.len()).max_by(|&a, &b| ends[a].0.total_cmp(&ends[b].0)) else {
-            break;
+        let calibration = match grown.sampled {
+            false => &mut self.greedy,
+            true => &mut self.sampled,
         };
-        let (score, node) = ends[at];
-        next_logits(&path_tokens(out, node as usize), &mut logits)?;
-        softmax(&logits, 1.0 / temperature, &mut q);
-        let (child, p) = add(&q, node, out, &mut rng);
-        ends[at] = (score * p, child);
+        // Per parent (the context last): whether one of its children was accepted yet.
+        let mut settled = vec![false; n + 1];
+        for node in 0..n {
+            let parent = grown.parents[node];
+            let slot = match parent {
+                TREE_ROOT => n,
+                p => p as usize,
+            };
+            let reached = parent == TREE_ROOT || taken.get(slot).copied().unwrap_or(false);
+            if !reached || (grown.sampled && settled[slot]) {
+                continue;
+            }
+            calibration.record(grown.facts[node], taken[node]);
+            settled[slot] |= taken[node];
+        }
+        calibration.refit();
     }
-    Ok(())
 }
 
-/// Pushes the likeliest tokens of `logits` as children of `parent` (one for a chain).
-fn push_children(
-    shape: Shape,
-    heap: &mut BinaryHeap<Candidate>,
-    logits: &[f32],
-    parent: u32,
-    score: f32,
-    probs: &mut Vec<f32>,
-) {
-    let (branching, sharpness) = match shape {
-        Shape::Chain => (1, 1.0),
-        Shape::Branching(s) => (BRANCHING, s),
-    };
-    softmax(logits, sharpness, probs);
-    let mut best: Vec<(u32, f32)> = Vec::with_capacity(branching + 1);
-    for (token, &p) in probs.iter().enumerate() {
-        if best.len() < branching || p > best[best.len() - 1].1 {
-            let at = best.iter().position(|&(_, q)| p > q).unwrap_or(best.len());
-            best.insert(at, (token as u32, p));
-            best.truncate(branching);
+/// One tree being grown.
+struct Growth<'a> {
+    calibration: &'a Calibration,
+    heap: BinaryHeap<Candidate>,
+    /// Sampled trees: per node offering children (the context first), the distribution its
+    /// next child is drawn from.
+    dists: Vec<Vec<f32>>,
+    rng: ChaCha20Rng,
+    /// 0: greedy.
+    temperature: f32,
+    probs: Vec<f32>,
+    /// Per node added: its calibration cell.
+    facts: Vec<Facts>,
+}
+
+impl Growth<'_> {
+    fn grow<E>(
+        &mut self,
+        root_logits: &[f32],
+        budget: usize,
+        out: &mut Draft,
+        mut next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        out.clear();
+        let mut logits = Vec::new();
+        self.offer(root_logits, TREE_ROOT, 1, false, 1.0);
+        while out.tokens.len() < budget {
+            let Some(best) = self.heap.pop() else { break };
+            if best.score < MIN_PATH_SCORE && !out.tokens.is_empty() {
+                break;
+            }
+            let node = out.tokens.len() as u32;
+            out.tokens.push(best.token);
+            out.parents.push(best.parent);
+            out.confidence.push(best.facts.p);
+            self.facts.push(best.facts);
+            if self.temperature > 0.0 {
+                out.probs.extend_from_slice(&self.dists[best.dist]);
+                self.draw_sibling(&best);
+            }
+            if out.tokens.len() == budget {
+                break;
+            }
+            next_logits(&path_tokens(out, node as usize), &mut logits)?;
+            self.offer(
+                &logits,
+                node,
+                best.facts.depth + 1,
+                best.facts.off_track || best.facts.rank > 0,
+                best.score,
+            );
+        }
+        Ok(())
+    }
+
+    /// Offers the first children of `parent` (at `depth`, reached with chance `reach`): a
+    /// greedy tree's [`BRANCHING`] likeliest tokens of `logits`, a sampled tree's first draw.
+    fn offer(&mut self, logits: &[f32], parent: u32, depth: usize, off_track: bool, reach: f32) {
+        let greedy = self.temperature <= 0.0;
+        let scale = if greedy { 1.0 } else { 1.0 / self.temperature };
+        softmax(logits, scale, &mut self.probs);
+        if greedy {
+            let mut best: Vec<(u32, f32)> = Vec::with_capacity(BRANCHING + 1);
+            for (token, &p) in self.probs.iter().enumerate() {
+                if best.len() < BRANCHING || p > best[best.len() - 1].1 {
+                    let at = best.iter().position(|&(_, q)| p > q).unwrap_or(best.len());
+                    best.insert(at, (token as u32, p));
+                    best.truncate(BRANCHING);
+                }
+            }
+            let eldest = best.first().map_or(0.0, |b| b.1);
+            for (rank, (token, p)) in best.into_iter().enumerate() {
+                let facts = Facts {
+                    rank,
+                    depth,
+                    p,
+                    eldest,
+                    off_track,
+                };
+                self.push(reach, parent, token, facts, 0);
+            }
+        } else {
+            let token = draw(&self.probs, self.rng.gen());
+            let p = self.probs[token as usize];
+            self.dists.push(std::mem::take(&mut self.probs));
+            let facts = Facts {
+                rank: 0,
+                depth,
+                p,
+                eldest: p,
+                off_track,
+            };
+            self.push(reach, parent, token, facts, self.dists.len() - 1);
         }
     }
-    for (token, p) in best {
-        heap.push(Candidate {
-            score: score * p,
+
+    /// Sampled trees: offers the sibling after `added`, drawn from its distribution without
+    /// it, which the target judges only if it rejects `added`.
+    fn draw_sibling(&mut self, added: &Candidate) {
+        if added.facts.rank + 1 >= BRANCHING {
+            return;
+        }
+        let q = &mut self.dists[added.dist];
+        let rest: f32 = q.iter().sum::<f32>() - q[added.token as usize];
+        if rest <= 0.0 {
+            return;
+        }
+        q[added.token as usize] = 0.0;
+        q.iter_mut().for_each(|x| *x /= rest);
+        let token = draw(q, self.rng.gen());
+        let p = q[token as usize];
+        if p <= 0.0 {
+            // Rounding drew an excluded token: no further sibling.
+            return;
+        }
+        let rejected = 1.0 - self.calibration.chance(added.facts);
+        let facts = Facts {
+            rank: added.facts.rank + 1,
+            p,
+            ..added.facts
+        };
+        self.push(
+            added.reach * rejected,
+            added.parent,
+            token,
+            facts,
+            added.dist,
+        );
+    }
+
+    fn push(&mut self, reach: f32, parent: u32, token: u32, facts: Facts, dist: usize) {
+        self.heap.push(Candidate {
+            score: reach * self.calibration.chance(facts),
+            reach,
             parent,
             token,
-            p,
+            facts,
+            dist,
         });
     }
 }
@@ -334,131 +511,211 @@ mod tests {
         probs.iter().map(|p| p.ln()).collect()
     }
 
-    fn greedy_request() -> DraftRequest<'static> {
-        DraftRequest {
-            context: abi_stable::std_types::RSlice::from_slice(&[]),
-            max_tokens: 8,
-            temperature: 0.0,
-            seed: 1,
-            tree: true,
-        }
-    }
-
+    /// Grows one tree with `root` under the context and `after` after any draft; returns it
+    /// and the paths whose logits were asked for.
     fn grow(
-        shape: Shape,
-        root: [f32; 4],
-        after: [f32; 4],
+        grower: &mut TreeGrower,
+        temperature: f32,
+        seed: u64,
+        (root, after): ([f32; 4], [f32; 4]),
         budget: usize,
     ) -> (Draft, Vec<Vec<u32>>) {
+        let request = DraftRequest {
+            context: abi_stable::std_types::RSlice::from_slice(&[]),
+            max_tokens: budget as u32,
+            temperature,
+            seed,
+            tree: true,
+        };
         let mut out = Draft::default();
         let mut asked = Vec::new();
-        grow_shape::<()>(shape, &logits(root), budget, &mut out, |path, l| {
-            asked.push(path.to_vec());
-            *l = logits(after);
-            Ok(())
-        })
-        .unwrap();
+        grower
+            .grow::<()>(&request, &logits(root), budget, &mut out, |path, l| {
+                asked.push(path.to_vec());
+                *l = logits(after);
+                Ok(())
+            })
+            .unwrap();
         (out, asked)
+    }
+
+    fn is_chain(draft: &Draft) -> bool {
+        draft.parents.iter().enumerate().all(|(i, &p)| match i {
+            0 => p == TREE_ROOT,
+            _ => p as usize == i - 1,
+        })
+    }
+
+    /// The drafts of `draft` on the path of `token`s the target accepts.
+    fn accepted_path(draft: &Draft, token: u32) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut parent = TREE_ROOT;
+        while let Some(node) = (0..draft.tokens.len())
+            .find(|&i| draft.parents[i] == parent && draft.tokens[i] == token)
+        {
+            path.push(node as u32);
+            parent = node as u32;
+        }
+        path
     }
 
     #[test]
     fn a_confident_drafter_grows_a_chain_and_an_unsure_one_branches() {
-        let plain = Shape::Branching(1.0);
-        // After any path: token 1 with 0.9 — a chain of 1s, its first node the argmax.
-        let (out, _) = grow(plain, [0.04, 0.9, 0.03, 0.03], [0.04, 0.9, 0.03, 0.03], 4);
+        let sure = [0.04, 0.9, 0.03, 0.03];
+        let (out, _) = grow(&mut TreeGrower::new(), 0.0, 1, (sure, sure), 4);
         assert_eq!(out.tokens.to_vec(), vec![1, 1, 1, 1]);
         assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, 0, 1, 2]);
 
         // Unsure at the root (0.5 / 0.48), surer after: both branches, then their chains.
-        let (out, asked) = grow(plain, [0.5, 0.48, 0.01, 0.01], [0.1, 0.05, 0.8, 0.05], 4);
+        let unsure = ([0.5, 0.48, 0.01, 0.01], [0.1, 0.05, 0.8, 0.05]);
+        let (out, asked) = grow(&mut TreeGrower::new(), 0.0, 1, unsure, 4);
         assert_eq!(out.tokens.to_vec(), vec![0, 1, 2, 2]);
         assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, TREE_ROOT, 0, 1]);
         assert_eq!(asked, vec![vec![0], vec![1], vec![0, 2]]);
-
-        // The chain shape never branches.
-        let (out, _) = grow(
-            Shape::Chain,
-            [0.5, 0.48, 0.01, 0.01],
-            [0.3, 0.3, 0.2, 0.2],
-            5,
-        );
-        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, 0, 1, 2, 3]);
     }
 
     #[test]
-    fn the_shape_whose_drafts_are_accepted_most_is_grown() {
+    fn what_the_target_accepts_calibrates_the_tree() {
+        let flat = [0.5, 0.45, 0.03, 0.02];
+        let (fresh, _) = grow(&mut TreeGrower::new(), 0.0, 1, (flat, flat), 6);
+        assert!(!is_chain(&fresh), "an unsure drafter branches: {fresh:?}");
+
+        // A target that always takes the drafter's first choice: chains of it.
         let mut grower = TreeGrower::new();
-        let flat = logits([0.5, 0.45, 0.03, 0.02]);
-        let mut shapes = Vec::new();
-        for _ in 0..60 {
-            let mut out = Draft::default();
-            grower
-                .grow::<()>(&greedy_request(), &flat, 6, &mut out, |_, l| {
-                    *l = flat.clone();
-                    Ok(())
-                })
-                .unwrap();
-            let chain = out.parents.iter().enumerate().all(|(i, &p)| match i {
-                0 => p == TREE_ROOT,
-                _ => p as usize == i - 1,
-            });
-            shapes.push(chain);
-            // The target accepts 4 drafts of a chain, 1 of a branching tree.
-            grower.learn(if chain { 4 } else { 1 });
+        for _ in 0..100 {
+            let (out, _) = grow(&mut grower, 0.0, 1, (flat, flat), 6);
+            grower.learn(&accepted_path(&out, 0));
         }
-        assert_eq!(grower.best_shape(), Shape::Chain);
-        // After the warm-up, chains but for the occasional other shape.
-        let late = &shapes[40..];
-        assert!(
-            late.iter().filter(|&&c| c).count() >= late.len() * 3 / 4,
-            "{shapes:?}"
-        );
-        assert!(late.iter().any(|&c| !c), "never measured again: {shapes:?}");
+        let (out, _) = grow(&mut grower, 0.0, 1, (flat, flat), 6);
+        assert!(is_chain(&out), "{out:?}");
+        assert_eq!(out.tokens.to_vec(), vec![0; 6]);
+
+        // One that always takes its second choice: chains of that.
+        let mut grower = TreeGrower::new();
+        for _ in 0..100 {
+            let (out, _) = grow(&mut grower, 0.0, 1, (flat, flat), 6);
+            grower.learn(&accepted_path(&out, 1));
+        }
+        let (out, _) = grow(&mut grower, 0.0, 1, (flat, flat), 6);
+        assert!(is_chain(&out), "{out:?}");
+        assert_eq!(out.tokens.to_vec(), vec![1; 6]);
+    }
+
+    #[test]
+    fn a_fit_learns_how_often_drafts_of_a_kind_are_accepted() {
+        let first = |p| Facts {
+            rank: 0,
+            depth: 1,
+            p,
+            eldest: p,
+            off_track: false,
+        };
+        let second = Facts {
+            rank: 1,
+            eldest: 0.3,
+            ..first(0.2)
+        };
+        let mut calibration = Calibration::new();
+        assert_eq!(calibration.chance(first(0.3)), 0.3);
+        // An underconfident drafter: its first choices at 0.3 are accepted 9 times in 10, its
+        // second ones at 0.2 once in 10.
+        for i in 0..800 {
+            calibration.record(first(0.3), i % 10 != 0);
+            calibration.record(second, i % 10 == 0);
+            calibration.refit();
+        }
+        let (a, b) = (calibration.chance(first(0.3)), calibration.chance(second));
+        assert!((a - 0.9).abs() < 0.03, "{a}");
+        assert!((b - 0.1).abs() < 0.03, "{b}");
+    }
+
+    #[test]
+    fn solve_solves_a_linear_system() {
+        let mut a: [[f64; FEATURES]; FEATURES] = std::array::from_fn(|i| {
+            std::array::from_fn(|j| match i == j {
+                true => 4.0,
+                false => 1.0 / (1 + i + j) as f64,
+            })
+        });
+        // Zero on the diagonal of the first row: needs pivoting.
+        a[0][0] = 0.0;
+        let x: [f64; FEATURES] = std::array::from_fn(|i| i as f64 - 2.5);
+        let b = a.map(|row| row.iter().zip(&x).map(|(a, x)| a * x).sum());
+        let solved = solve(a, b).expect("a regular system");
+        for (s, x) in solved.iter().zip(&x) {
+            assert!((s - x).abs() < 1e-9, "{solved:?}");
+        }
+        assert_eq!(solve([[0.0; FEATURES]; FEATURES], b), None);
+    }
+
+    #[test]
+    fn judged_drafts_are_those_the_target_reached() {
+        let two = ([0.5, 0.45, 0.03, 0.02], [0.25; 4]);
+        // Greedy: the target's choice settles every child of an accepted node.
+        let mut grower = TreeGrower::new();
+        let (out, _) = grow(&mut grower, 0.0, 1, two, 2);
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, TREE_ROOT]);
+        grower.learn(&[1]);
+        let judged = |c: &Calibration| -> Vec<(usize, bool)> {
+            c.window.iter().map(|(f, a)| (f.rank, *a)).collect()
+        };
+        assert_eq!(judged(&grower.greedy), vec![(0, false), (1, true)]);
+        // Learning twice from one judgement changes nothing.
+        grower.learn(&[1]);
+        assert_eq!(grower.greedy.window.len(), 2);
+
+        // Sampled: a sibling after an accepted one was never judged.
+        let mut grower = TreeGrower::new();
+        let (out, _) = grow(&mut grower, 1.0, 7, two, 2);
+        assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, TREE_ROOT]);
+        grower.learn(&[0]);
+        assert_eq!(judged(&grower.sampled), vec![(0, true)]);
+        assert!(grower.greedy.window.is_empty());
     }
 
     #[test]
     fn sampled_trees_report_the_distribution_of_each_node() {
-        let root = logits([0.4, 0.3, 0.2, 0.1]);
-        let after = logits([0.1, 0.2, 0.3, 0.4]);
-        for seed in 0..20 {
-            let mut out = Draft::default();
-            grow_sampled::<()>(
-                Shape::Branching(1.0),
-                &root,
-                5,
-                1.0,
-                seed,
-                &mut out,
-                |_, l| {
-                    *l = after.clone();
-                    Ok(())
-                },
-            )
-            .unwrap();
-            assert_eq!(out.tokens.len(), 5);
-            assert_eq!(out.probs.len(), 5 * 4);
-            let (t0, t1) = (out.tokens[0] as usize, out.tokens[1] as usize);
-            assert_eq!(out.parents[..2], [TREE_ROOT, TREE_ROOT]);
-            assert_ne!(t0, t1, "siblings are drawn without replacement");
-            // The second sibling's distribution is the first's without it.
-            let (q0, q1) = (&out.probs[..4], &out.probs[4..8]);
-            assert_eq!(q1[t0], 0.0);
-            let rest = 1.0 - q0[t0];
-            for i in (0..4).filter(|&i| i != t0) {
-                assert!((q1[i] - q0[i] / rest).abs() < 1e-6);
-            }
-            for (node, &token) in out.tokens.iter().enumerate() {
-                assert!(out.probs[node * 4 + token as usize] > 0.0);
-                assert_eq!(out.confidence[node], out.probs[node * 4 + token as usize]);
+        let shape = ([0.4, 0.3, 0.2, 0.1], [0.3, 0.3, 0.25, 0.15]);
+        let mut branched = false;
+        for seed in 0..40 {
+            let (out, _) = grow(&mut TreeGrower::new(), 1.0, seed, shape, 5);
+            assert_eq!(out.probs.len(), out.tokens.len() * 4);
+            for node in 0..out.tokens.len() {
+                let row = &out.probs[node * 4..node * 4 + 4];
+                let token = out.tokens[node] as usize;
+                assert!(row[token] > 0.0);
+                assert_eq!(out.confidence[node], row[token]);
+                // A later sibling's distribution is the first one's without the siblings
+                // drawn before it, renormalised.
+                let siblings: Vec<usize> = (0..node)
+                    .filter(|&s| out.parents[s] == out.parents[node])
+                    .collect();
+                let Some(&eldest) = siblings.first() else {
+                    continue;
+                };
+                branched = true;
+                let first = &out.probs[eldest * 4..eldest * 4 + 4];
+                let rest: f32 = (0..4)
+                    .filter(|&t| !siblings.iter().any(|&s| out.tokens[s] as usize == t))
+                    .map(|t| first[t])
+                    .sum();
+                for t in 0..4 {
+                    match siblings.iter().any(|&s| out.tokens[s] as usize == t) {
+                        true => assert_eq!(row[t], 0.0, "drawn without replacement"),
+                        false => assert!((row[t] - first[t] / rest).abs() < 1e-5),
+                    }
+                }
             }
         }
+        assert!(branched, "no sampled tree branched");
     }
 
     #[test]
     fn unlikely_paths_are_not_proposed() {
-        // 0.25 per step: paths of three score below the floor, so 3 + 9 nodes.
-        let (out, _) = grow(Shape::Branching(1.0), [0.25; 4], [0.25; 4], 60);
-        assert_eq!(out.tokens.len(), 12, "{:?}", out.tokens);
+        // 0.25 per step: paths of three score below the floor, so the tree is two deep.
+        let (out, _) = grow(&mut TreeGrower::new(), 0.0, 1, ([0.25; 4], [0.25; 4]), 60);
+        let (root, under) = (BRANCHING.min(4), BRANCHING.min(4).pow(2));
+        assert_eq!(out.tokens.len(), root + under, "{:?}", out.tokens);
         for node in 0..out.tokens.len() {
             assert!(path_tokens(&out, node).len() <= 2);
         }

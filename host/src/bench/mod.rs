@@ -55,6 +55,9 @@ pub struct BenchOptions {
     /// Sampling temperature of the drafter runs and their plain runs (0: greedy); sampled runs
     /// are seeded by their run index, so every build samples the same.
     pub temperature: f32,
+    /// Each drafter run (and the plain run it is compared with) starts from its own window of
+    /// the built-in text, [`PROMPT_STRIDE`] tokens after the last run's.
+    pub vary_prompts: bool,
     /// Bytes read by the bandwidth measurement.
     pub bandwidth_bytes: usize,
 }
@@ -74,6 +77,7 @@ impl Default for BenchOptions {
             oracle_k: 4,
             tree: false,
             temperature: 0.0,
+            vary_prompts: false,
             bandwidth_bytes: 1 << 30,
         }
     }
@@ -258,6 +262,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 /// Timed rounds of the verify-cost measurement at least (each evaluates every batch size once).
 const VERIFY_MIN_ROUNDS: usize = 9;
 
+/// Tokens between two runs' prompts with [`BenchOptions::vary_prompts`].
+pub const PROMPT_STRIDE: usize = 1009;
+
 pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchReport> {
     let runs = options.runs.max(1);
     let file = specula_gguf::GgufFile::open(&profile.target.model)?;
@@ -346,8 +353,20 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
 
     // Plain decoding.
     bar.set_message("plain decode");
-    let request = |speculation| Request {
-        prompt: prompt_text.clone(),
+    // Each drafter run's prompt: the first for all unless they vary.
+    let prompts: Vec<String> = match options.vary_prompts {
+        false => vec![prompt_text.clone()],
+        true => (0..runs)
+            .map(|run| {
+                let span = corpus_ids.len().saturating_sub(prompt_ids.len()).max(1);
+                let at = run * PROMPT_STRIDE % span;
+                let window = &corpus_ids[at..(at + prompt_ids.len()).min(corpus_ids.len())];
+                String::from_utf8_lossy(&pipeline.tokenizer.decode(window)).into_owned()
+            })
+            .collect(),
+    };
+    let request = |speculation, run: usize| Request {
+        prompt: prompts[run % prompts.len()].clone(),
         max_tokens: options.decode_tokens as u32,
         stop: Vec::new(),
         sampling: SamplingParams::greedy(),
@@ -358,7 +377,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let mut plain_rates = Vec::new();
     let mut plain_output: Option<Outcome> = None;
     for _ in 0..runs {
-        let outcome = generate(&mut pipeline, &request(None), |_| {})?;
+        let outcome = generate(&mut pipeline, &request(None, 0), |_| {})?;
         plain_rates.push(outcome.timings.decode_tokens_per_second());
         plain_output = Some(outcome);
         bar.inc(1);
@@ -428,10 +447,10 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         // Plain and speculative runs take turns, so that both see the same weights in
         // memory and the same moment of the machine.
         let (mut rates, mut plain_rates_here) = (Vec::new(), Vec::new());
-        let mut last = None;
+        let mut matches_plain = true;
         let mut stats = crate::spec::SpecStats::default();
         let sampled = |speculation, run: usize| {
-            let mut request = request(speculation);
+            let mut request = request(speculation, run);
             if options.temperature > 0.0 {
                 // The profile's sampling filters at the temperature asked for.
                 let s = &profile.sampling;
@@ -452,12 +471,11 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
             plain_rates_here.push(plain_here.timings.decode_tokens_per_second());
             bar.inc(1);
             let outcome = generate(&mut pipeline, &sampled(Some(settings), run), |_| {})?;
+            matches_plain &= outcome.tokens == plain_here.tokens;
             rates.push(outcome.timings.decode_tokens_per_second());
             stats.merge(&outcome.speculative);
-            last = Some(outcome);
             bar.inc(1);
         }
-        let outcome = last.context("no run")?;
         let (tps, plain_tps) = (median(rates), median(plain_rates_here));
         let speedup = tps / plain_tps;
         let s = &stats;
@@ -486,8 +504,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
             acceptance: s.acceptance_rate(),
             mean_accepted_length: s.mean_accepted_length(),
             passes_per_token: s.passes_per_token(),
-            output_matches_plain: (options.temperature <= 0.0)
-                .then(|| outcome.tokens == plain.tokens),
+            output_matches_plain: (options.temperature <= 0.0).then_some(matches_plain),
             verify_ratio,
             ideal_speedup: ideal,
             efficiency,

@@ -182,7 +182,7 @@ impl Drafter for ModelDrafter {
     ) -> PluginResult<()> {
         // The next `propose` cuts the cache back to what its context shares with it.
         self.fence.clone().guard("model", || {
-            self.grower.learn(accepted.len());
+            self.grower.learn(accepted.as_slice());
             Ok(())
         })
     }

@@ -310,7 +310,7 @@ impl Drafter for MtpDrafter {
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         self.fence.clone().guard("mtp", || {
-            self.grower.learn(accepted.len());
+            self.grower.learn(accepted.as_slice());
             let target = models.target_model()?;
             // The pass began at the certain token, right after the rows kept so far, and
             // evaluated it and the drafts; the target now ends after the certain token and
