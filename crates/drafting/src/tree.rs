@@ -54,9 +54,12 @@ struct Facts {
     rank: usize,
     /// 1 under the context.
     depth: usize,
-    /// Its probability under the distribution it was chosen from.
+    /// Its probability under the distribution it was chosen from (greedy); the largest
+    /// probability of that distribution (sampled: whether a sampled draft is proposed must
+    /// not depend on its own token, or it would no longer be a draw from the distribution
+    /// reported for it, and rejection sampling would lose its exactness).
     p: f32,
-    /// Its first sibling's probability (its own for the first).
+    /// Its first sibling's `p` (its own for the first).
     eldest: f32,
     /// Whether an ancestor is not its parent's first child: the drafter's own first choice
     /// was rejected on the way.
@@ -382,7 +385,7 @@ impl Growth<'_> {
             let node = out.tokens.len() as u32;
             out.tokens.push(best.token);
             out.parents.push(best.parent);
-            out.confidence.push(best.facts.p);
+            out.confidence.push(best.score);
             self.facts.push(best.facts);
             if self.temperature > 0.0 {
                 out.probs.extend_from_slice(&self.dists[best.dist]);
@@ -431,13 +434,13 @@ impl Growth<'_> {
             }
         } else {
             let token = draw(&self.probs, self.rng.gen());
-            let p = self.probs[token as usize];
+            let top = top_probability(&self.probs);
             self.dists.push(std::mem::take(&mut self.probs));
             let facts = Facts {
                 rank: 0,
                 depth,
-                p,
-                eldest: p,
+                p: top,
+                eldest: top,
                 off_track,
             };
             self.push(reach, parent, token, facts, self.dists.len() - 1);
@@ -458,15 +461,14 @@ impl Growth<'_> {
         q[added.token as usize] = 0.0;
         q.iter_mut().for_each(|x| *x /= rest);
         let token = draw(q, self.rng.gen());
-        let p = q[token as usize];
-        if p <= 0.0 {
+        if q[token as usize] <= 0.0 {
             // Rounding drew an excluded token: no further sibling.
             return;
         }
         let rejected = 1.0 - self.calibration.chance(added.facts);
         let facts = Facts {
             rank: added.facts.rank + 1,
-            p,
+            p: top_probability(q),
             ..added.facts
         };
         self.push(
@@ -488,6 +490,11 @@ impl Growth<'_> {
             dist,
         });
     }
+}
+
+/// The largest probability of a distribution.
+fn top_probability(q: &[f32]) -> f32 {
+    q.iter().copied().fold(0.0, f32::max)
 }
 
 /// The tokens from a root of `draft`'s tree down to `node`.
@@ -684,7 +691,12 @@ mod tests {
                 let row = &out.probs[node * 4..node * 4 + 4];
                 let token = out.tokens[node] as usize;
                 assert!(row[token] > 0.0);
-                assert_eq!(out.confidence[node], row[token]);
+                // Its confidence: the chance its path is accepted, never above its parent's.
+                let c = out.confidence[node];
+                assert!(c > 0.0 && c <= 1.0);
+                if let Some(&parent) = out.confidence.get(out.parents[node] as usize) {
+                    assert!(c <= parent);
+                }
                 // A later sibling's distribution is the first one's without the siblings
                 // drawn before it, renormalised.
                 let siblings: Vec<usize> = (0..node)
@@ -708,6 +720,73 @@ mod tests {
             }
         }
         assert!(branched, "no sampled tree branched");
+    }
+
+    /// Rejection sampling stays exact only if every sampled draft is a draw from the
+    /// distribution reported for it, whatever decided that it be proposed: so whether a
+    /// node joins the tree must not depend on its own token. Over many seeds, each node's
+    /// token given its place (parent and rank) follows its reported distribution.
+    #[test]
+    fn a_sampled_node_is_proposed_whatever_its_token() {
+        // After token 0 the drafter is sure, after the others unsure: a grower that looked at
+        // a draft's own probability would prefer some tokens to others.
+        let root = logits([0.45, 0.3, 0.15, 0.1]);
+        // Per place (the path above a node, its earlier siblings): tokens seen, and the
+        // distribution reported (which the place determines).
+        type Place = (Vec<u32>, Vec<u32>);
+        let mut tally: std::collections::HashMap<Place, ([u32; 4], Vec<f32>)> = Default::default();
+        for seed in 0..6000 {
+            let request = DraftRequest {
+                context: abi_stable::std_types::RSlice::from_slice(&[]),
+                max_tokens: 2,
+                temperature: 1.0,
+                seed,
+                tree: true,
+            };
+            let mut out = Draft::default();
+            TreeGrower::new()
+                .grow::<()>(&request, &root, 2, &mut out, |path, l| {
+                    *l = match path.last() {
+                        Some(0) => logits([0.85, 0.05, 0.05, 0.05]),
+                        _ => logits([0.3, 0.3, 0.2, 0.2]),
+                    };
+                    Ok(())
+                })
+                .unwrap();
+            for node in 0..out.tokens.len() {
+                let mut above = path_tokens(&out, node);
+                above.pop();
+                let earlier: Vec<u32> = (0..node)
+                    .filter(|&s| out.parents[s] == out.parents[node])
+                    .map(|s| out.tokens[s])
+                    .collect();
+                let (counts, q) = tally.entry((above, earlier)).or_default();
+                counts[out.tokens[node] as usize] += 1;
+                if q.is_empty() {
+                    q.extend_from_slice(&out.probs[node * 4..node * 4 + 4]);
+                }
+            }
+        }
+        let mut checked = 0;
+        for ((above, earlier), (counts, q)) in &tally {
+            let n: u32 = counts.iter().sum();
+            if n < 300 {
+                continue;
+            }
+            checked += 1;
+            for t in 0..4 {
+                let seen = counts[t] as f32 / n as f32;
+                let sd = (q[t] * (1.0 - q[t]) / n as f32).sqrt();
+                assert!(
+                    (seen - q[t]).abs() < 4.5 * sd + 1e-3,
+                    "under {above:?} after siblings {earlier:?}: token {t} seen {seen:.3}, \
+                     drawn with {:.3} ({n} draws)",
+                    q[t]
+                );
+            }
+        }
+        // The root's first draws, children of each likely first draw, and second siblings.
+        assert!(checked >= 5, "{checked} places checked");
     }
 
     #[test]
