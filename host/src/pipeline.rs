@@ -9,6 +9,7 @@ use specula_plugin_api::{BoxedDrafter, BoxedForwardPass, DrafterParams, ModelInf
 
 use crate::plugins::{backend_params, drafter_params, LoadedPlugin, PluginProvenance, SearchPath};
 use crate::profile::{options_as_text, DrafterSection, Profile};
+use crate::scheduler::budget::CostCurve;
 use crate::sequence::SeqModel;
 use specula_tokenizer::Tokenizer;
 
@@ -33,6 +34,9 @@ pub struct Pipeline {
     /// The tokens the target's sequence holds after the last generation (empty when unknown),
     /// so a continuing one can keep them ([`crate::spec::generate_continuing`]).
     pub cached: Vec<u32>,
+    /// The target's pass cost by row count, measured at open when the profile speculates
+    /// with trees of an adaptive size: each step's tree gets the nodes that pay for their rows.
+    pub cost_curve: Option<CostCurve>,
 }
 
 impl Pipeline {
@@ -47,17 +51,31 @@ impl Pipeline {
     /// Like [`open`](Self::open), but hands the drafter `corpus` as token ids instead of
     /// tokenizing `drafter.corpus` (benchmarks use it to give prompt lookup the exact output).
     pub fn open_with_corpus(profile: &Profile, corpus: Option<Vec<u32>>) -> anyhow::Result<Self> {
-        Self::from_parts(Parts::open(profile, 1, corpus)?)
+        Self::from_parts(Parts::open(profile, 1, corpus)?, profile)
     }
 
     /// Like [`open`](Self::open), with room for verify passes of `verify_tokens` rows even
     /// when the profile does not speculate (the bench measures the verify cost of a plain
     /// pipeline).
     pub fn open_with_verify_tokens(profile: &Profile, verify_tokens: u32) -> anyhow::Result<Self> {
-        Self::from_parts(Parts::open_sized(profile, 1, None, verify_tokens)?)
+        Self::from_parts(Parts::open_sized(profile, 1, None, verify_tokens)?, profile)
     }
 
-    fn from_parts(parts: Parts) -> anyhow::Result<Self> {
+    fn from_parts(mut parts: Parts, profile: &Profile) -> anyhow::Result<Self> {
+        let s = &profile.speculation;
+        let cost_curve = match parts.drafter.is_some() && s.tree && s.adaptive {
+            true => match CostCurve::measure(&mut parts.target).into_result() {
+                Ok(curve) => Some(curve),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "cannot measure the target's pass cost: trees keep speculation.draft_max nodes"
+                    );
+                    None
+                }
+            },
+            false => None,
+        };
         let target = SeqModel::new(parts.target)
             .into_result()
             .context("cannot create a sequence of the target model")?;
@@ -86,6 +104,7 @@ impl Pipeline {
             drafter,
             plugins: parts.plugins,
             cached: Vec::new(),
+            cost_curve,
         })
     }
 }

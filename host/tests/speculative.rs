@@ -799,3 +799,39 @@ fn drafts_that_fill_the_context_stop_where_plain_decoding_does() {
         }
     }
 }
+
+/// Adaptive trees take the nodes that pay for their rows on the target's cost curve: all the
+/// drafter offers when rows are nearly free, fewer when each row costs a quarter of a pass —
+/// and the output is plain decoding's either way.
+#[test]
+fn tree_nodes_follow_the_cost_of_rows() {
+    use specula_host::scheduler::budget::CostCurve;
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = open_story_pair(dir.path());
+    let adaptive_tree = SpecSettings {
+        draft_min: 0,
+        draft_max: 7,
+        adaptive: true,
+        tree: true,
+    };
+    let curves = [
+        CostCurve::from_points(vec![(1, 1.0), (64, 1.0001)]),
+        CostCurve::from_points(vec![(1, 1.0), (2, 1.25), (8, 2.75)]),
+    ];
+    let mut nodes = Vec::new();
+    for curve in curves {
+        p.cost_curve = Some(curve);
+        let mut stats = specula_host::spec::SpecStats::default();
+        for prompt in STORY_PROMPTS {
+            stats.merge(&assert_parity_with(&mut p, prompt, 96, &[], adaptive_tree).speculative);
+        }
+        assert!(stats.steps_with_drafts >= 4, "{stats:?}");
+        nodes.push(stats.drafted as f64 / stats.steps_with_drafts as f64);
+    }
+    eprintln!(
+        "nodes per tree: flat {:.2}, steep {:.2}",
+        nodes[0], nodes[1]
+    );
+    assert!(nodes[0] > 6.5, "{nodes:?}");
+    assert!(nodes[1] >= 1.0 && nodes[1] < 4.0, "{nodes:?}");
+}

@@ -130,7 +130,11 @@ pub struct Draft {
     /// The draft distribution each token was drawn from (`tokens.len() × vocab_size`,
     /// row-major), or empty when the drafter has none (the host then treats it as one-hot).
     pub probs: RVec<f32>,
-    /// Per-token confidence in `[0, 1]` where the drafter has one, else empty.
+    /// Per-token confidence in `[0, 1]` where the drafter has one, else empty. For a chain,
+    /// the token's draft probability (a greedy host drops the chain from the first one below
+    /// its floor); for a tree, the drafter's estimate that the target accepts the token and
+    /// every draft above it (the host sizes later trees by what such nodes are worth against
+    /// the rows they cost).
     pub confidence: RVec<f32>,
 }
 

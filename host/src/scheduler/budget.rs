@@ -2,8 +2,10 @@
 //! sequence's expected accepted drafts.
 //!
 //! A pass of `R` rows costs `cost(R)` seconds, measured once when the engine starts. A
-//! sequence whose drafts are accepted at rate `p` expects `p^j` more tokens from its `j`-th
-//! draft (all drafts before it must be accepted too). A step yields one certain token per
+//! sequence whose chain drafts are accepted at rate `p` expects `p^j` more tokens from its
+//! `j`-th draft (all drafts before it must be accepted too); a tree's `j`-th node adds the
+//! chance that its path is accepted, as its drafter estimated for the last trees. A step
+//! yields one certain token per
 //! decoding sequence plus the expected accepted drafts; the budget adds drafts, most valuable
 //! first, while each raises the step's expected tokens per second. So a sequence whose drafts
 //! are rarely accepted stops drafting, and with many sequences in the pass — rows dearer
@@ -143,29 +145,38 @@ impl CostCurve {
     }
 }
 
+/// What each successive draft of a chain adds to a step's expected tokens when drafts are
+/// accepted at rate `acceptance`: the `j`-th is emitted only if all before it are, `p^j`.
+pub fn chain_values(acceptance: f64, drafts: usize) -> Vec<f64> {
+    let p = acceptance.clamp(0.0, 1.0);
+    (1..=drafts).map(|j| p.powi(j as i32)).collect()
+}
+
 /// How many of its `wanted` drafts each decoding sequence verifies this step: at least its
-/// `floor` (drafts its settings fix), then more while they pay. `acceptance` is each
-/// sequence's smoothed acceptance rate; `fixed_rows` are the pass's rows that come regardless
-/// (one certain token per decoding sequence, the prefill chunks).
+/// `floor` (drafts its settings fix), then more while they pay. `values[s][j]` is what the
+/// `j + 1`-th draft of sequence `s` adds to the step's expected tokens ([`chain_values`] for
+/// a chain; a tree's drafter estimates each node's); a missing value counts as 0.
+/// `fixed_rows` are the pass's rows that come regardless (one certain token per decoding
+/// sequence, the prefill chunks).
 pub fn allocate_drafts(
     wanted: &[usize],
     floor: &[usize],
-    acceptance: &[f64],
+    values: &[Vec<f64>],
     fixed_rows: usize,
     curve: &CostCurve,
 ) -> Vec<usize> {
-    let p = |s: usize| acceptance[s].clamp(0.0, 1.0);
+    let value = |s: usize, j: usize| values[s].get(j).copied().unwrap_or(0.0).max(0.0);
     let mut drafts: Vec<usize> = floor.iter().zip(wanted).map(|(&f, &w)| f.min(w)).collect();
     // Expected tokens of the step: the certain ones, then the drafts granted so far.
     let mut expected = wanted.len() as f64
         + (0..wanted.len())
-            .map(|s| (1..=drafts[s]).map(|j| p(s).powi(j as i32)).sum::<f64>())
+            .map(|s| (0..drafts[s]).map(|j| value(s, j)).sum::<f64>())
             .sum::<f64>();
     let mut rows = fixed_rows.max(1) + drafts.iter().sum::<usize>();
     loop {
         let best = (0..wanted.len())
             .filter(|&s| drafts[s] < wanted[s])
-            .map(|s| (s, p(s).powi(drafts[s] as i32 + 1)))
+            .map(|s| (s, value(s, drafts[s])))
             .max_by(|a, b| a.1.total_cmp(&b.1));
         let Some((s, value)) = best else { break };
         let now = expected / curve.seconds(rows);
@@ -183,6 +194,13 @@ pub fn allocate_drafts(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chains(acceptance: &[f64], drafts: usize) -> Vec<Vec<f64>> {
+        acceptance
+            .iter()
+            .map(|&p| chain_values(p, drafts))
+            .collect()
+    }
 
     /// A CPU-like curve: 8 rows for 1.5× one row, then dearer.
     fn cpu() -> CostCurve {
@@ -208,21 +226,24 @@ mod tests {
 
     #[test]
     fn one_sequence_with_good_drafts_verifies_them_all() {
-        assert_eq!(allocate_drafts(&[4], &[0], &[0.8], 1, &cpu()), vec![4]);
+        assert_eq!(
+            allocate_drafts(&[4], &[0], &chains(&[0.8], 4), 1, &cpu()),
+            vec![4]
+        );
     }
 
     #[test]
     fn drafts_that_are_never_accepted_are_not_verified() {
         assert_eq!(
-            allocate_drafts(&[4, 4], &[0, 0], &[0.0, 0.9], 2, &cpu()),
+            allocate_drafts(&[4, 4], &[0, 0], &chains(&[0.0, 0.9], 4), 2, &cpu()),
             vec![0, 4]
         );
     }
 
     #[test]
     fn with_many_sequences_drafts_shrink() {
-        let alone = allocate_drafts(&[8], &[0], &[0.6], 1, &cpu())[0];
-        let crowded = allocate_drafts(&[8; 8], &[0; 8], &[0.6; 8], 8, &cpu());
+        let alone = allocate_drafts(&[8], &[0], &chains(&[0.6], 8), 1, &cpu())[0];
+        let crowded = allocate_drafts(&[8; 8], &[0; 8], &chains(&[0.6; 8], 8), 8, &cpu());
         assert!(alone >= 3, "{alone}");
         assert!(crowded.iter().all(|&k| k < alone), "{crowded:?} vs {alone}");
         // The best drafts go first: equal sequences get equal shares, within one.
@@ -234,11 +255,11 @@ mod tests {
     fn drafts_a_profile_fixes_are_verified_whatever_they_cost() {
         let steep = CostCurve::from_points(vec![(1, 1.0), (2, 2.0)]);
         assert_eq!(
-            allocate_drafts(&[4, 4], &[0, 0], &[0.5, 0.5], 2, &steep),
+            allocate_drafts(&[4, 4], &[0, 0], &chains(&[0.5, 0.5], 4), 2, &steep),
             vec![0, 0]
         );
         assert_eq!(
-            allocate_drafts(&[4, 4], &[4, 1], &[0.5, 0.5], 2, &steep),
+            allocate_drafts(&[4, 4], &[4, 1], &chains(&[0.5, 0.5], 4), 2, &steep),
             vec![4, 1]
         );
     }
@@ -247,8 +268,23 @@ mod tests {
     fn on_a_flat_curve_every_wanted_draft_is_verified() {
         let flat = CostCurve::from_points(vec![(1, 1.0), (64, 1.0001)]);
         assert_eq!(
-            allocate_drafts(&[3, 5, 0], &[0; 3], &[0.3, 0.5, 0.9], 3, &flat),
+            allocate_drafts(&[3, 5, 0], &[0; 3], &chains(&[0.3, 0.5, 0.9], 5), 3, &flat),
             vec![3, 5, 0]
+        );
+    }
+
+    #[test]
+    fn a_tree_gets_the_rows_its_nodes_are_worth() {
+        // A chain accepted at 0.5 and a tree whose nodes its drafter values higher than the
+        // chain's: the tree's later nodes still pay where the chain's do not.
+        let chain = chain_values(0.5, 7);
+        let tree = vec![0.8, 0.6, 0.5, 0.4, 0.35, 0.3, 0.25];
+        let granted = allocate_drafts(&[7, 7], &[0, 0], &[chain, tree], 2, &cpu());
+        assert!(granted[1] > granted[0], "{granted:?}");
+        // Values missing past the last tree's size count as nothing.
+        assert_eq!(
+            allocate_drafts(&[7], &[0], &[vec![0.9, 0.9]], 1, &cpu()),
+            vec![2]
         );
     }
 }

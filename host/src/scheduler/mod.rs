@@ -602,7 +602,7 @@ impl Loop {
         let mut decoding = Vec::new();
         let mut wanted = Vec::new();
         let mut floor = Vec::new();
-        let mut acceptance = Vec::new();
+        let mut values = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
             if r.failed.is_some() || r.generation.end_if_cancelled() {
                 continue;
@@ -619,7 +619,7 @@ impl Loop {
                     // updates the acceptance the budget reads.
                     let probe = usize::from(r.starved >= PROBE_AFTER_STARVED_STEPS).min(want);
                     floor.push(r.generation.draft_floor(want).max(probe));
-                    acceptance.push(r.generation.acceptance());
+                    values.push(r.generation.draft_values(want));
                 }
                 Ok(false) => {}
                 Err(e) => r.failed = Some(e),
@@ -648,7 +648,7 @@ impl Loop {
         let drafts = allocate_drafts(
             &wanted,
             &floor,
-            &acceptance,
+            &values,
             decoding.len() + prefill_rows,
             &self.curve,
         );

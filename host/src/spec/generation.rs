@@ -30,6 +30,9 @@ use super::stats::SpecStats;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
 use crate::sampling::Sampler;
 
+/// Weight of the newest tree in the smoothed value of each tree node.
+const TREE_VALUE_SMOOTHING: f64 = 0.2;
+
 /// What one generation decodes with during one call: its sequence of the target and, when
 /// it speculates, its drafter with the drafter's sequence of the draft model.
 pub struct Lane<'a> {
@@ -157,6 +160,9 @@ pub struct Generation<'t, F: FnMut(&str)> {
     row_parents: Vec<u32>,
     /// Whether this request asks its drafter for trees.
     tree: bool,
+    /// Per node of the recent trees, in the order drafted: the drafter's estimate that its
+    /// path is accepted, smoothed over trees ([`draft_values`](Self::draft_values)).
+    tree_values: Vec<f64>,
     /// The draft-length controller, when this request speculates.
     speculation: Option<DraftLength>,
     stats: SpecStats,
@@ -267,6 +273,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             rows: Vec::new(),
             row_parents: Vec::new(),
             tree,
+            tree_values: Vec::new(),
             speculation,
             stats: SpecStats::default(),
             out,
@@ -492,6 +499,29 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             .map_or(0.0, DraftLength::acceptance)
     }
 
+    /// Whether this request's drafter proposes trees (asked for, and verified by the target).
+    pub fn drafts_trees(&self) -> bool {
+        self.tree
+    }
+
+    /// What each of up to `wanted` drafts would add to this step's expected tokens (see
+    /// [`allocate_drafts`](crate::scheduler::budget::allocate_drafts)): a chain's `p^j` at the
+    /// smoothed acceptance rate; a tree's `j`-th node, the chance its drafter gave the `j`-th
+    /// node of recent trees (best first, so a growing budget adds the nodes valued next), the
+    /// chain's decay past the largest recent tree.
+    pub fn draft_values(&self, wanted: usize) -> Vec<f64> {
+        let p = self.acceptance();
+        let mut values = match self.tree {
+            true => self.tree_values.iter().copied().take(wanted).collect(),
+            false => Vec::new(),
+        };
+        while values.len() < wanted {
+            let next = values.last().map_or(p, |last| last * p);
+            values.push(next);
+        }
+        values
+    }
+
     /// Asks the drafter for up to `n` drafts continuing the history; they join
     /// [`rows`](Self::rows). With `n == 0` the step is plain.
     pub fn draft(&mut self, lane: &mut Lane<'_>, n: usize) -> anyhow::Result<()> {
@@ -522,6 +552,19 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             self.tree,
         );
         self.stats.draft_seconds += t.elapsed().as_secs_f64();
+        if !self.draft.parents.is_empty() && self.draft.confidence.len() >= self.draft.tokens.len()
+        {
+            for (i, &c) in self.draft.confidence[..self.draft.tokens.len()]
+                .iter()
+                .enumerate()
+            {
+                let c = f64::from(c).clamp(0.0, 1.0);
+                match self.tree_values.get_mut(i) {
+                    Some(v) => *v += TREE_VALUE_SMOOTHING * (c - *v),
+                    None => self.tree_values.push(c),
+                }
+            }
+        }
         self.rows.extend_from_slice(&self.draft.tokens);
         if !self.draft.parents.is_empty() {
             self.row_parents.push(TREE_ROOT);

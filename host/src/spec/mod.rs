@@ -32,6 +32,7 @@ pub use stats::SpecStats;
 
 use crate::pipeline::{DrafterSlot, Pipeline};
 use crate::request::{Outcome, Request};
+use crate::scheduler::budget::allocate_drafts;
 use crate::sequence::SeqModel;
 
 /// How much to speculate (from the profile's `[speculation]` section and CLI flags).
@@ -90,6 +91,7 @@ fn run(
         info,
         drafter,
         cached,
+        cost_curve,
         ..
     } = pipeline;
     let mut generation = Generation::new(
@@ -147,7 +149,13 @@ fn run(
     generation.prefilled(&mut lane(target, drafter), n, &logits)?;
 
     while generation.begin_step() {
-        let wanted = generation.wanted_drafts();
+        let mut wanted = generation.wanted_drafts();
+        if let Some(curve) = cost_curve.as_ref().filter(|_| generation.drafts_trees()) {
+            // A tree's nodes while they pay for their rows.
+            let floor = generation.draft_floor(wanted);
+            let values = generation.draft_values(wanted);
+            wanted = allocate_drafts(&[wanted], &[floor], &[values], 1, curve)[0];
+        }
         generation.draft(&mut lane(target, drafter), wanted)?;
         let t = std::time::Instant::now();
         match target
