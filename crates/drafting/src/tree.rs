@@ -33,11 +33,11 @@ pub const MIN_PATH_SCORE: f32 = 0.02;
 /// Depths a calibration tells apart: 1, 2, 3 and deeper.
 const DEPTHS: usize = 4;
 /// Judged drafts a calibration fits.
-const WINDOW: usize = 2048;
+const WINDOW: usize = 1024;
 /// Judged drafts between two fits.
-const REFIT_EVERY: usize = 8;
+const REFIT_EVERY: usize = 16;
 /// Newton steps per fit (each from the last fit's weights).
-const NEWTON_STEPS: usize = 2;
+const NEWTON_STEPS: usize = 1;
 /// How strongly a fit is pulled toward [`PRIOR`] (in judged drafts, roughly).
 const RIDGE: f64 = 4.0;
 /// The weights before any judgement: the chance is the draft probability itself.
