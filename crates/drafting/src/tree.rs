@@ -33,11 +33,11 @@ pub const MIN_PATH_SCORE: f32 = 0.02;
 /// Depths a calibration tells apart: 1, 2, 3 and deeper.
 const DEPTHS: usize = 4;
 /// Judged drafts a calibration fits.
-const WINDOW: usize = 1024;
+const WINDOW: usize = 2048;
 /// Judged drafts between two fits.
-const REFIT_EVERY: usize = 16;
+const REFIT_EVERY: usize = 8;
 /// Newton steps per fit (each from the last fit's weights).
-const NEWTON_STEPS: usize = 1;
+const NEWTON_STEPS: usize = 2;
 /// How strongly a fit is pulled toward [`PRIOR`] (in judged drafts, roughly).
 const RIDGE: f64 = 4.0;
 /// The weights before any judgement: the chance is the draft probability itself.
@@ -92,6 +92,13 @@ impl Facts {
     }
 }
 
+/// A draft the target judged, as a calibration fits it.
+#[derive(Debug, Clone)]
+struct Judged {
+    features: [f64; FEATURES],
+    accepted: bool,
+}
+
 /// How likely the target is to accept a draft it judges, by rank, depth and draft
 /// probability: a logistic regression over the last [`WINDOW`] judged drafts (refitted every
 /// [`REFIT_EVERY`]), pulled toward `p` itself — all it knows before any judgement.
@@ -99,7 +106,7 @@ impl Facts {
 struct Calibration {
     weights: [f32; FEATURES],
     /// The judged drafts the fit sees: (draft, accepted).
-    window: VecDeque<(Facts, bool)>,
+    window: VecDeque<Judged>,
     /// Drafts judged since the last fit.
     unfitted: usize,
 }
@@ -129,11 +136,14 @@ impl Calibration {
         Self::predict(&self.weights, facts)
     }
 
-    fn record(&mut self, cell: Facts, accepted: bool) {
+    fn record(&mut self, facts: Facts, accepted: bool) {
         if self.window.len() == WINDOW {
             self.window.pop_front();
         }
-        self.window.push_back((cell, accepted));
+        self.window.push_back(Judged {
+            features: facts.features().map(f64::from),
+            accepted,
+        });
         self.unfitted += 1;
     }
 
@@ -153,17 +163,25 @@ impl Calibration {
                 g[i] = RIDGE * (w[i] - f64::from(PRIOR[i]));
                 h[i][i] = RIDGE;
             }
-            for &(cell, accepted) in &self.window {
-                let x = cell.features().map(f64::from);
+            for judged in &self.window {
+                let x = &judged.features;
                 let z: f64 = x.iter().zip(&w).map(|(x, w)| x * w).sum();
                 let p = 1.0 / (1.0 + (-z).exp());
-                let err = p - f64::from(u8::from(accepted));
+                let err = p - f64::from(u8::from(judged.accepted));
                 let curve = p * (1.0 - p);
-                for i in 0..FEATURES {
+                // The Hessian's upper triangle (most features are 0 for any one draft).
+                for i in (0..FEATURES).filter(|&i| x[i] != 0.0) {
                     g[i] += err * x[i];
-                    for j in 0..FEATURES {
-                        h[i][j] += curve * x[i] * x[j];
+                    let cx = curve * x[i];
+                    for j in i..FEATURES {
+                        h[i][j] += cx * x[j];
                     }
+                }
+            }
+            let upper = h;
+            for (i, row) in h.iter_mut().enumerate() {
+                for (j, v) in row.iter_mut().enumerate().take(i) {
+                    *v = upper[j][i];
                 }
             }
             let Some(step) = solve(h, g) else { break };
@@ -664,7 +682,11 @@ mod tests {
         assert_eq!(out.parents.to_vec(), vec![TREE_ROOT, TREE_ROOT]);
         grower.learn(&[1]);
         let judged = |c: &Calibration| -> Vec<(usize, bool)> {
-            c.window.iter().map(|(f, a)| (f.rank, *a)).collect()
+            // The rank-1 feature tells the eldest sibling (0) from the next (1).
+            c.window
+                .iter()
+                .map(|j| (usize::from(j.features[3] == 1.0), j.accepted))
+                .collect()
         };
         assert_eq!(judged(&grower.greedy), vec![(0, false), (1, true)]);
         // Learning twice from one judgement changes nothing.
