@@ -801,8 +801,8 @@ fn drafts_that_fill_the_context_stop_where_plain_decoding_does() {
 }
 
 /// Adaptive trees take the nodes that pay for their rows on the target's cost curve: all the
-/// drafter offers when rows are nearly free, fewer when each row costs a quarter of a pass —
-/// and the output is plain decoding's either way.
+/// drafter offers when rows are nearly free, fewer when each row costs a quarter of a pass, a
+/// probing node now and then when no tree pays — and the output is plain decoding's each way.
 #[test]
 fn tree_nodes_follow_the_cost_of_rows() {
     use specula_host::scheduler::budget::CostCurve;
@@ -817,6 +817,8 @@ fn tree_nodes_follow_the_cost_of_rows() {
     let curves = [
         CostCurve::from_points(vec![(1, 1.0), (64, 1.0001)]),
         CostCurve::from_points(vec![(1, 1.0), (2, 1.25), (8, 2.75)]),
+        // Each row as dear as a pass: no tree pays, but one node now and then still probes.
+        CostCurve::from_points(vec![(1, 1.0), (2, 2.0)]),
     ];
     let mut nodes = Vec::new();
     for curve in curves {
@@ -827,11 +829,15 @@ fn tree_nodes_follow_the_cost_of_rows() {
         }
         assert!(stats.steps_with_drafts >= 4, "{stats:?}");
         nodes.push(stats.drafted as f64 / stats.steps_with_drafts as f64);
+        if nodes.len() == 3 {
+            assert!(stats.steps_with_drafts * 8 < stats.steps, "{stats:?}");
+        }
     }
     eprintln!(
-        "nodes per tree: flat {:.2}, steep {:.2}",
-        nodes[0], nodes[1]
+        "nodes per tree: flat {:.2}, steep {:.2}, prohibitive {:.2}",
+        nodes[0], nodes[1], nodes[2]
     );
     assert!(nodes[0] > 6.5, "{nodes:?}");
     assert!(nodes[1] >= 1.0 && nodes[1] < 4.0, "{nodes:?}");
+    assert_eq!(nodes[2], 1.0, "{nodes:?}");
 }

@@ -1,9 +1,12 @@
 //! Growing a draft tree best first: the node added next is always the candidate likeliest to
 //! be accepted — the chance that the target accepts every draft down to and including it — so
 //! a drafter that is usually right grows a chain and an unsure one branches where it is
-//! unsure, each node costing one row of the verify pass. The best `n` nodes of a tree form a
-//! tree themselves (a node is never likelier than its parent), so growing best first gives
-//! the tree of `n` nodes with the most drafts accepted on average (EAGLE-2's dynamic trees).
+//! unsure, each node costing one row of the verify pass. The best `n` nodes of a greedy tree
+//! form a tree themselves (a node is never likelier than its parent), so growing best first
+//! gives the tree of `n` nodes with the most drafts accepted on average (EAGLE-2's dynamic
+//! trees). A sampled tree's later sibling may be worth more than its elder (it is judged when
+//! the elder is rejected), but joins only after it: its tree is grown best first among the
+//! nodes that may join.
 //!
 //! A draft's chance of acceptance is not its draft probability: a small draft model's are too
 //! flat, a trained MTP head's top choice is right more often than its softmax says, and deep
@@ -105,7 +108,7 @@ struct Judged {
 #[derive(Debug, Clone)]
 struct Calibration {
     weights: [f32; FEATURES],
-    /// The judged drafts the fit sees: (draft, accepted).
+    /// The judged drafts the fit sees.
     window: VecDeque<Judged>,
     /// Drafts judged since the last fit.
     unfitted: usize,
@@ -120,8 +123,8 @@ impl Calibration {
         }
     }
 
-    fn predict(weights: &[f32; FEATURES], cell: Facts) -> f32 {
-        let z: f32 = cell
+    fn predict(weights: &[f32; FEATURES], facts: Facts) -> f32 {
+        let z: f32 = facts
             .features()
             .iter()
             .zip(weights)
@@ -137,13 +140,14 @@ impl Calibration {
     }
 
     fn record(&mut self, facts: Facts, accepted: bool) {
+        let features = facts.features().map(f64::from);
+        if !features.iter().all(|x| x.is_finite()) {
+            return;
+        }
         if self.window.len() == WINDOW {
             self.window.pop_front();
         }
-        self.window.push_back(Judged {
-            features: facts.features().map(f64::from),
-            accepted,
-        });
+        self.window.push_back(Judged { features, accepted });
         self.unfitted += 1;
     }
 
@@ -173,7 +177,7 @@ impl Calibration {
                 for i in (0..FEATURES).filter(|&i| x[i] != 0.0) {
                     g[i] += err * x[i];
                     let cx = curve * x[i];
-                    for j in i..FEATURES {
+                    for j in (i..FEATURES).filter(|&j| x[j] != 0.0) {
                         h[i][j] += cx * x[j];
                     }
                 }
@@ -289,9 +293,9 @@ impl TreeGrower {
         }
     }
 
-    /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, each
-    /// node's probability under the distribution it was chosen from as its confidence and,
-    /// when sampling, that distribution): the candidates under the context come from
+    /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, as
+    /// each node's confidence the calibrated chance that its path is accepted and, when
+    /// sampling, the distribution each node was drawn from): the candidates under the context come from
     /// `root_logits`; each node added gets its own from `next_logits(path, logits)`, which
     /// writes the draft logits after the node (`path`: the tokens from the first draft down
     /// to it).
@@ -331,10 +335,18 @@ impl TreeGrower {
         grown
     }
 
+    /// Drops the last tree grown without learning from it: its judgement will not come (a
+    /// new sequence begins).
+    pub fn forget(&mut self) {
+        self.last = None;
+    }
+
     /// Learns from the target's judgement of the last tree grown: `accepted`, the indices of
     /// its drafts the target accepted (a root-to-node path). A draft was judged when its
     /// parent was accepted — and, when sampling, none of its earlier siblings was (recursive
-    /// rejection stops at the first sibling accepted).
+    /// rejection stops at the first sibling accepted). Drafts the target accepted but a stop
+    /// condition cut off arrive as rejected (the host reports what it emitted): a small bias,
+    /// from a generation's last pass only.
     pub fn learn(&mut self, accepted: &[u32]) {
         let Some(grown) = self.last.take() else {
             return;
@@ -380,7 +392,7 @@ struct Growth<'a> {
     /// 0: greedy.
     temperature: f32,
     probs: Vec<f32>,
-    /// Per node added: its calibration cell.
+    /// Per node added: what the calibration learns from.
     facts: Vec<Facts>,
 }
 
@@ -499,8 +511,10 @@ impl Growth<'_> {
     }
 
     fn push(&mut self, reach: f32, parent: u32, token: u32, facts: Facts, dist: usize) {
+        // Logits with a NaN give no chance at all (rather than a NaN that sorts first).
+        let score = reach * self.calibration.chance(facts);
         self.heap.push(Candidate {
-            score: reach * self.calibration.chance(facts),
+            score: if score.is_finite() { score } else { 0.0 },
             reach,
             parent,
             token,
@@ -809,6 +823,38 @@ mod tests {
         }
         // The root's first draws, children of each likely first draw, and second siblings.
         assert!(checked >= 5, "{checked} places checked");
+    }
+
+    #[test]
+    fn nan_logits_neither_lead_the_tree_nor_poison_the_calibration() {
+        let mut grower = TreeGrower::new();
+        for _ in 0..20 {
+            let (out, _) = grow(
+                &mut grower,
+                0.0,
+                1,
+                ([0.5, 0.45, 0.03, 0.02], [f32::NAN; 4]),
+                6,
+            );
+            assert!(out.confidence.iter().all(|c| c.is_finite()), "{out:?}");
+            // The two sure roots first, never a NaN node before them.
+            assert_eq!(out.tokens[..2], [0, 1]);
+            grower.learn(&[0]);
+        }
+        let judged = &grower.greedy.window;
+        assert!(judged
+            .iter()
+            .all(|j| j.features.iter().all(|x| x.is_finite())));
+        assert!(grower.greedy.weights.iter().all(|w| w.is_finite()));
+    }
+
+    #[test]
+    fn a_forgotten_tree_is_not_learned_from() {
+        let mut grower = TreeGrower::new();
+        grow(&mut grower, 0.0, 1, ([0.5, 0.45, 0.03, 0.02], [0.25; 4]), 3);
+        grower.forget();
+        grower.learn(&[]);
+        assert!(grower.greedy.window.is_empty());
     }
 
     #[test]

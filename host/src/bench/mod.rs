@@ -397,6 +397,15 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let mut skipped = Vec::new();
     let mut runs_to_make = Vec::new();
     for name in &options.drafters {
+        if name == "oracle" && options.vary_prompts {
+            skipped.push((
+                name.clone(),
+                "the oracle drafts from the first prompt's plain output: run it without \
+                 --vary-prompts"
+                    .to_string(),
+            ));
+            continue;
+        }
         match drafter_setup(profile, name, &info, options) {
             // Chains and trees at the same rows per pass.
             Ok(Some((mut settings, section))) if options.tree && name != "oracle" => {

@@ -39,7 +39,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0.0, value_name = "T")]
     temp: f32,
     /// Start each drafter run from its own window of the built-in text (run i about i × 1,000
-    /// tokens in) instead of every run from its opening: acceptance measured over more text.
+    /// tokens in) instead of every run from its opening: acceptance measured over more text
+    /// (the oracle, which drafts from the first prompt's plain output, is then skipped).
     #[arg(long)]
     vary_prompts: bool,
     /// Worker threads (overrides the profile).

@@ -23,6 +23,10 @@ pub struct CostCurve {
     points: Vec<(usize, f64)>,
 }
 
+/// Steps a sequence may want drafts and get none before it is granted one anyway: the
+/// budget judges a sequence by what its drafts were worth, which only drafts can update.
+pub const PROBE_AFTER_STARVED_STEPS: u32 = 16;
+
 /// Row counts the engine measures at start.
 const MEASURED_ROWS: [usize; 6] = [1, 2, 4, 8, 12, 16];
 /// Tokens of context the measurement decodes after, over all its scratch sequences together

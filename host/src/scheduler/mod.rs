@@ -45,7 +45,7 @@ use specula_tokenizer::Tokenizer;
 use crate::pipeline::{DrafterKit, Parts};
 use crate::request::{Outcome, Request};
 use crate::spec::{Generation, Lane, LaneDrafter};
-use budget::{allocate_drafts, CostCurve};
+use budget::{allocate_drafts, CostCurve, PROBE_AFTER_STARVED_STEPS};
 use drafting::{Gather, Proxy, Which};
 
 /// Prompt tokens a pass takes while other sequences decode, by default.
@@ -255,10 +255,6 @@ struct Loop {
 
 /// Least time between two reports of the KV pool's usage.
 const KV_REPORT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
-
-/// Steps a sequence may want drafts and get none before it is granted one anyway: the
-/// budget judges a sequence by its measured acceptance, which only drafts can update.
-const PROBE_AFTER_STARVED_STEPS: u32 = 16;
 
 /// The text of a panic payload.
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -29,6 +29,7 @@ use super::adaptive::{self, DraftLength};
 use super::stats::SpecStats;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
 use crate::sampling::Sampler;
+use crate::scheduler::budget::chain_values;
 
 /// Weight of the newest tree in the smoothed value of each tree node.
 const TREE_VALUE_SMOOTHING: f64 = 0.2;
@@ -511,10 +512,10 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
     /// chain's decay past the largest recent tree.
     pub fn draft_values(&self, wanted: usize) -> Vec<f64> {
         let p = self.acceptance();
-        let mut values = match self.tree {
-            true => self.tree_values.iter().copied().take(wanted).collect(),
-            false => Vec::new(),
-        };
+        if !self.tree {
+            return chain_values(p, wanted);
+        }
+        let mut values: Vec<f64> = self.tree_values.iter().copied().take(wanted).collect();
         while values.len() < wanted {
             let next = values.last().map_or(p, |last| last * p);
             values.push(next);
@@ -552,13 +553,17 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             self.tree,
         );
         self.stats.draft_seconds += t.elapsed().as_secs_f64();
-        if !self.draft.parents.is_empty() && self.draft.confidence.len() >= self.draft.tokens.len()
-        {
-            for (i, &c) in self.draft.confidence[..self.draft.tokens.len()]
-                .iter()
-                .enumerate()
-            {
-                let c = f64::from(c).clamp(0.0, 1.0);
+        let tokens = self.draft.tokens.len();
+        if self.tree && !self.draft.parents.is_empty() && self.draft.confidence.len() >= tokens {
+            // Nodes asked for but not offered (the drafter saw no path worth one) are worth
+            // nothing; nodes past those asked for were not valued this time: forgotten (the
+            // values beyond are extrapolated again).
+            self.tree_values.truncate(n);
+            for i in 0..n {
+                let c = match self.draft.confidence[..tokens].get(i) {
+                    Some(&c) if c.is_finite() => f64::from(c).clamp(0.0, 1.0),
+                    _ => 0.0,
+                };
                 match self.tree_values.get_mut(i) {
                     Some(v) => *v += TREE_VALUE_SMOOTHING * (c - *v),
                     None => self.tree_values.push(c),

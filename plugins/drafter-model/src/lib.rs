@@ -148,6 +148,8 @@ impl Drafter for ModelDrafter {
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         self.fence.clone().guard("model", || {
+            // A tree grown for an earlier sequence is never judged now.
+            self.grower.forget();
             let model = models.draft_model()?;
             // Fill the cache now with all but the last token (`propose` evaluates that one),
             // keeping what the draft model already holds of it (a conversation's earlier

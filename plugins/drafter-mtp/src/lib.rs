@@ -248,6 +248,8 @@ impl Drafter for MtpDrafter {
         mut models: DrafterModels<'_>,
     ) -> PluginResult<()> {
         self.fence.clone().guard("mtp", || {
+            // A tree grown for an earlier sequence is never judged now.
+            self.grower.forget();
             let target = models.target_model()?;
             let reused = reused as usize;
             let same_sequence = self.sequence.replace(target.seq) == Some(target.seq);

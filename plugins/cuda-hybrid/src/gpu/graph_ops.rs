@@ -189,15 +189,18 @@ impl LayerOps for GpuOps<'_> {
         };
         let m = &*self.m;
         let (eps, offset) = (m.dims.rms_eps, slot.rope_offset);
-        // Each sequence's rows rotate by their own positions (consecutive ones together, a
-        // tree's rows one by one).
+        // Each sequence's rows rotate by their own positions, a launch per run of consecutive
+        // positions (a chain's rows together; a tree's split where a row does not continue
+        // the row before it).
         for (first, span) in rows.with_offsets() {
-            let runs: Vec<(usize, usize, usize)> = match span.tree {
-                None => vec![(first, span.n, span.pos0)],
-                Some(_) => (0..span.n)
-                    .map(|i| (first + i, 1, span.position(i)))
-                    .collect(),
-            };
+            let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+            for i in 0..span.n {
+                let position = span.position(i);
+                match runs.last_mut() {
+                    Some((_, n, pos0)) if *pos0 + *n == position => *n += 1,
+                    _ => runs.push((first + i, 1, position)),
+                }
+            }
             for (row, n, position) in runs {
                 for (input, output, n_heads, norm) in [
                     (q_in, q_out, a.n_head, &q_norm),
