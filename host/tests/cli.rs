@@ -812,6 +812,15 @@ fn prompt_from_stdin_drops_the_final_line_end() {
     );
 }
 
+/// `specula bench --json` with `args` on a plain profile of the shared `model` (written in
+/// `dir`, which is also the home): the report.
+fn bench_report(dir: &std::path::Path, model: &str, args: &[&str]) -> serde_json::Value {
+    let profile = write_profile(dir, "bench.toml", &shared(model), "");
+    let mut all = vec!["bench", "--profile", profile.to_str().unwrap(), "--json"];
+    all.extend_from_slice(args);
+    json_of(&specula_ok(&all, dir))
+}
+
 /// `specula bench --concurrency` end to end, on a dense and a hybrid model: a decode figure
 /// per sequence count (one sequence the unit), a pass cost per row count up to 16 (one row
 /// the unit, the rows spread over the sequences), the repeated-prompt prefill, and the plot.
@@ -822,13 +831,11 @@ fn bench_concurrency_reports_every_figure_as_json() {
         "models/stories260K.gguf",
         "models/trained/stories-qwen35-mtp-q8_0.gguf",
     ] {
-        let profile = write_profile(dir.path(), "p.toml", &shared(model), "");
         let plot = dir.path().join("concurrency.svg");
-        let out = specula_ok(
+        let report = bench_report(
+            dir.path(),
+            model,
             &[
-                "bench",
-                "--profile",
-                profile.to_str().unwrap(),
                 "--concurrency",
                 "1,3,2",
                 "--runs",
@@ -837,13 +844,10 @@ fn bench_concurrency_reports_every_figure_as_json() {
                 "8",
                 "--prompt-tokens",
                 "8",
-                "--json",
                 "--plot",
                 plot.to_str().unwrap(),
             ],
-            dir.path(),
         );
-        let report = json_of(&out);
         let decode = report["decode"].as_array().expect("decode figures");
         let counts: Vec<u64> = decode
             .iter()
@@ -880,17 +884,10 @@ fn bench_concurrency_reports_every_figure_as_json() {
 #[test]
 fn bench_compares_chains_and_trees_over_varied_prompts() {
     let dir = tempfile::tempdir().unwrap();
-    let profile = write_profile(
+    let report = bench_report(
         dir.path(),
-        "mtp.toml",
-        &shared("models/trained/stories-qwen35-mtp-q8_0.gguf"),
-        "",
-    );
-    let out = specula_ok(
+        "models/trained/stories-qwen35-mtp-q8_0.gguf",
         &[
-            "bench",
-            "--profile",
-            profile.to_str().unwrap(),
             "--runs",
             "3",
             "-n",
@@ -901,11 +898,8 @@ fn bench_compares_chains_and_trees_over_varied_prompts() {
             "mtp,lookup",
             "--tree",
             "--vary-prompts",
-            "--json",
         ],
-        dir.path(),
     );
-    let report = json_of(&out);
     let drafters = report["drafters"].as_array().expect("drafter runs");
     let names: Vec<&str> = drafters
         .iter()
@@ -933,17 +927,11 @@ fn bench_compares_chains_and_trees_over_varied_prompts() {
 #[test]
 fn bench_reports_every_figure_as_json() {
     let dir = tempfile::tempdir().unwrap();
-    let profile = write_profile(
+    let plot = dir.path().join("bench.svg");
+    let report = bench_report(
         dir.path(),
-        "stories.toml",
-        &shared("models/stories260K.gguf"),
-        "",
-    );
-    let out = specula_ok(
+        "models/stories260K.gguf",
         &[
-            "bench",
-            "--profile",
-            profile.to_str().unwrap(),
             "--runs",
             "1",
             "-n",
@@ -952,13 +940,10 @@ fn bench_reports_every_figure_as_json() {
             "16",
             "--drafters",
             "oracle,mtp",
-            "--json",
             "--plot",
-            dir.path().join("bench.svg").to_str().unwrap(),
+            plot.to_str().unwrap(),
         ],
-        dir.path(),
     );
-    let report = json_of(&out);
     // mtp cannot run on stories260K: skipped, saying why.
     let skipped = report["skipped"].to_string();
     assert!(
