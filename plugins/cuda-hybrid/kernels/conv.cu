@@ -7,8 +7,9 @@
 // and writes the next one to plane (start_plane + t + 1) % n_planes, exactly as the CPU ring
 // does. Since a token's state is only the last kernel - 1 inputs, every token is computed from
 // the start plane and the launch's own inputs, so all tokens run in parallel; the host keeps
-// rows <= n_planes - 1 so no token writes the start plane. With write_plane >= 0 (one token:
-// a tree's row, whose state follows its parent's in the start plane) the token writes there.
+// rows <= n_planes - 1 so no token writes the start plane. With write_plane >= 0 (a run of a
+// tree's rows, each the child of the one before, the first continuing its parent's state in
+// the start plane) token t writes plane (write_plane + t) % n_planes.
 //
 // out[t][c] = silu(sum_i window_i * taps[c][i]), window = the kernel - 1 state rows then the
 // current input mixed[t][c], summed oldest first (the CPU order). taps are `ssm_conv1d`,
@@ -27,7 +28,8 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ mixed, const float
     }
     const int history = kernel - 1;
     const float* state = planes + (u64)start_plane * plane_len + layer_offset;
-    const int written = write_plane >= 0 ? write_plane : (start_plane + t + 1) % n_planes;
+    const int first = write_plane >= 0 ? write_plane : start_plane + 1;
+    const int written = (first + t) % n_planes;
     float* next = planes + (u64)written * plane_len + layer_offset;
     const float* w = taps + (u64)c * kernel;
     float acc = 0.0f;

@@ -34,9 +34,11 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ x, int channels, in
 //   row j:  M_j <- decay * M_j;  d_j = (v_j - M_j . k) * beta;  M_j <- M_j + d_j * k;
 //           o_j = M_j . q;
 //   out[t][h*S + j] = rms_norm(o)_j * norm_w[j] * silu(z[t][h*S + j])  (squares in f64).
-// The state is read from plane (start_plane + t) % n_planes and written to the next plane (to
-// write_plane when it is >= 0: one token, a tree's row, reading its parent's state);
-// row j is only ever touched by thread j, so no synchronisation is needed for the state.
+// Token t writes its state to plane (first + t) % n_planes, first = write_plane when it is
+// >= 0 (a run of a tree's rows, each the child of the one before, the first reading its
+// parent's state) else start_plane + 1; it reads the start plane (t = 0) or the plane the
+// token before wrote. Row j is only ever touched by thread j, so no synchronisation is needed
+// for the state.
 // b and a: `grouped` 0 (qwen35): beta_raw[t * n_v_heads + h], alpha_raw[t * n_v_heads + h];
 // `grouped` 1 (qwen3next ssm_ba, both pointers the same buffer of 2 * n_v_heads per row): per
 // key head, n_v/n_k betas then n_v/n_k alphas.
@@ -86,8 +88,9 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
         const float decay = expf(g);
         __syncthreads();
 
-        const int read = (start_plane + t) % n_planes;
-        const int write = write_plane >= 0 ? write_plane : (read + 1) % n_planes;
+        const int first = write_plane >= 0 ? write_plane : (start_plane + 1) % n_planes;
+        const int read = t == 0 ? start_plane : (first + t - 1) % n_planes;
+        const int write = (first + t) % n_planes;
         const float* m_in = planes + (u64)read * plane_len + layer_offset + conv_len +
                             (u64)h * S * S + (u64)j * S;
         float* m_out = planes + (u64)write * plane_len + layer_offset + conv_len +

@@ -383,8 +383,9 @@ impl LayerOps for GpuOps<'_> {
             let ring_slot = state.slot(local);
             // At most depth tokens per launch, so no token overwrites the plane the launch
             // starts from (the convolution reads it for every token).
-            // A tree's rows one at a time, each from its parent's state (the plane of step
-            // parent + 1, or the live one for a root) into its own (step row + 1).
+            // A tree's rows a run at a time — rows each the child of the row before — the
+            // run's first from its parent's state (the plane of step parent + 1, or the live one
+            // for a root), each into its own plane (step row + 1).
             let depth = state.index.depth();
             let mut step = 0;
             while step < span.n {
@@ -401,7 +402,10 @@ impl LayerOps for GpuOps<'_> {
                             p => p as usize + 1,
                         };
                         let (start, write) = state.index.tree_planes(read, row);
-                        (1, start, Some(write))
+                        let run = (1..depth.min(span.n - step))
+                            .take_while(|&k| tree.parents[row + k] as usize == row + k - 1)
+                            .count();
+                        (1 + run, start, Some(write))
                     }
                 };
                 ops::gdn_conv(

@@ -519,7 +519,8 @@ pub struct RingSlot {
 }
 
 /// The causal convolution of `rows` tokens (`rows < n_planes`) whose first token reads ring
-/// plane `start_plane` (one token writing `write_plane` when given: a tree's row).
+/// plane `start_plane`; token `t` writes plane `write_plane + t` when given (a run of a tree's
+/// rows), else `start_plane + t + 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_conv(
     gpu: &Gpu,
@@ -533,7 +534,7 @@ pub fn gdn_conv(
     channels: usize,
     out: u64,
 ) -> Result<(), PluginError> {
-    if rows >= ring.n_planes || (write_plane.is_some() && rows != 1) {
+    if rows >= ring.n_planes {
         return Err(internal(format!(
             "cuda-hybrid: {rows} convolution steps in one launch, but the ring has {} planes",
             ring.n_planes
@@ -612,7 +613,8 @@ pub struct GdnDims {
 }
 
 /// The recurrence and gated output norm of `rows` tokens, the first reading plane
-/// `start_plane` (one token writing `write_plane` when given: a tree's row); writes
+/// `start_plane`, each the next the state the token before wrote (token `t` writes plane
+/// `write_plane + t` when given: a run of a tree's rows; else `start_plane + t + 1`); writes
 /// `rows × n_v_heads × head_dim` values to `out`.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_recurrence(
@@ -625,10 +627,11 @@ pub fn gdn_recurrence(
     rows: usize,
     out: u64,
 ) -> Result<(), PluginError> {
-    if write_plane.is_some() && rows != 1 {
-        return Err(internal(
-            "cuda-hybrid: a recurrence launch writing a chosen plane runs one token".into(),
-        ));
+    if rows >= ring.n_planes {
+        return Err(internal(format!(
+            "cuda-hybrid: {rows} recurrence steps in one launch, but the ring has {} planes",
+            ring.n_planes
+        )));
     }
     if dims.head_dim > 1024 {
         return Err(internal(format!(
@@ -668,8 +671,8 @@ pub fn gdn_recurrence(
     )
 }
 
-/// A kernel's `write_plane` argument: the plane a one-token launch writes (a tree's row), or
-/// -1 for the plane after the one each token reads.
+/// A kernel's `write_plane` argument: the plane a launch's first token writes (a run of a
+/// tree's rows), or -1 for the plane after the start plane.
 fn plane_arg(plane: Option<usize>) -> Arg {
     plane.map_or(Arg::I32(-1), int)
 }
