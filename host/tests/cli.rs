@@ -879,8 +879,8 @@ fn bench_concurrency_reports_every_figure_as_json() {
 }
 
 /// `specula bench --tree --vary-prompts`: each drafter runs as chains and as trees at the
-/// same rows per pass, each run from its own prompt, and greedy outputs equal plain decoding
-/// run by run.
+/// same rows per pass, then as trees sized by the cost curve, each run from its own prompt,
+/// and greedy outputs equal plain decoding run by run.
 #[test]
 fn bench_compares_chains_and_trees_over_varied_prompts() {
     let dir = tempfile::tempdir().unwrap();
@@ -905,17 +905,23 @@ fn bench_compares_chains_and_trees_over_varied_prompts() {
         .iter()
         .map(|d| d["drafter"].as_str().unwrap())
         .collect();
-    assert_eq!(
-        names,
-        ["mtp", "mtp tree", "lookup", "lookup tree"],
-        "{report}"
-    );
+    // The profile adapts its drafts: trees sized by the cost curve too.
+    let expected = [
+        "mtp",
+        "mtp tree",
+        "mtp tree adaptive",
+        "lookup",
+        "lookup tree",
+        "lookup tree adaptive",
+    ];
+    assert_eq!(names, expected, "{report}");
     let trees: Vec<bool> = drafters.iter().map(|d| d["tree"] == true).collect();
-    assert_eq!(trees, [false, true, false, true], "{report}");
+    assert_eq!(trees, [false, true, true, false, true, true], "{report}");
     for run in drafters {
         assert_eq!(run["output_matches_plain"], true, "{run}");
     }
-    // The trained head's drafts are accepted, as chains and as trees.
+    // The trained head's drafts are accepted, as chains and as trees (at fixed rows; the
+    // adaptive run may pause speculation where it does not pay in time).
     for mtp in &drafters[..2] {
         assert!(mtp["mean_accepted_length"].as_f64().unwrap() > 1.0, "{mtp}");
     }

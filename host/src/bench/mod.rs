@@ -50,7 +50,9 @@ pub struct BenchOptions {
     /// Batch size of the oracle run (drafts = k − 1).
     pub oracle_k: u32,
     /// Runs each drafter (but the oracle) twice at the same fixed rows per pass
-    /// (`draft_max` + 1): drafting chains, then trees.
+    /// (`draft_max` + 1): drafting chains, then trees; and where the profile adapts its drafts
+    /// (`adaptive = true`) a third time, with trees of the nodes that pay on the target's
+    /// measured cost curve.
     pub tree: bool,
     /// Sampling temperature of the drafter runs and their plain runs (0: greedy); sampled runs
     /// are seeded by their run index, so every build samples the same.
@@ -95,7 +97,8 @@ pub struct VerifyCost {
 /// One drafter's end-to-end result.
 #[derive(Debug, Clone, Serialize)]
 pub struct DrafterRun {
-    /// The drafter, with ` tree` after it for its tree runs.
+    /// The drafter, with ` tree` after it for its tree runs (` tree adaptive` for trees sized
+    /// by the cost curve).
     pub drafter: String,
     /// Drafts proposed as trees (`--tree`).
     pub tree: bool,
@@ -299,8 +302,11 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
 
     let rounds = runs.max(VERIFY_MIN_ROUNDS);
     let oracles = options.drafters.iter().filter(|d| *d == "oracle").count();
+    // With trees: chains and trees at fixed rows, and trees sized as the profile's adaptive
+    // settings size them.
+    let variants = 2 + usize::from(profile.speculation.adaptive);
     let drafter_runs = match options.tree {
-        true => 2 * options.drafters.len() - oracles,
+        true => variants * (options.drafters.len() - oracles) + oracles,
         false => options.drafters.len(),
     };
     let total = 2 + runs + rounds + runs + 2 * runs * drafter_runs + rounds * oracles;
@@ -407,13 +413,28 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
             continue;
         }
         match drafter_setup(profile, name, &info, options) {
-            // Chains and trees at the same rows per pass.
-            Ok(Some((mut settings, section))) if options.tree && name != "oracle" => {
-                settings.draft_min = settings.draft_max;
-                settings.adaptive = false;
-                runs_to_make.push((name.clone(), Ok(Some((settings, section.clone())))));
-                settings.tree = true;
-                runs_to_make.push((format!("{name} tree"), Ok(Some((settings, section)))));
+            // Chains and trees at the same rows per pass; then, where the profile adapts its
+            // drafts, trees with the nodes that pay on the target's cost curve.
+            Ok(Some((own, section))) if options.tree && name != "oracle" => {
+                let fixed = SpecSettings {
+                    draft_min: own.draft_max,
+                    adaptive: false,
+                    ..own
+                };
+                runs_to_make.push((name.clone(), Ok(Some((fixed, section.clone())))));
+                let tree = SpecSettings {
+                    tree: true,
+                    ..fixed
+                };
+                runs_to_make.push((format!("{name} tree"), Ok(Some((tree, section.clone())))));
+                if own.adaptive {
+                    let adaptive = SpecSettings { tree: true, ..own };
+                    let run = (
+                        format!("{name} tree adaptive"),
+                        Ok(Some((adaptive, section))),
+                    );
+                    runs_to_make.push(run);
+                }
             }
             setup => runs_to_make.push((name.clone(), setup)),
         }
@@ -701,8 +722,16 @@ pub fn render(report: &BenchReport) -> String {
     }
     out += "\n\n";
     out += "speedups are against plain decoding in each drafter's own pipeline (same weights in memory, runs taking turns)\n";
+    // The drafter column as wide as its longest name ("lookup tree adaptive").
+    let w = report
+        .drafters
+        .iter()
+        .map(|d| d.drafter.len())
+        .max()
+        .unwrap_or(0)
+        .max(10);
     out += &format!(
-        "{:<10} {:>10} {:>10} {:>8} {:>10} {:>10} {:>12} {:>8}\n",
+        "{:<w$} {:>10} {:>10} {:>8} {:>10} {:>10} {:>12} {:>8}\n",
         "drafter",
         "decode t/s",
         "plain t/s",
@@ -714,7 +743,7 @@ pub fn render(report: &BenchReport) -> String {
     );
     for d in &report.drafters {
         out += &format!(
-            "{:<10} {:>10.2} {:>10.2} {:>7.2}x {:>9.1}% {:>10.2} {:>12.3} {:>8}\n",
+            "{:<w$} {:>10.2} {:>10.2} {:>7.2}x {:>9.1}% {:>10.2} {:>12.3} {:>8}\n",
             d.drafter,
             d.decode_tokens_per_second,
             d.plain_decode_tokens_per_second,
@@ -732,7 +761,7 @@ pub fn render(report: &BenchReport) -> String {
             (d.verify_ratio, d.ideal_speedup, d.efficiency)
         {
             out += &format!(
-                "{:<10} ideal speedup k/ratio(k) = {ideal:.2}x (ratio {ratio:.2} in this pipeline), reached {:.1}% of it\n",
+                "{:<w$} ideal speedup k/ratio(k) = {ideal:.2}x (ratio {ratio:.2} in this pipeline), reached {:.1}% of it\n",
                 "",
                 100.0 * eff
             );

@@ -31,7 +31,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4)]
     oracle_k: u32,
     /// Run each drafter (but the oracle) twice at the profile's `draft_max` + 1 rows per
-    /// pass: drafting chains, then trees (tree speculation).
+    /// pass: drafting chains, then trees (tree speculation); with `adaptive = true` in the
+    /// profile, a third time with trees sized by the target's cost curve.
     #[arg(long)]
     tree: bool,
     /// Sample the drafter runs (and the plain runs they are compared with) at this
