@@ -37,7 +37,8 @@ pub const MIN_PATH_SCORE: f32 = 0.02;
 const DEPTHS: usize = 4;
 /// Judged drafts a calibration fits.
 const WINDOW: usize = 2048;
-/// Judged drafts between two fits.
+/// Judged drafts between two fits, at least; later, a sixteenth of the window (a fit costs in
+/// proportion to the window, and a full window moves little with a few more drafts).
 const REFIT_EVERY: usize = 8;
 /// Newton steps per fit (each from the last fit's weights).
 const NEWTON_STEPS: usize = 2;
@@ -154,7 +155,7 @@ impl Calibration {
     /// Refits the weights if enough drafts were judged since the last fit: Newton steps on the
     /// window's log-likelihood with a ridge toward [`PRIOR`].
     fn refit(&mut self) {
-        if self.unfitted < REFIT_EVERY {
+        if self.unfitted < REFIT_EVERY.max(self.window.len() / 16) {
             return;
         }
         self.unfitted = 0;
