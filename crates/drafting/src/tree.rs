@@ -25,8 +25,8 @@ use specula_plugin_api::{Draft, DraftRequest, TREE_ROOT};
 
 use crate::{draw, softmax};
 
-/// Most children a node offers: a greedy tree's its drafter's likeliest next tokens, a
-/// sampled tree's siblings drawn without replacement.
+/// Most children a node offers: in a greedy tree its drafter's likeliest next tokens, in a
+/// sampled tree siblings drawn without replacement.
 pub const BRANCHING: usize = 4;
 
 /// Paths less likely than this to be accepted are not proposed (but for a tree's first node:
@@ -105,7 +105,8 @@ struct Judged {
 
 /// How likely the target is to accept a draft it judges, by rank, depth and draft
 /// probability: a logistic regression over the last [`WINDOW`] judged drafts (refitted every
-/// [`REFIT_EVERY`]), pulled toward `p` itself — all it knows before any judgement.
+/// [`REFIT_EVERY`] judged drafts or more), pulled toward `p` itself — all it knows before any
+/// judgement.
 #[derive(Debug, Clone)]
 struct Calibration {
     weights: [f32; FEATURES],
