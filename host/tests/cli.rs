@@ -1152,3 +1152,50 @@ fn tokenize_and_detokenize_round_trip() {
         stderr(&out)
     );
 }
+
+/// With `SPECULA_KEEP_PLUGIN_COPIES` set, the private copies of the loaded plugins stay in the
+/// temporary directory (for a profiler to read their symbols); without it, none is left.
+#[test]
+fn plugin_copies_stay_only_when_asked() {
+    for keep in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut command = std::process::Command::new(specula_bin());
+        command
+            .args(["plugins"])
+            .env("SPECULA_HOME", tmp.path())
+            .env("SPECULA_PLUGIN_PATH", plugin_dir())
+            .env("TMPDIR", tmp.path())
+            .env_remove("SPECULA_KEEP_PLUGIN_COPIES");
+        if keep {
+            command.env("SPECULA_KEEP_PLUGIN_COPIES", "1");
+        }
+        let out = command.output().expect("run specula plugins");
+        assert!(out.status.success(), "{}", stderr(&out));
+        let copies: Vec<_> = walk(tmp.path())
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "so"))
+            .collect();
+        match keep {
+            true => assert!(
+                copies
+                    .iter()
+                    .any(|p| p.to_string_lossy().contains("cpu_simd")),
+                "{copies:?}"
+            ),
+            false => assert!(copies.is_empty(), "{copies:?}"),
+        }
+    }
+}
+
+/// Every file below `dir`.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        match path.is_dir() {
+            true => files.extend(walk(&path)),
+            false => files.push(path),
+        }
+    }
+    files
+}

@@ -33,6 +33,11 @@ pub use image::FileIdentity;
 /// Environment variable with extra plugin directories (`:`-separated, `;` on Windows).
 pub const PLUGIN_PATH_ENV: &str = "SPECULA_PLUGIN_PATH";
 
+/// Environment variable that, set (to anything), keeps the private copy of each loaded
+/// plugin library in `$TMPDIR/specula-plugins-<pid>/` instead of deleting it once loaded, so
+/// that `perf` and other profilers can name the plugins' functions.
+pub const KEEP_COPIES_VAR: &str = "SPECULA_KEEP_PLUGIN_COPIES";
+
 /// Why a plugin could not be found, loaded or used.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum PluginError {
@@ -427,7 +432,11 @@ pub fn load_library(path: &Path) -> Result<LoadedPlugin, PluginError> {
         ))
     })?;
     let loaded = load_uncached(path, &copy, identity);
-    image::discard(&copy);
+    // A profiler reads a library's symbols from its file: keeping the copy lets it name the
+    // plugin's functions (the copies then stay in the temporary directory).
+    if std::env::var_os(KEEP_COPIES_VAR).is_none() {
+        image::discard(&copy);
+    }
     let plugin = loaded?;
     cache.insert(key, plugin);
     Ok(plugin)
