@@ -483,15 +483,10 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
             let mut request = request(speculation, run);
             if options.temperature > 0.0 {
                 // The profile's sampling filters at the temperature asked for.
-                let s = &profile.sampling;
                 request.sampling = SamplingParams {
                     temperature: options.temperature,
-                    top_k: s.top_k,
-                    top_p: s.top_p,
-                    min_p: s.min_p,
-                    repeat_penalty: s.repeat_penalty,
-                    repeat_last_n: s.repeat_last_n,
                     seed: Some(run as u64),
+                    ..SamplingParams::from(&profile.sampling)
                 };
             }
             request

@@ -45,7 +45,7 @@ use specula_tokenizer::Tokenizer;
 use crate::pipeline::{DrafterKit, Parts};
 use crate::request::{Outcome, Request};
 use crate::spec::{Generation, Lane, LaneDrafter};
-use budget::{allocate_drafts, CostCurve, PROBE_AFTER_STARVED_STEPS};
+use budget::{allocate_drafts, CostCurve};
 use drafting::{Gather, Proxy, Which};
 
 /// Prompt tokens a pass takes while other sequences decode, by default.
@@ -224,8 +224,6 @@ struct Running<'t> {
     lane: usize,
     /// Set when the request failed; it leaves at the end of the step.
     failed: Option<JobError>,
-    /// Steps in a row it wanted drafts and the budget granted none.
-    starved: u32,
 }
 
 /// What a sequence contributes to this step's pass.
@@ -509,7 +507,6 @@ impl Loop {
             seq,
             lane,
             failed: None,
-            starved: 0,
         })
     }
 
@@ -611,10 +608,7 @@ impl Loop {
                     decoding.push(i);
                     let want = r.generation.wanted_drafts();
                     wanted.push(want);
-                    // A sequence starved of drafts for a while gets a probe: its verdict
-                    // updates the acceptance the budget reads.
-                    let probe = usize::from(r.starved >= PROBE_AFTER_STARVED_STEPS).min(want);
-                    floor.push(r.generation.draft_floor(want).max(probe));
+                    floor.push(r.generation.draft_floor(want));
                     values.push(r.generation.draft_values(want));
                 }
                 Ok(false) => {}
@@ -649,8 +643,7 @@ impl Loop {
             &self.curve,
         );
         for ((&i, &n), &want) in decoding.iter().zip(&drafts).zip(&wanted) {
-            let r = &mut running[i];
-            r.starved = if want > 0 && n == 0 { r.starved + 1 } else { 0 };
+            running[i].generation.granted(want, n);
         }
         let plan: Vec<(usize, usize)> = decoding
             .iter()

@@ -29,7 +29,7 @@ use super::adaptive::{self, DraftLength};
 use super::stats::SpecStats;
 use crate::request::{Outcome, Request, StopMatcher, StopReason, Timings};
 use crate::sampling::Sampler;
-use crate::scheduler::budget::chain_values;
+use crate::scheduler::budget::{chain_values, PROBE_AFTER_STARVED_STEPS};
 
 /// Weight of the newest tree in the smoothed value of each tree node.
 const TREE_VALUE_SMOOTHING: f64 = 0.2;
@@ -164,6 +164,8 @@ pub struct Generation<'t, F: FnMut(&str)> {
     /// Per node of the recent trees, in the order drafted: the drafter's estimate that its
     /// path is accepted, smoothed over trees ([`draft_values`](Self::draft_values)).
     tree_values: Vec<f64>,
+    /// Steps in a row that wanted drafts and a budget granted none.
+    starved: u32,
     /// The draft-length controller, when this request speculates.
     speculation: Option<DraftLength>,
     stats: SpecStats,
@@ -275,6 +277,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             row_parents: Vec::new(),
             tree,
             tree_values: Vec::new(),
+            starved: 0,
             speculation,
             stats: SpecStats::default(),
             out,
@@ -484,12 +487,26 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         n
     }
 
-    /// How many of `wanted` drafts this step verifies whatever they cost (see
-    /// [`DraftLength::floor`]).
+    /// How many of `wanted` drafts this step verifies whatever they cost: the drafts its
+    /// settings fix ([`DraftLength::floor`]), and one probe after
+    /// [`PROBE_AFTER_STARVED_STEPS`] steps in a row that a budget granted none (its verdict
+    /// updates what the budget reads: only drafts can).
     pub fn draft_floor(&self, wanted: usize) -> usize {
-        self.speculation
+        let fixed = self
+            .speculation
             .as_ref()
-            .map_or(0, |l| l.floor(wanted as u32) as usize)
+            .map_or(0, |l| l.floor(wanted as u32) as usize);
+        let probe = usize::from(self.starved >= PROBE_AFTER_STARVED_STEPS).min(wanted);
+        fixed.max(probe)
+    }
+
+    /// Records what a budget granted of the `wanted` drafts ([`draft_floor`](Self::draft_floor)
+    /// counts the steps in a row it granted none).
+    pub fn granted(&mut self, wanted: usize, granted: usize) {
+        self.starved = match wanted > 0 && granted == 0 {
+            true => self.starved + 1,
+            false => 0,
+        };
     }
 
     /// The smoothed fraction of this request's drafts the target accepts (a prior of 0.5

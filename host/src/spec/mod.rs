@@ -32,7 +32,7 @@ pub use stats::SpecStats;
 
 use crate::pipeline::{DrafterSlot, Pipeline};
 use crate::request::{Outcome, Request};
-use crate::scheduler::budget::{allocate_drafts, PROBE_AFTER_STARVED_STEPS};
+use crate::scheduler::budget::allocate_drafts;
 use crate::sequence::SeqModel;
 
 /// How much to speculate (from the profile's `[speculation]` section and CLI flags).
@@ -148,21 +148,14 @@ fn run(
         .context("prompt evaluation failed")?;
     generation.prefilled(&mut lane(target, drafter), n, &logits)?;
 
-    // Steps whose tree the cost curve refused in a row (a probe follows, as in the daemon).
-    let mut starved = 0;
     while generation.begin_step() {
         let mut wanted = generation.wanted_drafts();
         if let Some(curve) = cost_curve.as_ref().filter(|_| generation.drafts_trees()) {
             // A tree's nodes while they pay for their rows.
-            let probe = usize::from(starved >= PROBE_AFTER_STARVED_STEPS).min(wanted);
-            let floor = generation.draft_floor(wanted).max(probe);
+            let floor = generation.draft_floor(wanted);
             let values = generation.draft_values(wanted);
             let granted = allocate_drafts(&[wanted], &[floor], &[values], 1, curve)[0];
-            starved = if wanted > 0 && granted == 0 {
-                starved + 1
-            } else {
-                0
-            };
+            generation.granted(wanted, granted);
             wanted = granted;
         }
         generation.draft(&mut lane(target, drafter), wanted)?;

@@ -8,9 +8,9 @@
 //! where the draft model is unsure). Sampled requests get drafts sampled from the draft
 //! model's softmax at the request's temperature (a chain, or a tree with sampled siblings),
 //! with each draft's distribution handed over so the host's rejection sampling stays exact.
-//! Trees take the shape that got the most drafts accepted so far
-//! ([`specula_drafting::TreeGrower`]). Each draft's probability under the draft model is
-//! reported as its confidence.
+//! A tree's nodes are chosen by their chance of acceptance, calibrated on what the target
+//! accepted ([`specula_drafting::TreeGrower`]), and reported as their confidence; a chain
+//! draft's confidence is its probability under the draft model.
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
 use specula_drafting::{DraftPicker, TreeGrower};

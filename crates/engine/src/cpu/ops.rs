@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use specula_gguf::GgufFile;
 use specula_kernels::activations::{self, Gate};
 use specula_kernels::{matmul, matmul_many_one, ops, MatmulScratch, RopeAngles};
-use specula_plugin_api::{PluginError, TREE_ROOT};
+use specula_plugin_api::PluginError;
 
 use super::attention::{
     attend_segments, prepare_query_key, AttentionScratch, Segment, SegmentTree,
@@ -395,10 +395,7 @@ impl LayerOps for CpuOps<'_> {
             // A tree row reads the state its parent wrote: step `parent + 1`, 0 for a root.
             let reads: Option<Vec<usize>> = span.tree.map(|tree| {
                 (0..span.n)
-                    .map(|i| match tree.parents[span.ring_step0 + i] {
-                        TREE_ROOT => 0,
-                        p => p as usize + 1,
-                    })
+                    .map(|i| tree.read_step(span.ring_step0 + i))
                     .collect()
             });
             let SeqCaches {

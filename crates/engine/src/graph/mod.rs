@@ -362,6 +362,15 @@ impl Tree<'_> {
         path.reverse();
         path
     }
+
+    /// The recurrent state row `row` starts from, as a step after the live state: its
+    /// parent's (step `parent + 1`), or the live one (0) for a root.
+    pub fn read_step(&self, row: usize) -> usize {
+        match self.parents[row] {
+            TREE_ROOT => 0,
+            parent => parent as usize + 1,
+        }
+    }
 }
 
 impl Span<'_> {

@@ -16,7 +16,7 @@ use specula_engine::graph::{
 use specula_engine::kv_cache::BLOCK_TOKENS;
 use specula_engine::model::weights::{MatrixRef, Vector};
 use specula_gguf::GgufFile;
-use specula_plugin_api::{PluginError, TREE_ROOT};
+use specula_plugin_api::PluginError;
 
 use super::model::GpuModel;
 use super::ops::{self, AttentionDims, Gate, GdnDims, Heads, KvLayer};
@@ -59,13 +59,62 @@ fn shifted(heads: Heads, rows: usize) -> Heads {
 }
 
 /// One pass's view of a [`GpuModel`]: its buffers, caches and weights.
+/// Where a span's tree rows' paths lie in the device scratch: the first int, ints per row,
+/// and the cache position of the span's step 0.
+#[derive(Debug, Clone, Copy)]
+struct PathsAt {
+    at: usize,
+    stride: usize,
+    base: usize,
+}
+
 pub struct GpuOps<'a> {
     m: &'a mut GpuModel,
+    /// Per span of the pass, where its tree rows' paths lie in the device scratch (`None`
+    /// for a chain): written by the first attention layer, read by every one (the rows are the
+    /// same for all layers of a pass).
+    tree_paths: Option<Vec<Option<PathsAt>>>,
 }
 
 impl<'a> GpuOps<'a> {
     pub fn new(m: &'a mut GpuModel) -> Self {
-        Self { m }
+        Self {
+            m,
+            tree_paths: None,
+        }
+    }
+
+    /// The paths of every tree's rows in the device scratch (each row: the path's length,
+    /// then its nodes' cache positions), one span after another, written on the first call
+    /// of a pass.
+    fn tree_paths(&mut self, rows: &Rows) -> Result<Vec<Option<PathsAt>>, PluginError> {
+        if let Some(trees) = &self.tree_paths {
+            return Ok(trees.clone());
+        }
+        let mut map: Vec<i32> = Vec::new();
+        let mut trees = Vec::with_capacity(rows.spans.len());
+        for span in rows.spans {
+            trees.push(span.tree.map(|tree| {
+                let base = span.pos0 - span.ring_step0;
+                let stride = span.ring_step0 + span.n + 1;
+                let at = map.len();
+                map.resize(at + span.n * stride, 0);
+                for (i, row) in map[at..].chunks_exact_mut(stride).enumerate() {
+                    let path = tree.path(span.ring_step0 + i);
+                    row[0] = path.len() as i32;
+                    for (k, &node) in path.iter().enumerate() {
+                        row[1 + k] = (base + node) as i32;
+                    }
+                }
+                PathsAt { at, stride, base }
+            }));
+        }
+        if !map.is_empty() {
+            let m = &mut *self.m;
+            m.gpu.write(&map, &mut m.scratch.extras.tree_paths, 0)?;
+        }
+        self.tree_paths = Some(trees.clone());
+        Ok(trees)
     }
 
     /// Address of buffer `act`'s column `first` in row 0.
@@ -278,38 +327,15 @@ impl LayerOps for GpuOps<'_> {
         });
         let out = self.ptr(dst);
         let ow = dims.n_head * dims.value_dim;
-        // The paths of every tree's rows (each row: the path's length, then its nodes' cache
-        // positions), one span after another, written to the device scratch once.
-        let mut map: Vec<i32> = Vec::new();
-        let mut trees = Vec::with_capacity(rows.spans.len());
-        for span in rows.spans {
-            trees.push(span.tree.map(|tree| {
-                let base = span.pos0 - span.ring_step0;
-                let stride = span.ring_step0 + span.n + 1;
-                let at = map.len();
-                map.resize(at + span.n * stride, 0);
-                for (i, row) in map[at..].chunks_exact_mut(stride).enumerate() {
-                    let path = tree.path(span.ring_step0 + i);
-                    row[0] = path.len() as i32;
-                    for (k, &node) in path.iter().enumerate() {
-                        row[1 + k] = (base + node) as i32;
-                    }
-                }
-                (at, stride, base)
-            }));
-        }
-        if !map.is_empty() {
-            let m = &mut *self.m;
-            m.gpu.write(&map, &mut m.scratch.extras.tree_paths, 0)?;
-        }
+        let trees = self.tree_paths(rows)?;
         let m = &*self.m;
         for ((first, span), tree) in rows.with_offsets().zip(trees) {
             let (layer, _) = cache_layer(m, span.seq, slot)?;
             let s = &m.scratch;
-            let tree = tree.map(|(at, stride, base)| ops::TreePaths {
-                map: s.extras.tree_paths.ptr() + 4 * at as u64,
-                stride,
-                base,
+            let tree = tree.map(|p| ops::TreePaths {
+                map: s.extras.tree_paths.ptr() + 4 * p.at as u64,
+                stride: p.stride,
+                base: p.base,
             });
             ops::attention(
                 &m.gpu,
@@ -397,11 +423,7 @@ impl LayerOps for GpuOps<'_> {
                     }
                     Some(tree) => {
                         let row = span.ring_step0 + step;
-                        let read = match tree.parents[row] {
-                            TREE_ROOT => 0,
-                            p => p as usize + 1,
-                        };
-                        let (start, write) = state.index.tree_planes(read, row);
+                        let (start, write) = state.index.tree_planes(tree.read_step(row), row);
                         let run = (1..depth.min(span.n - step))
                             .take_while(|&k| tree.parents[row + k] as usize == row + k - 1)
                             .count();
