@@ -293,6 +293,22 @@ impl<'a> CachedHeads<'a> {
         matches!(self.data, Stored::Q8(_))
     }
 
+    /// Head `h` of the `n` positions from block `b`'s first, as stored, where the kernels read
+    /// them as stored (f32 and f16); `None` for a Q8_0 cache. (A caller hands the next block to
+    /// the kernels' prefetching: [`CachedRows::followed_by`].)
+    pub fn stored_head_block(&self, h: usize, b: usize, n: usize) -> Option<CachedRows<'a>> {
+        assert!(
+            n <= self.block_tokens && b * self.block_tokens + n <= self.count,
+            "kv cache: {n} positions of block {b} beyond the {} held",
+            self.count
+        );
+        let first = self.blocks[b] as usize * self.block_stride + h * self.head_offset;
+        match self.data {
+            Stored::Float(data) => Some(data.rows(first, self.row_stride, self.width, n)),
+            Stored::Q8(_) => None,
+        }
+    }
+
     /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's): the
     /// stored rows, or for a Q8_0 cache the rows dequantised into `scratch` (at least `n`
     /// rows of [`values`](Self::values) each; the same f32 values whatever else is read).
@@ -306,28 +322,24 @@ impl<'a> CachedHeads<'a> {
     where
         'a: 's,
     {
-        assert!(
-            n <= self.block_tokens && b * self.block_tokens + n <= self.count,
-            "kv cache: {n} positions of block {b} beyond the {} held",
-            self.count
-        );
+        if let Some(rows) = self.stored_head_block(h, b, n) {
+            return rows;
+        }
+        let Stored::Q8(bytes) = self.data else {
+            unreachable!("f32 and f16 rows are read as stored")
+        };
         let first = self.blocks[b] as usize * self.block_stride + h * self.head_offset;
-        match self.data {
-            Stored::Float(data) => data.rows(first, self.row_stride, self.width, n),
-            Stored::Q8(bytes) => {
-                let rows = &mut scratch[..n * self.values];
-                if self.row_stride == self.width {
-                    // A block's rows of one head are contiguous: one call for all of them.
-                    q8_0::dequantize_row(&bytes[first..first + n * self.width], rows);
-                } else {
-                    for (i, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
-                        let at = first + i * self.row_stride;
-                        q8_0::dequantize_row(&bytes[at..at + self.width], row);
-                    }
-                }
-                Cached::F32(rows).rows(0, self.values, self.values, n)
+        let rows = &mut scratch[..n * self.values];
+        if self.row_stride == self.width {
+            // A block's rows of one head are contiguous: one call for all of them.
+            q8_0::dequantize_row(&bytes[first..first + n * self.width], rows);
+        } else {
+            for (i, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
+                let at = first + i * self.row_stride;
+                q8_0::dequantize_row(&bytes[at..at + self.width], row);
             }
         }
+        Cached::F32(rows).rows(0, self.values, self.values, n)
     }
 }
 

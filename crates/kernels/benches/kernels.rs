@@ -1,4 +1,4 @@
-//! Mat-vec throughput of every weight type, next to the machine's memory bandwidth.
+//! Mat-vec and attention throughput, next to the machine's memory bandwidth.
 //!
 //! - `stream/read/t{1,2}`: a STREAM-style read of a 256 MiB buffer (integer sum) with 1 and 2
 //!   threads — the bandwidth a memory-bound kernel can reach.
@@ -10,6 +10,8 @@
 //!   of the matrix in turn, K chosen so they exceed 96 MiB: weights come from DRAM, as they do
 //!   in a real model whose weights are gigabytes. `{type}-interleaved`: the same matrices
 //!   repacked into interleaved 16-row groups (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), as the engine multiplies them.
+//! - `attention/{hot,cold}/{2,16}q`: one key/value head's attention over 4,096 f16 positions in
+//!   paged blocks of 64 (see [`attention`]).
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an
@@ -181,9 +183,104 @@ fn config() -> Criterion {
         .sample_size(20)
 }
 
+/// Cached positions of one key/value head in the attention benchmarks, in blocks of
+/// [`ATTENTION_BLOCK`] (a paged KV cache's) of head size [`ATTENTION_DIM`].
+const ATTENTION_KEYS: usize = 4096;
+const ATTENTION_BLOCK: usize = 64;
+const ATTENTION_DIM: usize = 128;
+
+/// `attention/{hot,cold}/{n}q`: one key/value head's scores and weighted sums over 4,096 f16
+/// positions in blocks of 64, as a paged cache feeds them (block by block, the sums carried
+/// on), for `n` queries (2: a decode step of a model with two query heads per key/value head;
+/// 16: an 8-row verify pass); one thread. `hot`: the head's 2 MiB again and again (from
+/// cache: the kernels' arithmetic); `cold`: a different head of a 256 MiB cache each time (from
+/// DRAM, as a long context's decode step reads it). Throughput in bytes of keys and values.
+fn attention(c: &mut Criterion) {
+    use specula_kernels::attention::{scores, weighted_sums, weighted_sums_onto, Cached};
+    let block_values = ATTENTION_BLOCK * ATTENTION_DIM;
+    let head_values = ATTENTION_KEYS * ATTENTION_DIM;
+    let mut rng = StdRng::seed_from_u64(11);
+    let cold_heads = (256 << 20) / (4 * head_values);
+    let cache: Vec<u16> = (0..cold_heads * 2 * head_values)
+        .map(|_| specula_kernels::f16::from_f32(rng.gen_range(-1.0f32..1.0)))
+        .collect();
+    let blocks = ATTENTION_KEYS / ATTENTION_BLOCK;
+    // Blocks of a head scattered over the cache, as a pool hands them out.
+    let mut order: Vec<usize> = (0..cold_heads * blocks).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.gen_range(0..=i));
+    }
+    let mut group = c.benchmark_group("attention");
+    group.throughput(Throughput::Bytes((4 * head_values) as u64));
+    for n in [2usize, 16] {
+        let queries: Vec<f32> = (0..n * ATTENTION_DIM)
+            .map(|_| rng.gen_range(-0.1f32..0.1))
+            .collect();
+        let q = simd::Rows::new(&queries, ATTENTION_DIM, ATTENTION_DIM, n);
+        let limits_all: Vec<usize> = (0..n).map(|i| ATTENTION_KEYS - n + 1 + i).collect();
+        let mut sc = vec![0.0f32; n * ATTENTION_KEYS];
+        let mut out = vec![0.0f32; n * ATTENTION_DIM];
+        let mut here = vec![0usize; n];
+        for temp in ["hot", "cold"] {
+            let mut head = 0;
+            group.bench_function(BenchmarkId::new(temp, format!("{n}q")), |b| {
+                b.iter(|| {
+                    head = if temp == "hot" {
+                        0
+                    } else {
+                        (head + 1) % cold_heads
+                    };
+                    let block_at = |kv: usize, b: usize| {
+                        let slot = order[head * blocks + b];
+                        let first = (2 * slot + kv) * block_values;
+                        Cached::F16(&cache[..]).rows(
+                            first,
+                            ATTENTION_DIM,
+                            ATTENTION_DIM,
+                            ATTENTION_BLOCK,
+                        )
+                    };
+                    for b in 0..blocks {
+                        let first = b * ATTENTION_BLOCK;
+                        for (h, &l) in here.iter_mut().zip(&limits_all) {
+                            *h = l.saturating_sub(first).min(ATTENTION_BLOCK);
+                        }
+                        // The last key block is followed by the first value block.
+                        let next = if b + 1 < blocks {
+                            block_at(0, b + 1)
+                        } else {
+                            block_at(1, 0)
+                        };
+                        let keys = block_at(0, b).followed_by(next);
+                        scores(q, keys, &here, &mut sc[first..], ATTENTION_KEYS);
+                    }
+                    for b in 0..blocks {
+                        let first = b * ATTENTION_BLOCK;
+                        for (h, &l) in here.iter_mut().zip(&limits_all) {
+                            *h = l.saturating_sub(first).min(ATTENTION_BLOCK);
+                        }
+                        let p = simd::Rows::new(&sc[first..], ATTENTION_KEYS, ATTENTION_BLOCK, n);
+                        let mut values = block_at(1, b);
+                        if b + 1 < blocks {
+                            values = values.followed_by(block_at(1, b + 1));
+                        }
+                        if b == 0 {
+                            weighted_sums(p, values, &here, &mut out);
+                        } else {
+                            weighted_sums_onto(p, values, &here, &mut out);
+                        }
+                    }
+                    black_box(&out);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = stream, matvec, matvec_cold
+    targets = stream, matvec, matvec_cold, attention
 }
 criterion_main!(benches);

@@ -294,9 +294,21 @@ fn attend_wave(
             }
             (first_key, count)
         };
+        // What the kernels prefetch while they read a block: the next block of keys, and after
+        // the last one the first block of values (stored caches only).
+        let block_len = |b: usize| bt.min(n_keys - b * bt);
+        let stored = |values: bool, b: usize| {
+            let heads = if values { &seg.values } else { &seg.keys };
+            (b < blocks)
+                .then(|| heads.stored_head_block(g, b, block_len(b)))
+                .flatten()
+        };
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
-            let keys = seg.keys.head_block(g, b, count, item.rows);
+            let mut keys = seg.keys.head_block(g, b, count, item.rows);
+            if let Some(next) = stored(false, b + 1).or_else(|| stored(true, 0)) {
+                keys = keys.followed_by(next);
+            }
             let scores = &mut item.scores[first_key..];
             kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
         }
@@ -337,7 +349,10 @@ fn attend_wave(
         }
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
-            let values = seg.values.head_block(g, b, count, item.rows);
+            let mut values = seg.values.head_block(g, b, count, item.rows);
+            if let Some(next) = stored(true, b + 1) {
+                values = values.followed_by(next);
+            }
             let probs = Rows::new(&item.scores[first_key..], n_keys, count, n_queries);
             if b == 0 {
                 kattention::weighted_sums(probs, values, item.block_limits, item.outputs);
