@@ -42,25 +42,17 @@ pub(crate) fn attention_scores(
         let (rows, next) = (keys.rows, keys.next);
         match (level, keys.kind) {
             (SimdLevel::Avx2, CacheKind::F32) => {
-                avx2::attention_scores::<F32>(queries, rows, limits, out, stride)
+                avx2::attention_scores::<F32>(queries, Stream { rows, next }, limits, out, stride)
             }
             (SimdLevel::Avx2, CacheKind::F16) => {
-                avx2::attention_scores::<F16>(queries, rows, limits, out, stride)
+                avx2::attention_scores::<F16>(queries, Stream { rows, next }, limits, out, stride)
             }
-            (_, CacheKind::F32) => avx512::attention_scores::<F32>(
-                queries,
-                avx512::Stream { rows, next },
-                limits,
-                out,
-                stride,
-            ),
-            (_, CacheKind::F16) => avx512::attention_scores::<F16>(
-                queries,
-                avx512::Stream { rows, next },
-                limits,
-                out,
-                stride,
-            ),
+            (_, CacheKind::F32) => {
+                avx512::attention_scores::<F32>(queries, Stream { rows, next }, limits, out, stride)
+            }
+            (_, CacheKind::F16) => {
+                avx512::attention_scores::<F16>(queries, Stream { rows, next }, limits, out, stride)
+            }
         }
     }
 }
@@ -93,22 +85,30 @@ pub(crate) fn attention_weighted_sums(
         use crate::attention::CacheKind;
         let (rows, next) = (values.rows, values.next);
         match (level, values.kind) {
-            (SimdLevel::Avx2, CacheKind::F32) => {
-                avx2::attention_weighted_sums::<F32>(probs, rows, limits, out, onto)
-            }
-            (SimdLevel::Avx2, CacheKind::F16) => {
-                avx2::attention_weighted_sums::<F16>(probs, rows, limits, out, onto)
-            }
+            (SimdLevel::Avx2, CacheKind::F32) => avx2::attention_weighted_sums::<F32>(
+                probs,
+                Stream { rows, next },
+                limits,
+                out,
+                onto,
+            ),
+            (SimdLevel::Avx2, CacheKind::F16) => avx2::attention_weighted_sums::<F16>(
+                probs,
+                Stream { rows, next },
+                limits,
+                out,
+                onto,
+            ),
             (_, CacheKind::F32) => avx512::attention_weighted_sums::<F32>(
                 probs,
-                avx512::Stream { rows, next },
+                Stream { rows, next },
                 limits,
                 out,
                 onto,
             ),
             (_, CacheKind::F16) => avx512::attention_weighted_sums::<F16>(
                 probs,
-                avx512::Stream { rows, next },
+                Stream { rows, next },
                 limits,
                 out,
                 onto,
@@ -117,16 +117,78 @@ pub(crate) fn attention_weighted_sums(
     }
 }
 
+/// Cached rows ahead of the current one whose lines the attention kernels prefetch into L1: a
+/// head's rows are contiguous, but each row is only a few lines, too few for the hardware
+/// prefetchers to run ahead of a pass that starts from memory.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_ROWS: usize = 4;
+
+/// Cached rows as the kernels stream them: the rows, and the rows the caller reads next
+/// ([`crate::attention::CachedRows::followed_by`]).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Stream<'a> {
+    rows: Rows<'a, u8>,
+    next: Option<Rows<'a, u8>>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Stream<'_> {
+    fn count(&self) -> usize {
+        self.rows.count()
+    }
+
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn ptr(&self, j: usize) -> *const u8 {
+        self.rows.ptr(j)
+    }
+
+    /// Prefetches, as the kernel reaches row `j`: row `j + PREFETCH_ROWS` into L1 when there
+    /// is one, and row `j` of the next rows into L2 (a block ahead: into L2 rather than L1,
+    /// whose few miss buffers the far stream would hold up — measured 1.8× as fast on one
+    /// head's decode attention from DRAM as the same prefetches into L1).
+    #[inline]
+    fn prefetch_ahead(&self, j: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // A prefetch never faults (SSE, part of every x86-64); the lines lie inside the rows.
+        if j + PREFETCH_ROWS < self.count() {
+            let row = self.ptr(j + PREFETCH_ROWS);
+            for line in (0..self.len()).step_by(64) {
+                // SAFETY: as above.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line).cast()) };
+            }
+        }
+        self.prefetch_next(j);
+    }
+
+    /// Prefetches row `j` of the next rows into L2, when there is one.
+    #[inline]
+    fn prefetch_next(&self, j: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        if let Some(next) = self.next.filter(|next| j < next.count()) {
+            let row = next.ptr(j);
+            for line in (0..next.len()).step_by(64) {
+                // SAFETY: as above.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line).cast()) };
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::Stream;
     use crate::simd::x86::avx2::{load8, reduce8};
     use crate::simd::x86::{float_size, F32};
     use crate::simd::Rows;
 
     /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (rows of
-    /// bytes): per (query, key) an 8-lane dot product (two accumulators, a zero-padded f32 copy
+    /// bytes, prefetched as the first query reaches them): per (query, key) an 8-lane dot product (two accumulators, a zero-padded f32 copy
     /// of a ragged tail), reduced by [`reduce8`].
     ///
     /// # Safety
@@ -136,7 +198,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn attention_scores<const KIND: u8>(
         queries: Rows<'_, f32>,
-        keys: Rows<'_, u8>,
+        keys: Stream<'_>,
         limits: &[usize],
         out: &mut [f32],
         stride: usize,
@@ -150,7 +212,10 @@ mod avx2 {
             let mut query_tail = [0.0f32; 8];
             query_tail[..rest].copy_from_slice(&query[8 * full..]);
             for j in 0..limit {
-                let key = keys.row(j);
+                if q == 0 {
+                    keys.prefetch_next(j);
+                }
+                let key = keys.rows.row(j);
                 // SAFETY: chunks `c < full` lie inside both rows; the tail goes through buffers.
                 unsafe {
                     let mut acc = [_mm256_setzero_ps(); 2];
@@ -189,7 +254,8 @@ mod avx2 {
 
     /// Attention weighted sums ([`crate::attention::weighted_sums`]) over cached values stored as
     /// `KIND`: per query and output element `y = fma(p_j, v_j, y)` for keys `j` in order from
-    /// zero, the output row kept in memory (a ragged tail through a zero-padded buffer).
+    /// zero, the output row kept in memory (a ragged tail through a zero-padded buffer); rows
+    /// prefetched as the first query reaches them.
     ///
     /// # Safety
     ///
@@ -198,7 +264,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn attention_weighted_sums<const KIND: u8>(
         probs: Rows<'_, f32>,
-        values: Rows<'_, u8>,
+        values: Stream<'_>,
         limits: &[usize],
         out: &mut [f32],
         onto: bool,
@@ -214,7 +280,10 @@ mod avx2 {
                 o.fill(0.0);
             }
             for j in 0..limit {
-                let value = values.row(j);
+                if q == 0 {
+                    values.prefetch_next(j);
+                }
+                let value = values.rows.row(j);
                 // SAFETY: chunks `c < full` lie inside the value row and `o`; the tail goes
                 // through buffers.
                 unsafe {
@@ -245,7 +314,8 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use crate::simd::x86::avx512::{load16, load16_f32, prefetch_block};
+    use super::Stream;
+    use crate::simd::x86::avx512::{load16, load16_f32};
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
 
@@ -334,52 +404,6 @@ mod avx512 {
                 } else {
                     scores_tile::<KIND, C, 1>(queries, keys, limits, out, stride, first)
                 };
-            }
-        }
-    }
-
-    /// Cached rows ahead of the current one whose lines the attention kernels prefetch into L1: a
-    /// head's rows are contiguous, but each row is only a few lines, too few for the hardware
-    /// prefetchers to run ahead of a pass that starts from memory.
-    const PREFETCH_ROWS: usize = 4;
-
-    /// Cached rows as the kernels stream them: the rows, and the rows the caller reads next
-    /// ([`crate::attention::CachedRows::followed_by`]).
-    #[derive(Clone, Copy)]
-    pub(crate) struct Stream<'a> {
-        pub(crate) rows: Rows<'a, u8>,
-        pub(crate) next: Option<Rows<'a, u8>>,
-    }
-
-    impl Stream<'_> {
-        fn count(&self) -> usize {
-            self.rows.count()
-        }
-
-        fn len(&self) -> usize {
-            self.rows.len()
-        }
-
-        fn ptr(&self, j: usize) -> *const u8 {
-            self.rows.ptr(j)
-        }
-
-        /// Prefetches, as the kernel reaches row `j`: row `j + PREFETCH_ROWS` into L1 when there
-        /// is one, and row `j` of the next rows into L2 (a block ahead: into L2 rather than L1,
-        /// whose few miss buffers the far stream would hold up — measured 1.8× as fast on one
-        /// head's decode attention from DRAM as the same prefetches into L1).
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        #[inline]
-        fn prefetch_ahead(&self, j: usize) {
-            if j + PREFETCH_ROWS < self.count() {
-                prefetch_block(self.ptr(j + PREFETCH_ROWS), self.len());
-            }
-            if let Some(next) = self.next.filter(|next| j < next.count()) {
-                let row = next.ptr(j);
-                for line in (0..next.len()).step_by(64) {
-                    // A prefetch never faults; the line lies inside the row anyway.
-                    _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line).cast());
-                }
             }
         }
     }
