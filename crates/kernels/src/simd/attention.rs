@@ -319,8 +319,12 @@ mod avx512 {
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
 
-    /// Queries whose registers stay live while the keys stream past ([`attention_scores`]).
-    const SCORE_TILE: usize = 2;
+    /// The most queries of one tile of [`attention_scores`], multiplied with each key as it
+    /// streams past (then tiles of 2 and 1). Four queries' chunks outnumber the registers, so
+    /// some are read from L1 as they are multiplied, but each key chunk is widened once for
+    /// four: an 8-row verify pass's 16 queries × 4,096 f16 keys took 392 µs in tiles of 4 (or
+    /// 8) against 455 µs in tiles of 2 (`cargo bench -p specula-kernels -- attention/hot/16q`).
+    const SCORE_TILE: usize = 4;
 
     /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32 or
     /// F16; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
@@ -378,8 +382,8 @@ mod avx512 {
     }
 
     /// [`attention_scores`] for head size `16 · C`: queries in tiles of [`SCORE_TILE`] (then
-    /// one) held in registers while the keys stream past, keys in blocks of 16 whose dot products
-    /// with a query are summed across lanes together ([`sum_lanes_16`]) rather than one
+    /// 2, then one) multiplied with each key as the keys stream past, keys in blocks of 16
+    /// whose dot products with a query are summed across lanes together ([`sum_lanes_16`]) rather than one
     /// horizontal sum per key. A key's arithmetic is the same wherever it falls in a block and
     /// whatever the other keys and queries: two accumulators over the chunks (even / odd), their
     /// sum, then the lane tree of [`sum_lanes_16`].
@@ -399,10 +403,12 @@ mod avx512 {
         while first < limits.len() {
             // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
             unsafe {
-                first += if limits.len() - first >= SCORE_TILE {
-                    scores_tile::<KIND, C, SCORE_TILE>(queries, keys, limits, out, stride, first)
-                } else {
-                    scores_tile::<KIND, C, 1>(queries, keys, limits, out, stride, first)
+                first += match limits.len() - first {
+                    SCORE_TILE.. => scores_tile::<KIND, C, SCORE_TILE>(
+                        queries, keys, limits, out, stride, first,
+                    ),
+                    2.. => scores_tile::<KIND, C, 2>(queries, keys, limits, out, stride, first),
+                    _ => scores_tile::<KIND, C, 1>(queries, keys, limits, out, stride, first),
                 };
             }
         }
