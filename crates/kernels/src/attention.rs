@@ -73,18 +73,21 @@ pub struct CachedRows<'a> {
     pub(crate) kind: CacheKind,
     /// Rows of `len · size` bytes.
     pub(crate) rows: Rows<'a, u8>,
-    /// Rows the caller reads next, prefetched while these are read ([`Self::followed_by`]).
+    /// Rows the caller reads next, prefetched while these are read ([`Self::followed_by`]; only
+    /// the x86-64 kernels prefetch).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) next: Option<Rows<'a, u8>>,
 }
 
 impl<'a> CachedRows<'a> {
     /// These rows, with the rows the caller will read right after them (a paged cache's next
-    /// block): the AVX-512 kernels fetch row `j` of `next` into L2 as they reach row `j` of
-    /// these, so the next block arrives a whole block ahead of its use, wherever in memory it
-    /// lies. (The near prefetch of a few rows ahead cannot cross into another block, and a
-    /// block's first rows would otherwise wait on memory; measured on one key/value head of
-    /// 4,096 f16 positions from DRAM, `cargo bench -p specula-kernels -- attention/cold`, a
-    /// decode step's attention ran ~1.6× as fast.) Only a hint: no result depends on it.
+    /// block): the SIMD kernels fetch row `j` of `next` into L2 as they reach row `j` of these
+    /// (AVX-512 for head sizes of 16 · C, C ≤ 8, and AVX2), so the next block arrives a whole
+    /// block ahead of its use, wherever in memory it lies. (The near prefetch of a few rows
+    /// ahead cannot cross into another block, and a block's first rows would otherwise wait on
+    /// memory; on one key/value head of 4,096 f16 positions from DRAM,
+    /// `cargo bench -p specula-kernels -- attention/cold/2q`, a decode step's attention ran
+    /// about twice as fast.) Only a hint: no result depends on it.
     pub fn followed_by(self, next: CachedRows<'a>) -> Self {
         Self {
             next: Some(next.rows),
@@ -433,7 +436,8 @@ mod tests {
     #[test]
     fn a_query_alone_gets_the_bits_it_gets_in_a_batch() {
         for dim in [40, 128] {
-            let (n_keys, n_queries) = (35, 9);
+            // 11 queries: tiles of 4, 4, 2 and 1.
+            let (n_keys, n_queries) = (35, 11);
             let queries = random_vec(n_queries * dim, 1.0, 3);
             let keys = random_vec(n_keys * dim, 1.0, 4);
             let values = random_vec(n_keys * dim, 1.0, 5);

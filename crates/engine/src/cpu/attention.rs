@@ -193,10 +193,10 @@ pub fn attend_segments(
 }
 
 /// Runs `jobs` (every key/value head of each) in one fork-join, then writes their outputs.
-fn attend_wave(
+fn attend_wave<'a>(
     shape: &AttentionShape,
     queries: &[f32],
-    segments: &[Segment<'_>],
+    segments: &[Segment<'a>],
     jobs: &[Job],
     s: &mut AttentionScratch,
     out: &mut [f32],
@@ -294,19 +294,18 @@ fn attend_wave(
             }
             (first_key, count)
         };
-        // What the kernels prefetch while they read a block: the next block of keys, and after
-        // the last one the first block of values (stored caches only).
-        let block_len = |b: usize| bt.min(n_keys - b * bt);
-        let stored = |values: bool, b: usize| {
-            let heads = if values { &seg.values } else { &seg.keys };
+        // What the kernels prefetch while they read a block (stored caches only): in the key
+        // loop the next block of keys, after the last one the first block of values; in the
+        // value loop the next block of values.
+        let stored = |heads: &CachedHeads<'a>, b: usize| {
             (b < blocks)
-                .then(|| heads.stored_head_block(g, b, block_len(b)))
+                .then(|| heads.stored_head_block(g, b, bt.min(n_keys - b * bt)))
                 .flatten()
         };
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
             let mut keys = seg.keys.head_block(g, b, count, item.rows);
-            if let Some(next) = stored(false, b + 1).or_else(|| stored(true, 0)) {
+            if let Some(next) = stored(&seg.keys, b + 1).or_else(|| stored(&seg.values, 0)) {
                 keys = keys.followed_by(next);
             }
             let scores = &mut item.scores[first_key..];
@@ -350,7 +349,7 @@ fn attend_wave(
         for b in 0..blocks {
             let (first_key, count) = block_limits(b, item.block_limits, item.limits);
             let mut values = seg.values.head_block(g, b, count, item.rows);
-            if let Some(next) = stored(true, b + 1) {
+            if let Some(next) = stored(&seg.values, b + 1) {
                 values = values.followed_by(next);
             }
             let probs = Rows::new(&item.scores[first_key..], n_keys, count, n_queries);

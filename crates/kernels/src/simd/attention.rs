@@ -153,11 +153,11 @@ impl Stream<'_> {
     #[inline]
     fn prefetch_ahead(&self, j: usize) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // A prefetch never faults (SSE, part of every x86-64); the lines lie inside the rows.
         if j + PREFETCH_ROWS < self.count() {
             let row = self.ptr(j + PREFETCH_ROWS);
             for line in (0..self.len()).step_by(64) {
-                // SAFETY: as above.
+                // SAFETY: a prefetch (SSE, part of every x86-64) never faults and changes
+                // nothing the program sees; the line lies inside the row.
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line).cast()) };
             }
         }
@@ -171,10 +171,17 @@ impl Stream<'_> {
         if let Some(next) = self.next.filter(|next| j < next.count()) {
             let row = next.ptr(j);
             for line in (0..next.len()).step_by(64) {
-                // SAFETY: as above.
+                // SAFETY: a prefetch (SSE, part of every x86-64) never faults and changes
+                // nothing the program sees; the line lies inside the row.
                 unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line).cast()) };
             }
         }
+    }
+
+    /// The same rows without the next ones: for the passes after the first over these rows,
+    /// whose prefetches the first pass already issued.
+    fn alone(self) -> Self {
+        Self { next: None, ..self }
     }
 }
 
@@ -188,8 +195,9 @@ mod avx2 {
     use crate::simd::Rows;
 
     /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (rows of
-    /// bytes, prefetched as the first query reaches them): per (query, key) an 8-lane dot product (two accumulators, a zero-padded f32 copy
-    /// of a ragged tail), reduced by [`reduce8`].
+    /// bytes; the next rows prefetched as the first query reaches each row): per (query, key)
+    /// an 8-lane dot product (two accumulators, a zero-padded f32 copy of a ragged tail),
+    /// reduced by [`reduce8`].
     ///
     /// # Safety
     ///
@@ -322,8 +330,9 @@ mod avx512 {
     /// The most queries of one tile of [`attention_scores`], multiplied with each key as it
     /// streams past (then tiles of 2 and 1). Four queries' chunks outnumber the registers, so
     /// some are read from L1 as they are multiplied, but each key chunk is widened once for
-    /// four: an 8-row verify pass's 16 queries × 4,096 f16 keys took 392 µs in tiles of 4 (or
-    /// 8) against 455 µs in tiles of 2 (`cargo bench -p specula-kernels -- attention/hot/16q`).
+    /// four: an 8-row verify pass's 16 queries × 4,096 f16 keys took 396 µs in tiles of 4 (392
+    /// in tiles of 8) against 455 µs in tiles of 2
+    /// (`cargo bench -p specula-kernels -- attention/hot/16q`).
     const SCORE_TILE: usize = 4;
 
     /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32 or
@@ -383,10 +392,10 @@ mod avx512 {
 
     /// [`attention_scores`] for head size `16 · C`: queries in tiles of [`SCORE_TILE`] (then
     /// 2, then one) multiplied with each key as the keys stream past, keys in blocks of 16
-    /// whose dot products with a query are summed across lanes together ([`sum_lanes_16`]) rather than one
-    /// horizontal sum per key. A key's arithmetic is the same wherever it falls in a block and
-    /// whatever the other keys and queries: two accumulators over the chunks (even / odd), their
-    /// sum, then the lane tree of [`sum_lanes_16`].
+    /// whose dot products with a query are summed across lanes together ([`sum_lanes_16`])
+    /// rather than one horizontal sum per key. A key's arithmetic is the same wherever it falls
+    /// in a block and whatever the other keys and queries: two accumulators over the chunks
+    /// (even / odd), their sum, then the lane tree of [`sum_lanes_16`].
     ///
     /// # Safety
     ///
@@ -401,6 +410,8 @@ mod avx512 {
     ) {
         let mut first = 0;
         while first < limits.len() {
+            // The first tile prefetches the next rows; the others read the same keys.
+            let keys = if first == 0 { keys } else { keys.alone() };
             // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
             unsafe {
                 first += match limits.len() - first {
