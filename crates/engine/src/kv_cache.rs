@@ -302,11 +302,17 @@ impl<'a> CachedHeads<'a> {
             "kv cache: {n} positions of block {b} beyond the {} held",
             self.count
         );
-        let first = self.blocks[b] as usize * self.block_stride + h * self.head_offset;
         match self.data {
-            Stored::Float(data) => Some(data.rows(first, self.row_stride, self.width, n)),
+            Stored::Float(data) => {
+                Some(data.rows(self.first(h, b), self.row_stride, self.width, n))
+            }
             Stored::Q8(_) => None,
         }
+    }
+
+    /// Where head `h`'s first position of block `b` starts in the stored data.
+    fn first(&self, h: usize, b: usize) -> usize {
+        self.blocks[b] as usize * self.block_stride + h * self.head_offset
     }
 
     /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's): the
@@ -328,7 +334,7 @@ impl<'a> CachedHeads<'a> {
         let Stored::Q8(bytes) = self.data else {
             unreachable!("f32 and f16 rows are read as stored")
         };
-        let first = self.blocks[b] as usize * self.block_stride + h * self.head_offset;
+        let first = self.first(h, b);
         let rows = &mut scratch[..n * self.values];
         if self.row_stride == self.width {
             // A block's rows of one head are contiguous: one call for all of them.

@@ -39,19 +39,22 @@ pub(crate) fn attention_scores(
     // (checked above); `Rows` views are checked.
     unsafe {
         use crate::attention::CacheKind;
-        let (rows, next) = (keys.rows, keys.next);
+        let stream = Stream {
+            rows: keys.rows,
+            next: keys.next,
+        };
         match (level, keys.kind) {
             (SimdLevel::Avx2, CacheKind::F32) => {
-                avx2::attention_scores::<F32>(queries, Stream { rows, next }, limits, out, stride)
+                avx2::attention_scores::<F32>(queries, stream, limits, out, stride)
             }
             (SimdLevel::Avx2, CacheKind::F16) => {
-                avx2::attention_scores::<F16>(queries, Stream { rows, next }, limits, out, stride)
+                avx2::attention_scores::<F16>(queries, stream, limits, out, stride)
             }
             (_, CacheKind::F32) => {
-                avx512::attention_scores::<F32>(queries, Stream { rows, next }, limits, out, stride)
+                avx512::attention_scores::<F32>(queries, stream, limits, out, stride)
             }
             (_, CacheKind::F16) => {
-                avx512::attention_scores::<F16>(queries, Stream { rows, next }, limits, out, stride)
+                avx512::attention_scores::<F16>(queries, stream, limits, out, stride)
             }
         }
     }
@@ -83,36 +86,23 @@ pub(crate) fn attention_weighted_sums(
     // SAFETY: the level is supported and the sizes match (checked above).
     unsafe {
         use crate::attention::CacheKind;
-        let (rows, next) = (values.rows, values.next);
+        let stream = Stream {
+            rows: values.rows,
+            next: values.next,
+        };
         match (level, values.kind) {
-            (SimdLevel::Avx2, CacheKind::F32) => avx2::attention_weighted_sums::<F32>(
-                probs,
-                Stream { rows, next },
-                limits,
-                out,
-                onto,
-            ),
-            (SimdLevel::Avx2, CacheKind::F16) => avx2::attention_weighted_sums::<F16>(
-                probs,
-                Stream { rows, next },
-                limits,
-                out,
-                onto,
-            ),
-            (_, CacheKind::F32) => avx512::attention_weighted_sums::<F32>(
-                probs,
-                Stream { rows, next },
-                limits,
-                out,
-                onto,
-            ),
-            (_, CacheKind::F16) => avx512::attention_weighted_sums::<F16>(
-                probs,
-                Stream { rows, next },
-                limits,
-                out,
-                onto,
-            ),
+            (SimdLevel::Avx2, CacheKind::F32) => {
+                avx2::attention_weighted_sums::<F32>(probs, stream, limits, out, onto)
+            }
+            (SimdLevel::Avx2, CacheKind::F16) => {
+                avx2::attention_weighted_sums::<F16>(probs, stream, limits, out, onto)
+            }
+            (_, CacheKind::F32) => {
+                avx512::attention_weighted_sums::<F32>(probs, stream, limits, out, onto)
+            }
+            (_, CacheKind::F16) => {
+                avx512::attention_weighted_sums::<F16>(probs, stream, limits, out, onto)
+            }
         }
     }
 }
@@ -152,14 +142,8 @@ impl Stream<'_> {
     /// head's decode attention from DRAM as the same prefetches into L1).
     #[inline]
     fn prefetch_ahead(&self, j: usize) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         if j + PREFETCH_ROWS < self.count() {
-            let row = self.ptr(j + PREFETCH_ROWS);
-            for line in (0..self.len()).step_by(64) {
-                // SAFETY: a prefetch (SSE, part of every x86-64) never faults and changes
-                // nothing the program sees; the line lies inside the row.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line).cast()) };
-            }
+            super::prefetch(self.rows.row(j + PREFETCH_ROWS));
         }
         self.prefetch_next(j);
     }
@@ -167,19 +151,13 @@ impl Stream<'_> {
     /// Prefetches row `j` of the next rows into L2, when there is one.
     #[inline]
     fn prefetch_next(&self, j: usize) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         if let Some(next) = self.next.filter(|next| j < next.count()) {
-            let row = next.ptr(j);
-            for line in (0..next.len()).step_by(64) {
-                // SAFETY: a prefetch (SSE, part of every x86-64) never faults and changes
-                // nothing the program sees; the line lies inside the row.
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line).cast()) };
-            }
+            super::prefetch_l2(next.row(j));
         }
     }
 
-    /// The same rows without the next ones: for the passes after the first over these rows,
-    /// whose prefetches the first pass already issued.
+    /// The same rows without the next ones: for the tiles after the first over these rows,
+    /// whose prefetches the first tile already issued.
     fn alone(self) -> Self {
         Self { next: None, ..self }
     }
@@ -615,6 +593,8 @@ mod avx512 {
         let mut first = 0;
         while first < limits.len() {
             let left = limits.len() - first;
+            // The first tile prefetches the next rows; the others read the same values.
+            let values = if first == 0 { values } else { values.alone() };
             // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
             unsafe {
                 first += match left {

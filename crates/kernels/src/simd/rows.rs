@@ -510,16 +510,33 @@ pub(crate) fn row_sums(
 /// multiplied, since the hardware prefetchers restart on every jump between rows.
 #[inline]
 pub(crate) fn prefetch(bytes: &[u8]) {
+    prefetch_into(bytes, false);
+}
+
+/// [`prefetch`] into L2 only: for data read a while later (an attention kernel's next cache
+/// block), which into L1 would hold up the few L1 miss buffers the data in use needs.
+#[inline]
+pub(crate) fn prefetch_l2(bytes: &[u8]) {
+    prefetch_into(bytes, true);
+}
+
+#[inline]
+fn prefetch_into(bytes: &[u8], l2: bool) {
     #[cfg(target_arch = "x86_64")]
     for line in bytes.chunks(64) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         // SAFETY: a prefetch never faults and changes no state visible to the program; the
         // address is inside `bytes`.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
-            )
-        };
+            if l2 {
+                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+            }
+        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, l2);
 }
 
 /// The bytes of an f32 slice (native order, which is the little-endian f32 weight encoding on
