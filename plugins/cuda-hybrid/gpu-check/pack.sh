@@ -50,7 +50,8 @@ for name in gpu ptx cuda; do
     strip -o "$release/deps/$name" "$exe"
 done
 strip -o "$release/deps/kernel-bench" "$kernel_bench"
-cp -r "$shared/models/fixtures" "$shared/models/trained" "$shared/models/stories260K.gguf" \
+cp -r "$shared/models/fixtures" "$shared/models/trained" "$shared/models/next-arch" \
+    "$shared/models/stories260K.gguf" \
     "$kit/shared/models/"
 chmod -R u+w "$kit/shared"
 {

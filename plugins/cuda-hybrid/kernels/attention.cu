@@ -79,6 +79,8 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
         const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
         const Kv* kj = k_cache + kv_slot(table, pj) * k_width + (u64)kv_head * head_dim;
         float s = 0.0f;
+        // Unrolled so that the loads are in flight together; the sums keep their order.
+#pragma unroll 8
         for (int d = 0; d < head_dim; ++d) {
             s = fmaf(qh[d], kv_value(kj, d), s);
         }
@@ -101,6 +103,7 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
     for (int d = tid; d < value_dim; d += blockDim.x) {
         const Kv* vd = v_cache + (u64)kv_head * value_dim + d;
         float acc = 0.0f;
+#pragma unroll 8
         for (int j = 0; j < n_keys; ++j) {
             const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
             acc = fmaf(sc[j] * inverse, kv_value(vd, kv_slot(table, pj) * v_width), acc);

@@ -27,52 +27,72 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ x, int channels, in
     }
 }
 
-// The recurrence and the gated output norm, token by token (tokens depend on each other
-// through the state). Value head h reads key head h % n_k_heads (head_map 0, qwen35's tiled
-// order) or h / (n_v_heads / n_k_heads) (head_map 1, qwen3next). For token t:
+// The recurrence, token by token (tokens depend on each other through the state). Value
+// head h reads key head h % n_k_heads (head_map 0, qwen35's tiled order) or
+// h / (n_v_heads / n_k_heads) (head_map 1, qwen3next). For token t:
 //   beta = sigmoid(b), g = softplus(a + dt_bias[h]) * ssm_a[h], decay = exp(g);
 //   row j:  M_j <- decay * M_j;  d_j = (v_j - M_j . k) * beta;  M_j <- M_j + d_j * k;
 //           o_j = M_j . q;
-//   out[t][h*S + j] = rms_norm(o)_j * norm_w[j] * silu(z[t][h*S + j])  (squares in f64).
+//   out[t][h*S + j] = o_j (gdn_gated_norm below then norms and gates it).
 // Token t writes its state to plane (first + t) % n_planes, first = write_plane when it is
 // >= 0 (a run of a tree's rows, each the child of the one before, the first reading its
-// parent's state) else start_plane + 1; it reads the start plane (t = 0) or the plane the
-// token before wrote. Row j is only ever touched by thread j, so no synchronisation is needed
-// for the state.
+// parent's state) else start_plane + 1; token 0 reads the start plane.
 // b and a: `grouped` 0 (qwen35): beta_raw[t * n_v_heads + h], alpha_raw[t * n_v_heads + h];
 // `grouped` 1 (qwen3next ssm_ba, both pointers the same buffer of 2 * n_v_heads per row): per
 // key head, n_v/n_k betas then n_v/n_k alphas.
-// Launch: grid = n_v_heads, blockDim = S (<= 1024); thread j owns state row j.
+//
+// State row j depends on nothing but itself and the token's inputs, so each row is one warp's
+// for all the launch's tokens, held in registers: lane l owns columns l, l + 32, ... (S <=
+// 32 * GDN_PER_LANE). The dot products are summed per lane in column order, then across the
+// lanes by warp_sum, the same for every token whatever the launch's row count.
+// Launch: grid = (n_v_heads, ceil(S / GDN_WARPS)), blockDim = 32 * GDN_WARPS; warp w of block
+// (h, y) owns row j = y * GDN_WARPS + w of head h.
+#define GDN_WARPS 4
+#define GDN_PER_LANE 8
 extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, int channels,
-                                          const float* __restrict__ z,
                                           const float* __restrict__ beta_raw,
                                           const float* __restrict__ alpha_raw, int grouped,
                                           const float* __restrict__ dt_bias,
                                           const float* __restrict__ ssm_a,
-                                          const float* __restrict__ norm_w, float eps,
                                           float* planes, u64 plane_len, u64 layer_offset,
                                           u64 conv_len, int n_planes, int start_plane,
                                           int write_plane, int rows,
                                           int head_dim, int n_k_heads, int n_v_heads,
                                           int head_map, float* __restrict__ out) {
-    __shared__ double red[1024];
-    __shared__ float qs[1024];
-    __shared__ float ks[1024];
     const int h = blockIdx.x;
-    const int j = threadIdx.x;
+    const int lane = threadIdx.x % 32;
+    const int j = blockIdx.y * GDN_WARPS + threadIdx.x / 32;
     const int S = head_dim;
+    if (j >= S) {
+        return;  // warp-uniform
+    }
+    const int per_lane = (S + 31) / 32;
     const int kh = head_map == 0 ? h % n_k_heads : h / (n_v_heads / n_k_heads);
     const u64 key_dim = (u64)n_k_heads * S;
     const u64 value_dim = (u64)n_v_heads * S;
     const int per_group = n_v_heads / n_k_heads;
     const float dt = dt_bias[h];
     const float a_h = ssm_a[h];
-    const float w_j = norm_w[j];
+    const u64 row_at = layer_offset + conv_len + (u64)h * S * S + (u64)j * S;
+    const int first = write_plane >= 0 ? write_plane : (start_plane + 1) % n_planes;
 
+    float m[GDN_PER_LANE];
+    const float* m_in = planes + (u64)start_plane * plane_len + row_at;
+#pragma unroll
+    for (int c = 0; c < GDN_PER_LANE; ++c) {
+        const int i = lane + 32 * c;
+        m[c] = c < per_lane && i < S ? m_in[i] : 0.0f;
+    }
     for (int t = 0; t < rows; ++t) {
         const float* row = conv_out + (u64)t * channels;
-        qs[j] = row[(u64)kh * S + j];
-        ks[j] = row[key_dim + (u64)kh * S + j];
+        float ks[GDN_PER_LANE], qs[GDN_PER_LANE];
+#pragma unroll
+        for (int c = 0; c < GDN_PER_LANE; ++c) {
+            const int i = lane + 32 * c;
+            const bool in = c < per_lane && i < S;
+            qs[c] = in ? row[(u64)kh * S + i] : 0.0f;
+            ks[c] = in ? row[key_dim + (u64)kh * S + i] : 0.0f;
+        }
         const float v_j = row[2 * key_dim + (u64)h * S + j];
         float b, a;
         if (grouped) {
@@ -86,34 +106,49 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
         const float beta = sigmoid_f(b);
         const float g = softplus_f(a + dt) * a_h;
         const float decay = expf(g);
-        __syncthreads();
 
-        const int first = write_plane >= 0 ? write_plane : (start_plane + 1) % n_planes;
-        const int read = t == 0 ? start_plane : (first + t - 1) % n_planes;
-        const int write = (first + t) % n_planes;
-        const float* m_in = planes + (u64)read * plane_len + layer_offset + conv_len +
-                            (u64)h * S * S + (u64)j * S;
-        float* m_out = planes + (u64)write * plane_len + layer_offset + conv_len +
-                       (u64)h * S * S + (u64)j * S;
         float predicted = 0.0f;
-        for (int i = 0; i < S; ++i) {
-            const float m = m_in[i] * decay;
-            m_out[i] = m;
-            predicted = fmaf(m, ks[i], predicted);
+#pragma unroll
+        for (int c = 0; c < GDN_PER_LANE; ++c) {
+            m[c] *= decay;
+            predicted = fmaf(m[c], ks[c], predicted);
         }
+        predicted = warp_sum(predicted);
         const float delta = (v_j - predicted) * beta;
+        float* m_out = planes + (u64)((first + t) % n_planes) * plane_len + row_at;
         float o = 0.0f;
-        for (int i = 0; i < S; ++i) {
-            const float m = fmaf(delta, ks[i], m_out[i]);
-            m_out[i] = m;
-            o = fmaf(m, qs[i], o);
+#pragma unroll
+        for (int c = 0; c < GDN_PER_LANE; ++c) {
+            const int i = lane + 32 * c;
+            m[c] = fmaf(delta, ks[c], m[c]);
+            if (c < per_lane && i < S) {
+                m_out[i] = m[c];
+            }
+            o = fmaf(m[c], qs[c], o);
         }
-
-        const double sum = block_sum_f64((double)(o * o), red);
-        const float mean = (float)(sum / (double)S);
-        const float scale = 1.0f / sqrtf(mean + eps);
-        const float gate = z[(u64)t * value_dim + (u64)h * S + j];
-        out[(u64)t * value_dim + (u64)h * S + j] = ((o * scale) * w_j) * silu_f(gate);
-        // block_sum_f64 ends with __syncthreads, so qs / ks may be overwritten next.
+        o = warp_sum(o);
+        if (lane == 0) {
+            out[(u64)t * value_dim + (u64)h * S + j] = o;
+        }
     }
+}
+
+// The gated output norm of the recurrence's rows, in place:
+//   out[t][h*S + j] = rms_norm(o)_j * norm_w[j] * silu(z[t][h*S + j])  (squares in f64).
+// Launch: grid = (n_v_heads, rows), blockDim = S (<= 1024); thread j handles value j.
+extern "C" __global__ void gdn_gated_norm(float* __restrict__ out,
+                                          const float* __restrict__ z,
+                                          const float* __restrict__ norm_w, float eps,
+                                          int head_dim, int n_v_heads) {
+    __shared__ double red[1024];
+    const int h = blockIdx.x;
+    const int t = blockIdx.y;
+    const int j = threadIdx.x;
+    const int S = head_dim;
+    const u64 at = (u64)t * n_v_heads * S + (u64)h * S + j;
+    const float o = out[at];
+    const double sum = block_sum_f64((double)(o * o), red);
+    const float mean = (float)(sum / (double)S);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    out[at] = ((o * scale) * norm_w[j]) * silu_f(z[at]);
 }

@@ -23,9 +23,11 @@
 // quantize_q8_0 / quantize_q8_k outputs instead of f32): blockDim = (32 * MM_WARPS), grid =
 // (ceil(rows / MM_WARPS), ceil(n / MM_COLS)). Block (x, y) computes weight rows
 // x*MM_WARPS .. x*MM_WARPS+3 (one per warp) for activation rows y*MM_COLS .. y*MM_COLS+7.
-// `matvec_*` takes the same arguments with one activation row per block (grid.y = n; the
-// plugin launches it for n = 1): its rows are bit-identical to matmul_*'s, and it keeps
-// fewer registers live (a plain decoding step has one row).
+// `matvec_*`, `matmul2_*` and `matmul4_*` take the same arguments with 1, 2 and 4 activation
+// rows per block (grid.y = ceil(n / 1, 2 or 4); the plugin launches the narrowest that holds
+// all n rows, `matmul_*` past 4): their rows are bit-identical to matmul_*'s, and they keep
+// fewer registers live, so more warps hide the loads' latency (a plain decoding step has one
+// row, a verify pass a few).
 //
 // `matmul_ids_*` (mixture-of-experts): the weight tensor is a stack of matrices of
 // `matrix_bytes` bytes; pair p (blockIdx.y) uses matrix ids[p] and activation row p / x_div,
@@ -159,6 +161,16 @@ __device__ __forceinline__ void matmul_ids_body(const u8* __restrict__ w, u64 ro
                                              int cols, const float* __restrict__ x, int n,      \
                                              float* __restrict__ out) {                         \
         matmul_body<DEC, MM_COLS>(w, row_bytes, rows, cols, x, n, out);                         \
+    }                                                                                           \
+    extern "C" __global__ void matmul2_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
+                                              int rows, int cols, const float* __restrict__ x,  \
+                                              int n, float* __restrict__ out) {                 \
+        matmul_body<DEC, 2>(w, row_bytes, rows, cols, x, n, out);                               \
+    }                                                                                           \
+    extern "C" __global__ void matmul4_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
+                                              int rows, int cols, const float* __restrict__ x,  \
+                                              int n, float* __restrict__ out) {                 \
+        matmul_body<DEC, 4>(w, row_bytes, rows, cols, x, n, out);                               \
     }                                                                                           \
     extern "C" __global__ void matmul_ids_##NAME(                                               \
         const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \
@@ -546,6 +558,20 @@ __device__ __forceinline__ void matmul_ids_quant_body(const u8* __restrict__ w, 
                                              const int* __restrict__ xsums, int n,              \
                                              float* __restrict__ out) {                         \
         matmul_quant_body<DEC, MM_COLS>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);       \
+    }                                                                                           \
+    extern "C" __global__ void matmul2_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
+                                              int rows, int cols, const i8* __restrict__ xq,    \
+                                              const float* __restrict__ xd,                     \
+                                              const int* __restrict__ xsums, int n,             \
+                                              float* __restrict__ out) {                        \
+        matmul_quant_body<DEC, 2>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);             \
+    }                                                                                           \
+    extern "C" __global__ void matmul4_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
+                                              int rows, int cols, const i8* __restrict__ xq,    \
+                                              const float* __restrict__ xd,                     \
+                                              const int* __restrict__ xsums, int n,             \
+                                              float* __restrict__ out) {                        \
+        matmul_quant_body<DEC, 4>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);             \
     }                                                                                           \
     extern "C" __global__ void matmul_ids_##NAME(                                               \
         const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \

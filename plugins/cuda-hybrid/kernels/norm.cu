@@ -15,6 +15,8 @@ extern "C" __global__ void rms_norm(const float* x, u64 x_stride,
     const float* xr = x + (u64)blockIdx.x * x_stride;
     float* o = out + (u64)blockIdx.x * out_stride;
     double sum = 0.0;
+    // Unrolled so that a thread's loads are in flight together; the sum keeps its order.
+#pragma unroll 8
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = xr[i];
         sum += (double)(v * v);
@@ -22,6 +24,7 @@ extern "C" __global__ void rms_norm(const float* x, u64 x_stride,
     sum = block_sum_f64(sum, red);
     const float mean = (float)(sum / (double)n);
     const float scale = 1.0f / sqrtf(mean + eps);
+#pragma unroll 8
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         o[i] = (xr[i] * scale) * w[i];
     }

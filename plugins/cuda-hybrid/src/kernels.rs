@@ -29,9 +29,10 @@ pub struct KernelSource {
     pub functions: &'static [&'static str],
 }
 
-/// The entry points of `matvec.cu`: the activation quantisers, then `matvec_`, `matmul_` and
-/// `matmul_ids_` of every weight type, named from the kernels' weight-type table
-/// ([`specula_kernels::for_each_weight_type`], [`specula_kernels::WeightType::kernel_name`]).
+/// The entry points of `matvec.cu`: the activation quantisers, then `matvec_`, `matmul_`,
+/// `matmul2_`, `matmul4_` and `matmul_ids_` of every weight type, named from the kernels'
+/// weight-type table ([`specula_kernels::for_each_weight_type`],
+/// [`specula_kernels::WeightType::kernel_name`]).
 macro_rules! matvec_functions {
     ($($variant:ident $module:ident $name:literal,)*) => {
         &[
@@ -39,6 +40,8 @@ macro_rules! matvec_functions {
             "quantize_q8_k",
             $(concat!("matvec_", $name),)*
             $(concat!("matmul_", $name),)*
+            $(concat!("matmul2_", $name),)*
+            $(concat!("matmul4_", $name),)*
             $(concat!("matmul_ids_", $name),)*
         ]
     };
@@ -74,7 +77,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "gdn.cu",
         text: include_str!("../kernels/gdn.cu"),
-        functions: &["gdn_qk_l2norm", "gdn_recurrence"],
+        functions: &["gdn_qk_l2norm", "gdn_recurrence", "gdn_gated_norm"],
     },
     KernelSource {
         file: "moe.cu",

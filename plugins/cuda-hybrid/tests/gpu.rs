@@ -200,7 +200,8 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
                 );
             }
         }
-        // Row b of an 11-row launch equals a one-row launch bit for bit.
+        // Row b of an 11-row launch equals a one-row launch bit for bit, and so do the rows of
+        // the 2-, 3- and 4-row launches (kernels of their own).
         let single = gpu.zeros::<f32>(rows).unwrap();
         for b in 0..n {
             ops::matmul(&gpu, &m, dev_x.at(b * cols), 1, single.ptr(), &q8).unwrap();
@@ -208,6 +209,14 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
                 bits(&download(&gpu, &single)),
                 bits(&got[b * rows..(b + 1) * rows]),
                 "{ty:?}: activation row {b}"
+            );
+        }
+        for few in 2..=4 {
+            ops::matmul(&gpu, &m, dev_x.ptr(), few, out.ptr(), &q8).unwrap();
+            assert_eq!(
+                bits(&download(&gpu, &out)[..few * rows]),
+                bits(&got[..few * rows]),
+                "{ty:?}: a {few}-row launch"
             );
         }
         if quantised {
@@ -1239,5 +1248,118 @@ fn placement_follows_the_options() {
     if matches!(device, Device::Cuda) {
         let err = specula_cuda_hybrid::open(&params(&path, 256, &[("device", "99")])).unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidInput);
+    }
+}
+
+/// The Gated DeltaNet recurrence and its gated norm against the CPU's scalar delta-rule step,
+/// at the fixtures' state size (16) and the real models' (128): each token's output and the
+/// state it leaves in its ring plane.
+#[test]
+fn gated_delta_net_recurrence_follows_the_cpu_step() {
+    let Some(device) = device_or_skip("gated_delta_net_recurrence_follows_the_cpu_step") else {
+        return;
+    };
+    let gpu = open_device(&device);
+    for s in [16, 128] {
+        let mut rng = Rng::new(s as u64);
+        let (n_k, n_v, rows, n_planes, conv_len) = (2, 4, 3, 4, 8);
+        let (key_dim, value_dim) = (n_k * s, n_v * s);
+        let channels = 2 * key_dim + value_dim;
+        let mut conv_out: Vec<f32> = (0..rows * channels).map(|_| rng.unit()).collect();
+        // The kernel takes q and k L2-normalised (gdn_qk_l2norm runs before it).
+        for t in 0..rows {
+            for head in conv_out[t * channels..t * channels + 2 * key_dim].chunks_mut(s) {
+                let norm = head.iter().map(|x| x * x).sum::<f32>().sqrt();
+                head.iter_mut().for_each(|x| *x /= norm);
+            }
+        }
+        let beta: Vec<f32> = (0..rows * n_v).map(|_| 2.0 * rng.unit()).collect();
+        let alpha: Vec<f32> = (0..rows * n_v).map(|_| 2.0 * rng.unit()).collect();
+        let dt_bias: Vec<f32> = (0..n_v).map(|_| rng.unit()).collect();
+        let ssm_a: Vec<f32> = (0..n_v).map(|_| -1.0 - rng.unit().abs()).collect();
+        let norm: Vec<f32> = (0..s).map(|_| 1.0 + 0.1 * rng.unit()).collect();
+        let z: Vec<f32> = (0..rows * value_dim).map(|_| rng.unit()).collect();
+        let plane_len = conv_len + n_v * s * s;
+        let start: Vec<f32> = (0..plane_len).map(|_| 0.1 * rng.unit()).collect();
+        let mut planes = vec![0.0f32; n_planes * plane_len];
+        planes[..plane_len].copy_from_slice(&start);
+
+        let up = |v: &[f32]| gpu.upload(v).unwrap();
+        let (d_conv, d_beta, d_alpha) = (up(&conv_out), up(&beta), up(&alpha));
+        let (d_dt, d_a, d_norm, d_z) = (up(&dt_bias), up(&ssm_a), up(&norm), up(&z));
+        let d_planes = up(&planes);
+        let out = gpu.zeros::<f32>(rows * value_dim).unwrap();
+        let inputs = ops::GdnInputs {
+            conv_out: d_conv.ptr(),
+            z: d_z.ptr(),
+            beta: d_beta.ptr(),
+            alpha: d_alpha.ptr(),
+            grouped: false,
+            dt_bias: d_dt.ptr(),
+            ssm_a: d_a.ptr(),
+            norm: d_norm.ptr(),
+        };
+        let dims = ops::GdnDims {
+            channels,
+            head_dim: s,
+            n_k_heads: n_k,
+            n_v_heads: n_v,
+            head_map: 0,
+            eps: 1e-6,
+        };
+        let ring = ops::RingSlot {
+            planes: d_planes.ptr(),
+            plane_len,
+            n_planes,
+            layer_offset: 0,
+            conv_len,
+        };
+        ops::gdn_recurrence(&gpu, &inputs, &dims, &ring, 0, None, rows, out.ptr()).unwrap();
+        let got = download(&gpu, &out);
+        let got_planes = download(&gpu, &d_planes);
+
+        let mut state = start[conv_len..].to_vec();
+        for t in 0..rows {
+            let row = &conv_out[t * channels..(t + 1) * channels];
+            let mut next = vec![0.0f32; state.len()];
+            for h in 0..n_v {
+                let kh = h % n_k;
+                let softplus = |x: f32| if x > 20.0 { x } else { x.exp().ln_1p() };
+                let g = softplus(alpha[t * n_v + h] + dt_bias[h]) * ssm_a[h];
+                let x = specula_kernels::delta_rule::DeltaInputs {
+                    q: &row[kh * s..(kh + 1) * s],
+                    k: &row[key_dim + kh * s..key_dim + (kh + 1) * s],
+                    v: &row[2 * key_dim + h * s..2 * key_dim + (h + 1) * s],
+                    decay: g.exp(),
+                    beta: 1.0 / (1.0 + (-beta[t * n_v + h]).exp()),
+                };
+                let mut o = vec![0.0f32; s];
+                let head = h * s * s..(h + 1) * s * s;
+                specula_kernels::delta_rule::step_scalar(
+                    x,
+                    &state[head.clone()],
+                    &mut next[head],
+                    &mut o,
+                );
+                let mean = (o.iter().map(|&v| f64::from(v * v)).sum::<f64>() / s as f64) as f32;
+                let scale = 1.0 / (mean + 1e-6).sqrt();
+                for j in 0..s {
+                    let gate = z[t * value_dim + h * s + j];
+                    let want = o[j] * scale * norm[j] * (gate / (1.0 + (-gate).exp()));
+                    let have = got[t * value_dim + h * s + j];
+                    assert!(
+                        (want - have).abs() < 1e-4 * (1.0 + want.abs()),
+                        "S = {s}, token {t}, head {h}, value {j}: GPU {have}, CPU {want}"
+                    );
+                }
+            }
+            let plane = (t + 1) % n_planes * plane_len + conv_len;
+            let d = max_diff(&next, &got_planes[plane..plane + next.len()]);
+            assert!(
+                d < 1e-5,
+                "S = {s}, token {t}: the state plane is off by {d}"
+            );
+            state = next;
+        }
     }
 }

@@ -181,9 +181,13 @@ pub fn matmul_many(
         }
         let format = activations(w.ty);
         let quantised = quantised_for == Some(format);
-        // One row (a plain decoding step) takes the one-row kernel: the same bits, fewer
-        // registers.
-        let kind = if n == 1 { "matvec" } else { "matmul" };
+        // The narrowest kernel that holds the n rows: the same bits, fewer registers.
+        let (kind, per_block) = match n {
+            1 => ("matvec", 1),
+            2 => ("matmul2", 2),
+            3 | 4 => ("matmul4", 4),
+            _ => ("matmul", MM_COLS),
+        };
         let name = format!("{kind}_{}", suffix(w.ty)?);
         let mut args = vec![
             Arg::Ptr(w.ptr),
@@ -196,7 +200,7 @@ pub fn matmul_many(
         if format != ActivationFormat::F32 {
             quantised_for = Some(format);
         }
-        let grid = (blocks(w.rows, MM_WARPS), blocks(n, MM_COLS), 1);
+        let grid = (blocks(w.rows, MM_WARPS), blocks(n, per_block), 1);
         gpu.launch(&name, grid, (32 * MM_WARPS) as u32, &args)?;
     }
     Ok(())
@@ -612,6 +616,11 @@ pub struct GdnDims {
     pub eps: f32,
 }
 
+/// Warps per block of `gdn_recurrence` (a warp per state row) and the most state columns it
+/// holds per lane (kernels/gdn.cu).
+const GDN_WARPS: usize = 4;
+const GDN_MAX_STATE: usize = 32 * 8;
+
 /// The recurrence and gated output norm of `rows` tokens, the first reading plane
 /// `start_plane`, each the next the state the token before wrote (token `t` writes plane
 /// `write_plane + t` when given: a run of a tree's rows; else `start_plane + t + 1`); writes
@@ -633,27 +642,28 @@ pub fn gdn_recurrence(
             ring.n_planes
         )));
     }
-    if dims.head_dim > 1024 {
+    if dims.head_dim > GDN_MAX_STATE {
         return Err(internal(format!(
-            "cuda-hybrid: Gated DeltaNet state size {} exceeds the kernel's 1024",
+            "cuda-hybrid: Gated DeltaNet state size {} exceeds the kernel's {GDN_MAX_STATE}",
             dims.head_dim
         )));
     }
     gpu.launch(
         "gdn_recurrence",
-        (blocks(dims.n_v_heads, 1), 1, 1),
-        dims.head_dim as u32,
+        (
+            blocks(dims.n_v_heads, 1),
+            blocks(dims.head_dim, GDN_WARPS),
+            1,
+        ),
+        (32 * GDN_WARPS) as u32,
         &[
             Arg::Ptr(inputs.conv_out),
             int(dims.channels),
-            Arg::Ptr(inputs.z),
             Arg::Ptr(inputs.beta),
             Arg::Ptr(inputs.alpha),
             Arg::I32(i32::from(inputs.grouped)),
             Arg::Ptr(inputs.dt_bias),
             Arg::Ptr(inputs.ssm_a),
-            Arg::Ptr(inputs.norm),
-            Arg::F32(dims.eps),
             Arg::Ptr(ring.planes),
             Arg::U64(ring.plane_len as u64),
             Arg::U64(ring.layer_offset as u64),
@@ -667,6 +677,19 @@ pub fn gdn_recurrence(
             int(dims.n_v_heads),
             Arg::I32(dims.head_map),
             Arg::Ptr(out),
+        ],
+    )?;
+    gpu.launch(
+        "gdn_gated_norm",
+        (blocks(dims.n_v_heads, 1), blocks(rows, 1), 1),
+        dims.head_dim as u32,
+        &[
+            Arg::Ptr(out),
+            Arg::Ptr(inputs.z),
+            Arg::Ptr(inputs.norm),
+            Arg::F32(dims.eps),
+            int(dims.head_dim),
+            int(dims.n_v_heads),
         ],
     )
 }
