@@ -170,3 +170,53 @@ fn gpu_greedy_output_equals_cpu_simd_plain_and_with_mtp_drafting() {
         );
     }
 }
+
+#[test]
+fn gpu_greedy_output_equals_plain_with_the_draft_model() {
+    if !gpu_or_skip("gpu_greedy_output_equals_plain_with_the_draft_model") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = shared("models/stories260K.gguf");
+    let draft = shared("models/llama2xs-281K.gguf");
+    let run = |backend: &str, extra: &str| {
+        let p = profile(dir.path(), "p.toml", backend, &model, extra);
+        let out = specula(
+            &[
+                "run",
+                "--profile",
+                &p,
+                "-n",
+                "96",
+                "--temp",
+                "0",
+                "--json",
+                "Once upon a time",
+            ],
+            dir.path(),
+        );
+        assert!(out.status.success(), "{backend} {extra}: {}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        (
+            v["tokens"].clone(),
+            v["speculative"]["accepted"].as_u64().unwrap_or(0),
+        )
+    };
+    let (reference, _) = run("cpu-simd", "");
+    for (placement, drafter_backend) in [
+        ("", "cuda-hybrid"),
+        ("", "cpu-simd"),
+        ("[target.options]\ngpu_layers = 2\n", "cuda-hybrid"),
+    ] {
+        let extra = format!(
+            "{placement}[drafter]\nplugin = \"model\"\nmodel = {:?}\nbackend = \"{drafter_backend}\"\n",
+            draft.to_str().expect("utf-8 path")
+        );
+        let (tokens, accepted) = run("cuda-hybrid", &extra);
+        assert_eq!(tokens, reference, "{extra}");
+        assert!(
+            accepted > 0,
+            "{extra}: the draft model had no draft accepted"
+        );
+    }
+}

@@ -51,6 +51,7 @@ for name in gpu ptx cuda; do
 done
 strip -o "$release/deps/kernel-bench" "$kernel_bench"
 cp -r "$shared/models/fixtures" "$shared/models/trained" "$shared/models/next-arch" \
+    "$shared/models/llama2xs-281K.gguf" \
     "$shared/models/stories260K.gguf" \
     "$kit/shared/models/"
 chmod -R u+w "$kit/shared"

@@ -461,7 +461,8 @@ struct QuantQ6K {
     }
 };
 
-// acc[c] += dot(row, activation row c) for c < nc <= COLS, lane's share (units lane, lane + 32, ...).
+// acc[c] += dot(row, activation row c) for c < nc <= COLS, lane's share (units lane, lane + 32,
+// ...).
 // Activation row c: quants xq + c * cols, scales xd + c * (cols >> (5 + DX_SHIFT)), unit sums
 // xsums + c * (cols / 32).
 template <class D, int COLS>
