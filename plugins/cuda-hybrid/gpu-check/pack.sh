@@ -3,10 +3,12 @@
 # with neither a Rust toolchain nor a network: the release `specula` binary and plugin
 # libraries, the test executables that need a GPU (cuda-hybrid's `gpu` and `ptx`, the
 # end-to-end `cuda`), the kernel benchmark (`benches/matmul.rs`), all stripped, and the shared
-# models those tests read. About 33 MB.
+# models those tests read. About 40 MB.
 #
 # Run it here, from anywhere in the checkout; then on the GPU machine, from the repository
-# root: plugins/cuda-hybrid/gpu-check/run.sh (see that file).
+# root: plugins/cuda-hybrid/gpu-check/run.sh (see that file). With the device tool: carry
+# `.gpu-kit` and run `plugins/cuda-hybrid/gpu-check/run.sh tests bench` (about 4 minutes on
+# an H100; the logs come back as $OUT/logs.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 root=$PWD
@@ -55,6 +57,12 @@ cp -r "$shared/models/fixtures" "$shared/models/trained" "$shared/models/next-ar
     "$shared/models/stories260K.gguf" \
     "$kit/shared/models/"
 chmod -R u+w "$kit/shared"
+# OLD_PLUGIN: an older build's libspecula_cuda_hybrid.so, which run.sh's benches run beside
+# this one (the same host binary loads it by path).
+if [ -n "${OLD_PLUGIN:-}" ]; then
+    mkdir -p "$kit/old"
+    strip -o "$kit/old/libspecula_cuda_hybrid.so" "$OLD_PLUGIN"
+fi
 {
     git rev-parse HEAD
     git status --porcelain --untracked-files=no | sed 's/^/changed: /'

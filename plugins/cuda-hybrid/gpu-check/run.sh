@@ -6,22 +6,35 @@
 #                                                # verify rows == single-token evals, rollback
 #                                                # oracle, greedy == cpu-simd, MTP == plain
 #   plugins/cuda-hybrid/gpu-check/run.sh kernels # the mat-vec / mat-mul kernels alone: time
-#                                                # and weight GB/s per type, shape, k = 1..8
-#   plugins/cuda-hybrid/gpu-check/run.sh bench   # a Qwen3.5-2B-shaped Q4_K model: plain and
-#                                                # MTP decode, verify cost ratios k = 1..8;
-#                                                # the trained qwen35 with its MTP head
-#   plugins/cuda-hybrid/gpu-check/run.sh all     # all three (the default)
+#                                                # and weight GB/s per type, shape, k = 1, 2, 4, 8
+#   plugins/cuda-hybrid/gpu-check/run.sh bench   # specula bench: Qwen3.5-2B-shaped Q4_K on the
+#                                                # GPU and half on the CPU, Qwen3-0.6B-shaped
+#                                                # Q8_0 (and many sequences), the trained qwen35
+#   plugins/cuda-hybrid/gpu-check/run.sh profile # ncu: each kernel's time over a few decode
+#                                                # steps of the 2B and 0.6B models, by grid
+#   plugins/cuda-hybrid/gpu-check/run.sh all     # tests, kernels, bench (the default)
 #
-# Logs go to $OUT (the device tool's output folder) or ./gpu-check-out/. The exit status is
-# the number of failed steps.
+# Several at once: `run.sh tests bench`. With a kit packed by `OLD_PLUGIN=... pack.sh`, every
+# bench runs that older cuda-hybrid library too, right after the new one, on the same machine.
+#
+# Logs go to $OUT (the device tool's output folder, as one logs.tgz plus the summary) or
+# ./gpu-check-out/. Every step has a time limit. The exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 kit="$PWD/.gpu-kit"
 bin="$kit/target/release/specula"
 deps="$kit/target/release/deps"
-out="${OUT:-$PWD/gpu-check-out}"
-mkdir -p "$out"
-what="${1:-all}"
+old_plugin="$kit/old/libspecula_cuda_hybrid.so"
+if [ -n "${OUT:-}" ]; then
+    # The device tool brings back only a few files: everything goes into one archive.
+    out=$(mktemp -d /tmp/gpu-check.XXXX)
+    trap 'tar czf "$OUT/logs.tgz" -C "$out" .' EXIT
+else
+    out="$PWD/gpu-check-out"
+    mkdir -p "$out"
+fi
+what="${*:-all}"
+wants() { [[ " $what " == *" $1 "* ]] || [[ " $what " == *" all "* && $1 != profile ]]; }
 if [ ! -x "$bin" ]; then
     echo "run.sh: no kit at $kit: run plugins/cuda-hybrid/gpu-check/pack.sh first" >&2
     exit 100
@@ -30,7 +43,6 @@ fi
 # The tests read the kit's models, fail rather than skip or fall back to the emulator when
 # the GPU cannot be used, and share one PTX cache.
 export SPECULA_SHARED="$kit/shared"
-export SPECULA_REQUIRE_GPU=1
 # The end-to-end tests run the kit's binary (their compiled-in path is the build machine's).
 export SPECULA_BIN="$bin"
 export SPECULA_HOME="${SPECULA_HOME:-/tmp/specula-home}"
@@ -48,12 +60,13 @@ print(" ".join(os.path.join(p, s) for p in nvidia.__path__ for s in ("cu13/lib",
 fi
 
 failed=0
+# step NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output in NAME.log.
 step() {
-    local name=$1
-    shift
+    local name=$1 limit=$2
+    shift 2
     echo "== $name: $*"
     local started=$SECONDS
-    if "$@" >"$out/$name.log" 2>&1; then
+    if timeout "$limit" "$@" >"$out/$name.log" 2>&1; then
         echo "   ok in $((SECONDS - started)) s"
     else
         echo "   FAILED (status $?) in $((SECONDS - started)) s; the log's end:"
@@ -67,40 +80,92 @@ step() {
     echo "kit: $(head -1 "$kit/REVISION")$(grep -q changed "$kit/REVISION" && echo ' (with uncommitted changes)')"
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv,noheader
     echo "NVRTC: ${SPECULA_NVRTC_PATH:-the library search path}"
+    echo "CPU threads: $(nproc)"
 } | tee "$out/machine.txt"
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    step ptx env CI=true "$deps/ptx" --nocapture  # CI set: NVRTC must load
-    step gpu "$deps/gpu" --test-threads=1 --nocapture
-    step cuda "$deps/cuda" --test-threads=1 --nocapture
+# The benchmark models are written in the background while the tests run.
+q2b=/tmp/qwen35-2b-q4_k.gguf
+q06=/tmp/qwen3-0.6b-q8_0.gguf
+if wants bench || wants profile; then
+    (
+        [ -f "$q2b" ] || "$bin" gen-model --preset qwen35-2b --out "$q2b"
+        [ -f "$q06" ] || "$bin" gen-model --preset qwen3-0.6b --type q8_0 --out "$q06"
+    ) >"$out/gen-model.log" 2>&1 &
 fi
 
-if [ "$what" = kernels ] || [ "$what" = all ]; then
-    # Criterion keeps its history out of $OUT.
-    step kernels env CRITERION_HOME=/tmp/specula-criterion "$deps/kernel-bench" --bench \
-        --warm-up-time 0.5 --measurement-time 1
-    grep -E "^[a-z0-9_]+/[a-z_]+/rows|thrpt" "$out/kernels.log"
+if wants tests; then
+    export SPECULA_REQUIRE_GPU=1
+    step ptx 120 env CI=true "$deps/ptx" --nocapture  # CI set: NVRTC must load
+    step gpu 300 "$deps/gpu" --test-threads=1 --nocapture
+    step cuda 120 "$deps/cuda" --test-threads=1 --nocapture
+    unset SPECULA_REQUIRE_GPU
 fi
 
-if [ "$what" = bench ] || [ "$what" = all ]; then
-    model=/tmp/qwen35-2b-q4_k.gguf
-    [ -f "$model" ] || step gen-model "$bin" gen-model --preset qwen35-2b --out "$model"
-    profile="$out/qwen35-2b-cuda-mtp.toml"
-    printf '[target]\nbackend = "cuda-hybrid"\nmodel = "%s"\ncontext_size = 1024\n\n[drafter]\nplugin = "mtp"\n' \
-        "$model" >"$profile"
-    step bench "$bin" bench --profile "$profile" --runs 3 -n 128 --prompt-tokens 64 \
-        --drafters profile,oracle --oracle-k 4
-    cat "$out/bench.log"
-    step bench-oracle-k8 "$bin" bench --profile "$profile" --runs 3 -n 128 --prompt-tokens 64 \
-        --drafters oracle --oracle-k 8
-    cat "$out/bench-oracle-k8.log"
-    # The random 2B model's MTP head accepts nothing; the trained qwen35 shows real acceptance.
-    trained="$out/stories-qwen35-cuda-mtp.toml"
-    printf '[target]\nbackend = "cuda-hybrid"\nmodel = "%s"\ncontext_size = 1024\n\n[drafter]\nplugin = "mtp"\n' \
-        "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" >"$trained"
-    step bench-trained "$bin" bench --profile "$trained" --runs 3 -n 128 --prompt-tokens 64 \
-        --drafters profile,oracle
-    cat "$out/bench-trained.log"
+if wants kernels; then
+    # Criterion keeps its history out of $OUT. KERNELS_FILTER (e.g. q4_K) picks benchmarks.
+    step kernels 240 env CRITERION_HOME=/tmp/specula-criterion "$deps/kernel-bench" --bench \
+        --warm-up-time 0.3 --measurement-time 0.6 ${KERNELS_FILTER:-}
+    grep -E "^[a-zA-Z0-9_]+/[a-z_]+/rows|time:" "$out/kernels.log" | grep -v Benchmarking
+fi
+
+wait
+# profile NAME BACKEND MODEL GPU_LAYERS [DRAFTER]: a profile for the benches.
+profile() {
+    local drafter=${5:-mtp}
+    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n\n[drafter]\nplugin = "%s"\n' \
+        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "$drafter" >"$out/$1.toml"
+    echo "$out/$1.toml"
+}
+# bench NAME MODEL GPU_LAYERS BENCH-ARGS...: the bench with this kit's plugin, then the old one.
+bench() {
+    local name=$1 model=$2 layers=$3
+    shift 3
+    step "bench-$name" 120 "$bin" bench --profile "$(profile "$name" cuda-hybrid "$model" "$layers")" "$@"
+    grep -vE "^(tensor types|AMX|peak|memory read|  with the KV)" "$out/bench-$name.log"
+    if [ -f "$old_plugin" ]; then
+        step "bench-$name-old" 120 "$bin" bench \
+            --profile "$(profile "$name-old" "$old_plugin" "$model" "$layers")" "$@"
+        grep -vE "^(tensor types|AMX|peak|memory read|  with the KV)" "$out/bench-$name-old.log"
+    fi
+}
+
+if wants bench; then
+    short=(--runs 3 -n 64 --prompt-tokens 64)
+    bench qwen35-2b-gpu "$q2b" all "${short[@]}" --drafters oracle --oracle-k 4
+    bench qwen35-2b-gpu-k8 "$q2b" all "${short[@]}" --drafters oracle --oracle-k 8
+    bench qwen35-2b-half "$q2b" 12 "${short[@]}" --drafters oracle --oracle-k 4
+    bench qwen3-0.6b-gpu "$q06" all "${short[@]}" --drafters oracle --oracle-k 8
+    bench qwen3-0.6b-sequences "$q06" all --concurrency 1,4,8 -n 32
+    # The random models' MTP heads accept nothing; the trained qwen35 shows real acceptance.
+    bench trained "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" all \
+        --runs 3 -n 128 --prompt-tokens 64 --drafters profile,oracle
+fi
+
+if wants profile; then
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    prompt="Once upon a time there was a"
+    for model in "$q2b" "$q06"; do
+        name=profile-$(basename "$model" .gguf)
+        # Skips the model's load and prefill; a few hundred launches make a decode step.
+        step "$name" 120 "$ncu" --csv --metrics gpu__time_duration.sum,launch__grid_size \
+            --launch-skip 1500 --launch-count 1500 --log-file "$out/$name.csv" \
+            "$bin" run --profile "$(profile "$name" cuda-hybrid "$model" all)" -n 16 --temp 0 \
+            --no-spec "$prompt"
+        python3 - "$out/$name.csv" <<'EOF'
+import collections, csv, sys
+rows = [r for r in csv.DictReader(line for line in open(sys.argv[1]) if line.startswith('"'))
+        if r["Metric Name"] == "gpu__time_duration.sum"]
+total = collections.defaultdict(lambda: [0, 0.0])
+for r in rows:
+    key = (r["Kernel Name"], r["Grid Size"])
+    total[key][0] += 1
+    total[key][1] += float(r["Metric Value"].replace(",", ""))
+ns = sum(t for _, t in total.values())
+print(f"   {len(rows)} launches, {ns / 1e3:.0f} us of kernel time")
+for (name, grid), (n, t) in sorted(total.items(), key=lambda kv: -kv[1][1])[:20]:
+    print(f"   {name:28} grid {grid:>14} x{n:<5} {t / n / 1e3:8.2f} us each {100 * t / ns:5.1f}%")
+EOF
+    done
 fi
 echo "failed steps: $failed"
 exit "$failed"
