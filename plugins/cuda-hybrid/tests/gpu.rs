@@ -614,16 +614,23 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             values: dv,
             table: dtable.ptr(),
         };
+        let info = gpu.upload(&ops::chain_rows(0, pos0, rows)).unwrap();
+        let attention_rows = ops::AttentionRows {
+            info: info.ptr(),
+            n: rows,
+            tables: dtable.ptr(),
+            table_stride: 0,
+            paths: 0,
+            max_keys: pos0 + rows,
+        };
         ops::attention(
             &gpu,
             &dims,
             qh,
             layer,
-            pos0,
-            rows,
+            attention_rows,
             &scores,
             n_ctx,
-            None,
             None,
             out.ptr(),
         )

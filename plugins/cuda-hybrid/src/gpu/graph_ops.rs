@@ -59,62 +59,90 @@ fn shifted(heads: Heads, rows: usize) -> Heads {
 }
 
 /// One pass's view of a [`GpuModel`]: its buffers, caches and weights.
-/// Where a span's tree rows' paths lie in the device scratch: the first int, ints per row,
-/// and the cache position of the span's step 0.
-#[derive(Debug, Clone, Copy)]
-struct PathsAt {
-    at: usize,
-    stride: usize,
-    base: usize,
-}
-
 pub struct GpuOps<'a> {
     m: &'a mut GpuModel,
-    /// Per span of the pass, where its tree rows' paths lie in the device scratch (`None`
-    /// for a chain): written by the first attention layer, read by every one (the rows are the
-    /// same for all layers of a pass).
-    tree_paths: Option<Vec<Option<PathsAt>>>,
+    /// Whether the pass's row table and its tree rows' paths are in the device scratch: written
+    /// by the first attention layer, read by every one (the rows are the same for all layers of
+    /// a pass).
+    rows_written: bool,
 }
 
 impl<'a> GpuOps<'a> {
     pub fn new(m: &'a mut GpuModel) -> Self {
         Self {
             m,
-            tree_paths: None,
+            rows_written: false,
         }
     }
 
-    /// The paths of every tree's rows in the device scratch (each row: the path's length,
-    /// then its nodes' cache positions), one span after another, written on the first call
-    /// of a pass.
-    fn tree_paths(&mut self, rows: &Rows) -> Result<Vec<Option<PathsAt>>, PluginError> {
-        if let Some(trees) = &self.tree_paths {
-            return Ok(trees.clone());
+    /// Writes the pass's row table ([`ops::AttentionRows`]: each row's sequence slot, cache
+    /// position and path) and the paths of every tree's rows (each row: the path's length,
+    /// then its nodes' cache positions), once per pass.
+    fn write_rows(&mut self, rows: &Rows) -> Result<(), PluginError> {
+        if self.rows_written {
+            return Ok(());
         }
-        let mut map: Vec<i32> = Vec::new();
-        let mut trees = Vec::with_capacity(rows.spans.len());
+        let mut info: Vec<i32> = Vec::with_capacity(ops::ROW_INFO * rows.n);
+        let mut paths: Vec<i32> = Vec::new();
         for span in rows.spans {
-            trees.push(span.tree.map(|tree| {
-                let base = span.pos0 - span.ring_step0;
-                let stride = span.ring_step0 + span.n + 1;
-                let at = map.len();
-                map.resize(at + span.n * stride, 0);
-                for (i, row) in map[at..].chunks_exact_mut(stride).enumerate() {
-                    let path = tree.path(span.ring_step0 + i);
-                    row[0] = path.len() as i32;
-                    for (k, &node) in path.iter().enumerate() {
-                        row[1 + k] = (base + node) as i32;
+            let base = span.pos0 - span.ring_step0;
+            let stride = span.ring_step0 + span.n + 1;
+            for i in 0..span.n {
+                let (path_at, tree_base) = match &span.tree {
+                    None => (-1, 0),
+                    Some(tree) => {
+                        let at = paths.len();
+                        paths.resize(at + stride, 0);
+                        let path = tree.path(span.ring_step0 + i);
+                        paths[at] = path.len() as i32;
+                        for (k, &node) in path.iter().enumerate() {
+                            paths[at + 1 + k] = (base + node) as i32;
+                        }
+                        (at as i32, base as i32)
                     }
-                }
-                PathsAt { at, stride, base }
-            }));
+                };
+                info.extend([span.seq as i32, (span.pos0 + i) as i32, path_at, tree_base]);
+            }
         }
-        if !map.is_empty() {
-            let m = &mut *self.m;
-            m.gpu.write(&map, &mut m.scratch.extras.tree_paths, 0)?;
+        let m = &mut *self.m;
+        m.gpu.write(&info, &mut m.scratch.extras.row_info, 0)?;
+        m.gpu.write(&paths, &mut m.scratch.extras.tree_paths, 0)?;
+        self.rows_written = true;
+        Ok(())
+    }
+
+    /// The pass's rows as the attention and cache-store kernels read them (after
+    /// [`Self::write_rows`]), through the trunk's block tables.
+    fn pass_rows(&self, rows: &Rows) -> ops::AttentionRows {
+        let m = &*self.m;
+        ops::AttentionRows {
+            info: m.scratch.extras.row_info.ptr(),
+            n: rows.n,
+            tables: m.tables.ptr(),
+            table_stride: m.table_len,
+            paths: m.scratch.extras.tree_paths.ptr(),
+            max_keys: rows.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0),
         }
-        self.tree_paths = Some(trees.clone());
-        Ok(trees)
+    }
+
+    /// The `n` rows from row `first` of `all`, one sequence's at positions `pos0 ..`, through
+    /// the one block table `table` (a sequence's own cache: the MTP head's).
+    fn span_rows(
+        &self,
+        all: ops::AttentionRows,
+        first: usize,
+        n: usize,
+        pos0: usize,
+        table: u64,
+    ) -> ops::AttentionRows {
+        ops::AttentionRows {
+            info: all.info + (4 * ops::ROW_INFO * first) as u64,
+            n,
+            tables: table,
+            table_stride: 0,
+            max_keys: pos0 + n,
+            ..all
+        }
     }
 
     /// Address of buffer `act`'s column `first` in row 0.
@@ -278,28 +306,41 @@ impl LayerOps for GpuOps<'_> {
         self.m.dims.check_kv(k, v)?;
         let a = &self.m.dims.attention;
         let (kw, vw) = (a.k_width(), a.v_width());
+        self.write_rows(rows)?;
         let m = &*self.m;
-        for (first, span) in rows.with_offsets() {
-            let (layer, capacity) = cache_layer(m, span.seq, slot)?;
-            let (n, pos0) = (span.n, span.pos0);
-            let (sk, sv) = (m.scratch.act(k), m.scratch.act(v));
-            if pos0 + n > capacity || (first + n) * kw > sk.len() || (first + n) * vw > sv.len() {
+        let (sk, sv) = (m.scratch.act(k), m.scratch.act(v));
+        if rows.n * kw > sk.len() || rows.n * vw > sv.len() {
+            return Err(graph_error(&format!(
+                "{} rows exceed the device scratch",
+                rows.n
+            )));
+        }
+        for span in rows.spans {
+            let (_, capacity) = cache_layer(m, span.seq, slot)?;
+            if span.pos0 + span.n > capacity {
                 return Err(graph_error(&format!(
-                    "rows {first}..{} at positions {pos0}.. exceed the device KV cache or scratch",
-                    first + n
+                    "{} rows at positions {}.. exceed the device KV cache",
+                    span.n, span.pos0
                 )));
             }
+        }
+        let all = self.pass_rows(rows);
+        if let Cache::Trunk(_) = slot.cache {
+            // Every sequence's trunk cache is in the same pool: all rows in one launch each.
+            let Some(span) = rows.spans.first() else {
+                return Ok(());
+            };
+            let (layer, _) = cache_layer(m, span.seq, slot)?;
+            ops::kv_store(&m.gpu, layer.ty, sk.ptr(), kw, all, layer.keys)?;
+            return ops::kv_store(&m.gpu, layer.ty, sv.ptr(), vw, all, layer.values);
+        }
+        // The MTP head's caches are a sequence's own: launches per sequence.
+        for (first, span) in rows.with_offsets() {
+            let (layer, _) = cache_layer(m, span.seq, slot)?;
+            let span_rows = self.span_rows(all, first, span.n, span.pos0, layer.table);
             let (ks, vs) = (sk.at(first * kw), sv.at(first * vw));
-            ops::kv_store(&m.gpu, layer.ty, ks, (n, kw), pos0, layer.table, layer.keys)?;
-            ops::kv_store(
-                &m.gpu,
-                layer.ty,
-                vs,
-                (n, vw),
-                pos0,
-                layer.table,
-                layer.values,
-            )?;
+            ops::kv_store(&m.gpu, layer.ty, ks, kw, span_rows, layer.keys)?;
+            ops::kv_store(&m.gpu, layer.ty, vs, vw, span_rows, layer.values)?;
         }
         Ok(())
     }
@@ -327,30 +368,45 @@ impl LayerOps for GpuOps<'_> {
         });
         let out = self.ptr(dst);
         let ow = dims.n_head * dims.value_dim;
-        let trees = self.tree_paths(rows)?;
+        self.write_rows(rows)?;
+        let all = self.pass_rows(rows);
         let m = &*self.m;
-        for ((first, span), tree) in rows.with_offsets().zip(trees) {
+        let s = &m.scratch;
+        if let Cache::Trunk(_) = slot.cache {
+            // Every sequence's trunk cache is in the same pool, through its own block table:
+            // all the pass's rows in one launch (per ATTENTION_ROWS).
+            let Some(span) = rows.spans.first() else {
+                return Ok(());
+            };
             let (layer, _) = cache_layer(m, span.seq, slot)?;
-            let s = &m.scratch;
-            let tree = tree.map(|p| ops::TreePaths {
-                map: s.extras.tree_paths.ptr() + 4 * p.at as u64,
-                stride: p.stride,
-                base: p.base,
-            });
+            return ops::attention(
+                &m.gpu,
+                &dims,
+                queries,
+                layer,
+                all,
+                &s.extras.scores,
+                s.n_ctx,
+                gate,
+                out,
+            );
+        }
+        // The MTP head's caches are a sequence's own: a launch per sequence.
+        for (first, span) in rows.with_offsets() {
+            let (layer, _) = cache_layer(m, span.seq, slot)?;
+            let span_rows = self.span_rows(all, first, span.n, span.pos0, layer.table);
             ops::attention(
                 &m.gpu,
                 &dims,
                 shifted(queries, first),
                 layer,
-                span.pos0,
-                span.n,
+                span_rows,
                 &s.extras.scores,
                 s.n_ctx,
                 gate.map(|g| Gate {
                     ptr: g.ptr + 4 * (first * g.row_stride) as u64,
                     ..g
                 }),
-                tree,
                 out + 4 * (first * ow) as u64,
             )?;
         }

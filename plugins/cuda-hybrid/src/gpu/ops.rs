@@ -391,15 +391,14 @@ pub struct KvLayer {
     pub table: u64,
 }
 
-/// Stores `rows` rows of `width` f32 values at `src` (positions `pos0 ..` of the sequence
-/// whose block table `table` is) into the cache rows at `dst`, of type `kv`.
+/// Stores the `rows.n` rows of `width` f32 values at `src` (each at its row's cache position
+/// in its sequence, through the tables of `rows`) into the cache rows at `dst`, of type `kv`.
 pub fn kv_store(
     gpu: &Gpu,
     kv: KvType,
     src: u64,
-    (rows, width): (usize, usize),
-    pos0: usize,
-    table: u64,
+    width: usize,
+    rows: AttentionRows,
     dst: u64,
 ) -> Result<(), PluginError> {
     let kernel = match kv {
@@ -409,44 +408,59 @@ pub fn kv_store(
     };
     gpu.launch(
         kernel,
-        (blocks(rows * width, ROW_BLOCK as usize), 1, 1),
+        (blocks(rows.n * width, ROW_BLOCK as usize), 1, 1),
         ROW_BLOCK,
         &[
             Arg::Ptr(src),
-            Arg::U64(rows as u64),
+            Arg::U64(rows.n as u64),
             Arg::U64(width as u64),
-            int(pos0),
-            Arg::Ptr(table),
+            Arg::Ptr(rows.info),
+            Arg::Ptr(rows.tables),
+            Arg::U64(rows.table_stride as u64),
             Arg::Ptr(dst),
         ],
     )
 }
 
-/// The paths of a tree's rows for [`attention`]: per row `stride` ints at `map` (the path's
-/// length, then its nodes' cache positions), the positions before `base` seen by every row.
+/// Ints per row of an attention launch's row table ([`AttentionRows`]).
+pub const ROW_INFO: usize = 4;
+
+/// The rows of an [`attention`] launch, which may belong to different sequences: per row
+/// [`ROW_INFO`] ints at `info` — its sequence slot, its cache position, where its tree path
+/// starts in `paths` (-1: a chain row, which sees positions 0 ..= its own) and its tree's first
+/// position — and where the block tables are: sequence `s`'s at `tables + 4 * s *
+/// table_stride` (an unpaged cache: an identity table and `table_stride` 0). `max_keys` is the
+/// most keys a row sees.
 #[derive(Debug, Clone, Copy)]
-pub struct TreePaths {
-    pub map: u64,
-    pub stride: usize,
-    pub base: usize,
+pub struct AttentionRows {
+    pub info: u64,
+    pub n: usize,
+    pub tables: u64,
+    pub table_stride: usize,
+    pub paths: u64,
+    pub max_keys: usize,
 }
 
-/// Attention of `rows` query rows (`q`, positions `pos0 ..`, or a tree's rows seeing their
-/// `tree` paths) over the cache layer `kv`, into `out` (`rows × n_head × value_dim`), in
-/// launches of [`ATTENTION_ROWS`] rows; `scores` holds `ATTENTION_ROWS × n_head ×
-/// score_stride` floats.
+/// The row table of `n` chain rows of sequence slot `seq` at positions `pos0 ..`.
+pub fn chain_rows(seq: usize, pos0: usize, n: usize) -> Vec<i32> {
+    (0..n)
+        .flat_map(|i| [seq as i32, (pos0 + i) as i32, -1, 0])
+        .collect()
+}
+
+/// Attention of the query rows `q` of `rows` over the cache layer `kv` (its keys and values;
+/// the tables come with the rows), into `out` (`rows.n × n_head × value_dim`), in launches of
+/// [`ATTENTION_ROWS`] rows; `scores` holds `ATTENTION_ROWS × n_head × score_stride` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     dims: &AttentionDims,
     q: Heads,
     kv: KvLayer,
-    pos0: usize,
-    rows: usize,
+    rows: AttentionRows,
     scores: &DevBuf<f32>,
     score_stride: usize,
     gate: Option<Gate>,
-    tree: Option<TreePaths>,
     out: u64,
 ) -> Result<(), PluginError> {
     if dims.head_dim > 1024 {
@@ -455,16 +469,16 @@ pub fn attention(
             dims.head_dim
         )));
     }
-    if pos0 + rows > score_stride || scores.len() < ATTENTION_ROWS * dims.n_head * score_stride {
+    if rows.max_keys > score_stride || scores.len() < ATTENTION_ROWS * dims.n_head * score_stride {
         return Err(internal(format!(
             "cuda-hybrid: attention over {} positions exceeds the score scratch",
-            pos0 + rows
+            rows.max_keys
         )));
     }
     let out_row = dims.n_head * dims.value_dim;
     let mut first = 0;
-    while first < rows {
-        let m = ATTENTION_ROWS.min(rows - first);
+    while first < rows.n {
+        let m = ATTENTION_ROWS.min(rows.n - first);
         let gate_args = match gate {
             Some(g) => [
                 Arg::Ptr(g.ptr + (4 * first * g.row_stride) as u64),
@@ -485,14 +499,16 @@ pub fn attention(
                 Arg::Ptr(q.ptr + (4 * first * q.row_stride) as u64),
                 Arg::U64(q.row_stride as u64),
                 int(q.head_stride),
-                Arg::Ptr(kv.table),
+                Arg::Ptr(rows.tables),
+                Arg::U64(rows.table_stride as u64),
+                Arg::Ptr(rows.info + (4 * first * ROW_INFO) as u64),
+                Arg::Ptr(rows.paths),
                 Arg::Ptr(kv.keys),
                 Arg::Ptr(kv.values),
                 int(dims.n_head),
                 int(dims.n_head_kv),
                 int(dims.head_dim),
                 int(dims.value_dim),
-                int(pos0 + first),
                 Arg::F32(dims.scale),
                 Arg::Ptr(scores.ptr()),
                 Arg::U64(score_stride as u64),
@@ -500,9 +516,6 @@ pub fn attention(
                 gate_args[1],
                 gate_args[2],
                 Arg::Ptr(out + (4 * first * out_row) as u64),
-                Arg::Ptr(tree.map_or(0, |t| t.map + (4 * first * t.stride) as u64)),
-                int(tree.map_or(0, |t| t.stride)),
-                int(tree.map_or(0, |t| t.base)),
             ],
         )?;
         first += m;
