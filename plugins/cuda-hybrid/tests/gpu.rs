@@ -510,7 +510,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             hd,
             Some(&norm_v),
             1e-6,
-            pos0,
+            ops::Positions::From(pos0),
             0,
             &DevRope::new(&rope, None),
         )
@@ -1298,13 +1298,11 @@ fn gated_delta_net_recurrence_follows_the_cpu_step() {
         let out = gpu.zeros::<f32>(rows * value_dim).unwrap();
         let inputs = ops::GdnInputs {
             conv_out: d_conv.ptr(),
-            z: d_z.ptr(),
             beta: d_beta.ptr(),
             alpha: d_alpha.ptr(),
             grouped: false,
             dt_bias: d_dt.ptr(),
             ssm_a: d_a.ptr(),
-            norm: d_norm.ptr(),
         };
         let dims = ops::GdnDims {
             channels,
@@ -1322,6 +1320,7 @@ fn gated_delta_net_recurrence_follows_the_cpu_step() {
             conv_len,
         };
         ops::gdn_recurrence(&gpu, &inputs, &dims, &ring, 0, None, rows, out.ptr()).unwrap();
+        ops::gdn_gated_norm(&gpu, &dims, out.ptr(), d_z.ptr(), d_norm.ptr(), rows).unwrap();
         let got = download(&gpu, &out);
         let got_planes = download(&gpu, &d_planes);
 

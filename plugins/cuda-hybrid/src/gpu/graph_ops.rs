@@ -61,9 +61,9 @@ fn shifted(heads: Heads, rows: usize) -> Heads {
 /// One pass's view of a [`GpuModel`]: its buffers, caches and weights.
 pub struct GpuOps<'a> {
     m: &'a mut GpuModel,
-    /// Whether the pass's row table and its tree rows' paths are in the device scratch: written
-    /// by the first attention layer, read by every one (the rows are the same for all layers of
-    /// a pass).
+    /// Whether the pass's row table, its tree rows' paths and its rows' positions are in the
+    /// device scratch: written by the first attention layer, read by every one (the rows are
+    /// the same for all layers of a pass).
     rows_written: bool,
 }
 
@@ -76,14 +76,15 @@ impl<'a> GpuOps<'a> {
     }
 
     /// Writes the pass's row table ([`ops::AttentionRows`]: each row's sequence slot, cache
-    /// position and path) and the paths of every tree's rows (each row: the path's length,
-    /// then its nodes' cache positions), once per pass.
+    /// position and path), the paths of every tree's rows (each row: the path's length, then
+    /// its nodes' cache positions) and each row's RoPE position, once per pass.
     fn write_rows(&mut self, rows: &Rows) -> Result<(), PluginError> {
         if self.rows_written {
             return Ok(());
         }
         let mut info: Vec<i32> = Vec::with_capacity(ops::ROW_INFO * rows.n);
         let mut paths: Vec<i32> = Vec::new();
+        let mut positions: Vec<i32> = Vec::with_capacity(rows.n);
         for span in rows.spans {
             let base = span.pos0 - span.ring_step0;
             let stride = span.ring_step0 + span.n + 1;
@@ -102,10 +103,13 @@ impl<'a> GpuOps<'a> {
                     }
                 };
                 info.extend([span.seq as i32, (span.pos0 + i) as i32, path_at, tree_base]);
+                positions.push(span.position(i) as i32);
             }
         }
         let m = &mut *self.m;
         m.gpu.write(&info, &mut m.scratch.extras.row_info, 0)?;
+        m.gpu
+            .write(&positions, &mut m.scratch.extras.positions, 0)?;
         m.gpu.write(&paths, &mut m.scratch.extras.tree_paths, 0)?;
         self.rows_written = true;
         Ok(())
@@ -264,40 +268,29 @@ impl LayerOps for GpuOps<'_> {
             row_stride: kw,
             head_stride: hd,
         };
+        self.write_rows(rows)?;
         let m = &*self.m;
         let (eps, offset) = (m.dims.rms_eps, slot.rope_offset);
-        // Each sequence's rows rotate by their own positions, a launch per run of consecutive
-        // positions (a chain's rows together; a tree's split where a row does not continue
-        // the row before it).
-        for (first, span) in rows.with_offsets() {
-            let mut runs: Vec<(usize, usize, usize)> = Vec::new();
-            for i in 0..span.n {
-                let position = span.position(i);
-                match runs.last_mut() {
-                    Some((_, n, pos0)) if *pos0 + *n == position => *n += 1,
-                    _ => runs.push((first + i, 1, position)),
-                }
-            }
-            for (row, n, position) in runs {
-                for (input, output, n_heads, norm) in [
-                    (q_in, q_out, a.n_head, &q_norm),
-                    (keys, keys, a.n_head_kv, &k_norm),
-                ] {
-                    ops::qk_norm_rope(
-                        &m.gpu,
-                        shifted(input, row),
-                        shifted(output, row),
-                        n_heads,
-                        n,
-                        hd,
-                        norm.as_ref(),
-                        eps,
-                        position,
-                        offset,
-                        &m.rope,
-                    )?;
-                }
-            }
+        // Every row rotates by its own position (a tree's rows by their depths): one launch
+        // for all rows of all sequences.
+        let positions = ops::Positions::PerRow(m.scratch.extras.positions.ptr());
+        for (input, output, n_heads, norm) in [
+            (q_in, q_out, a.n_head, &q_norm),
+            (keys, keys, a.n_head_kv, &k_norm),
+        ] {
+            ops::qk_norm_rope(
+                &m.gpu,
+                input,
+                output,
+                n_heads,
+                rows.n,
+                hd,
+                norm.as_ref(),
+                eps,
+                positions,
+                offset,
+                &m.rope,
+            )?;
         }
         Ok(())
     }
@@ -454,6 +447,12 @@ impl LayerOps for GpuOps<'_> {
             eps: shape.eps,
         };
         let q_scale = 1.0 / (sd as f32).sqrt();
+        // Each sequence's rows in launches of at most the ring's depth, so no token overwrites
+        // the plane its launch starts from (the convolution reads it for every token). A tree's
+        // rows go a run at a time — rows each the child of the row before — the run's first
+        // from its parent's state (the plane of step parent + 1, or the live one for a root),
+        // each into its own plane (step row + 1).
+        let mut launches = Vec::new();
         for (row0, span) in rows.with_offsets() {
             let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
                 return Err(graph_error("a Gated DeltaNet layer without a device ring"));
@@ -463,15 +462,9 @@ impl LayerOps for GpuOps<'_> {
                 .filter(|&i| i < state.layout.n_layers)
                 .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not on the GPU")))?;
             let ring_slot = state.slot(local);
-            // At most depth tokens per launch, so no token overwrites the plane the launch
-            // starts from (the convolution reads it for every token).
-            // A tree's rows a run at a time — rows each the child of the row before — the
-            // run's first from its parent's state (the plane of step parent + 1, or the live one
-            // for a root), each into its own plane (step row + 1).
             let depth = state.index.depth();
             let mut step = 0;
             while step < span.n {
-                let first = row0 + step;
                 let (n, start, write) = match span.tree {
                     None => {
                         let (start, _) = state.index.step_planes(span.ring_step0 + step);
@@ -486,52 +479,56 @@ impl LayerOps for GpuOps<'_> {
                         (1 + run, start, Some(write))
                     }
                 };
-                ops::gdn_conv(
-                    &m.gpu,
-                    mixed.at(first * c),
-                    &conv,
-                    &ring_slot,
-                    start,
-                    write,
-                    n,
-                    shape.conv_kernel,
-                    c,
-                    conv_out.at(first * c),
-                )?;
-                ops::gdn_qk_l2norm(
-                    &m.gpu,
-                    conv_out.at(first * c),
-                    n,
-                    c,
-                    shape.n_k_heads,
-                    sd,
-                    shape.eps,
-                    q_scale,
-                )?;
-                let inputs = ops::GdnInputs {
-                    conv_out: conv_out.at(first * c),
-                    z: z.at(first * vd),
-                    beta: beta.at(first * per_row),
-                    alpha: alpha.at(first * per_row),
-                    grouped,
-                    dt_bias: dt_bias.ptr,
-                    ssm_a: a.ptr,
-                    norm: norm.ptr,
-                };
-                ops::gdn_recurrence(
-                    &m.gpu,
-                    &inputs,
-                    &dims,
-                    &ring_slot,
-                    start,
-                    write,
-                    n,
-                    out.at(first * vd),
-                )?;
+                launches.push((row0 + step, n, ring_slot, start, write));
                 step += n;
             }
         }
-        Ok(())
+        for &(first, n, ring_slot, start, write) in &launches {
+            ops::gdn_conv(
+                &m.gpu,
+                mixed.at(first * c),
+                &conv,
+                &ring_slot,
+                start,
+                write,
+                n,
+                shape.conv_kernel,
+                c,
+                conv_out.at(first * c),
+            )?;
+        }
+        // Row-wise: every sequence's rows at once.
+        ops::gdn_qk_l2norm(
+            &m.gpu,
+            conv_out.ptr(),
+            rows.n,
+            c,
+            shape.n_k_heads,
+            sd,
+            shape.eps,
+            q_scale,
+        )?;
+        for &(first, n, ring_slot, start, write) in &launches {
+            let inputs = ops::GdnInputs {
+                conv_out: conv_out.at(first * c),
+                beta: beta.at(first * per_row),
+                alpha: alpha.at(first * per_row),
+                grouped,
+                dt_bias: dt_bias.ptr,
+                ssm_a: a.ptr,
+            };
+            ops::gdn_recurrence(
+                &m.gpu,
+                &inputs,
+                &dims,
+                &ring_slot,
+                start,
+                write,
+                n,
+                out.at(first * vd),
+            )?;
+        }
+        ops::gdn_gated_norm(&m.gpu, &dims, out.ptr(), z.ptr(), norm.ptr, rows.n)
     }
 
     fn moe(&mut self, w: &MoeWeights, src: Act, dst: Act, rows: &Rows) -> Result<(), PluginError> {

@@ -310,8 +310,17 @@ pub struct Heads {
     pub head_stride: usize,
 }
 
+/// The positions of a RoPE launch's rows.
+#[derive(Debug, Clone, Copy)]
+pub enum Positions {
+    /// Row `r` at `pos0 + r`.
+    From(usize),
+    /// Row `r` at the `r`-th int on the device at this address.
+    PerRow(u64),
+}
+
 /// Per-head RMSNorm (when `norm` is given) and RoPE of `n_heads` heads of `head_dim` in each
-/// of `rows` rows, rows at positions `pos0 + r + pos_offset`.
+/// of `rows` rows, row `r` at its position (`positions`) plus `pos_offset`.
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope(
     gpu: &Gpu,
@@ -322,10 +331,14 @@ pub fn qk_norm_rope(
     head_dim: usize,
     norm: Option<&DevVec>,
     eps: f32,
-    pos0: usize,
+    positions: Positions,
     pos_offset: usize,
     rope: &DevRope,
 ) -> Result<(), PluginError> {
+    let (per_row, pos0) = match positions {
+        Positions::From(pos0) => (0, pos0),
+        Positions::PerRow(ptr) => (ptr, 0),
+    };
     if head_dim > 1024 {
         return Err(internal(format!(
             "cuda-hybrid: head size {head_dim} exceeds the RoPE kernel's 1024"
@@ -345,6 +358,7 @@ pub fn qk_norm_rope(
             int(head_dim),
             Arg::Ptr(norm.map_or(0, |v| v.ptr)),
             Arg::F32(eps),
+            Arg::Ptr(per_row),
             int(pos0),
             int(pos_offset),
             int(rope.n_rot),
@@ -608,13 +622,11 @@ pub fn gdn_qk_l2norm(
 #[derive(Debug, Clone, Copy)]
 pub struct GdnInputs {
     pub conv_out: u64,
-    pub z: u64,
     pub beta: u64,
     pub alpha: u64,
     pub grouped: bool,
     pub dt_bias: u64,
     pub ssm_a: u64,
-    pub norm: u64,
 }
 
 /// Shape of a Gated DeltaNet layer.
@@ -634,10 +646,10 @@ pub struct GdnDims {
 const GDN_WARPS: usize = 4;
 const GDN_MAX_STATE: usize = 32 * 8;
 
-/// The recurrence and gated output norm of `rows` tokens, the first reading plane
-/// `start_plane`, each the next the state the token before wrote (token `t` writes plane
-/// `write_plane + t` when given: a run of a tree's rows; else `start_plane + t + 1`); writes
-/// `rows × n_v_heads × head_dim` values to `out`.
+/// The recurrence of `rows` tokens, the first reading plane `start_plane`, each the next the
+/// state the token before wrote (token `t` writes plane `write_plane + t` when given: a run of
+/// a tree's rows; else `start_plane + t + 1`); writes `rows × n_v_heads × head_dim` values to
+/// `out`, which [`gdn_gated_norm`] then norms and gates.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_recurrence(
     gpu: &Gpu,
@@ -691,15 +703,27 @@ pub fn gdn_recurrence(
             Arg::I32(dims.head_map),
             Arg::Ptr(out),
         ],
-    )?;
+    )
+}
+
+/// The gated output norm of `rows` rows of [`gdn_recurrence`]'s output, in place: each value
+/// head RMS-normed, times `norm` and `silu` of the gate rows `z`.
+pub fn gdn_gated_norm(
+    gpu: &Gpu,
+    dims: &GdnDims,
+    out: u64,
+    z: u64,
+    norm: u64,
+    rows: usize,
+) -> Result<(), PluginError> {
     gpu.launch(
         "gdn_gated_norm",
         (blocks(dims.n_v_heads, 1), blocks(rows, 1), 1),
         dims.head_dim as u32,
         &[
             Arg::Ptr(out),
-            Arg::Ptr(inputs.z),
-            Arg::Ptr(inputs.norm),
+            Arg::Ptr(z),
+            Arg::Ptr(norm),
             Arg::F32(dims.eps),
             int(dims.head_dim),
             int(dims.n_v_heads),
