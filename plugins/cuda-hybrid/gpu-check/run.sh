@@ -26,12 +26,15 @@ bin="$kit/target/release/specula"
 deps="$kit/target/release/deps"
 old_plugin="$kit/old/libspecula_cuda_hybrid.so"
 if [ -n "${OUT:-}" ]; then
-    # The device tool brings back only a few files: everything goes into one archive.
+    # The device tool brings back only a few files: everything goes into one archive, packed
+    # again after every step (so a run stopped at the tool's time limit still returns its logs).
     out=$(mktemp -d /tmp/gpu-check.XXXX)
-    trap 'tar czf "$OUT/logs.tgz" -C "$out" .' EXIT
+    archive() { tar czf "$OUT/logs.tgz" -C "$out" . 2>/dev/null; }
+    trap archive EXIT INT TERM
 else
     out="$PWD/gpu-check-out"
     mkdir -p "$out"
+    archive() { :; }
 fi
 what="${*:-all}"
 wants() { [[ " $what " == *" $1 "* ]] || [[ " $what " == *" all "* && $1 != profile ]]; }
@@ -74,6 +77,7 @@ step() {
         failed=$((failed + 1))
     fi
     grep -E "^test result|SKIPPED|^NVRTC" "$out/$name.log" | sed 's/^/   /'
+    archive
 }
 
 {
@@ -86,11 +90,13 @@ step() {
 # The benchmark models are written in the background while the tests run.
 q2b=/tmp/qwen35-2b-q4_k.gguf
 q06=/tmp/qwen3-0.6b-q8_0.gguf
+gen_pid=
 if wants bench || wants profile; then
     (
-        [ -f "$q2b" ] || "$bin" gen-model --preset qwen35-2b --out "$q2b"
-        [ -f "$q06" ] || "$bin" gen-model --preset qwen3-0.6b --type q8_0 --out "$q06"
+        [ -f "$q2b" ] || timeout 300 "$bin" gen-model --preset qwen35-2b --out "$q2b" &&
+            { [ -f "$q06" ] || timeout 120 "$bin" gen-model --preset qwen3-0.6b --type q8_0 --out "$q06"; }
     ) >"$out/gen-model.log" 2>&1 &
+    gen_pid=$!
 fi
 
 if wants tests; then
@@ -103,12 +109,18 @@ fi
 
 if wants kernels; then
     # Criterion keeps its history out of $OUT. KERNELS_FILTER (e.g. q4_K) picks benchmarks.
-    step kernels 240 env CRITERION_HOME=/tmp/specula-criterion "$deps/kernel-bench" --bench \
+    # SPECULA_REQUIRE_GPU: without a GPU the benchmark fails instead of skipping.
+    step kernels 240 env CRITERION_HOME=/tmp/specula-criterion SPECULA_REQUIRE_GPU=1 \
+        "$deps/kernel-bench" --bench \
         --warm-up-time 0.3 --measurement-time 0.6 ${KERNELS_FILTER:-}
     grep -E "^[a-zA-Z0-9_]+/[a-z_]+/rows|time:" "$out/kernels.log" | grep -v Benchmarking
 fi
 
-wait
+if [ -n "$gen_pid" ] && ! wait "$gen_pid"; then
+    echo "== gen-model FAILED; its log:"
+    tail -n 20 "$out/gen-model.log"
+    failed=$((failed + 1))
+fi
 # profile NAME BACKEND MODEL GPU_LAYERS [DRAFTER]: a profile for the benches.
 profile() {
     local drafter=${5:-mtp}

@@ -212,9 +212,10 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
             );
         }
         for few in 2..=4 {
-            ops::matmul(&gpu, &m, dev_x.ptr(), few, out.ptr(), &q8).unwrap();
+            let few_out = gpu.zeros::<f32>(few * rows).unwrap();
+            ops::matmul(&gpu, &m, dev_x.ptr(), few, few_out.ptr(), &q8).unwrap();
             assert_eq!(
-                bits(&download(&gpu, &out)[..few * rows]),
+                bits(&download(&gpu, &few_out)),
                 bits(&got[..few * rows]),
                 "{ty:?}: a {few}-row launch"
             );
@@ -651,6 +652,96 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
                 &got[r * shape.out_width()..(r + 1) * shape.out_width()],
             );
             assert!(d < 1e-5, "{kv:?} attention row {r}: {d}");
+        }
+
+        // Rows of two sequences in one launch: sequence 1 reads the same physical blocks
+        // through its own table. Each row follows the CPU over its sequence's keys, and its
+        // bits equal a launch of that row alone.
+        let table_1: [u32; 3] = [1, 2, 0];
+        let tables = gpu.upload(&[table, table_1].concat()).unwrap();
+        let logical_block = |physical: u32| table.iter().position(|&t| t == physical).unwrap();
+        let of_sequence_1 = |logical: &[f32], width: usize| {
+            let block = 64 * width;
+            table_1
+                .iter()
+                .flat_map(|&t| logical[logical_block(t) * block..][..block].to_vec())
+                .collect::<Vec<f32>>()
+        };
+        let rows_at = [(1, 70), (0, 131), (1, 3)];
+        let info: Vec<i32> = rows_at
+            .iter()
+            .flat_map(|&(seq, pos)| ops::chain_rows(seq, pos, 1))
+            .collect();
+        let dinfo = gpu.upload(&info).unwrap();
+        let mixed = ops::AttentionRows {
+            info: dinfo.ptr(),
+            n: rows_at.len(),
+            tables: tables.ptr(),
+            table_stride: table.len(),
+            paths: 0,
+            max_keys: 132,
+        };
+        let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+        ops::attention(
+            &gpu,
+            &dims,
+            qh,
+            layer,
+            mixed,
+            &scores,
+            n_ctx,
+            None,
+            out.ptr(),
+        )
+        .unwrap();
+        let got = download(&gpu, &out);
+        let alone = gpu.zeros::<f32>(shape.out_width()).unwrap();
+        for (r, &(seq, pos)) in rows_at.iter().enumerate() {
+            let row = &got[r * shape.out_width()..(r + 1) * shape.out_width()];
+            let one = ops::AttentionRows {
+                info: dinfo.ptr() + (4 * ops::ROW_INFO * r) as u64,
+                n: 1,
+                ..mixed
+            };
+            let q_r = Heads {
+                ptr: qh.ptr + (4 * r * qh.row_stride) as u64,
+                ..qh
+            };
+            ops::attention(
+                &gpu,
+                &dims,
+                q_r,
+                layer,
+                one,
+                &scores,
+                n_ctx,
+                None,
+                alone.ptr(),
+            )
+            .unwrap();
+            assert_eq!(
+                bits(&download(&gpu, &alone)),
+                bits(row),
+                "{kv:?}: row {r} (sequence {seq}) alone"
+            );
+            let (keys, values) = if seq == 0 {
+                (keys.clone(), values.clone())
+            } else {
+                (
+                    of_sequence_1(&keys, shape.k_width()),
+                    of_sequence_1(&values, shape.v_width()),
+                )
+            };
+            let mut cpu = vec![0.0; shape.out_width()];
+            attention::attend(
+                &shape,
+                &q[r * shape.q_width()..(r + 1) * shape.q_width()],
+                &keys[..(pos + 1) * shape.k_width()],
+                &values[..(pos + 1) * shape.v_width()],
+                &mut cpu,
+            );
+            let d = max_diff(&cpu, row);
+            assert!(d < 1e-5, "{kv:?} row {r} of sequence {seq}: {d}");
         }
     }
 }

@@ -50,6 +50,25 @@ fn cache_layer(m: &GpuModel, seq: usize, slot: KvSlot) -> Result<(KvLayer, usize
     }
 }
 
+/// Cache layer `slot` of each span of `rows`, checked: the span's sequence is on the GPU and
+/// its positions fit the cache (a trunk layer is one pool for every sequence; the MTP head's
+/// caches are each sequence's own).
+fn span_layers(m: &GpuModel, rows: &Rows, slot: KvSlot) -> Result<Vec<KvLayer>, PluginError> {
+    rows.spans
+        .iter()
+        .map(|span| {
+            let (layer, capacity) = cache_layer(m, span.seq, slot)?;
+            if span.pos0 + span.n > capacity {
+                return Err(graph_error(&format!(
+                    "{} rows at positions {}.. exceed the device KV cache",
+                    span.n, span.pos0
+                )));
+            }
+            Ok(layer)
+        })
+        .collect()
+}
+
 /// `heads` from row `rows` on (f32 rows of `row_stride` values).
 fn shifted(heads: Heads, rows: usize) -> Heads {
     Heads {
@@ -87,18 +106,14 @@ impl<'a> GpuOps<'a> {
         let mut positions: Vec<i32> = Vec::with_capacity(rows.n);
         for span in rows.spans {
             let base = span.pos0 - span.ring_step0;
-            let stride = span.ring_step0 + span.n + 1;
             for i in 0..span.n {
                 let (path_at, tree_base) = match &span.tree {
                     None => (-1, 0),
                     Some(tree) => {
                         let at = paths.len();
-                        paths.resize(at + stride, 0);
                         let path = tree.path(span.ring_step0 + i);
-                        paths[at] = path.len() as i32;
-                        for (k, &node) in path.iter().enumerate() {
-                            paths[at + 1 + k] = (base + node) as i32;
-                        }
+                        paths.push(path.len() as i32);
+                        paths.extend(path.iter().map(|&node| (base + node) as i32));
                         (at as i32, base as i32)
                     }
                 };
@@ -308,28 +323,18 @@ impl LayerOps for GpuOps<'_> {
                 rows.n
             )));
         }
-        for span in rows.spans {
-            let (_, capacity) = cache_layer(m, span.seq, slot)?;
-            if span.pos0 + span.n > capacity {
-                return Err(graph_error(&format!(
-                    "{} rows at positions {}.. exceed the device KV cache",
-                    span.n, span.pos0
-                )));
-            }
-        }
+        let layers = span_layers(m, rows, slot)?;
         let all = self.pass_rows(rows);
         if let Cache::Trunk(_) = slot.cache {
             // Every sequence's trunk cache is in the same pool: all rows in one launch each.
-            let Some(span) = rows.spans.first() else {
+            let Some(layer) = layers.first() else {
                 return Ok(());
             };
-            let (layer, _) = cache_layer(m, span.seq, slot)?;
             ops::kv_store(&m.gpu, layer.ty, sk.ptr(), kw, all, layer.keys)?;
             return ops::kv_store(&m.gpu, layer.ty, sv.ptr(), vw, all, layer.values);
         }
         // The MTP head's caches are a sequence's own: launches per sequence.
-        for (first, span) in rows.with_offsets() {
-            let (layer, _) = cache_layer(m, span.seq, slot)?;
+        for ((first, span), layer) in rows.with_offsets().zip(layers) {
             let span_rows = self.span_rows(all, first, span.n, span.pos0, layer.table);
             let (ks, vs) = (sk.at(first * kw), sv.at(first * vw));
             ops::kv_store(&m.gpu, layer.ty, ks, kw, span_rows, layer.keys)?;
@@ -365,13 +370,13 @@ impl LayerOps for GpuOps<'_> {
         let all = self.pass_rows(rows);
         let m = &*self.m;
         let s = &m.scratch;
+        let layers = span_layers(m, rows, slot)?;
         if let Cache::Trunk(_) = slot.cache {
             // Every sequence's trunk cache is in the same pool, through its own block table:
             // all the pass's rows in one launch (per ATTENTION_ROWS).
-            let Some(span) = rows.spans.first() else {
+            let Some(&layer) = layers.first() else {
                 return Ok(());
             };
-            let (layer, _) = cache_layer(m, span.seq, slot)?;
             return ops::attention(
                 &m.gpu,
                 &dims,
@@ -385,8 +390,7 @@ impl LayerOps for GpuOps<'_> {
             );
         }
         // The MTP head's caches are a sequence's own: a launch per sequence.
-        for (first, span) in rows.with_offsets() {
-            let (layer, _) = cache_layer(m, span.seq, slot)?;
+        for ((first, span), layer) in rows.with_offsets().zip(layers) {
             let span_rows = self.span_rows(all, first, span.n, span.pos0, layer.table);
             ops::attention(
                 &m.gpu,
@@ -483,6 +487,8 @@ impl LayerOps for GpuOps<'_> {
                 step += n;
             }
         }
+        // All the convolutions, then all the recurrences: a plane's convolution state and its
+        // S matrices are separate parts of it, so each keeps its own order of writes and reads.
         for &(first, n, ring_slot, start, write) in &launches {
             ops::gdn_conv(
                 &m.gpu,

@@ -289,7 +289,7 @@ pub struct Extras {
     pub tree_paths: DevBuf<i32>,
     /// Each row's sequence, position and tree path ([`super::ops::AttentionRows`]).
     pub row_info: DevBuf<i32>,
-    /// Each row's position for RoPE (a tree row's: its depth past the tree's base).
+    /// Each row's position for RoPE (a tree row's: the tree's base plus its depth).
     pub positions: DevBuf<i32>,
 }
 

@@ -393,10 +393,11 @@ pub struct Gate {
     pub head_stride: usize,
 }
 
-/// A KV cache layer on the device, as the kernels read it: its keys and values (cache rows
-/// of `k_width` / `v_width` values of type `ty`) and the block table of the sequence at hand
-/// (position `p` is cache row `table[p / 64] · 64 + p % 64`; an unpaged cache passes the
-/// identity table).
+/// A KV cache layer on the device: its keys and values (cache rows of `k_width` / `v_width`
+/// values of type `ty`) and the block table of the sequence at hand (position `p` is cache row
+/// `table[p / 64] · 64 + p % 64`; an unpaged cache has the identity table). [`attention`] and
+/// [`kv_store`] read the keys and values from here and the tables from their
+/// [`AttentionRows`], which may span several sequences.
 #[derive(Debug, Clone, Copy)]
 pub struct KvLayer {
     pub ty: KvType,
@@ -716,6 +717,12 @@ pub fn gdn_gated_norm(
     norm: u64,
     rows: usize,
 ) -> Result<(), PluginError> {
+    if dims.head_dim > 1024 {
+        return Err(internal(format!(
+            "cuda-hybrid: Gated DeltaNet state size {} exceeds the output norm's 1024",
+            dims.head_dim
+        )));
+    }
     gpu.launch(
         "gdn_gated_norm",
         (blocks(dims.n_v_heads, 1), blocks(rows, 1), 1),
