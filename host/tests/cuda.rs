@@ -22,6 +22,36 @@ fn profile(dir: &Path, name: &str, backend: &str, model: &Path, extra: &str) -> 
     path.to_string_lossy().into_owned()
 }
 
+/// The greedy tokens of `specula run --json` on a profile of `backend` and `model` (with
+/// `extra` appended), and how many drafts were accepted.
+fn greedy_run(
+    dir: &Path,
+    backend: &str,
+    model: &Path,
+    extra: &str,
+    tokens: &str,
+) -> (serde_json::Value, u64) {
+    let p = profile(dir, "p.toml", backend, model, extra);
+    let out = specula(
+        &[
+            "run",
+            "--profile",
+            &p,
+            "-n",
+            tokens,
+            "--temp",
+            "0",
+            "--json",
+            "Once upon a time",
+        ],
+        dir,
+    );
+    assert!(out.status.success(), "{backend} {extra}: {}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let accepted = v["speculative"]["accepted"].as_u64().unwrap_or(0);
+    (v["tokens"].clone(), accepted)
+}
+
 /// Whether a CUDA driver is installed (then the no-driver test does not apply).
 fn driver_installed() -> bool {
     specula_cuda_hybrid::driver::probe_driver().is_ok()
@@ -127,26 +157,8 @@ fn gpu_greedy_output_equals_cpu_simd_plain_and_with_mtp_drafting() {
         "models/trained/stories-qwen35-mtp-q8_0.gguf",
     ] {
         let model = shared(model);
-        let run = |backend: &str, extra: &str| {
-            let p = profile(dir.path(), "p.toml", backend, &model, extra);
-            let out = specula(
-                &[
-                    "run",
-                    "--profile",
-                    &p,
-                    "-n",
-                    "64",
-                    "--temp",
-                    "0",
-                    "--json",
-                    "Once upon a time",
-                ],
-                dir.path(),
-            );
-            assert!(out.status.success(), "{backend} {extra}: {}", stderr(&out));
-            let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
-            v["tokens"].clone()
-        };
+        let run =
+            |backend: &str, extra: &str| greedy_run(dir.path(), backend, &model, extra, "64").0;
         let reference = run("cpu-simd", "");
         let mtp = "[drafter]\nplugin = \"mtp\"\n";
         assert_eq!(
@@ -179,29 +191,7 @@ fn gpu_greedy_output_equals_plain_with_the_draft_model() {
     let dir = tempfile::tempdir().unwrap();
     let model = shared("models/stories260K.gguf");
     let draft = shared("models/llama2xs-281K.gguf");
-    let run = |backend: &str, extra: &str| {
-        let p = profile(dir.path(), "p.toml", backend, &model, extra);
-        let out = specula(
-            &[
-                "run",
-                "--profile",
-                &p,
-                "-n",
-                "96",
-                "--temp",
-                "0",
-                "--json",
-                "Once upon a time",
-            ],
-            dir.path(),
-        );
-        assert!(out.status.success(), "{backend} {extra}: {}", stderr(&out));
-        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
-        (
-            v["tokens"].clone(),
-            v["speculative"]["accepted"].as_u64().unwrap_or(0),
-        )
-    };
+    let run = |backend: &str, extra: &str| greedy_run(dir.path(), backend, &model, extra, "96");
     let (reference, _) = run("cpu-simd", "");
     for (placement, drafter_backend) in [
         ("", "cuda-hybrid"),

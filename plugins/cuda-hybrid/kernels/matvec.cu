@@ -151,27 +151,19 @@ __device__ __forceinline__ void matmul_ids_body(const u8* __restrict__ w, u64 ro
     store_rows<1>(acc, 1, p, rows, r, out);
 }
 
+// One mat-mul entry point over float weights: KERNEL_NAME with COLS activation rows a block.
+#define DEFINE_MATMUL_COLS(KERNEL, NAME, DEC, COLS)                                             \
+    extern "C" __global__ void KERNEL##_##NAME(const u8* __restrict__ w, u64 row_bytes,         \
+                                               int rows, int cols, const float* __restrict__ x, \
+                                               int n, float* __restrict__ out) {                \
+        matmul_body<DEC, COLS>(w, row_bytes, rows, cols, x, n, out);                            \
+    }
+
 #define DEFINE_MATMUL(NAME, DEC)                                                                \
-    extern "C" __global__ void matvec_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
-                                             int cols, const float* __restrict__ x, int n,      \
-                                             float* __restrict__ out) {                         \
-        matmul_body<DEC, 1>(w, row_bytes, rows, cols, x, n, out);                               \
-    }                                                                                           \
-    extern "C" __global__ void matmul_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
-                                             int cols, const float* __restrict__ x, int n,      \
-                                             float* __restrict__ out) {                         \
-        matmul_body<DEC, MM_COLS>(w, row_bytes, rows, cols, x, n, out);                         \
-    }                                                                                           \
-    extern "C" __global__ void matmul2_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
-                                              int rows, int cols, const float* __restrict__ x,  \
-                                              int n, float* __restrict__ out) {                 \
-        matmul_body<DEC, 2>(w, row_bytes, rows, cols, x, n, out);                               \
-    }                                                                                           \
-    extern "C" __global__ void matmul4_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
-                                              int rows, int cols, const float* __restrict__ x,  \
-                                              int n, float* __restrict__ out) {                 \
-        matmul_body<DEC, 4>(w, row_bytes, rows, cols, x, n, out);                               \
-    }                                                                                           \
+    DEFINE_MATMUL_COLS(matvec, NAME, DEC, 1)                                                    \
+    DEFINE_MATMUL_COLS(matmul2, NAME, DEC, 2)                                                   \
+    DEFINE_MATMUL_COLS(matmul4, NAME, DEC, 4)                                                   \
+    DEFINE_MATMUL_COLS(matmul, NAME, DEC, MM_COLS)                                              \
     extern "C" __global__ void matmul_ids_##NAME(                                               \
         const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \
         const int* __restrict__ ids, const float* __restrict__ x, int x_div,                    \
@@ -545,35 +537,22 @@ __device__ __forceinline__ void matmul_ids_quant_body(const u8* __restrict__ w, 
     store_rows<1>(acc, 1, p, rows, r, out);
 }
 
+// One mat-mul entry point over quantised weights: KERNEL_NAME with COLS activation rows a
+// block.
+#define DEFINE_MATMUL_QUANT_COLS(KERNEL, NAME, DEC, COLS)                                       \
+    extern "C" __global__ void KERNEL##_##NAME(const u8* __restrict__ w, u64 row_bytes,         \
+                                               int rows, int cols, const i8* __restrict__ xq,   \
+                                               const float* __restrict__ xd,                    \
+                                               const int* __restrict__ xsums, int n,            \
+                                               float* __restrict__ out) {                       \
+        matmul_quant_body<DEC, COLS>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);          \
+    }
+
 #define DEFINE_MATMUL_QUANT(NAME, DEC)                                                          \
-    extern "C" __global__ void matvec_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
-                                             int cols, const i8* __restrict__ xq,               \
-                                             const float* __restrict__ xd,                      \
-                                             const int* __restrict__ xsums, int n,              \
-                                             float* __restrict__ out) {                         \
-        matmul_quant_body<DEC, 1>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);             \
-    }                                                                                           \
-    extern "C" __global__ void matmul_##NAME(const u8* __restrict__ w, u64 row_bytes, int rows, \
-                                             int cols, const i8* __restrict__ xq,               \
-                                             const float* __restrict__ xd,                      \
-                                             const int* __restrict__ xsums, int n,              \
-                                             float* __restrict__ out) {                         \
-        matmul_quant_body<DEC, MM_COLS>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);       \
-    }                                                                                           \
-    extern "C" __global__ void matmul2_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
-                                              int rows, int cols, const i8* __restrict__ xq,    \
-                                              const float* __restrict__ xd,                     \
-                                              const int* __restrict__ xsums, int n,             \
-                                              float* __restrict__ out) {                        \
-        matmul_quant_body<DEC, 2>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);             \
-    }                                                                                           \
-    extern "C" __global__ void matmul4_##NAME(const u8* __restrict__ w, u64 row_bytes,          \
-                                              int rows, int cols, const i8* __restrict__ xq,    \
-                                              const float* __restrict__ xd,                     \
-                                              const int* __restrict__ xsums, int n,             \
-                                              float* __restrict__ out) {                        \
-        matmul_quant_body<DEC, 4>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);             \
-    }                                                                                           \
+    DEFINE_MATMUL_QUANT_COLS(matvec, NAME, DEC, 1)                                              \
+    DEFINE_MATMUL_QUANT_COLS(matmul2, NAME, DEC, 2)                                             \
+    DEFINE_MATMUL_QUANT_COLS(matmul4, NAME, DEC, 4)                                             \
+    DEFINE_MATMUL_QUANT_COLS(matmul, NAME, DEC, MM_COLS)                                        \
     extern "C" __global__ void matmul_ids_##NAME(                                               \
         const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \
         const int* __restrict__ ids, const i8* __restrict__ xq, const float* __restrict__ xd,   \

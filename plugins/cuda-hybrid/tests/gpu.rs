@@ -615,6 +615,9 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             values: dv,
             table: dtable.ptr(),
         };
+        let attend = |q: Heads, rows: ops::AttentionRows, out: u64| {
+            ops::attention(&gpu, &dims, q, layer, rows, &scores, n_ctx, None, out).unwrap()
+        };
         let info = gpu.upload(&ops::chain_rows(0, pos0, rows)).unwrap();
         let attention_rows = ops::AttentionRows {
             info: info.ptr(),
@@ -624,18 +627,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             paths: 0,
             max_keys: pos0 + rows,
         };
-        ops::attention(
-            &gpu,
-            &dims,
-            qh,
-            layer,
-            attention_rows,
-            &scores,
-            n_ctx,
-            None,
-            out.ptr(),
-        )
-        .unwrap();
+        attend(qh, attention_rows, out.ptr());
         let got = download(&gpu, &out);
         for r in 0..rows {
             let n_keys = pos0 + r + 1;
@@ -682,18 +674,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
             max_keys: 132,
         };
         let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
-        ops::attention(
-            &gpu,
-            &dims,
-            qh,
-            layer,
-            mixed,
-            &scores,
-            n_ctx,
-            None,
-            out.ptr(),
-        )
-        .unwrap();
+        attend(qh, mixed, out.ptr());
         let got = download(&gpu, &out);
         let alone = gpu.zeros::<f32>(shape.out_width()).unwrap();
         for (r, &(seq, pos)) in rows_at.iter().enumerate() {
@@ -707,18 +688,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
                 ptr: qh.ptr + (4 * r * qh.row_stride) as u64,
                 ..qh
             };
-            ops::attention(
-                &gpu,
-                &dims,
-                q_r,
-                layer,
-                one,
-                &scores,
-                n_ctx,
-                None,
-                alone.ptr(),
-            )
-            .unwrap();
+            attend(q_r, one, alone.ptr());
             assert_eq!(
                 bits(&download(&gpu, &alone)),
                 bits(row),
