@@ -81,8 +81,8 @@ fn shifted(heads: Heads, rows: usize) -> Heads {
 pub struct GpuOps<'a> {
     m: &'a mut GpuModel,
     /// Whether the pass's row table, its tree rows' paths and its rows' positions are in the
-    /// device scratch: written by the first attention layer, read by every one (the rows are
-    /// the same for all layers of a pass).
+    /// device scratch: written once a pass, read by every layer (the rows are the same for all
+    /// layers of a pass).
     rows_written: bool,
 }
 
@@ -96,8 +96,9 @@ impl<'a> GpuOps<'a> {
 
     /// Writes the pass's row table ([`ops::AttentionRows`]: each row's sequence slot, cache
     /// position and path), the paths of every tree's rows (each row: the path's length, then
-    /// its nodes' cache positions) and each row's RoPE position, once per pass.
-    fn write_rows(&mut self, rows: &Rows) -> Result<(), PluginError> {
+    /// its nodes' cache positions) and each row's RoPE position, once per pass: the pass calls
+    /// it before its first launch, the operations that read the table again (a no-op).
+    pub fn write_rows(&mut self, rows: &Rows) -> Result<(), PluginError> {
         if self.rows_written {
             return Ok(());
         }

@@ -562,6 +562,9 @@ impl GpuModel {
         self.check_rows(rows)?;
         let layers = self.first_layer..self.n_layers;
         let mut ops = GpuOps::new(self);
+        // Before the first launch: a copy from pageable memory behind queued kernels would
+        // wait for them.
+        ops.write_rows(rows)?;
         for layer in layers {
             arch::layer(model, &mut ops, layer, rows)?;
         }
@@ -591,6 +594,8 @@ impl GpuModel {
             ));
         }
         self.check_rows(rows)?;
-        arch::mtp(model, &mut GpuOps::new(self), rows)
+        let mut ops = GpuOps::new(self);
+        ops.write_rows(rows)?;
+        arch::mtp(model, &mut ops, rows)
     }
 }
