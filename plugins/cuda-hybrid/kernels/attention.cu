@@ -3,7 +3,7 @@
 //
 // The launch's rows may belong to different sequences: row r's ROW_INFO ints at row_info +
 // ROW_INFO * r are its sequence slot s, its position p, where its tree path starts in `paths`
-// (-1 for a chain row) and its tree's first position. A chain row attends to cache positions
+// (-1 for a chain row), its tree's first position (and its RoPE position, for rope.cu). A chain row attends to cache positions
 // 0 ..= p of its sequence. The cache is paged in blocks of KV_BLOCK positions: position j of
 // sequence s is cache row slot(j) = table[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK, table =
 // tables + s * table_stride (the sequence's block table; an unpaged cache passes an identity
@@ -32,9 +32,6 @@
 //
 // Launch (both kernels at the end of the file): grid = (n_head, rows), blockDim = 128. Thread t
 // scores keys t, t + 128, ... and accumulates output dimensions t, t + 128, ...
-
-// Ints per row of an attention launch's row_info.
-#define ROW_INFO 4
 
 // Positions per block of a paged cache (the engine's BLOCK_TOKENS).
 #define KV_BLOCK 64

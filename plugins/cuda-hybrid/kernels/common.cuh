@@ -173,3 +173,7 @@ __device__ float block_max_f32(float v, float* scratch) {
     __syncthreads();
     return result;
 }
+
+// Ints per row of a pass's row table (attention.cu, rope.cu): sequence slot, cache position,
+// start of the tree path (-1 for a chain row), the tree's first position, RoPE position.
+#define ROW_INFO 5

@@ -2,8 +2,9 @@
 //
 // Head h of row r is `head_dim` values at in + r * in_row_stride + h * in_head_stride; the
 // result goes to out + r * out_row_stride + h * out_head_stride (in place allowed). Row r has
-// position positions[r] + pos_offset, or pos0 + r + pos_offset where `positions` is null
-// (pos_offset is 1 for the MTP head, whose cache entry p holds the token of position p + 1).
+// position row_info[r * ROW_INFO + 4] + pos_offset (the pass's row table), or pos0 + r +
+// pos_offset where `row_info` is null (pos_offset is 1 for the MTP head, whose cache entry p
+// holds the token of position p + 1).
 //
 // 1. With `norm_w`, the head is RMS-normalised: squares summed in f64, (x * scale) * w.
 // 2. The first n_rot dimensions are rotated in n_rot / 2 pairs; the rest pass through.
@@ -40,7 +41,7 @@ __device__ __forceinline__ int rope_component(int pair, int s0, int s1, int s2, 
 extern "C" __global__ void qk_norm_rope(const float* in, u64 in_row_stride, int in_head_stride,
                                         float* out, u64 out_row_stride, int out_head_stride,
                                         int head_dim, const float* __restrict__ norm_w, float eps,
-                                        const int* __restrict__ positions, int pos0,
+                                        const int* __restrict__ row_info, int pos0,
                                         int pos_offset, int n_rot, int mode,
                                         float theta_scale, float freq_scale,
                                         const float* __restrict__ freq_factors, int s0, int s1,
@@ -68,7 +69,7 @@ extern "C" __global__ void qk_norm_rope(const float* in, u64 in_row_stride, int 
 
     const int pairs = n_rot / 2;
     if (d < pairs) {
-        const int pos = (positions != 0 ? positions[r] : pos0 + r) + pos_offset;
+        const int pos = (row_info != 0 ? row_info[(u64)r * ROW_INFO + 4] : pos0 + r) + pos_offset;
         float theta = (float)pos;
         for (int i = 0; i < d; ++i) {
             theta *= theta_scale;

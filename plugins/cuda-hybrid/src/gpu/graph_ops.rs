@@ -80,8 +80,7 @@ fn shifted(heads: Heads, rows: usize) -> Heads {
 /// One pass's view of a [`GpuModel`]: its buffers, caches and weights.
 pub struct GpuOps<'a> {
     m: &'a mut GpuModel,
-    /// Whether the pass's row table, its tree rows' paths and its rows' positions are in the
-    /// device scratch: written once a pass, read by every layer (the rows are the same for all
+    /// Whether the pass's row table and its tree rows' paths are in the device scratch: written once a pass, read by every layer (the rows are the same for all
     /// layers of a pass).
     rows_written: bool,
 }
@@ -95,8 +94,8 @@ impl<'a> GpuOps<'a> {
     }
 
     /// Writes the pass's row table ([`ops::AttentionRows`]: each row's sequence slot, cache
-    /// position and path), the paths of every tree's rows (each row: the path's length, then
-    /// its nodes' cache positions) and each row's RoPE position, once per pass: the pass calls
+    /// position, path and RoPE position) and the paths of every tree's rows (each row: the
+    /// path's length, then its nodes' cache positions), once per pass: the pass calls
     /// it before its first launch, the operations that read the table again (a no-op).
     pub fn write_rows(&mut self, rows: &Rows) -> Result<(), PluginError> {
         if self.rows_written {
@@ -104,7 +103,6 @@ impl<'a> GpuOps<'a> {
         }
         let mut info: Vec<i32> = Vec::with_capacity(ops::ROW_INFO * rows.n);
         let mut paths: Vec<i32> = Vec::new();
-        let mut positions: Vec<i32> = Vec::with_capacity(rows.n);
         for span in rows.spans {
             let base = span.pos0 - span.ring_step0;
             for i in 0..span.n {
@@ -118,14 +116,17 @@ impl<'a> GpuOps<'a> {
                         (at as i32, base as i32)
                     }
                 };
-                info.extend([span.seq as i32, (span.pos0 + i) as i32, path_at, tree_base]);
-                positions.push(span.position(i) as i32);
+                info.extend([
+                    span.seq as i32,
+                    (span.pos0 + i) as i32,
+                    path_at,
+                    tree_base,
+                    span.position(i) as i32,
+                ]);
             }
         }
         let m = &mut *self.m;
         m.gpu.write(&info, &mut m.scratch.extras.row_info, 0)?;
-        m.gpu
-            .write(&positions, &mut m.scratch.extras.positions, 0)?;
         m.gpu.write(&paths, &mut m.scratch.extras.tree_paths, 0)?;
         self.rows_written = true;
         Ok(())
@@ -289,7 +290,7 @@ impl LayerOps for GpuOps<'_> {
         let (eps, offset) = (m.dims.rms_eps, slot.rope_offset);
         // Every row rotates by its own position (a tree's rows by their depths): one launch
         // for all rows of all sequences.
-        let positions = ops::Positions::PerRow(m.scratch.extras.positions.ptr());
+        let positions = ops::Positions::PerRow(m.scratch.extras.row_info.ptr());
         for (input, output, n_heads, norm) in [
             (q_in, q_out, a.n_head, &q_norm),
             (keys, keys, a.n_head_kv, &k_norm),

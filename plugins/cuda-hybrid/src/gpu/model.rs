@@ -258,9 +258,8 @@ fn extra_lens(dims: &Dims, rows: usize, n_ctx: usize) -> [usize; 9] {
 pub fn scratch_bytes(dims: &Dims, rows: usize, n_ctx: usize) -> u64 {
     let acts: usize = Act::ALL.iter().map(|a| rows * a.width(dims)).sum();
     let extras: usize = extra_lens(dims, rows, n_ctx).iter().sum();
-    let indices = 2 * rows * dims.moe().map_or(0, |m| m.n_used)
-        + tree_path_values(rows)
-        + (ROW_INFO + 1) * rows;
+    let indices =
+        2 * rows * dims.moe().map_or(0, |m| m.n_used) + tree_path_values(rows) + ROW_INFO * rows;
     4 * (acts + extras + indices) as u64 + Q8Scratch::bytes(q8_values(dims, rows))
 }
 
@@ -287,10 +286,8 @@ pub struct Extras {
     pub route_weights: DevBuf<f32>,
     /// Attention of a tree's rows: each row's path ([`tree_path_values`] ints).
     pub tree_paths: DevBuf<i32>,
-    /// Each row's sequence, position and tree path ([`super::ops::AttentionRows`]).
+    /// Each row's sequence, positions and tree path ([`super::ops::AttentionRows`]).
     pub row_info: DevBuf<i32>,
-    /// Each row's position for RoPE (a tree row's: the tree's base plus its depth).
-    pub positions: DevBuf<i32>,
 }
 
 /// Ints the paths of a pass's tree rows take at most: per row its path's length and nodes
@@ -336,7 +333,6 @@ impl GpuScratch {
                 route_weights: gpu.zeros(rows * k)?,
                 tree_paths: gpu.zeros(tree_path_values(rows))?,
                 row_info: gpu.zeros(ROW_INFO * rows)?,
-                positions: gpu.zeros(rows)?,
             },
             q8: Q8Scratch::new(gpu, q8_values(dims, rows))?,
             n_ctx,

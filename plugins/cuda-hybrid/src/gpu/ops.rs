@@ -315,7 +315,8 @@ pub struct Heads {
 pub enum Positions {
     /// Row `r` at `pos0 + r`.
     From(usize),
-    /// Row `r` at the `r`-th int on the device at this address.
+    /// Row `r` at the RoPE position of its entry in the row table at this address
+    /// ([`AttentionRows`]).
     PerRow(u64),
 }
 
@@ -437,13 +438,13 @@ pub fn kv_store(
     )
 }
 
-/// Ints per row of an attention launch's row table ([`AttentionRows`]).
-pub const ROW_INFO: usize = 4;
+/// Ints per row of a pass's row table ([`AttentionRows`]; ROW_INFO in kernels/common.cuh).
+pub const ROW_INFO: usize = 5;
 
 /// The rows of an [`attention`] launch, which may belong to different sequences: per row
 /// [`ROW_INFO`] ints at `info` — its sequence slot, its cache position, where its tree path
-/// starts in `paths` (-1: a chain row, which sees positions 0 ..= its own) and its tree's first
-/// position — and where the block tables are: sequence `s`'s at `tables + 4 * s *
+/// starts in `paths` (-1: a chain row, which sees positions 0 ..= its own), its tree's first
+/// position and its RoPE position ([`qk_norm_rope`]) — and where the block tables are: sequence `s`'s at `tables + 4 * s *
 /// table_stride` (an unpaged cache: an identity table and `table_stride` 0). `max_keys` is the
 /// most keys a row sees.
 #[derive(Debug, Clone, Copy)]
@@ -459,7 +460,7 @@ pub struct AttentionRows {
 /// The row table of `n` chain rows of sequence slot `seq` at positions `pos0 ..`.
 pub fn chain_rows(seq: usize, pos0: usize, n: usize) -> Vec<i32> {
     (0..n)
-        .flat_map(|i| [seq as i32, (pos0 + i) as i32, -1, 0])
+        .flat_map(|i| [seq as i32, (pos0 + i) as i32, -1, 0, (pos0 + i) as i32])
         .collect()
 }
 
