@@ -26,7 +26,7 @@ use std::hash::{Hash, Hasher};
 
 use rayon::prelude::*;
 use specula_kernels::attention::{Cached, CachedRows};
-use specula_kernels::q8_0;
+use specula_kernels::{q8_0, q8_keys};
 use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
 
 use crate::blocks::attention::AttentionShape;
@@ -47,7 +47,9 @@ pub enum KvType {
     F16,
     /// ggml's Q8_0 per head row: blocks of 32 values as an f16 scale and 32 signed bytes (34
     /// bytes per 32 values, about half of f16; llama.cpp's `-ctk q8_0 -ctv q8_0`). Head sizes
-    /// must be multiples of 32.
+    /// must be multiples of 32. The keys of a block's head are kept as interleaved groups of
+    /// 16 positions ([`specula_kernels::q8_keys`]) and scored against queries quantised to
+    /// Q8_0 (integer dot products, as ggml does); values are rows, read dequantised.
     Q8_0,
 }
 
@@ -103,18 +105,22 @@ impl KvType {
 enum Store {
     F32(Vec<f32>),
     F16(Vec<u16>),
-    /// Q8_0 blocks, each head row `dim / 32` of them.
+    /// Q8_0 values: blocks of 32, each head row `dim / 32` of them.
     Q8(Vec<u8>),
+    /// Q8_0 keys: each head of a block as interleaved groups of 16 positions
+    /// ([`specula_kernels::q8_keys`]), which attention scores with integer dot products.
+    Q8Keys(Vec<u8>),
 }
 
 impl Store {
-    /// `len` zero values, or `None` when the allocation fails.
+    /// `len` zero values of keys (`keys`) or values, or `None` when the allocation fails.
     /// (Lazily mapped pages: blocks never written occupy no memory.)
-    fn zeroed(ty: KvType, len: usize) -> Option<Self> {
+    fn zeroed(ty: KvType, len: usize, keys: bool) -> Option<Self> {
         use specula_kernels::aligned::try_zeroed_vec;
         Some(match ty {
             KvType::F32 => Store::F32(try_zeroed_vec(len)?),
             KvType::F16 => Store::F16(try_zeroed_vec(len)?),
+            KvType::Q8_0 if keys => Store::Q8Keys(try_zeroed_vec(len)?),
             KvType::Q8_0 => Store::Q8(try_zeroed_vec(len)?),
         })
     }
@@ -124,6 +130,7 @@ impl Store {
             Store::F32(v) => Stored::Float(Cached::F32(v)),
             Store::F16(v) => Stored::Float(Cached::F16(v)),
             Store::Q8(v) => Stored::Q8(v),
+            Store::Q8Keys(v) => Stored::Q8Keys(v),
         }
     }
 
@@ -132,7 +139,7 @@ impl Store {
         match self {
             Store::F32(v) => v.len(),
             Store::F16(v) => v.len(),
-            Store::Q8(v) => v.len(),
+            Store::Q8(v) | Store::Q8Keys(v) => v.len(),
         }
     }
 
@@ -141,16 +148,26 @@ impl Store {
         match self {
             Store::F32(v) => v.copy_within(from * block..(from + 1) * block, to * block),
             Store::F16(v) => v.copy_within(from * block..(from + 1) * block, to * block),
-            Store::Q8(v) => v.copy_within(from * block..(from + 1) * block, to * block),
+            Store::Q8(v) | Store::Q8Keys(v) => {
+                v.copy_within(from * block..(from + 1) * block, to * block)
+            }
         }
     }
 
-    /// Copies `units` storage units from unit `from` to unit `to`.
-    fn copy_units(&mut self, from: usize, to: usize, units: usize) {
+    /// Copies the head row at `from` onto `to`, each `(first unit of its head's block, slot)`,
+    /// of `units` storage units.
+    fn copy_row(&mut self, from: (usize, usize), to: (usize, usize), units: usize) {
+        let at = |(head, slot): (usize, usize)| head + slot * units;
         match self {
-            Store::F32(v) => v.copy_within(from..from + units, to),
-            Store::F16(v) => v.copy_within(from..from + units, to),
-            Store::Q8(v) => v.copy_within(from..from + units, to),
+            Store::F32(v) => v.copy_within(at(from)..at(from) + units, at(to)),
+            Store::F16(v) => v.copy_within(at(from)..at(from) + units, at(to)),
+            Store::Q8(v) => v.copy_within(at(from)..at(from) + units, at(to)),
+            Store::Q8Keys(v) => {
+                let head = BLOCK_TOKENS * units;
+                let mut row = vec![0u8; units];
+                q8_keys::load_row(&v[from.0..from.0 + head], row_dim(units), from.1, &mut row);
+                q8_keys::store_row(&row, &mut v[to.0..to.0 + head], to.1);
+            }
         }
     }
 
@@ -169,7 +186,7 @@ impl Store {
             table: &[u32],
             data: &[f32],
             (heads, dim, units, pos0): (usize, usize, usize, usize),
-            convert: impl Fn(&[f32], &mut [T]) + Sync,
+            convert: impl Fn(&[f32], &mut [T], usize) + Sync,
         ) {
             let width = heads * dim;
             let n = data.len() / width;
@@ -197,7 +214,7 @@ impl Store {
                 let start = *b * BLOCK_TOKENS;
                 for i in pos0.max(start)..(pos0 + n).min(start + BLOCK_TOKENS) {
                     let src = &data[(i - pos0) * width + *h * dim..][..dim];
-                    convert(src, &mut region[(i - start) * units..][..units]);
+                    convert(src, region, i - start);
                 }
             };
             if n > 1 && rayon::current_num_threads() > 1 {
@@ -207,26 +224,34 @@ impl Store {
             }
         }
         let shape = (heads, dim, units, pos0);
+        // A head's region of a block and a position's slot in it: the position's row.
+        fn row<T>(region: &mut [T], slot: usize, units: usize) -> &mut [T] {
+            &mut region[slot * units..][..units]
+        }
         match self {
-            Store::F32(store) => write(store, table, data, shape, |src, dst| {
-                dst.copy_from_slice(src)
+            Store::F32(store) => write(store, table, data, shape, |src, region, slot| {
+                row(region, slot, units).copy_from_slice(src)
             }),
-            Store::F16(store) => write(store, table, data, shape, |src, dst| {
-                for (d, v) in dst.iter_mut().zip(src) {
+            Store::F16(store) => write(store, table, data, shape, |src, region, slot| {
+                for (d, v) in row(region, slot, units).iter_mut().zip(src) {
                     *d = specula_kernels::f16::from_f32(*v);
                 }
             }),
-            Store::Q8(store) => write(store, table, data, shape, q8_0::quantize_row),
+            Store::Q8(store) => write(store, table, data, shape, |src, region, slot| {
+                q8_0::quantize_row(src, row(region, slot, units))
+            }),
+            Store::Q8Keys(store) => write(store, table, data, shape, q8_keys::store),
         }
     }
 }
 
-/// A layer's cache as stored: values attention reads directly, or Q8_0 rows it reads
-/// dequantised.
+/// A layer's cache as stored: values attention reads directly, Q8_0 rows it reads
+/// dequantised (values), or Q8_0 keys in interleaved groups it scores as integers.
 #[derive(Debug, Clone, Copy)]
 enum Stored<'a> {
     Float(Cached<'a>),
     Q8(&'a [u8]),
+    Q8Keys(&'a [u8]),
 }
 
 /// The cached keys (or values) of positions `0 .. count` of one layer of one sequence, head by
@@ -290,7 +315,29 @@ impl<'a> CachedHeads<'a> {
 
     /// Whether [`head_block`](Self::head_block) dequantises into its scratch.
     pub fn needs_scratch(&self) -> bool {
-        matches!(self.data, Stored::Q8(_))
+        matches!(self.data, Stored::Q8(_) | Stored::Q8Keys(_))
+    }
+
+    /// Whether these are a Q8_0 cache's keys, scored through
+    /// [`q8_key_block`](Self::q8_key_block).
+    pub fn is_q8_keys(&self) -> bool {
+        matches!(self.data, Stored::Q8Keys(_))
+    }
+
+    /// Head `h` of block `b` as Q8_0 keys in interleaved groups ([`specula_kernels::q8_keys`]:
+    /// every position of the block, written or not), for a Q8_0 cache's keys; `None` for
+    /// other caches.
+    pub fn q8_key_block(&self, h: usize, b: usize) -> Option<&'a [u8]> {
+        match self.data {
+            Stored::Q8Keys(bytes) => {
+                assert!(
+                    b * self.block_tokens < self.count.max(1),
+                    "kv cache: block {b} beyond the positions held"
+                );
+                Some(&bytes[self.first(h, b)..][..self.block_tokens * self.width])
+            }
+            _ => None,
+        }
     }
 
     /// Head `h` of the `n` positions from block `b`'s first, as stored, where the kernels read
@@ -306,7 +353,7 @@ impl<'a> CachedHeads<'a> {
             Stored::Float(data) => {
                 Some(data.rows(self.first(h, b), self.row_stride, self.width, n))
             }
-            Stored::Q8(_) => None,
+            Stored::Q8(_) | Stored::Q8Keys(_) => None,
         }
     }
 
@@ -331,11 +378,17 @@ impl<'a> CachedHeads<'a> {
         if let Some(rows) = self.stored_head_block(h, b, n) {
             return rows;
         }
+        let rows = &mut scratch[..n * self.values];
+        if let Some(keys) = self.q8_key_block(h, b) {
+            for (slot, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
+                q8_keys::dequantize(keys, slot, row);
+            }
+            return Cached::F32(rows).rows(0, self.values, self.values, n);
+        }
         let Stored::Q8(bytes) = self.data else {
             unreachable!("f32 and f16 rows are read as stored")
         };
         let first = self.first(h, b);
-        let rows = &mut scratch[..n * self.values];
         if self.row_stride == self.width {
             // A block's rows of one head are contiguous: one call for all of them.
             q8_0::dequantize_row(&bytes[first..first + n * self.width], rows);
@@ -414,6 +467,11 @@ fn chain_key(parent: BlockKey, tokens: &[u32]) -> BlockKey {
     )
 }
 
+/// Values per head row of a Q8_0 row of `units` bytes.
+fn row_dim(units: usize) -> usize {
+    units / q8_0::BLOCK_BYTES * q8_0::BLOCK_VALUES
+}
+
 /// The key of the empty prefix.
 const ROOT_KEY: BlockKey = (0, 0);
 
@@ -489,10 +547,10 @@ impl KvPool {
                 .checked_mul(shape.n_head_kv * BLOCK_TOKENS * ty.row_units(dim).unwrap_or(0))
                 .ok_or_else(too_big)
         };
-        let stores = |dim: usize| -> Result<Vec<Store>, PluginError> {
+        let stores = |dim: usize, keys: bool| -> Result<Vec<Store>, PluginError> {
             let len = per_block(dim)?;
             (0..n_layers)
-                .map(|_| Store::zeroed(ty, len).ok_or_else(too_big))
+                .map(|_| Store::zeroed(ty, len, keys).ok_or_else(too_big))
                 .collect()
         };
         Ok(Self {
@@ -501,8 +559,8 @@ impl KvPool {
             value_dim: shape.value_dim,
             ty,
             n_blocks,
-            keys: stores(shape.head_dim)?,
-            values: stores(shape.value_dim)?,
+            keys: stores(shape.head_dim, true)?,
+            values: stores(shape.value_dim, false)?,
             refs: vec![0; n_blocks],
             cached: vec![None; n_blocks],
             last_used: vec![0; n_blocks],
@@ -701,9 +759,13 @@ impl KvPool {
                 .ty
                 .row_units(dim)
                 .expect("checked when the pool was made");
-            let unit = |pos: usize, h: usize| {
+            // A position's head row: where its head's block starts, and its slot there.
+            let at = |pos: usize, h: usize| {
                 let block = seq.blocks[pos / BLOCK_TOKENS] as usize;
-                ((block * heads + h) * BLOCK_TOKENS + pos % BLOCK_TOKENS) * units
+                (
+                    (block * heads + h) * BLOCK_TOKENS * units,
+                    pos % BLOCK_TOKENS,
+                )
             };
             for store in stores.iter_mut() {
                 for (k, &row) in path.iter().enumerate() {
@@ -711,7 +773,7 @@ impl KvPool {
                     debug_assert!(from >= to, "kv cache: a path's rows only move down");
                     if from != to {
                         for h in 0..heads {
-                            store.copy_units(unit(from, h), unit(to, h), units);
+                            store.copy_row(at(from, h), at(to, h), units);
                         }
                     }
                 }
@@ -1132,6 +1194,53 @@ mod tests {
         assert_eq!(head(pool.keys(0, &seq, n), 1), expect(&keys, 64, 1));
         let nine = head(pool.keys(0, &child, n), 1)[(n - 1) * 64];
         assert!((nine - 9.0).abs() < 0.01, "{nine}");
+        // A kept tree path moves its rows down, within a block and across blocks' groups.
+        let path = [1u32, 4, 20, 70];
+        let base = BLOCK_TOKENS - 8;
+        let before: Vec<Vec<f32>> = [pool.keys(0, &seq, n), pool.values(0, &seq, n)]
+            .into_iter()
+            .map(|heads| head(heads, 1))
+            .collect();
+        let mut longer = pool.fork(&seq);
+        pool.release(&mut seq);
+        pool.reserve(&mut longer, n, base + 71).unwrap();
+        let (more_k, more_v) = (
+            vec![0.5; 128 * (base + 71 - n)],
+            vec![0.25; 64 * (base + 71 - n)],
+        );
+        pool.store(0, &longer, n, &more_k, &more_v);
+        pool.set_len(&mut longer, base + 71);
+        let full: Vec<Vec<f32>> = [
+            pool.keys(0, &longer, base + 71),
+            pool.values(0, &longer, base + 71),
+        ]
+        .into_iter()
+        .map(|heads| head(heads, 1))
+        .collect();
+        pool.keep_rows(&mut longer, base, &path);
+        let kept = base + path.len();
+        for (which, (dim, heads)) in [
+            (64, pool.keys(0, &longer, kept)),
+            (32, pool.values(0, &longer, kept)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let got = head(heads, 1);
+            assert_eq!(
+                got[..base * dim],
+                before[which][..base * dim],
+                "{which}: prefix kept"
+            );
+            for (k, &row) in path.iter().enumerate() {
+                let from = (base + row as usize) * dim;
+                assert_eq!(
+                    got[(base + k) * dim..][..dim],
+                    full[which][from..from + dim],
+                    "{which}: path row {k}"
+                );
+            }
+        }
 
         let odd = AttentionShape {
             head_dim: 48,

@@ -12,6 +12,8 @@
 //!   repacked into interleaved 16-row groups (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), as the engine multiplies them.
 //! - `attention/{hot,cold}/{2,16}q`: one key/value head's attention over 4,096 f16 positions in
 //!   paged blocks of 64 (see [`attention`]).
+//! - `key-scores/{f16,q8_0}/{hot,cold}/{2,16}q`: the scores alone, from an f16 cache and from
+//!   a Q8_0 cache's integer keys (see [`key_scores`]).
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an
@@ -278,9 +280,106 @@ fn attention(c: &mut Criterion) {
     group.finish();
 }
 
+/// `key-scores/{f16,q8_0}/{hot,cold}/{n}q`: the scores alone of one key head over 4,096
+/// positions in blocks of 64, from an f16 cache (f32 arithmetic) and from a Q8_0 cache's
+/// interleaved keys (queries quantised once per call, integer dot products: [`q8_keys`]);
+/// `hot` and `cold` as in [`attention`]. Throughput in bytes of f16 keys (the same work).
+fn key_scores(c: &mut Criterion) {
+    use specula_kernels::attention::{scores, Cached};
+    use specula_kernels::q8_keys;
+    let head_values = ATTENTION_KEYS * ATTENTION_DIM;
+    let blocks = ATTENTION_KEYS / ATTENTION_BLOCK;
+    let mut rng = StdRng::seed_from_u64(12);
+    let cold_heads = (256 << 20) / (2 * head_values);
+    let keys: Vec<f32> = (0..ATTENTION_DIM * 97)
+        .map(|_| rng.gen_range(-1.0f32..1.0))
+        .collect();
+    let key = |p: usize| &keys[(p % 97) * ATTENTION_DIM..][..ATTENTION_DIM];
+    let half: Vec<u16> = (0..cold_heads * head_values)
+        .map(|i| specula_kernels::f16::from_f32(keys[i % keys.len()]))
+        .collect();
+    let q8_block = q8_keys::head_bytes(ATTENTION_DIM, ATTENTION_BLOCK);
+    let mut q8 = vec![0u8; cold_heads * blocks * q8_block];
+    for (b, region) in q8.chunks_exact_mut(q8_block).enumerate() {
+        for slot in 0..ATTENTION_BLOCK {
+            q8_keys::store(key(b + slot), region, slot);
+        }
+    }
+    let mut order: Vec<usize> = (0..cold_heads * blocks).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.gen_range(0..=i));
+    }
+    let mut group = c.benchmark_group("key-scores");
+    group.throughput(Throughput::Bytes((2 * head_values) as u64));
+    for n in [2usize, 16] {
+        let queries: Vec<f32> = (0..n * ATTENTION_DIM)
+            .map(|_| rng.gen_range(-0.1f32..0.1))
+            .collect();
+        let q = simd::Rows::new(&queries, ATTENTION_DIM, ATTENTION_DIM, n);
+        let mut quantized = vec![0u8; n * q8_keys::query_bytes(ATTENTION_DIM)];
+        let mut sc = vec![0.0f32; n * ATTENTION_KEYS];
+        let limits = vec![ATTENTION_BLOCK; n];
+        for cache in ["f16", "q8_0"] {
+            for temp in ["hot", "cold"] {
+                let mut head = 0;
+                let id = BenchmarkId::new(format!("{cache}/{temp}"), format!("{n}q"));
+                group.bench_function(id, |b| {
+                    b.iter(|| {
+                        head = if temp == "hot" {
+                            0
+                        } else {
+                            (head + 1) % cold_heads
+                        };
+                        let qb = q8_keys::query_bytes(ATTENTION_DIM);
+                        if cache == "q8_0" {
+                            q8_keys::quantize_queries(q, &mut quantized);
+                        }
+                        let qrows = simd::Rows::new(&quantized, qb, qb, n);
+                        for b in 0..blocks {
+                            let slot = order[head * blocks + b];
+                            let out = &mut sc[b * ATTENTION_BLOCK..];
+                            if cache == "q8_0" {
+                                let region = &q8[slot * q8_block..][..q8_block];
+                                let next = match order.get(head * blocks + b + 1) {
+                                    Some(&s) if b + 1 < blocks => &q8[s * q8_block..][..q8_block],
+                                    _ => &[],
+                                };
+                                q8_keys::scores(
+                                    qrows,
+                                    region,
+                                    ATTENTION_BLOCK,
+                                    next,
+                                    out,
+                                    ATTENTION_KEYS,
+                                );
+                            } else {
+                                let rows = |slot: usize| {
+                                    Cached::F16(&half[..]).rows(
+                                        slot * ATTENTION_BLOCK * ATTENTION_DIM,
+                                        ATTENTION_DIM,
+                                        ATTENTION_DIM,
+                                        ATTENTION_BLOCK,
+                                    )
+                                };
+                                let mut keys = rows(slot);
+                                if b + 1 < blocks {
+                                    keys = keys.followed_by(rows(order[head * blocks + b + 1]));
+                                }
+                                scores(q, keys, &limits, out, ATTENTION_KEYS);
+                            }
+                        }
+                        black_box(&sc);
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = stream, matvec, matvec_cold, attention
+    targets = stream, matvec, matvec_cold, attention, key_scores
 }
 criterion_main!(benches);

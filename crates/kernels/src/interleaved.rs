@@ -308,7 +308,7 @@ fn quant_byte(quants: &[u8], i: usize, t: usize) -> u8 {
 }
 
 /// Writes file block `src` of row `i` (within its group) into group block `dst`.
-fn repack_row_block(encoding: Encoding, src: &[u8], dst: &mut [u8], i: usize) {
+pub(crate) fn repack_row_block(encoding: Encoding, src: &[u8], dst: &mut [u8], i: usize) {
     dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
     match encoding {
         Encoding::Q8_0 => interleave_words(&src[2..], &mut dst[SCALES_BYTES..], i, |s| s ^ 0x80),
@@ -381,6 +381,15 @@ pub(crate) fn repack(encoding: Encoding, data: &[u8], rows: usize, out: &mut [u8
                 repack_row_block(encoding, src, dst, i);
             }
         }
+    }
+}
+
+/// The file's Q8_0 block (34 bytes, into `out`) of row `i` of a Q8_0 group block: the inverse
+/// of [`repack_row_block`].
+pub(crate) fn unpack_q8_0_row_block(block: &[u8], i: usize, out: &mut [u8]) {
+    out[..2].copy_from_slice(&block[2 * i..2 * i + 2]);
+    for (t, q) in out[2..2 + BLOCK32_VALUES].iter_mut().enumerate() {
+        *q = quant_byte(&block[SCALES_BYTES..], i, t) ^ 0x80;
     }
 }
 
@@ -577,7 +586,8 @@ pub(crate) fn quantize_activation_row(
 /// times a pass of at most [`simd::MAX_ROWS_PER_PASS`] activation rows (interleaved format):
 /// the product of the run's weight row `i < valid` and activation row `b` at
 /// `out.row(b)[first + i]`, at `level`. Rows of the last group from `valid` on are padding and
-/// never written.
+/// never written. `stream`: the run is part of a long stream (see [`simd::interleaved_pass`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn groups_pass(
     encoding: Encoding,
     level: SimdLevel,
@@ -586,9 +596,12 @@ pub(crate) fn groups_pass(
     out: &mut OutRows<'_>,
     first: usize,
     valid: usize,
+    stream: bool,
 ) {
     match level {
-        SimdLevel::Avx512 => simd::interleaved_pass(encoding, groups, x, out, first, valid),
+        SimdLevel::Avx512 => {
+            simd::interleaved_pass(encoding, groups, x, out, (first, valid), stream)
+        }
         SimdLevel::Scalar => {
             let group_bytes = check_pass_sizes(encoding, groups, &x, out, first, valid);
             for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
@@ -901,6 +914,7 @@ mod tests {
                             &mut out,
                             g * GROUP_ROWS,
                             valid,
+                            true,
                         );
                     }
                     for level in levels() {
@@ -917,6 +931,7 @@ mod tests {
                             &mut out,
                             0,
                             rows,
+                            level != SimdLevel::Avx512 || n % 2 == 0,
                         );
                         for (b, row) in got.chunks_exact(rows + GROUP_ROWS).enumerate() {
                             assert_eq!(

@@ -57,6 +57,7 @@ pub mod q5_k;
 pub mod q6_k;
 pub mod q8_0;
 pub mod q8_k;
+pub mod q8_keys;
 pub mod simd;
 mod types;
 

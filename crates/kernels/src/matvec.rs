@@ -516,7 +516,16 @@ fn run_interleaved(
     if n <= MAX_ROWS_PER_PASS {
         let work = |mut run: WeightRun<'_>| {
             let groups = groups(run.first, run.len);
-            interleaved::groups_pass(encoding, level, groups, acts, &mut run.out, 0, run.len);
+            interleaved::groups_pass(
+                encoding,
+                level,
+                groups,
+                acts,
+                &mut run.out,
+                0,
+                run.len,
+                true,
+            );
         };
         let whole = WeightRun {
             first: 0,
@@ -550,6 +559,7 @@ fn run_interleaved(
                     &mut pass_out,
                     group_start,
                     valid,
+                    true,
                 );
             }
         }

@@ -67,6 +67,8 @@ pub struct AttentionScratch {
     /// Per job and key/value head, for a quantised cache: one block of its head's rows
     /// dequantised.
     rows: Vec<f32>,
+    /// Per job and key/value head, for a Q8_0 cache's keys: its queries quantised.
+    quantized: Vec<u8>,
 }
 
 impl AttentionScratch {
@@ -125,6 +127,8 @@ struct Item<'a> {
     block_limits: &'a mut [usize],
     /// A dequantised cache block (empty for a cache attention reads as stored).
     rows: &'a mut [f32],
+    /// The queries quantised for a Q8_0 cache's keys (empty for other caches).
+    quantized: &'a mut [u8],
 }
 
 /// Attention of query rows (`queries`, `rows × q_width`) of several sequences, each
@@ -228,6 +232,19 @@ fn attend_wave<'a>(
     grow(&mut s.outputs, totals.2);
     let block_rows = dequantised_block_values(shape, segments);
     grow(&mut s.rows, block_rows * jobs.len() * heads);
+    let integer_scores = |keys: &CachedHeads<'_>| {
+        keys.is_q8_keys()
+            && specula_kernels::q8_keys::integer_scores(specula_kernels::simd::level())
+    };
+    let q8_keys = segments.iter().any(|seg| integer_scores(&seg.keys));
+    let query_bytes = |job: &Job| match q8_keys {
+        true => job.rows * group * specula_kernels::q8_keys::query_bytes(hd),
+        false => 0,
+    };
+    let quantized_total: usize = jobs.iter().map(|job| query_bytes(job) * heads).sum();
+    if s.quantized.len() < quantized_total {
+        s.quantized.resize(quantized_total, 0);
+    }
     if s.limits.len() < 2 * totals.3 {
         s.limits.resize(2 * totals.3, 0);
     }
@@ -239,6 +256,7 @@ fn attend_wave<'a>(
         &mut s.limits[..],
         &mut s.rows[..],
     );
+    let mut quantized_rest = &mut s.quantized[..];
     for job in jobs {
         let (q, sc, o, l) = sizes(job);
         for head in 0..heads {
@@ -249,6 +267,9 @@ fn attend_wave<'a>(
             let (block_limits, l_next) = l_next.split_at_mut(l);
             let (rows, r_next) = r_rest.split_at_mut(block_rows);
             (q_rest, s_rest, o_rest, l_rest, r_rest) = (q_next, s_next, o_next, l_next, r_next);
+            let (quantized, rest) =
+                std::mem::take(&mut quantized_rest).split_at_mut(query_bytes(job));
+            quantized_rest = rest;
             items.push(Item {
                 job: *job,
                 head,
@@ -258,6 +279,7 @@ fn attend_wave<'a>(
                 limits,
                 block_limits,
                 rows,
+                quantized,
             });
         }
     }
@@ -302,14 +324,32 @@ fn attend_wave<'a>(
                 .then(|| heads.stored_head_block(g, b, bt.min(n_keys - b * bt)))
                 .flatten()
         };
-        for b in 0..blocks {
-            let (first_key, count) = block_limits(b, item.block_limits, item.limits);
-            let mut keys = seg.keys.head_block(g, b, count, item.rows);
-            if let Some(next) = stored(&seg.keys, b + 1).or_else(|| stored(&seg.values, 0)) {
-                keys = keys.followed_by(next);
+        if integer_scores(&seg.keys) {
+            // A Q8_0 cache's keys: integer scores of the queries quantised once, every key of
+            // each block (those past a query's limit are never read).
+            specula_kernels::q8_keys::quantize_queries(query_rows, item.quantized);
+            let qb = specula_kernels::q8_keys::query_bytes(hd);
+            let quantized = Rows::new(item.quantized, qb, qb, n_queries);
+            for b in 0..blocks {
+                let (first_key, count) = (b * bt, bt.min(n_keys - b * bt));
+                let keys = seg.keys.q8_key_block(g, b).expect("a Q8_0 cache's keys");
+                let next = match b + 1 < blocks {
+                    true => seg.keys.q8_key_block(g, b + 1).unwrap_or_default(),
+                    false => &[],
+                };
+                let scores = &mut item.scores[first_key..];
+                specula_kernels::q8_keys::scores(quantized, keys, count, next, scores, n_keys);
             }
-            let scores = &mut item.scores[first_key..];
-            kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
+        } else {
+            for b in 0..blocks {
+                let (first_key, count) = block_limits(b, item.block_limits, item.limits);
+                let mut keys = seg.keys.head_block(g, b, count, item.rows);
+                if let Some(next) = stored(&seg.keys, b + 1).or_else(|| stored(&seg.values, 0)) {
+                    keys = keys.followed_by(next);
+                }
+                let scores = &mut item.scores[first_key..];
+                kattention::scores(query_rows, keys, item.block_limits, scores, n_keys);
+            }
         }
         // A tree row: the scores of the slots it sees, in path order, after the prefix (for
         // each of its query heads).

@@ -10,13 +10,17 @@ use super::{OutRows, SimdLevel};
 
 /// A run of interleaved groups of 16 weight rows times a pass of activation rows at AVX-512
 /// ([`crate::interleaved::groups_pass`]), after checking every size the kernel indexes by.
+///
+/// `stream`: the run is a long stream (a weight matrix), whose multi-row passes prefetch a
+/// fixed distance ahead; off for a short run (a cache block of Q8_0 keys) whose bytes past
+/// its end are not read next.
 pub(crate) fn interleaved_pass(
     encoding: crate::interleaved::Encoding,
     groups: &[u8],
     x: Rows<'_, u8>,
     out: &mut OutRows<'_>,
-    first: usize,
-    valid: usize,
+    (first, valid): (usize, usize),
+    stream: bool,
 ) {
     SimdLevel::Avx512.assert_supported();
     crate::interleaved::check_pass_sizes(encoding, groups, &x, out, first, valid);
@@ -28,8 +32,9 @@ pub(crate) fn interleaved_pass(
         use crate::interleaved::Encoding as E;
         type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
         let kernel: Kernel = match encoding {
-            E::Q8_0 => avx512::interleaved_pass::<Q8_0>,
-            E::Q4_0 => avx512::interleaved_pass::<Q4_0>,
+            E::Q8_0 if stream => avx512::interleaved_pass::<Q8_0, true>,
+            E::Q8_0 => avx512::interleaved_pass::<Q8_0, false>,
+            E::Q4_0 => avx512::interleaved_pass::<Q4_0, true>,
             E::Q4K => avx512::interleaved_q4k_pass::<false>,
             E::Q5K => avx512::interleaved_q4k_pass::<true>,
             E::Q6K => avx512::interleaved_q6k_pass,
@@ -59,7 +64,7 @@ mod avx512 {
     /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
     /// rows, each of at least `first + valid` outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(crate) unsafe fn interleaved_pass<const KIND: u8>(
+    pub(crate) unsafe fn interleaved_pass<const KIND: u8, const STREAM: bool>(
         groups: &[u8],
         x: Rows<'_, u8>,
         out: &mut OutRows<'_>,
@@ -70,7 +75,7 @@ mod avx512 {
         unsafe {
             with_row_count!(
                 x.count(),
-                interleaved_groups::<KIND>(groups, x, out, first, valid)
+                interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
             )
         }
     }
@@ -82,7 +87,7 @@ mod avx512 {
     ///
     /// As [`interleaved_pass`], with `x.count() == N`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn interleaved_groups<const KIND: u8, const N: usize>(
+    unsafe fn interleaved_groups<const KIND: u8, const STREAM: bool, const N: usize>(
         groups: &[u8],
         x: Rows<'_, u8>,
         out: &mut OutRows<'_>,
@@ -96,7 +101,7 @@ mod avx512 {
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
-                interleaved_rows::<KIND, N>(g, b, xp, op, v)
+                interleaved_rows::<KIND, STREAM, N>(g, b, xp, op, v)
             })
         }
     }
@@ -177,7 +182,7 @@ mod avx512 {
     /// outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    unsafe fn interleaved_rows<const KIND: u8, const N: usize>(
+    unsafe fn interleaved_rows<const KIND: u8, const STREAM: bool, const N: usize>(
         group: *const u8,
         blocks: usize,
         xp: [*const u8; N],
@@ -198,7 +203,7 @@ mod avx512 {
             // 32 scale bytes then 8 (Q8_0) or 4 (Q4_0) registers of quants; 40 activation bytes.
             unsafe {
                 let block = group.add(b * group_block);
-                if N > 1 {
+                if STREAM && N > 1 {
                     prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
