@@ -17,7 +17,7 @@
 //!   Cached blocks no sequence uses stay until the pool needs room; then the least recently
 //!   used goes first.
 //! - **Truncation** cuts a sequence's length and releases the blocks past it; positions past the
-//!   length are overwritten before anything reads them. Values are rounded to the storage type
+//!   length are overwritten before any result depends on them. Values are rounded to the storage type
 //!   when stored, so a verify row and a single-token pass read the same bits.
 
 use std::collections::hash_map::DefaultHasher;
@@ -163,10 +163,7 @@ impl Store {
             Store::F16(v) => v.copy_within(at(from)..at(from) + units, at(to)),
             Store::Q8(v) => v.copy_within(at(from)..at(from) + units, at(to)),
             Store::Q8Keys(v) => {
-                let head = BLOCK_TOKENS * units;
-                let mut row = vec![0u8; units];
-                q8_keys::load_row(&v[from.0..from.0 + head], row_dim(units), from.1, &mut row);
-                q8_keys::store_row(&row, &mut v[to.0..to.0 + head], to.1);
+                q8_keys::copy_row(v, (BLOCK_TOKENS * units, row_dim(units)), from, to)
             }
         }
     }
@@ -1134,7 +1131,7 @@ mod tests {
     }
 
     /// A Q8_0 cache stores each head row as ggml's Q8_0 blocks (the bytes of
-    /// `q8_0::quantize_row`) and reads back their dequantised values, across blocks, forks
+    /// `q8_0::quantize_row`; keys in interleaved groups) and reads back their dequantised values, across blocks, forks
     /// and copy-on-write copies; heads that are not whole blocks of 32 are refused by name.
     #[test]
     fn q8_0_storage_holds_each_head_row_as_q8_0_blocks() {
@@ -1201,6 +1198,7 @@ mod tests {
             .into_iter()
             .map(|heads| head(heads, 1))
             .collect();
+        pool.release(&mut child);
         let mut longer = pool.fork(&seq);
         pool.release(&mut seq);
         pool.reserve(&mut longer, n, base + 71).unwrap();

@@ -8,9 +8,14 @@
 // sequence s is cache row slot(j) = table[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK, table =
 // tables + s * table_stride (the sequence's block table; an unpaged cache passes an identity
 // table and table_stride 0), its keys at k_cache + slot(j) * n_head_kv * head_dim, its values
-// at v_cache + slot(j) * n_head_kv * value_dim, stored as f32 (`attention`) or as IEEE
+// at v_cache + slot(j) * n_head_kv * value_dim, stored as f32 (`attention`), as IEEE
 // binary16 bits (`attention_f16`, the `kv_type = "f16"` cache; each value widened to f32
-// exactly before use, as the CPU backend does).
+// exactly before use, as the CPU backend does) or as ggml's Q8_0 blocks (`attention_q8_0`, the
+// `kv_type = "q8_0"` cache: each head row dim / 32 blocks of an f16 scale and 32 signed bytes;
+// a cache row n_head_kv such head rows). With a Q8_0 cache the query is quantised to Q8_0 as
+// the CPU backend quantises it and a score is its integer dot products, block by block
+// (`fma(isum_b, d_k * d_q, acc)` in block order: the CPU backend's bits); values are widened
+// (`q * d`) before use.
 // Query head h reads key/value head h / (n_head / n_head_kv) (ggml's broadcast). As the CPU
 // backend: scores q.k * scale in position order, softmax as exp(s - max) with the sum in f64
 // scaled by the f32 reciprocal, then the value rows accumulated in position order. With
@@ -41,12 +46,98 @@ __device__ __forceinline__ u64 kv_slot(const u32* __restrict__ table, int j) {
     return (u64)table[j / KV_BLOCK] * KV_BLOCK + (u64)(j % KV_BLOCK);
 }
 
-// One cache value as f32.
-__device__ __forceinline__ float kv_value(const float* p, u64 i) {
-    return p[i];
+// Bytes of a Q8_0 head row of `dim` values.
+__device__ __forceinline__ u64 q8_row_bytes(int dim) {
+    return (u64)(dim / 32) * 34;
 }
-__device__ __forceinline__ float kv_value(const u16* p, u64 i) {
-    return f16_to_f32(p[i]);
+
+// Head `head`'s row of `dim` values in cache row `slot` (n_head_kv heads per cache row).
+__device__ __forceinline__ const float* kv_row(const float* c, u64 slot, int head,
+                                               int n_head_kv, int dim) {
+    return c + (slot * n_head_kv + head) * dim;
+}
+__device__ __forceinline__ const u16* kv_row(const u16* c, u64 slot, int head, int n_head_kv,
+                                             int dim) {
+    return c + (slot * n_head_kv + head) * dim;
+}
+__device__ __forceinline__ const u8* kv_row(const u8* c, u64 slot, int head, int n_head_kv,
+                                            int dim) {
+    return c + (slot * n_head_kv + head) * q8_row_bytes(dim);
+}
+
+// Value `i` of a cache row as f32.
+__device__ __forceinline__ float kv_value(const float* row, u64 i) {
+    return row[i];
+}
+__device__ __forceinline__ float kv_value(const u16* row, u64 i) {
+    return f16_to_f32(row[i]);
+}
+__device__ __forceinline__ float kv_value(const u8* row, u64 i) {
+    const u8* block = row + (i / 32) * 34;
+    return (float)(i8)block[2 + i % 32] * f16_to_f32(load_u16(block));
+}
+
+// Quantises the query `qh` (head_dim values in shared memory) to Q8_0 for a Q8_0 cache, as
+// the CPU backend does (ggml's quantiser: per 32 values d = amax / 127, quants round(v / d)
+// ties away from zero, d kept as f16): quants into `qq`, each block's widened scale into
+// `qd`. Nothing for the float caches. Ends with __syncthreads.
+template <typename Kv>
+__device__ __forceinline__ void quantize_query(const float* qh, i8* qq, float* qd,
+                                               int head_dim) {
+}
+template <>
+__device__ __forceinline__ void quantize_query<u8>(const float* qh, i8* qq, float* qd,
+                                                   int head_dim) {
+    for (int b = threadIdx.x; b < head_dim / 32; b += blockDim.x) {
+        const float* v = qh + 32 * b;
+        float amax = 0.0f;
+        for (int t = 0; t < 32; ++t) {
+            amax = amax > fabsf(v[t]) ? amax : fabsf(v[t]);
+        }
+        const float d = amax / 127.0f;
+        const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int t = 0; t < 32; ++t) {
+            qq[32 * b + t] = (i8)(int)roundf(v[t] * inverse);
+        }
+        qd[b] = f16_to_f32(f32_to_f16(d));
+    }
+    __syncthreads();
+}
+
+// The query's dot product with a key row (before the scale): f32 multiply-adds in dimension
+// order over a float cache; over a Q8_0 cache the quantised query's integer dot products.
+__device__ __forceinline__ float key_dot(const float* qh, const i8* qq, const float* qd,
+                                         const float* kj, int head_dim) {
+    float s = 0.0f;
+    // Unrolled so that the loads are in flight together; the sums keep their order.
+#pragma unroll 8
+    for (int d = 0; d < head_dim; ++d) {
+        s = fmaf(qh[d], kj[d], s);
+    }
+    return s;
+}
+__device__ __forceinline__ float key_dot(const float* qh, const i8* qq, const float* qd,
+                                         const u16* kj, int head_dim) {
+    float s = 0.0f;
+#pragma unroll 8
+    for (int d = 0; d < head_dim; ++d) {
+        s = fmaf(qh[d], f16_to_f32(kj[d]), s);
+    }
+    return s;
+}
+__device__ __forceinline__ float key_dot(const float* qh, const i8* qq, const float* qd,
+                                         const u8* kj, int head_dim) {
+    float s = 0.0f;
+    for (int b = 0; b < head_dim / 32; ++b) {
+        const u8* block = kj + 34 * b;
+        int isum = 0;
+#pragma unroll 8
+        for (int t = 0; t < 32; ++t) {
+            isum += (int)(i8)block[2 + t] * (int)qq[32 * b + t];
+        }
+        s = fmaf((float)isum, f16_to_f32(load_u16(block)) * qd[b], s);
+    }
+    return s;
 }
 
 // The block's work for query row blockIdx.y, head blockIdx.x; the shared arrays are the
@@ -63,7 +154,7 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
                                            u64 score_stride, const float* __restrict__ gate,
                                            u64 gate_row_stride, int gate_head_stride,
                                            float* __restrict__ out, double* red, float* redf,
-                                           float* qh) {
+                                           float* qh, i8* qq, float* qd) {
     const int h = blockIdx.x;
     const int r = blockIdx.y;
     const int tid = threadIdx.x;
@@ -73,25 +164,19 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
     const int tree_base = info[3];
     const int n_keys = path != 0 ? tree_base + path[0] : info[1] + 1;
     const int kv_head = h / (n_head / n_head_kv);
-    const u64 k_width = (u64)n_head_kv * head_dim;
-    const u64 v_width = (u64)n_head_kv * value_dim;
     const float* qs = q + (u64)r * q_row_stride + (u64)h * q_head_stride;
     for (int d = tid; d < head_dim; d += blockDim.x) {
         qh[d] = qs[d];
     }
     __syncthreads();
+    quantize_query<Kv>(qh, qq, qd, head_dim);
 
     float* sc = scores + ((u64)r * n_head + h) * score_stride;
     float local_max = __int_as_float(0xff800000);  // -inf
     for (int j = tid; j < n_keys; j += blockDim.x) {
         const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
-        const Kv* kj = k_cache + kv_slot(table, pj) * k_width + (u64)kv_head * head_dim;
-        float s = 0.0f;
-        // Unrolled so that the loads are in flight together; the sums keep their order.
-#pragma unroll 8
-        for (int d = 0; d < head_dim; ++d) {
-            s = fmaf(qh[d], kv_value(kj, d), s);
-        }
+        const Kv* kj = kv_row(k_cache, kv_slot(table, pj), kv_head, n_head_kv, head_dim);
+        float s = key_dot(qh, qq, qd, kj, head_dim);
         s *= scale;
         sc[j] = s;
         local_max = fmaxf(local_max, s);
@@ -109,12 +194,12 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
 
     float* o = out + (u64)r * n_head * value_dim + (u64)h * value_dim;
     for (int d = tid; d < value_dim; d += blockDim.x) {
-        const Kv* vd = v_cache + (u64)kv_head * value_dim + d;
         float acc = 0.0f;
 #pragma unroll 8
         for (int j = 0; j < n_keys; ++j) {
             const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
-            acc = fmaf(sc[j] * inverse, kv_value(vd, kv_slot(table, pj) * v_width), acc);
+            const Kv* vj = kv_row(v_cache, kv_slot(table, pj), kv_head, n_head_kv, value_dim);
+            acc = fmaf(sc[j] * inverse, kv_value(vj, d), acc);
         }
         if (gate != 0) {
             acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
@@ -138,7 +223,8 @@ extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stri
     __shared__ float qh[1024];
     attend_row<float>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
                       k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
-                      score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh);
+                      score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh,
+                    0, 0);
 }
 
 extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_stride,
@@ -156,14 +242,38 @@ extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_
     __shared__ float qh[1024];
     attend_row<u16>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
                     k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
-                    score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh);
+                    score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh,
+                    0, 0);
+}
+
+extern "C" __global__ void attention_q8_0(const float* __restrict__ q, u64 q_row_stride,
+                                          int q_head_stride, const u32* __restrict__ tables,
+                                          u64 table_stride, const int* __restrict__ row_info,
+                                          const int* __restrict__ paths,
+                                          const u8* __restrict__ k_cache,
+                                          const u8* __restrict__ v_cache, int n_head,
+                                          int n_head_kv, int head_dim, int value_dim,
+                                          float scale, float* __restrict__ scores,
+                                          u64 score_stride, const float* __restrict__ gate,
+                                          u64 gate_row_stride, int gate_head_stride,
+                                          float* __restrict__ out) {
+    __shared__ double red[1024];
+    __shared__ float redf[1024];
+    __shared__ float qh[1024];
+    __shared__ i8 qq[1024];
+    __shared__ float qd[32];
+    attend_row<u8>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
+                   k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
+                   score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh, qq,
+                   qd);
 }
 
 // Stores rows * width f32 values of src (row r: the keys or values of the launch's row r)
 // into the cache row of row r's position in its sequence (row_info and the tables as the
 // attention kernels'; see kv_slot) at dst, as f32 (`kv_store`) or as binary16 bits rounded to
 // nearest-even (`kv_store_f16`). Launch: blockDim = 256, grid = ceil(rows * width / 256);
-// thread i handles value i.
+// thread i handles value i. `kv_store_q8_0` stores Q8_0 blocks (the CPU backend's quantiser:
+// ggml's), one thread per 32-value block: grid = ceil(rows * width / 32 / 256).
 __device__ __forceinline__ u64 kv_store_at(const int* __restrict__ row_info,
                                            const u32* __restrict__ tables, u64 table_stride,
                                            u64 i, u64 width) {
@@ -186,5 +296,32 @@ extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u64 rows,
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < rows * width) {
         dst[kv_store_at(row_info, tables, table_stride, i, width)] = f32_to_f16(src[i]);
+    }
+}
+extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u64 rows, u64 width,
+                                         const int* __restrict__ row_info,
+                                         const u32* __restrict__ tables, u64 table_stride,
+                                         u8* __restrict__ dst) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 per_row = width / 32;
+    if (i < rows * per_row) {
+        const u64 row = i / per_row;
+        const int* info = row_info + row * ROW_INFO;
+        const u64 slot = kv_slot(tables + (u64)info[0] * table_stride, info[1]);
+        const float* v = src + row * width + (i % per_row) * 32;
+        u8* block = dst + (slot * per_row + i % per_row) * 34;
+        // ggml's quantiser, in the CPU backend's order (a NaN poisons amax as there).
+        float amax = 0.0f;
+        for (int t = 0; t < 32; ++t) {
+            amax = amax > fabsf(v[t]) ? amax : fabsf(v[t]);
+        }
+        const float d = amax / 127.0f;
+        const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const u16 bits = f32_to_f16(d);
+        block[0] = (u8)(bits & 0xff);
+        block[1] = (u8)(bits >> 8);
+        for (int t = 0; t < 32; ++t) {
+            block[2 + t] = (u8)(i8)(int)roundf(v[t] * inverse);
+        }
     }
 }

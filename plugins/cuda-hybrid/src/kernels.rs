@@ -67,7 +67,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "attention.cu",
         text: include_str!("../kernels/attention.cu"),
-        functions: &["attention", "attention_f16", "kv_store", "kv_store_f16"],
+        functions: &[
+            "attention",
+            "attention_f16",
+            "attention_q8_0",
+            "kv_store",
+            "kv_store_f16",
+            "kv_store_q8_0",
+        ],
     },
     KernelSource {
         file: "conv.cu",

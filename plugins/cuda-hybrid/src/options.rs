@@ -7,7 +7,7 @@
 //! | `device` | CUDA device ordinal | `0` |
 //! | `ring_budget_bytes` | upper bound on the recurrent-state snapshot ring (host and device parts together; an engine option) | none |
 //! | `deep_rollback` | `redecode` or `refuse`: truncation beyond the ring (an engine option) | `redecode` |
-//! | `kv_type` | `f16` or `f32`: how the attention KV cache stores keys and values, on the host and on the device (an engine option) | `f16` |
+//! | `kv_type` | `f16`, `f32` or `q8_0`: how the attention KV cache stores keys and values, on the host and on the device (an engine option; `q8_0` needs heads of a multiple of 32 values) | `f16` |
 //! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.13` or `.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
 //! | `kernel_cache` | directory for compiled PTX, or `off` | `$SPECULA_HOME/cuda-kernels`, else `$XDG_CACHE_HOME/specula/cuda-kernels`, else `~/.cache/specula/cuda-kernels` |
 //!
@@ -121,11 +121,6 @@ impl Options {
             }
             Parsed::Ok
         })?;
-        if common.kv_type == specula_engine::kv_cache::KvType::Q8_0 {
-            return Err(PluginError::invalid_input(format!(
-                "{PLUGIN_NAME}: option 'kv_type' = 'q8_0' is not supported here yet (its GPU kernels read f16 or f32 caches); use 'f16' (or cpu-simd for q8_0)"
-            )));
-        }
         options.common = common;
         Ok(options)
     }
@@ -187,7 +182,7 @@ mod tests {
             ("vram_budget", "lots"),
             ("device", "-1"),
             ("deep_rollback", "maybe"),
-            ("kv_type", "q8_0"),
+            ("kv_type", "q4_0"),
         ] {
             let err = Options::parse(&params(&[(key, value)])).unwrap_err();
             assert_eq!(err.kind, ErrorKind::InvalidInput);

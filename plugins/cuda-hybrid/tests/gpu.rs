@@ -1160,6 +1160,65 @@ fn quantised_models_follow_cpu_simd() {
     }
 }
 
+/// A Q8_0 KV cache on the device (`kv_type = "q8_0"`): on a dense qwen3 and a hybrid qwen35
+/// with an MTP head (heads of 32 values), written here, logits close to cpu-simd's over its
+/// own Q8_0 cache (the same quantiser, the same integer scores), verify rows bit-identical to
+/// single-token evals, and every row of a batch of sequences — forks, truncations, prefill
+/// chunks beside verify rows — bit-identical to its sequence alone; all on the GPU and split
+/// with the host.
+#[test]
+fn a_q8_0_cache_follows_cpu_simd_and_keeps_rows_bit_identical() {
+    let Some(device) = device_or_skip("a_q8_0_cache_follows_cpu_simd_and_keeps_rows_bit_identical")
+    else {
+        return;
+    };
+    use specula_host::genmodel::{preset, write_model, RandomWeights, SpmVocab, Vocab};
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = Vocab::Spm(SpmVocab::synthetic(VOCAB));
+    let q8: &[(&str, &str)] = &[("kv_type", "q8_0")];
+    for name in ["tiny-qwen3", "tiny-qwen35"] {
+        let mut spec = preset(name).unwrap();
+        spec.head_dim = 32;
+        let path = dir.path().join(format!("{name}-heads32.gguf"));
+        write_model(&spec, &vocab, &mut RandomWeights::new(5), &path).unwrap();
+
+        let mut cpu = cpu_simd(&params(&path, 256, q8));
+        let mut gpu = cuda(&device, &path, q8);
+        let a = eval(&mut cpu, &PROMPT, LogitRows::All);
+        let b = eval(&mut gpu, &PROMPT, LogitRows::All);
+        let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let d = max_diff(&a, &b);
+        assert!(
+            d <= 2e-3 * scale,
+            "{name}: logits differ by {d} (scale {scale})"
+        );
+        let mut single = cuda(&device, &path, q8);
+        for (i, &t) in PROMPT.iter().enumerate() {
+            let r = eval(&mut single, &[t], LogitRows::Last);
+            assert_eq!(bits(row(&b, i, VOCAB)), bits(&r), "{name}: row {i}");
+        }
+        for split in [&[][..], &[("gpu_layers", "1")][..]] {
+            let options: Vec<(&str, &str)> = q8.iter().chain(split).copied().collect();
+            let name = format!("{name} {options:?}");
+            let open = || {
+                open_backend_with(&device, &path, &options, 4)
+                    .unwrap_or_else(|e| panic!("cuda-hybrid on {name}: {e}"))
+            };
+            let (mut batched, mut alone) = (open(), open());
+            let rollback = (batched.caps().rollback_depth as usize).min(8);
+            assert_batches_match_sequences_alone(
+                &mut batched,
+                &mut alone,
+                4,
+                6,
+                rollback,
+                11,
+                &name,
+            );
+        }
+    }
+}
+
 #[test]
 fn mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding() {
     let Some(device) = device_or_skip("mtp_rows_are_exact_and_mtp_drafting_equals_plain_decoding")

@@ -146,7 +146,7 @@ mod avx512 {
     }
 
     /// How far ahead of the block being multiplied a multi-row Q8_0 / Q4_0 interleaved pass
-    /// prefetches. Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB. (Q4_K has its
+    /// over a stream (a weight matrix, not a cache block of keys) prefetches. Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB. (Q4_K has its
     /// own, [`Q4K_PREFETCH_BYTES`].)
     const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
 

@@ -111,10 +111,10 @@ impl DeviceKv {
         Ok(())
     }
 
-    /// The 16-bit units of `values` cache values.
+    /// The 16-bit units of `values` cache values (whole cache rows: a Q8_0 row's 34 bytes per
+    /// 32 values).
     pub fn units(&self, values: usize) -> usize {
-        debug_assert!(self.ty != KvType::Q8_0, "cuda-hybrid keeps no q8_0 cache");
-        values * self.ty.unit_bytes() / 2
+        self.ty.row_bytes(values) / 2
     }
 
     /// The device address of value `i` of `buf`.
@@ -129,8 +129,7 @@ impl DeviceKv {
         (k_width, v_width): (usize, usize),
         ty: KvType,
     ) -> u64 {
-        debug_assert!(ty != KvType::Q8_0, "cuda-hybrid keeps no q8_0 cache");
-        (ty.unit_bytes() * layers * n_ctx * (k_width + v_width)) as u64
+        (layers * n_ctx * (ty.row_bytes(k_width) + ty.row_bytes(v_width))) as u64
     }
 }
 

@@ -417,14 +417,15 @@ pub fn kv_store(
     rows: AttentionRows,
     dst: u64,
 ) -> Result<(), PluginError> {
-    let kernel = match kv {
-        KvType::F32 => "kv_store",
-        KvType::F16 => "kv_store_f16",
-        KvType::Q8_0 => return Err(internal("cuda-hybrid: no q8_0 KV kernels".into())),
+    let (kernel, threads) = match kv {
+        KvType::F32 => ("kv_store", rows.n * width),
+        KvType::F16 => ("kv_store_f16", rows.n * width),
+        // A thread per 32-value block.
+        KvType::Q8_0 => ("kv_store_q8_0", rows.n * width / 32),
     };
     gpu.launch(
         kernel,
-        (blocks(rows.n * width, ROW_BLOCK as usize), 1, 1),
+        (blocks(threads, ROW_BLOCK as usize), 1, 1),
         ROW_BLOCK,
         &[
             Arg::Ptr(src),
@@ -507,7 +508,7 @@ pub fn attention(
             match kv.ty {
                 KvType::F32 => "attention",
                 KvType::F16 => "attention_f16",
-                KvType::Q8_0 => return Err(internal("cuda-hybrid: no q8_0 KV kernels".into())),
+                KvType::Q8_0 => "attention_q8_0",
             },
             (blocks(dims.n_head, 1), blocks(m, 1), 1),
             ATTENTION_BLOCK,
