@@ -114,13 +114,15 @@ enum Store {
 
 impl Store {
     /// `len` zero values of keys (`keys`) or values, or `None` when the allocation fails.
-    /// (Lazily mapped pages: blocks never written occupy no memory.)
+    /// (Lazily mapped pages: blocks never written occupy no memory.) Q8_0 keys are kept in
+    /// interleaved groups where the SIMD level scores them as integers, else as rows.
     fn zeroed(ty: KvType, len: usize, keys: bool) -> Option<Self> {
         use specula_kernels::aligned::try_zeroed_vec;
+        let integer_scores = q8_keys::integer_scores(specula_kernels::simd::level());
         Some(match ty {
             KvType::F32 => Store::F32(try_zeroed_vec(len)?),
             KvType::F16 => Store::F16(try_zeroed_vec(len)?),
-            KvType::Q8_0 if keys => Store::Q8Keys(try_zeroed_vec(len)?),
+            KvType::Q8_0 if keys && integer_scores => Store::Q8Keys(try_zeroed_vec(len)?),
             KvType::Q8_0 => Store::Q8(try_zeroed_vec(len)?),
         })
     }

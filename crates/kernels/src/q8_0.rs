@@ -110,14 +110,13 @@ pub(crate) fn round_half_away(v: f32) -> i32 {
 
 /// Decodes Q8_0 `bytes` into `out` (a whole number of blocks).
 ///
-/// Runs an AVX-512 version at that [`simd::level`] (a Q8_0 KV cache is read through this,
-/// for every position of every step); it gives exactly the values of
+/// Runs an AVX-512 or AVX2 version at those [`simd::level`]s (a Q8_0 KV cache's values are
+/// read through this, for every position of every step); it gives exactly the values of
 /// [`dequantize_row_scalar`].
 pub fn dequantize_row(bytes: &[u8], out: &mut [f32]) {
-    if simd::level() == SimdLevel::Avx512 {
-        simd::dequantize_q8_0_row(bytes, out);
-    } else {
-        dequantize_row_scalar(bytes, out);
+    match simd::level() {
+        SimdLevel::Scalar => dequantize_row_scalar(bytes, out),
+        level => simd::dequantize_q8_0_row(level, bytes, out),
     }
 }
 
@@ -400,8 +399,9 @@ mod tests {
         assert_eq!(tie_block[2] as i8, -62);
     }
 
-    /// The SIMD dequantiser gives the reference's bits, on the awkward blocks (NaN, infinite
-    /// and subnormal scales, quants of -128) at every length up to 11 blocks.
+    /// The SIMD dequantisers (every supported level) give the reference's bits, on the
+    /// awkward blocks (NaN, infinite and subnormal scales, quants of -128) at every length up
+    /// to 11 blocks.
     #[test]
     fn simd_dequantisation_gives_the_reference_values() {
         let mut bytes = quantized(&awkward_blocks());
@@ -414,9 +414,13 @@ mod tests {
             let row = &bytes[..blocks * BLOCK_BYTES];
             let mut want = vec![0.0; blocks * BLOCK_VALUES];
             dequantize_row_scalar(row, &mut want);
-            let got = dequantized(row);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "{blocks} blocks");
+            assert_eq!(bits(&dequantized(row)), bits(&want), "{blocks} blocks");
+            for level in SimdLevel::supported().filter(|&l| l != SimdLevel::Scalar) {
+                let mut got = vec![f32::NAN; want.len()];
+                simd::dequantize_q8_0_row(level, row, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{level:?}, {blocks} blocks");
+            }
         }
     }
 

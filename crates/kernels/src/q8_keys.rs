@@ -14,8 +14,7 @@
 //! from half the bytes. A (query, key) score is `Σ_b fma(s_b, d_k · d_q, acc)` over the head's
 //! blocks in order, `s_b` the block's exact integer sum: the same bits whatever other queries
 //! and keys share the call, at the AVX-512 level and in the scalar reference alike. At the
-//! AVX2 level (no `vpdpbusd`) callers read the keys dequantised instead
-//! ([`integer_scores`], [`dequantize`]) and score them in f32.
+//! AVX2 level (no `vpdpbusd`) a cache keeps its keys as rows instead ([`integer_scores`]).
 
 use crate::interleaved::{self, Encoding, GROUP_ROWS};
 use crate::simd::{self, OutRows, Rows, SimdLevel};
@@ -26,9 +25,10 @@ pub const GROUP_POSITIONS: usize = GROUP_ROWS;
 
 const ENCODING: Encoding = Encoding::Q8_0;
 
-/// Whether scores at `level` are integer dot products through [`scores`] (AVX-512 and the
-/// scalar reference); at AVX2, which has no `vpdpbusd`, a caller scores [`dequantize`]d keys
-/// in f32 instead (not measured here: the project's machines have AVX-512).
+/// Whether a Q8_0 cache's keys are kept in this layout and scored through [`scores`] at
+/// `level`: at AVX-512 and in the scalar reference. At AVX2, which has no `vpdpbusd` (its
+/// 16-bit integer products take more instructions per multiply than f32 ones), a cache keeps
+/// its keys as Q8_0 rows, dequantised and scored in f32 as f16 keys are.
 pub fn integer_scores(level: SimdLevel) -> bool {
     level != SimdLevel::Avx2
 }

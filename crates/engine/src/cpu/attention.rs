@@ -232,11 +232,7 @@ fn attend_wave<'a>(
     grow(&mut s.outputs, totals.2);
     let block_rows = dequantised_block_values(shape, segments);
     grow(&mut s.rows, block_rows * jobs.len() * heads);
-    let integer_scores = |keys: &CachedHeads<'_>| {
-        keys.is_q8_keys()
-            && specula_kernels::q8_keys::integer_scores(specula_kernels::simd::level())
-    };
-    let q8_keys = segments.iter().any(|seg| integer_scores(&seg.keys));
+    let q8_keys = segments.iter().any(|seg| seg.keys.is_q8_keys());
     let query_bytes = |job: &Job| match q8_keys {
         true => job.rows * group * specula_kernels::q8_keys::query_bytes(hd),
         false => 0,
@@ -324,7 +320,7 @@ fn attend_wave<'a>(
                 .then(|| heads.stored_head_block(g, b, bt.min(n_keys - b * bt)))
                 .flatten()
         };
-        if integer_scores(&seg.keys) {
+        if seg.keys.is_q8_keys() {
             // A Q8_0 cache's keys: integer scores of the queries quantised once, every key of
             // each block (those past a query's limit are never read).
             specula_kernels::q8_keys::quantize_queries(query_rows, item.quantized);

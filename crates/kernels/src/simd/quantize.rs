@@ -1,7 +1,7 @@
 //! Activation quantisation to Q8_0 and Q8_K ([`crate::q8_0::quantize_row`],
 //! [`crate::q8_k::quantize_row`]) and Q8_0 dequantisation ([`crate::q8_0::dequantize_row`], what
-//! a Q8_0 KV cache is read through): the AVX-512 kernels (bit-identical to the scalar
-//! references; there are no AVX2 ones) and their safe entry points.
+//! a Q8_0 KV cache is read through): the AVX-512 kernels and an AVX2 dequantiser (bit-identical
+//! to the scalar references), and their safe entry points.
 
 use super::SimdLevel;
 
@@ -21,19 +21,24 @@ pub(crate) fn quantize_q8_0_row(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// [`crate::q8_0::dequantize_row`] with AVX-512 (which the caller checked is available).
-pub(crate) fn dequantize_q8_0_row(bytes: &[u8], out: &mut [f32]) {
-    SimdLevel::Avx512.assert_supported();
+/// [`crate::q8_0::dequantize_row`] at a SIMD `level` (AVX-512 or AVX2, which the caller checked
+/// is available).
+pub(crate) fn dequantize_q8_0_row(level: SimdLevel, bytes: &[u8], out: &mut [f32]) {
+    level.assert_supported();
     assert_eq!(out.len() % crate::q8_0::BLOCK_VALUES, 0);
     assert_eq!(
         out.len() / crate::q8_0::BLOCK_VALUES * crate::q8_0::BLOCK_BYTES,
         bytes.len()
     );
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512 is available and `bytes` holds one block per 32 values of `out`
+    // SAFETY: the level is available and `bytes` holds one block per 32 values of `out`
     // (checked above).
     unsafe {
-        avx512::dequantize_q8_0_row(bytes, out)
+        match level {
+            SimdLevel::Avx512 => avx512::dequantize_q8_0_row(bytes, out),
+            SimdLevel::Avx2 => avx2::dequantize_q8_0_row(bytes, out),
+            SimdLevel::Scalar => panic!("SIMD kernels run SIMD levels only"),
+        }
     }
 }
 
@@ -49,6 +54,37 @@ pub(crate) fn quantize_q8_k_row(x: &[f32], out: &mut [u8]) {
     // SAFETY: AVX-512 is available and `out` holds one block per 256 values (checked above).
     unsafe {
         avx512::quantize_q8_k_row(x, out)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::q8_0;
+
+    /// Q8_0 dequantisation: each quant widened to f32 and multiplied by its block's scale
+    /// (`q8_0::dequantize_row_scalar`'s values, 8 at a time).
+    ///
+    /// # Safety
+    ///
+    /// The AVX2 level must be available; `bytes` holds one block per 32 values of `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize_q8_0_row(bytes: &[u8], out: &mut [f32]) {
+        for (block, values) in bytes
+            .chunks_exact(q8_0::BLOCK_BYTES)
+            .zip(out.chunks_exact_mut(q8_0::BLOCK_VALUES))
+        {
+            let d = _mm256_set1_ps(q8_0::scale(block));
+            for part in 0..4 {
+                // SAFETY: a block holds 2 scale bytes then 32 quants, and `values` 32 f32s.
+                unsafe {
+                    let quants = _mm_loadl_epi64(block.as_ptr().add(2 + 8 * part).cast());
+                    let wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quants));
+                    _mm256_storeu_ps(values.as_mut_ptr().add(8 * part), _mm256_mul_ps(wide, d));
+                }
+            }
+        }
     }
 }
 
