@@ -224,7 +224,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stri
     attend_row<float>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
                       k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
                       score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh,
-                    0, 0);
+                      0, 0);
 }
 
 extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_stride,

@@ -738,25 +738,27 @@ fn batched_sequences_are_bit_identical_to_each_sequence_alone() {
     };
     for path in gpu_models_with(&device, true) {
         for options in placements(&device) {
-            let name = format!("{} {options:?}", path.display());
-            let open = || {
-                open_backend_with(&device, &path, options, 4)
-                    .unwrap_or_else(|e| panic!("cuda-hybrid on {name}: {e}"))
-            };
-            let (mut batched, mut alone) = (open(), open());
-            assert!(batched.executor().placement().uses_gpu(), "{name}");
-            let rollback = (batched.caps().rollback_depth as usize).min(8);
-            assert_batches_match_sequences_alone(
-                &mut batched,
-                &mut alone,
-                4,
-                6,
-                rollback,
-                11,
-                &name,
-            );
+            assert_batched_rows_match_alone(&device, &path, options);
         }
     }
+}
+
+/// Every row of batches over 4 sequences of `path` (cuda-hybrid with `options`) equals its
+/// sequence evaluated alone ([`assert_batches_match_sequences_alone`]).
+fn assert_batched_rows_match_alone(
+    device: &Device,
+    path: &std::path::Path,
+    options: &[(&str, &str)],
+) {
+    let name = format!("{} {options:?}", path.display());
+    let open = || {
+        open_backend_with(device, path, options, 4)
+            .unwrap_or_else(|e| panic!("cuda-hybrid on {name}: {e}"))
+    };
+    let (mut batched, mut alone) = (open(), open());
+    assert!(batched.executor().placement().uses_gpu(), "{name}");
+    let rollback = (batched.caps().rollback_depth as usize).min(8);
+    assert_batches_match_sequences_alone(&mut batched, &mut alone, 4, 6, rollback, 11, &name);
 }
 
 /// The device's attention caches live in the host pool's blocks: a fork shares its parent's
@@ -1078,18 +1080,7 @@ fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
         return;
     };
     for path in gpu_models_with(&device, true) {
-        let p = params(&path, 256, &[]);
-        let mut cpu = cpu_simd(&p);
-        let mut gpu = cuda(&device, &path, &[]);
-        let a = eval(&mut cpu, &PROMPT, LogitRows::All);
-        let b = eval(&mut gpu, &PROMPT, LogitRows::All);
-        let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        let d = max_diff(&a, &b);
-        assert!(
-            d <= 2e-3 * scale,
-            "{}: logits differ by {d} (scale {scale})",
-            path.display()
-        );
+        gpu_logits_follow_cpu_simd(&device, &path, &[]);
     }
     // Trained models: the greedy continuations are the same.
     let (trained, n) = if full(&device) {
@@ -1108,6 +1099,29 @@ fn logits_are_close_to_cpu_simd_and_greedy_output_is_equal() {
             assert_eq!(got, want, "{} {options:?}", path.display());
         }
     }
+}
+
+/// The logits of `PROMPT` on cuda-hybrid (`options`) for `path`, checked to be within 2e-3 of
+/// their scale of cpu-simd's with the same options.
+fn gpu_logits_follow_cpu_simd(
+    device: &Device,
+    path: &std::path::Path,
+    options: &[(&str, &str)],
+) -> Vec<f32> {
+    let a = eval(
+        &mut cpu_simd(&params(path, 256, options)),
+        &PROMPT,
+        LogitRows::All,
+    );
+    let b = eval(&mut cuda(device, path, options), &PROMPT, LogitRows::All);
+    let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let d = max_diff(&a, &b);
+    assert!(
+        d <= 2e-3 * scale,
+        "{} {options:?}: logits differ by {d} (scale {scale})",
+        path.display()
+    );
+    b
 }
 
 /// Models in each quantised type (written here with rows of 256 values, so the projections,
@@ -1182,16 +1196,7 @@ fn a_q8_0_cache_follows_cpu_simd_and_keeps_rows_bit_identical() {
         let path = dir.path().join(format!("{name}-heads32.gguf"));
         write_model(&spec, &vocab, &mut RandomWeights::new(5), &path).unwrap();
 
-        let mut cpu = cpu_simd(&params(&path, 256, q8));
-        let mut gpu = cuda(&device, &path, q8);
-        let a = eval(&mut cpu, &PROMPT, LogitRows::All);
-        let b = eval(&mut gpu, &PROMPT, LogitRows::All);
-        let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        let d = max_diff(&a, &b);
-        assert!(
-            d <= 2e-3 * scale,
-            "{name}: logits differ by {d} (scale {scale})"
-        );
+        let b = gpu_logits_follow_cpu_simd(&device, &path, q8);
         let mut single = cuda(&device, &path, q8);
         for (i, &t) in PROMPT.iter().enumerate() {
             let r = eval(&mut single, &[t], LogitRows::Last);
@@ -1199,22 +1204,7 @@ fn a_q8_0_cache_follows_cpu_simd_and_keeps_rows_bit_identical() {
         }
         for split in [&[][..], &[("gpu_layers", "1")][..]] {
             let options: Vec<(&str, &str)> = q8.iter().chain(split).copied().collect();
-            let name = format!("{name} {options:?}");
-            let open = || {
-                open_backend_with(&device, &path, &options, 4)
-                    .unwrap_or_else(|e| panic!("cuda-hybrid on {name}: {e}"))
-            };
-            let (mut batched, mut alone) = (open(), open());
-            let rollback = (batched.caps().rollback_depth as usize).min(8);
-            assert_batches_match_sequences_alone(
-                &mut batched,
-                &mut alone,
-                4,
-                6,
-                rollback,
-                11,
-                &name,
-            );
+            assert_batched_rows_match_alone(&device, &path, &options);
         }
     }
 }
