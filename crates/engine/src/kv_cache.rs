@@ -105,7 +105,8 @@ impl KvType {
 enum Store {
     F32(Vec<f32>),
     F16(Vec<u16>),
-    /// Q8_0 values: blocks of 32, each head row `dim / 32` of them.
+    /// Q8_0 rows: blocks of 32, each head row `dim / 32` of them (values; keys too where the
+    /// SIMD level does not score them as integers).
     Q8(Vec<u8>),
     /// Q8_0 keys: each head of a block as interleaved groups of 16 positions
     /// ([`specula_kernels::q8_keys`]), which attention scores with integer dot products.
@@ -245,7 +246,7 @@ impl Store {
 }
 
 /// A layer's cache as stored: values attention reads directly, Q8_0 rows it reads
-/// dequantised (values), or Q8_0 keys in interleaved groups it scores as integers.
+/// dequantised, or Q8_0 keys in interleaved groups it scores as integers.
 #[derive(Debug, Clone, Copy)]
 enum Stored<'a> {
     Float(Cached<'a>),

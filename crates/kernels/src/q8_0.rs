@@ -80,7 +80,7 @@ fn check_quantize_sizes(x: &[f32], out: &[u8]) {
 /// blocks holding a NaN).
 #[inline]
 pub(crate) fn quantize_block(values: &[f32], block: &mut [u8]) {
-    // ggml's MAX(amax, |v|) keeps the comparison order: a NaN input poisons amax as in ggml.
+    // ggml's MAX(amax, |v|) keeps the comparison order, so NaNs land as they do in ggml.
     let amax = values.iter().fold(
         0.0f32,
         |amax, v| if amax > v.abs() { amax } else { v.abs() },
@@ -100,9 +100,12 @@ pub(crate) fn quantize_block(values: &[f32], block: &mut [u8]) {
 pub(crate) fn round_half_away(v: f32) -> i32 {
     let magnitude = v.abs();
     let whole = magnitude as i32;
-    let rounded = whole + i32::from(magnitude - whole as f32 >= 0.5);
+    // Wrapping: an infinite `v` (a block too small for `1 / d` to be finite) comes out as
+    // `i32::MIN` in every build profile, whose low byte — the quant — is 0, as the SIMD
+    // quantiser's.
+    let rounded = whole.wrapping_add(i32::from(magnitude - whole as f32 >= 0.5));
     if v < 0.0 {
-        -rounded
+        rounded.wrapping_neg()
     } else {
         rounded
     }

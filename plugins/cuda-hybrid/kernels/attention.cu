@@ -8,14 +8,15 @@
 // sequence s is cache row slot(j) = table[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK, table =
 // tables + s * table_stride (the sequence's block table; an unpaged cache passes an identity
 // table and table_stride 0), its keys at k_cache + slot(j) * n_head_kv * head_dim, its values
-// at v_cache + slot(j) * n_head_kv * value_dim, stored as f32 (`attention`), as IEEE
+// at v_cache + slot(j) * n_head_kv * value_dim (in values; for Q8_0 in head rows of
+// dim / 32 * 34 bytes, see kv_row), stored as f32 (`attention`), as IEEE
 // binary16 bits (`attention_f16`, the `kv_type = "f16"` cache; each value widened to f32
 // exactly before use, as the CPU backend does) or as ggml's Q8_0 blocks (`attention_q8_0`, the
 // `kv_type = "q8_0"` cache: each head row dim / 32 blocks of an f16 scale and 32 signed bytes;
 // a cache row n_head_kv such head rows). With a Q8_0 cache the query is quantised to Q8_0 as
 // the CPU backend quantises it and a score is its integer dot products, block by block
-// (`fma(isum_b, d_k * d_q, acc)` in block order: the CPU backend's bits); values are widened
-// (`q * d`) before use.
+// (`fma(isum_b, d_k * d_q, acc)` in block order: cpu-simd's arithmetic where it scores a
+// Q8_0 cache as integers, at AVX-512); values are widened (`q * d`) before use.
 // Query head h reads key/value head h / (n_head / n_head_kv) (ggml's broadcast). As the CPU
 // backend: scores q.k * scale in position order, softmax as exp(s - max) with the sum in f64
 // scaled by the f32 reciprocal, then the value rows accumulated in position order. With
@@ -35,7 +36,7 @@
 // b + k the k-th node's: the same keys, in the same order, as the path evaluated alone as
 // consecutive positions, so the row gets that evaluation's bits.
 //
-// Launch (both kernels at the end of the file): grid = (n_head, rows), blockDim = 128. Thread t
+// Launch (the attention kernels after attend_row): grid = (n_head, rows), blockDim = 128. Thread t
 // scores keys t, t + 128, ... and accumulates output dimensions t, t + 128, ...
 
 // Positions per block of a paged cache (the engine's BLOCK_TOKENS).
@@ -77,6 +78,13 @@ __device__ __forceinline__ float kv_value(const u8* row, u64 i) {
     return (float)(i8)block[2 + i % 32] * f16_to_f32(load_u16(block));
 }
 
+// A Q8_0 quant: `x` (a value times its block's 1 / d, at most 127.5 in magnitude) rounded to
+// nearest, ties away from zero (C's roundf, the CPU's round_half_away); a NaN or an infinite
+// `x` (a block too small for 1 / d to be finite) is 0, as the CPU quantiser's cast makes it.
+__device__ __forceinline__ i8 q8_quant(float x) {
+    return fabsf(x) < 256.0f ? (i8)(int)roundf(x) : (i8)0;
+}
+
 // Quantises the query `qh` (head_dim values in shared memory) to Q8_0 for a Q8_0 cache, as
 // the CPU backend does (ggml's quantiser: per 32 values d = amax / 127, quants round(v / d)
 // ties away from zero, d kept as f16): quants into `qq`, each block's widened scale into
@@ -97,7 +105,7 @@ __device__ __forceinline__ void quantize_query<u8>(const float* qh, i8* qq, floa
         const float d = amax / 127.0f;
         const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
         for (int t = 0; t < 32; ++t) {
-            qq[32 * b + t] = (i8)(int)roundf(v[t] * inverse);
+            qq[32 * b + t] = q8_quant(v[t] * inverse);
         }
         qd[b] = f16_to_f32(f32_to_f16(d));
     }
@@ -310,7 +318,7 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u64 rows
         const u64 slot = kv_slot(tables + (u64)info[0] * table_stride, info[1]);
         const float* v = src + row * width + (i % per_row) * 32;
         u8* block = dst + (slot * per_row + i % per_row) * 34;
-        // ggml's quantiser, in the CPU backend's order (a NaN poisons amax as there).
+        // ggml's quantiser, with the CPU backend's comparisons (NaNs land as they do there).
         float amax = 0.0f;
         for (int t = 0; t < 32; ++t) {
             amax = amax > fabsf(v[t]) ? amax : fabsf(v[t]);
@@ -321,7 +329,7 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u64 rows
         block[0] = (u8)(bits & 0xff);
         block[1] = (u8)(bits >> 8);
         for (int t = 0; t < 32; ++t) {
-            block[2 + t] = (u8)(i8)(int)roundf(v[t] * inverse);
+            block[2 + t] = (u8)q8_quant(v[t] * inverse);
         }
     }
 }

@@ -5,7 +5,7 @@
 //! straight transcriptions of ggml's dequantisers) and the quantised ones against the CPU
 //! kernels, row b of a k-row launch bit-identical to a one-row launch, activation quantisation
 //! byte-equal to the CPU's, shared quantisation across matrices, expert mat-vecs, RMSNorm, the three RoPE variants and attention against
-//! the CPU code. Model level (every architecture, several placements): verify rows
+//! the CPU code, the Q8_0 cache's stores and attention against the CPU's Q8_0 cache. Model level (every architecture, several placements): verify rows
 //! bit-identical to single-token evals, the rollback oracle (truncating inside the window
 //! equals a run that never saw the rejected tokens), logits close to cpu-simd and greedy output
 //! equal to it, MTP rows bit-identical to one-row calls, MTP drafting equal to plain decoding,
@@ -718,6 +718,135 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
 
 // ---- model level ---------------------------------------------------------------------------
 
+/// The device's Q8_0 cache at kernel level: `kv_store_q8_0` writes each head row as the CPU's
+/// quantiser does (the same bytes), and `attention_q8_0` over 130 positions in three paged
+/// blocks follows cpu-simd's attention over a Q8_0 pool (its integer scores of the quantised
+/// queries, dequantised values) to f32 rounding, row by row.
+#[test]
+fn q8_0_cache_kernels_follow_the_cpu_cache() {
+    use specula_engine::kv_cache::{KvPool, SeqKv};
+    let Some(device) = device_or_skip("q8_0_cache_kernels_follow_the_cpu_cache") else {
+        return;
+    };
+    let gpu = open_device(&device);
+    let mut rng = Rng::new(23);
+    let shape = AttentionShape {
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 32,
+        value_dim: 32,
+    };
+    let (n_ctx, rows, pos0, width) = (130, 3, 127, shape.k_width());
+    let keys: Vec<f32> = (0..n_ctx * width).map(|_| rng.unit()).collect();
+    let values: Vec<f32> = (0..n_ctx * width).map(|_| rng.unit()).collect();
+    let q: Vec<f32> = (0..rows * shape.q_width()).map(|_| rng.unit()).collect();
+
+    let mut pool = KvPool::new(1, 3, &shape, KvType::Q8_0, false).unwrap();
+    let mut seq = SeqKv::default();
+    pool.reserve(&mut seq, 0, n_ctx).unwrap();
+    pool.store(0, &seq, 0, &keys, &values);
+    pool.set_len(&mut seq, n_ctx);
+    let segment = attention::Segment {
+        rows: 0..rows,
+        first_len: pos0 + 1,
+        keys: pool.keys(0, &seq, n_ctx),
+        values: pool.values(0, &seq, n_ctx),
+        tree: None,
+    };
+    let mut cpu = vec![0.0; rows * shape.out_width()];
+    let mut scratch = attention::AttentionScratch::new();
+    attention::attend_segments(&shape, &q, &[segment], &mut scratch, &mut cpu);
+
+    // The device cache through a table of three blocks stored out of order.
+    let table: [u32; 3] = [2, 0, 1];
+    let dtable = gpu.upload(&table).unwrap();
+    let row_units = KvType::Q8_0.row_bytes(width) / 2;
+    let cache = |data: &[f32]| {
+        let src = gpu.upload(data).unwrap();
+        let dst = gpu.zeros::<u16>(3 * 64 * row_units).unwrap();
+        let info = gpu.upload(&ops::chain_rows(0, 0, n_ctx)).unwrap();
+        let all = ops::AttentionRows {
+            info: info.ptr(),
+            n: n_ctx,
+            tables: dtable.ptr(),
+            table_stride: 0,
+            paths: 0,
+            max_keys: n_ctx,
+        };
+        ops::kv_store(&gpu, KvType::Q8_0, src.ptr(), width, all, dst.ptr()).unwrap();
+        gpu.sync().unwrap();
+        dst
+    };
+    let (dk, dv) = (cache(&keys), cache(&values));
+    let stored: Vec<u8> = gpu
+        .download(&dk)
+        .unwrap()
+        .iter()
+        .flat_map(|u: &u16| u.to_le_bytes())
+        .collect();
+    for p in 0..n_ctx {
+        let mut want = vec![0u8; 2 * row_units];
+        specula_kernels::q8_0::quantize_row(&keys[p * width..(p + 1) * width], &mut want);
+        let slot = table[p / 64] as usize * 64 + p % 64;
+        assert_eq!(
+            &stored[slot * 2 * row_units..][..2 * row_units],
+            &want[..],
+            "key row {p}"
+        );
+    }
+
+    let dq = gpu.upload(&q).unwrap();
+    let scores = gpu
+        .zeros::<f32>(ops::ATTENTION_ROWS * shape.n_head * n_ctx)
+        .unwrap();
+    let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+    let dims = AttentionDims {
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 32,
+        value_dim: 32,
+        scale: shape.scale(),
+    };
+    let heads = Heads {
+        ptr: dq.ptr(),
+        row_stride: shape.q_width(),
+        head_stride: 32,
+    };
+    let info = gpu.upload(&ops::chain_rows(0, pos0, rows)).unwrap();
+    let query_rows = ops::AttentionRows {
+        info: info.ptr(),
+        n: rows,
+        tables: dtable.ptr(),
+        table_stride: 0,
+        paths: 0,
+        max_keys: pos0 + rows,
+    };
+    let layer = ops::KvLayer {
+        ty: KvType::Q8_0,
+        keys: dk.ptr(),
+        values: dv.ptr(),
+        table: dtable.ptr(),
+    };
+    ops::attention(
+        &gpu,
+        &dims,
+        heads,
+        layer,
+        query_rows,
+        &scores,
+        n_ctx,
+        None,
+        out.ptr(),
+    )
+    .unwrap();
+    let got = download(&gpu, &out);
+    for r in 0..rows {
+        let range = r * shape.out_width()..(r + 1) * shape.out_width();
+        let d = max_diff(&cpu[range.clone()], &got[range]);
+        assert!(d < 1e-5, "q8_0 attention row {r}: {d}");
+    }
+}
+
 fn cuda(device: &Device, path: &std::path::Path, options: &[(&str, &str)]) -> Solo<CudaBackend> {
     Solo::new(
         open_backend(device, path, options)
@@ -1176,7 +1305,7 @@ fn quantised_models_follow_cpu_simd() {
 
 /// A Q8_0 KV cache on the device (`kv_type = "q8_0"`): on a dense qwen3 and a hybrid qwen35
 /// with an MTP head (heads of 32 values), written here, logits close to cpu-simd's over its
-/// own Q8_0 cache (the same quantiser, the same integer scores), verify rows bit-identical to
+/// own Q8_0 cache (the same quantiser; on AVX-512 the same integer scores), verify rows bit-identical to
 /// single-token evals, and every row of a batch of sequences — forks, truncations, prefill
 /// chunks beside verify rows — bit-identical to its sequence alone; all on the GPU and split
 /// with the host.

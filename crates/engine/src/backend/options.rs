@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `ring_budget_bytes` | upper bound on the recurrent-state snapshot ring: a number of bytes, optionally with `KiB`, `MiB`, `GiB` (or `K`, `M`, `G`) | none |
 //! | `deep_rollback` | `redecode` or `refuse`: what truncation beyond the ring does | `redecode` |
-//! | `kv_type` | how the attention KV cache stores keys and values: `f16` (rounded to nearest-even when stored; half the memory and half the attention's memory traffic of `f32`), `f32` (exact) or `q8_0` (ggml's Q8_0 blocks, about half of `f16`, its keys scored as integers; heads of a multiple of 32 values) | `f16` |
+//! | `kv_type` | how the attention KV cache stores keys and values: `f16` (rounded to nearest-even when stored; half the memory and half the attention's memory traffic of `f32`), `f32` (exact) or `q8_0` (ggml's Q8_0 blocks, about half of `f16`, its keys scored as integers where the CPU has AVX-512; heads of a multiple of 32 values) | `f16` |
 //! | `prefix_state_bytes` | the most bytes of recurrent states (one per cached block boundary, every Gated DeltaNet layer) the prefix cache keeps for a hybrid model, a byte count as for `ring_budget_bytes`; `0` turns prefix caching off for hybrids | `512MiB` |
 
 use specula_plugin_api::{BackendParams, PluginError};

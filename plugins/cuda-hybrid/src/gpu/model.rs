@@ -25,7 +25,7 @@ use super::weights::WeightStore;
 use super::{DevBuf, Gpu};
 
 /// Attention keys and values on the device, `rows` cache rows per layer, stored as `ty` (the
-/// buffers count 16-bit units: two per f32 value, one per f16 value). The trunk's cache is
+/// buffers count 16-bit units: two per f32 value, one per f16 value, 17 per 32 Q8_0 values). The trunk's cache is
 /// paged: its rows are the host pool's blocks, which every sequence's block table indexes
 /// (so the sequences together hold at most the pool, not sequences × context); the MTP
 /// head's cache is one per sequence, read through the identity table.
@@ -115,11 +115,6 @@ impl DeviceKv {
     /// 32 values).
     pub fn units(&self, values: usize) -> usize {
         self.ty.row_bytes(values) / 2
-    }
-
-    /// The device address of value `i` of `buf`.
-    pub fn at(&self, buf: &DevBuf<u16>, i: usize) -> u64 {
-        buf.at(self.units(i))
     }
 
     /// Bytes for `layers` layers of `n_ctx` positions.
