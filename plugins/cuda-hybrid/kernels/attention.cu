@@ -216,65 +216,31 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
     }
 }
 
-extern "C" __global__ void attention(const float* __restrict__ q, u64 q_row_stride,
-                                     int q_head_stride, const u32* __restrict__ tables,
-                                     u64 table_stride, const int* __restrict__ row_info,
-                                     const int* __restrict__ paths,
-                                     const float* __restrict__ k_cache,
-                                     const float* __restrict__ v_cache, int n_head,
-                                     int n_head_kv, int head_dim, int value_dim, float scale,
-                                     float* __restrict__ scores, u64 score_stride,
-                                     const float* __restrict__ gate, u64 gate_row_stride,
-                                     int gate_head_stride, float* __restrict__ out) {
-    __shared__ double red[1024];
-    __shared__ float redf[1024];
-    __shared__ float qh[1024];
-    attend_row<float>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
-                      k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
-                      score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh,
-                      0, 0);
-}
+// One attention kernel per cache type: `NAME` over caches of `Kv` (the shared arrays of
+// attend_row; qq and qd hold a Q8_0 cache's quantised query and go unused otherwise).
+#define DEFINE_ATTENTION(NAME, Kv)                                                                \
+    extern "C" __global__ void NAME(                                                              \
+        const float* __restrict__ q, u64 q_row_stride, int q_head_stride,                         \
+        const u32* __restrict__ tables, u64 table_stride, const int* __restrict__ row_info,       \
+        const int* __restrict__ paths, const Kv* __restrict__ k_cache,                            \
+        const Kv* __restrict__ v_cache, int n_head, int n_head_kv, int head_dim, int value_dim,   \
+        float scale, float* __restrict__ scores, u64 score_stride,                                \
+        const float* __restrict__ gate, u64 gate_row_stride, int gate_head_stride,                \
+        float* __restrict__ out) {                                                                \
+        __shared__ double red[1024];                                                              \
+        __shared__ float redf[1024];                                                              \
+        __shared__ float qh[1024];                                                                \
+        __shared__ i8 qq[1024];                                                                   \
+        __shared__ float qd[32];                                                                  \
+        attend_row<Kv>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,     \
+                       k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,   \
+                       score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh, \
+                       qq, qd);                                                                   \
+    }
 
-extern "C" __global__ void attention_f16(const float* __restrict__ q, u64 q_row_stride,
-                                         int q_head_stride, const u32* __restrict__ tables,
-                                         u64 table_stride, const int* __restrict__ row_info,
-                                         const int* __restrict__ paths,
-                                         const u16* __restrict__ k_cache,
-                                         const u16* __restrict__ v_cache, int n_head,
-                                         int n_head_kv, int head_dim, int value_dim, float scale,
-                                         float* __restrict__ scores, u64 score_stride,
-                                         const float* __restrict__ gate, u64 gate_row_stride,
-                                         int gate_head_stride, float* __restrict__ out) {
-    __shared__ double red[1024];
-    __shared__ float redf[1024];
-    __shared__ float qh[1024];
-    attend_row<u16>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
-                    k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
-                    score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh,
-                    0, 0);
-}
-
-extern "C" __global__ void attention_q8_0(const float* __restrict__ q, u64 q_row_stride,
-                                          int q_head_stride, const u32* __restrict__ tables,
-                                          u64 table_stride, const int* __restrict__ row_info,
-                                          const int* __restrict__ paths,
-                                          const u8* __restrict__ k_cache,
-                                          const u8* __restrict__ v_cache, int n_head,
-                                          int n_head_kv, int head_dim, int value_dim,
-                                          float scale, float* __restrict__ scores,
-                                          u64 score_stride, const float* __restrict__ gate,
-                                          u64 gate_row_stride, int gate_head_stride,
-                                          float* __restrict__ out) {
-    __shared__ double red[1024];
-    __shared__ float redf[1024];
-    __shared__ float qh[1024];
-    __shared__ i8 qq[1024];
-    __shared__ float qd[32];
-    attend_row<u8>(q, q_row_stride, q_head_stride, tables, table_stride, row_info, paths,
-                   k_cache, v_cache, n_head, n_head_kv, head_dim, value_dim, scale, scores,
-                   score_stride, gate, gate_row_stride, gate_head_stride, out, red, redf, qh, qq,
-                   qd);
-}
+DEFINE_ATTENTION(attention, float)
+DEFINE_ATTENTION(attention_f16, u16)
+DEFINE_ATTENTION(attention_q8_0, u8)
 
 // Stores rows * width f32 values of src (row r: the keys or values of the launch's row r)
 // into the cache row of row r's position in its sequence (row_info and the tables as the

@@ -399,6 +399,9 @@ mod tests {
                     source
                         .text
                         .contains(&format!("__global__ void {function}("))
+                        || source
+                            .text
+                            .contains(&format!("DEFINE_ATTENTION({function},"))
                         || source.text.contains("DEFINE_MATMUL("),
                     "{}: no kernel {function}",
                     source.file

@@ -36,6 +36,26 @@ use specula_plugin_api::{ErrorKind, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 
+/// The `n` chain rows from position `pos0` of sequence 0, read through the one block table
+/// `table` (uploaded here with the row table, which the returned buffer keeps alive).
+fn chain_rows_of_one_table(
+    gpu: &Gpu,
+    table: &DevBuf<u32>,
+    pos0: usize,
+    n: usize,
+) -> (ops::AttentionRows, DevBuf<i32>) {
+    let info = gpu.upload(&ops::chain_rows(0, pos0, n)).unwrap();
+    let rows = ops::AttentionRows {
+        info: info.ptr(),
+        n,
+        tables: table.ptr(),
+        table_stride: 0,
+        paths: 0,
+        max_keys: pos0 + n,
+    };
+    (rows, info)
+}
+
 fn download(gpu: &Gpu, buf: &DevBuf<f32>) -> Vec<f32> {
     gpu.sync().unwrap();
     gpu.download(buf).unwrap()
@@ -618,15 +638,7 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
         let attend = |q: Heads, rows: ops::AttentionRows, out: u64| {
             ops::attention(&gpu, &dims, q, layer, rows, &scores, n_ctx, None, out).unwrap()
         };
-        let info = gpu.upload(&ops::chain_rows(0, pos0, rows)).unwrap();
-        let attention_rows = ops::AttentionRows {
-            info: info.ptr(),
-            n: rows,
-            tables: dtable.ptr(),
-            table_stride: 0,
-            paths: 0,
-            max_keys: pos0 + rows,
-        };
+        let (attention_rows, _info) = chain_rows_of_one_table(&gpu, &dtable, pos0, rows);
         attend(qh, attention_rows, out.ptr());
         let got = download(&gpu, &out);
         for r in 0..rows {
@@ -764,15 +776,7 @@ fn q8_0_cache_kernels_follow_the_cpu_cache() {
     let cache = |data: &[f32]| {
         let src = gpu.upload(data).unwrap();
         let dst = gpu.zeros::<u16>(3 * 64 * row_units).unwrap();
-        let info = gpu.upload(&ops::chain_rows(0, 0, n_ctx)).unwrap();
-        let all = ops::AttentionRows {
-            info: info.ptr(),
-            n: n_ctx,
-            tables: dtable.ptr(),
-            table_stride: 0,
-            paths: 0,
-            max_keys: n_ctx,
-        };
+        let (all, _info) = chain_rows_of_one_table(&gpu, &dtable, 0, n_ctx);
         ops::kv_store(&gpu, KvType::Q8_0, src.ptr(), width, all, dst.ptr()).unwrap();
         gpu.sync().unwrap();
         dst
@@ -812,15 +816,7 @@ fn q8_0_cache_kernels_follow_the_cpu_cache() {
         row_stride: shape.q_width(),
         head_stride: 32,
     };
-    let info = gpu.upload(&ops::chain_rows(0, pos0, rows)).unwrap();
-    let query_rows = ops::AttentionRows {
-        info: info.ptr(),
-        n: rows,
-        tables: dtable.ptr(),
-        table_stride: 0,
-        paths: 0,
-        max_keys: pos0 + rows,
-    };
+    let (query_rows, _info) = chain_rows_of_one_table(&gpu, &dtable, pos0, rows);
     let layer = ops::KvLayer {
         ty: KvType::Q8_0,
         keys: dk.ptr(),
