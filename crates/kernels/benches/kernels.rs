@@ -101,7 +101,7 @@ fn matvec(c: &mut Criterion) {
                     interleave.then(|| InterleavedMatrix::repack(&plain).expect("repack"));
                 let w = repacked.as_ref().map_or(plain, InterleavedMatrix::view);
                 group.throughput(Throughput::Bytes(data.len() as u64));
-                for n in [1, 8] {
+                for n in [1, 8, 16] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
                     let mut out = vec![0.0; n * rows];
                     let mut scratch = MatmulScratch::new();

@@ -10,8 +10,10 @@
 //! checks them in that order, without executing a tile instruction, and asks for the
 //! permission once per process.
 //!
-//! No kernel uses AMX yet: the probe says, on each machine, whether one could (`specula bench`
-//! reports it).
+//! Where it finds the tiles granted, the process runs at [`crate::SimdLevel::Amx`]: passes of
+//! several activation rows over interleaved Q8_0 weights go through one `TDPBSUD` per block
+//! and 16 weight rows (`simd/interleaved.rs`), bit-identical to the AVX-512 kernel. `specula
+//! bench` reports what the probe found; `SPECULA_SIMD=avx512` keeps a process off the tiles.
 
 use std::sync::OnceLock;
 

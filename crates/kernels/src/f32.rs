@@ -270,7 +270,7 @@ pub(crate) fn check_float_sizes(encoding: FloatEncoding, w_len: usize, x_len: us
 /// Accumulator lanes of the float-family kernels at a SIMD `level`.
 pub(crate) fn float_lanes(level: SimdLevel) -> usize {
     match level {
-        SimdLevel::Avx512 => 32,
+        SimdLevel::Avx512 | SimdLevel::Amx => 32,
         _ => 16,
     }
 }

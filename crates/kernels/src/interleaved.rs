@@ -202,13 +202,17 @@ impl Encoding {
 /// Whether weights of type `ty` can be interleaved (and multiplied interleaved at `level`:
 /// the AVX-512 kernel, or the scalar reference at the scalar level).
 pub fn supports(ty: WeightType, level: SimdLevel) -> bool {
-    encoding(ty).is_some() && matches!(level, SimdLevel::Avx512 | SimdLevel::Scalar)
+    encoding(ty).is_some()
+        && matches!(
+            level,
+            SimdLevel::Avx512 | SimdLevel::Amx | SimdLevel::Scalar
+        )
 }
 
 /// Whether repacking weights of type `ty` makes multiplying them faster at `level`: where the
 /// AVX-512 kernel runs (at the scalar level the row-major reference is as fast).
 pub fn pays_off(ty: WeightType, level: SimdLevel) -> bool {
-    level == SimdLevel::Avx512 && supports(ty, level)
+    level >= SimdLevel::Avx512 && supports(ty, level)
 }
 
 /// The interleaved encoding of a weight type, if it has one.
@@ -583,7 +587,7 @@ pub(crate) fn quantize_activation_row(
 }
 
 /// A run of whole groups of weight rows (`groups`: their group blocks, group after group)
-/// times a pass of at most [`simd::MAX_ROWS_PER_PASS`] activation rows (interleaved format):
+/// times a pass of at most [`pass_rows`] activation rows (interleaved format):
 /// the product of the run's weight row `i < valid` and activation row `b` at
 /// `out.row(b)[first + i]`, at `level`. Rows of the last group from `valid` on are padding and
 /// never written. `stream`: the run is part of a long stream (see [`simd::interleaved_pass`]).
@@ -599,11 +603,11 @@ pub(crate) fn groups_pass(
     stream: bool,
 ) {
     match level {
-        SimdLevel::Avx512 => {
-            simd::interleaved_pass(encoding, groups, x, out, (first, valid), stream)
+        SimdLevel::Avx512 | SimdLevel::Amx => {
+            simd::interleaved_pass(encoding, level, groups, x, out, (first, valid), stream)
         }
         SimdLevel::Scalar => {
-            let group_bytes = check_pass_sizes(encoding, groups, &x, out, first, valid);
+            let group_bytes = check_pass_sizes(encoding, level, groups, &x, out, first, valid);
             for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
                 let rows = GROUP_ROWS.min(valid - g * GROUP_ROWS);
                 for b in 0..x.count() {
@@ -617,6 +621,16 @@ pub(crate) fn groups_pass(
     }
 }
 
+/// The most activation rows one pass over `encoding` groups takes at `level`: a tile's 16
+/// where the AMX kernel runs (Q8_0), [`simd::MAX_ROWS_PER_PASS`] elsewhere (the scalar
+/// reference takes as many as the AMX kernel, to be compared with it).
+pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
+    match (encoding, level) {
+        (Encoding::Q8_0, SimdLevel::Amx | SimdLevel::Scalar) => simd::MAX_TILE_ROWS,
+        _ => simd::MAX_ROWS_PER_PASS,
+    }
+}
+
 /// Panics unless `groups` is whole groups of as many blocks as each activation row of `x`
 /// holds, `valid` rows end in the last group, `x` is one pass with a row of `out` for each
 /// activation row, and every row of `out` holds `first + valid` outputs: everything the
@@ -624,6 +638,7 @@ pub(crate) fn groups_pass(
 /// kernel or here for the scalar one). Returns the bytes of one group.
 pub(crate) fn check_pass_sizes(
     encoding: Encoding,
+    level: SimdLevel,
     groups: &[u8],
     x: &Rows<'_, u8>,
     out: &OutRows<'_>,
@@ -647,8 +662,8 @@ pub(crate) fn check_pass_sizes(
         "interleaved: {valid} valid rows in {n_groups} groups"
     );
     assert!(
-        x.count() == out.count() && x.count() <= simd::MAX_ROWS_PER_PASS,
-        "interleaved: {} activation rows, {} output rows",
+        x.count() == out.count() && x.count() <= pass_rows(encoding, level),
+        "interleaved: {} activation rows, {} output rows at {level}",
         x.count(),
         out.count()
     );
@@ -888,7 +903,7 @@ mod tests {
                 let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
                 let packed = InterleavedMatrix::repack(&plain).unwrap();
                 let group_bytes = encoding.group_bytes(cols);
-                for n in 1..=simd::MAX_ROWS_PER_PASS {
+                for n in 1..=pass_rows(encoding, SimdLevel::Scalar) {
                     let mut x = random_vec(n * cols, 2.0, 11 + n as u64);
                     if n > 2 {
                         // One activation row of extreme magnitude (full-range quants and
@@ -917,7 +932,7 @@ mod tests {
                             true,
                         );
                     }
-                    for level in levels() {
+                    for level in levels().filter(|&l| n <= pass_rows(encoding, l)) {
                         // Each output row is followed by a guard of NaNs: the padding rows of
                         // the last group are never written.
                         let mut got = vec![f32::NAN; n * (rows + GROUP_ROWS)];
@@ -931,7 +946,7 @@ mod tests {
                             &mut out,
                             0,
                             rows,
-                            level != SimdLevel::Avx512 || n % 2 == 0,
+                            level < SimdLevel::Avx512 || n % 2 == 0,
                         );
                         for (b, row) in got.chunks_exact(rows + GROUP_ROWS).enumerate() {
                             assert_eq!(

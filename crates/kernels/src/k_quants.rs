@@ -368,7 +368,7 @@ pub(crate) fn k_quant_dot_rows(
 /// Accumulator lanes of the K-quant kernels at a SIMD `level`.
 pub(crate) fn k_quant_lanes(level: SimdLevel) -> usize {
     match level {
-        SimdLevel::Avx512 => 16,
+        SimdLevel::Avx512 | SimdLevel::Amx => 16,
         _ => 8,
     }
 }

@@ -449,7 +449,7 @@ fn matmul_tiled(
             let (block_values, act_block) = activation_blocks(format, level);
             let acts = Rows::new(&quantized[..n * act_row], act_row, act_row, n);
             let row_sums: Option<(RowSumsFn<u8>, RowSumsEncoding)> = match level {
-                SimdLevel::Avx512 => kernels
+                SimdLevel::Avx512 | SimdLevel::Amx => kernels
                     .row_sums
                     .map(|encoding| (simd::row_sums as RowSumsFn<u8>, encoding)),
                 _ => None,
@@ -513,7 +513,8 @@ fn run_interleaved(
             [..len.div_ceil(interleaved::GROUP_ROWS) * group_bytes]
     };
     let multiply_adds = rows * w.cols() * n;
-    if n <= MAX_ROWS_PER_PASS {
+    let pass_rows = interleaved::pass_rows(encoding, level);
+    if n <= pass_rows {
         let work = |mut run: WeightRun<'_>| {
             let groups = groups(run.first, run.len);
             interleaved::groups_pass(
@@ -546,10 +547,10 @@ fn run_interleaved(
         for group_start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
             let valid = interleaved::GROUP_ROWS.min(chunk_len - group_start);
             let group = groups(first + group_start, valid);
-            for pass_first in (0..n).step_by(MAX_ROWS_PER_PASS) {
-                let count = MAX_ROWS_PER_PASS.min(n - pass_first);
-                let pass_rows = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
-                let mut pass_out = OutRows::new(pass_rows);
+            for pass_first in (0..n).step_by(pass_rows) {
+                let count = pass_rows.min(n - pass_first);
+                let outputs = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
+                let mut pass_out = OutRows::new(outputs);
                 let pass = acts.sub(pass_first, count);
                 interleaved::groups_pass(
                     encoding,
@@ -833,7 +834,7 @@ mod tests {
     #[test]
     fn batched_rows_are_bit_identical_to_single_rows_at_every_level() {
         let (rows, cols) = (37, 512);
-        let max_n = 11;
+        let max_n = 19;
         for ty in WeightType::ALL {
             let data = weight_data(ty, rows, cols, 80);
             let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
@@ -856,7 +857,7 @@ mod tests {
                         out
                     })
                     .collect();
-                for n in (1..=8).chain([max_n]) {
+                for n in (1..=8).chain([11, 16, max_n]) {
                     for threads in [1, 2, 3] {
                         let batched = run_in_pool(threads, || {
                             let mut out = vec![0.0; n * rows];

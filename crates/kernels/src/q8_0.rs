@@ -49,7 +49,7 @@ pub(crate) const INFO: TypeInfo = TypeInfo {
 /// mat-vec, on the critical path); it writes exactly the bytes of [`quantize_row_scalar`].
 pub fn quantize_row(x: &[f32], out: &mut [u8]) {
     check_quantize_sizes(x, out);
-    if SimdLevel::best_supported() == SimdLevel::Avx512 {
+    if SimdLevel::best_supported() >= SimdLevel::Avx512 {
         simd::quantize_q8_0_row(x, out);
     } else {
         quantize_row_scalar(x, out);
@@ -232,7 +232,7 @@ pub(crate) fn block32_dot_rows(
 /// (two blocks per register: even blocks in lanes 0..8, odd blocks in lanes 8..16).
 pub(crate) fn block32_lanes(level: SimdLevel) -> usize {
     match level {
-        SimdLevel::Avx512 => 16,
+        SimdLevel::Avx512 | SimdLevel::Amx => 16,
         _ => 8,
     }
 }
@@ -242,7 +242,7 @@ pub(crate) fn wide_block_bytes(level: SimdLevel) -> usize {
     match level {
         SimdLevel::Scalar => BLOCK_BYTES,
         SimdLevel::Avx2 => AVX2_WIDE_BLOCK_BYTES,
-        SimdLevel::Avx512 => AVX512_WIDE_BLOCK_BYTES,
+        SimdLevel::Avx512 | SimdLevel::Amx => AVX512_WIDE_BLOCK_BYTES,
     }
 }
 
@@ -274,7 +274,7 @@ pub(crate) fn widen_row(level: SimdLevel, bytes: &[u8], wide: &mut [u8]) {
                 dst[4..].copy_from_slice(&src[2..]);
             }
         }
-        SimdLevel::Avx512 => {
+        SimdLevel::Avx512 | SimdLevel::Amx => {
             for (pair, dst) in bytes
                 .chunks(2 * BLOCK_BYTES)
                 .zip(wide.chunks_mut(2 * block_bytes))

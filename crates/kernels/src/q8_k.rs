@@ -36,7 +36,7 @@ const BSUMS: usize = QS + BLOCK_VALUES;
 /// mat-vec, on the critical path); it writes exactly the bytes of [`quantize_row_scalar`].
 pub fn quantize_row(x: &[f32], out: &mut [u8]) {
     check_quantize_sizes(x, out);
-    if crate::SimdLevel::best_supported() == crate::SimdLevel::Avx512 {
+    if crate::SimdLevel::best_supported() >= crate::SimdLevel::Avx512 {
         crate::simd::quantize_q8_k_row(x, out);
     } else {
         quantize_row_scalar(x, out);
@@ -95,7 +95,7 @@ pub(crate) fn quantize_block(values: &[f32], block: &mut [u8]) {
 /// ([`widen_row`]): the plain block, except at AVX-512.
 pub(crate) fn wide_block_bytes(level: SimdLevel) -> usize {
     match level {
-        SimdLevel::Avx512 => AVX512_WIDE_BLOCK_BYTES,
+        SimdLevel::Avx512 | SimdLevel::Amx => AVX512_WIDE_BLOCK_BYTES,
         _ => BLOCK_BYTES,
     }
 }
@@ -116,7 +116,7 @@ pub(crate) const AVX512_SCALED_SUMS: usize = BLOCK_VALUES + 64;
 pub(crate) fn widen_row(level: SimdLevel, bytes: &[u8], wide: &mut [u8]) {
     let block_bytes = wide_block_bytes(level);
     debug_assert_eq!(wide.len(), bytes.len() / BLOCK_BYTES * block_bytes);
-    if level != SimdLevel::Avx512 {
+    if level < SimdLevel::Avx512 {
         wide.copy_from_slice(bytes);
         return;
     }

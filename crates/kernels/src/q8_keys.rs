@@ -186,7 +186,7 @@ pub fn scores_with(
 ) {
     level.assert_supported();
     let level = match level {
-        SimdLevel::Avx512 => SimdLevel::Avx512,
+        SimdLevel::Avx512 | SimdLevel::Amx => level,
         SimdLevel::Avx2 | SimdLevel::Scalar => SimdLevel::Scalar,
     };
     if count == 0 || queries.count() == 0 {

@@ -145,6 +145,9 @@ pub struct BenchReport {
     pub threads: u32,
     /// Whether this process may use AMX tiles ([`specula_kernels::amx::amx_support`]).
     pub amx: String,
+    /// The SIMD level the CPU kernels run at (`amx`, `avx512`, `avx2` or `scalar`: the best
+    /// the CPU has, unless `SPECULA_SIMD` lowers it).
+    pub simd: String,
     /// Measured first; the roofline is against it.
     pub bandwidth_bytes_per_second: f64,
     /// Measured again after every other figure.
@@ -549,6 +552,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         weight_bytes: info.weight_bytes,
         threads,
         amx: specula_kernels::amx::amx_support().to_string(),
+        simd: specula_kernels::simd::level().to_string(),
         bandwidth_bytes_per_second: bandwidth,
         bandwidth_at_end_bytes_per_second: bandwidth_at_end,
         prompt_tokens: prompt_ids.len(),
@@ -672,7 +676,10 @@ pub fn render(report: &BenchReport) -> String {
         "tensor types (of the file's bytes): {}\n",
         shares.join(", ")
     );
-    out += &format!("AMX tiles: {} (no kernel uses them yet)\n", report.amx);
+    out += &format!(
+        "SIMD level: {}; AMX tiles: {} (multi-row Q8_0 passes use them at level amx)\n",
+        report.simd, report.amx
+    );
     if let Some(rss) = report.peak_rss_bytes {
         out += &format!(
             "peak resident memory: {:.1} MiB (the model loaded, verifying and decoding)\n",
@@ -791,6 +798,7 @@ mod tests {
             weight_bytes: 1 << 20,
             threads: 2,
             amx: "not on this CPU".into(),
+            simd: "avx512".into(),
             bandwidth_bytes_per_second: start,
             bandwidth_at_end_bytes_per_second: end,
             prompt_tokens: 8,
@@ -856,7 +864,10 @@ mod tests {
         let text = render(&report(40e9, 44e9));
         assert!(text.contains("40.0 GB/s (44.0 GB/s at the end"), "{text}");
         assert!(text.contains("peak resident memory: 3.0 MiB"), "{text}");
-        assert!(text.contains("AMX tiles: not on this CPU"), "{text}");
+        assert!(
+            text.contains("SIMD level: avx512; AMX tiles: not on this CPU"),
+            "{text}"
+        );
         assert!(
             text.contains("(2.0 KiB per position): 60.0% of the roofline of weights + KV"),
             "{text}"

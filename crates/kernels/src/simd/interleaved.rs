@@ -1,6 +1,8 @@
 //! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
-//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K; there are no AVX2 ones) and their safe
-//! entry point. Each block is reduced inside `vpdpbusd` for the 16 weight rows at once.
+//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K; there are no AVX2 ones),
+//! the AMX kernel (Q8_0 × Q8_0, passes of [`AMX_MIN_ROWS`] rows or more) and their safe entry
+//! point. Each block is reduced inside `vpdpbusd` (or one `tdpbsud`) for the 16 weight rows at
+//! once.
 
 #[cfg(target_arch = "x86_64")]
 use super::block32::{Q4_0, Q8_0};
@@ -8,22 +10,32 @@ use super::block32::{Q4_0, Q8_0};
 use super::Rows;
 use super::{OutRows, SimdLevel};
 
-/// A run of interleaved groups of 16 weight rows times a pass of activation rows at AVX-512
-/// ([`crate::interleaved::groups_pass`]), after checking every size the kernel indexes by.
+/// The fewest activation rows a pass over interleaved Q8_0 weights runs on AMX tiles (at
+/// [`SimdLevel::Amx`]); fewer go through `vpdpbusd`, whose one-row pass is as fast.
+pub(crate) const AMX_MIN_ROWS: usize = 4;
+
+/// A run of interleaved groups of 16 weight rows times a pass of activation rows at `level`
+/// (AVX-512 or AMX; [`crate::interleaved::groups_pass`]), after checking every size the kernel
+/// indexes by. The AMX kernel and the AVX-512 one give the same bits.
 ///
 /// `stream`: the run is a long stream (a weight matrix), whose multi-row passes prefetch a
 /// fixed distance ahead; off for a short run (a cache block of Q8_0 keys) whose bytes past
 /// its end are not read next.
 pub(crate) fn interleaved_pass(
     encoding: crate::interleaved::Encoding,
+    level: SimdLevel,
     groups: &[u8],
     x: Rows<'_, u8>,
     out: &mut OutRows<'_>,
     (first, valid): (usize, usize),
     stream: bool,
 ) {
-    SimdLevel::Avx512.assert_supported();
-    crate::interleaved::check_pass_sizes(encoding, groups, &x, out, first, valid);
+    assert!(
+        level >= SimdLevel::Avx512,
+        "interleaved: an AVX-512 or AMX pass"
+    );
+    level.assert_supported();
+    crate::interleaved::check_pass_sizes(encoding, level, groups, &x, out, first, valid);
     if x.count() == 0 {
         return;
     }
@@ -31,7 +43,10 @@ pub(crate) fn interleaved_pass(
     {
         use crate::interleaved::Encoding as E;
         type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
+        let tiles = level == SimdLevel::Amx && x.count() >= AMX_MIN_ROWS;
         let kernel: Kernel = match encoding {
+            E::Q8_0 if tiles && stream => amx::q8_0_pass::<true>,
+            E::Q8_0 if tiles => amx::q8_0_pass::<false>,
             E::Q8_0 if stream => avx512::interleaved_pass::<Q8_0, true>,
             E::Q8_0 => avx512::interleaved_pass::<Q8_0, false>,
             E::Q4_0 => avx512::interleaved_pass::<Q4_0, true>,
@@ -39,7 +54,8 @@ pub(crate) fn interleaved_pass(
             E::Q5K => avx512::interleaved_q4k_pass::<true>,
             E::Q6K => avx512::interleaved_q6k_pass,
         };
-        // SAFETY: AVX-512 is supported and every size the kernel relies on is checked above.
+        // SAFETY: the level is supported (AMX tiles granted where it is `Amx`), and every size
+        // the kernel relies on is checked above.
         unsafe { kernel(groups, x, out, first, valid) }
     }
 }
@@ -117,7 +133,7 @@ mod avx512 {
     /// As the passes' contract ([`interleaved_pass`]), with `x.count() == N`; `rows` may then
     /// read the group's blocks and every activation row, and write its valid outputs.
     #[inline(always)]
-    unsafe fn for_each_group<const N: usize>(
+    pub(super) unsafe fn for_each_group<const N: usize>(
         encoding: crate::interleaved::Encoding,
         groups: &[u8],
         x: Rows<'_, u8>,
@@ -148,7 +164,7 @@ mod avx512 {
     /// How far ahead of the block being multiplied a multi-row Q8_0 / Q4_0 interleaved pass
     /// over a stream (a weight matrix, not a cache block of keys) prefetches. Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB. (Q4_K has its
     /// own, [`Q4K_PREFETCH_BYTES`].)
-    const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
+    pub(super) const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
 
     /// Stores lanes `0..valid` of row `r`'s 16 results at `out[r]`.
     ///
@@ -157,7 +173,7 @@ mod avx512 {
     /// Every `out[r]` holds `valid <= 16` outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    unsafe fn store_group_results<const N: usize>(
+    pub(super) unsafe fn store_group_results<const N: usize>(
         acc: &[__m512; N],
         out: [*mut f32; N],
         valid: usize,
@@ -579,6 +595,208 @@ mod avx512 {
                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, dx), acc[r]);
                 }
             }
+        }
+        // SAFETY: forwarded contract on `out`.
+        unsafe { store_group_results(&acc, out, valid) };
+    }
+}
+
+/// The AMX kernel: interleaved Q8_0 groups times a pass of activation rows, one `tdpbsud` per
+/// block and group for every row of the pass.
+///
+/// A Q8_0 group block's eight registers of quants (bytes `4j .. 4j + 4` of the 16 weight rows,
+/// `q + 128`) are exactly a tile of 8 rows × 64 bytes in the layout `tdpbsud` wants for its
+/// second operand, and the pass's activation rows' 32 quants per block are its first (`N`
+/// rows × 32 bytes, the rows' stride apart): one instruction leaves, in row `r` of the result
+/// tile, the 16 weight rows' integer sums for activation row `r` — the sums the AVX-512 kernel
+/// builds with eight `vpdpbusd`, before it adds the block's start `-128 · Σ x`. The float steps
+/// after (start added, converted, scaled by `d_w · d_x`, fused into the accumulator in block
+/// order) are the AVX-512 kernel's, instruction for instruction: both kernels give the same
+/// bits, so which of them a pass takes never shows in its results.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    use super::avx512::{for_each_group, store_group_results, INTERLEAVED_PREFETCH_BYTES};
+    use crate::interleaved::{Encoding, BLOCK32_VALUES};
+    use crate::simd::x86::amx::TileConfig;
+    use crate::simd::x86::avx512::prefetch_block;
+    use crate::simd::{OutRows, Rows};
+
+    /// A result tile's rows as stored: row `r` holds activation row `r`'s 16 integer sums.
+    #[repr(C, align(64))]
+    struct Sums<const N: usize>([[i32; 16]; N]);
+
+    /// [`super::interleaved_pass`]'s Q8_0 pass on tiles.
+    ///
+    /// # Safety
+    ///
+    /// The process runs at [`crate::SimdLevel::Amx`]; `groups` holds whole groups of
+    /// `x.len() / 40` Q8_0 group blocks, the last of which holds row `valid - 1`; `x` holds at
+    /// most [`crate::simd::MAX_TILE_ROWS`] rows of whole activation blocks and `out` as many
+    /// rows, each of at least `first + valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn q8_0_pass<const STREAM: bool>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        macro_rules! with_tile_rows {
+            ($($n:literal)*) => {
+                match x.count() {
+                    // SAFETY: forwarded contract.
+                    $($n => unsafe { q8_0_groups::<STREAM, $n>(groups, x, out, first, valid) },)*
+                    n => unreachable!("an AMX pass of {n} rows"),
+                }
+            };
+        }
+        with_tile_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+
+    /// [`q8_0_pass`] for `N` activation rows: tiles 0 and 3 an activation block (`N` × 32
+    /// bytes), 1 and 4 a weight block (8 × 64), 2 and 5 their sums (`N` × 16 i32).
+    ///
+    /// # Safety
+    ///
+    /// As [`q8_0_pass`], with `x.count() == N`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q8_0_groups<const STREAM: bool, const N: usize>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        let config = TileConfig::new()
+            .tile(0, N, BLOCK32_VALUES)
+            .tile(1, BLOCK32_VALUES / 4, 64)
+            .tile(2, N, 64)
+            .tile(3, N, BLOCK32_VALUES)
+            .tile(4, BLOCK32_VALUES / 4, 64)
+            .tile(5, N, 64);
+        let stride = x.stride();
+        // SAFETY: AMX is usable (the caller's contract); `for_each_group` hands the contract
+        // on per group, and the activation rows are `stride` bytes apart.
+        unsafe {
+            config.make_current();
+            for_each_group::<N>(
+                Encoding::Q8_0,
+                groups,
+                x,
+                out,
+                first,
+                valid,
+                |g, b, xp, op, v| q8_0_rows::<STREAM, N>(g, b, xp[0], stride, op, v),
+            );
+        }
+    }
+
+    /// One Q8_0 group (`blocks` group blocks at `group`) times the `N` activation rows from
+    /// `x`, `stride` bytes apart: lanes `0..valid` of row `r`'s results stored at `out[r]`.
+    ///
+    /// Blocks go in pairs through two sets of tiles (0–2 and 3–5), so that one block's loads
+    /// and multiply overlap the other's (a tile register is not renamed: one set would run
+    /// each block's load, multiply, store and read back one after the other).
+    ///
+    /// # Safety
+    ///
+    /// The tiles are configured as [`q8_0_groups`] does; the group and every activation row
+    /// hold `blocks` blocks; every `out[r]` holds `valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q8_0_rows<const STREAM: bool, const N: usize>(
+        group: *const u8,
+        blocks: usize,
+        x: *const u8,
+        stride: usize,
+        out: [*mut f32; N],
+        valid: usize,
+    ) {
+        let group_block = Encoding::Q8_0.group_block_bytes();
+        let act_block = Encoding::Q8_0.activation_block_bytes();
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut sums = [Sums::<N>([[0; 16]; N]), Sums::<N>([[0; 16]; N])];
+        // Adds block `b`'s sums (in `sums`) into the accumulators: the AVX-512 kernel's float
+        // steps.
+        let mut accumulate = |b: usize, sums: &Sums<N>| {
+            // SAFETY: block `b` lies inside the group and every activation row (caller's
+            // contract): 32 scale bytes then quants; 40 activation bytes per row.
+            unsafe {
+                let block = group.add(b * group_block);
+                let xb = x.add(b * act_block);
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let xr = xb.add(r * stride);
+                    let start = xr.add(BLOCK32_VALUES + 4).cast::<i32>().read_unaligned();
+                    let row = _mm512_load_si512(sums.0[r].as_ptr().cast());
+                    let row = _mm512_add_epi32(row, _mm512_set1_epi32(start));
+                    let dx = _mm512_set1_ps(xr.add(BLOCK32_VALUES).cast::<f32>().read_unaligned());
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row), _mm512_mul_ps(dw, dx), *acc);
+                }
+            }
+        };
+        // The 8 × 64 bytes of quants of block `b`, after its prefetch.
+        let weights = |b: usize| {
+            let block = group.wrapping_add(b * group_block);
+            if STREAM {
+                prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
+            }
+            block.wrapping_add(32)
+        };
+        let mut b = 0;
+        while b + 2 <= blocks {
+            let (low, high) = sums.split_at_mut(1);
+            // SAFETY: blocks `b` and `b + 1` lie inside the group and every activation row
+            // (caller's contract); the tiles read 8 rows of 64 bytes of quants and `N` rows of
+            // 32 activation quants each, and store `N` rows of 64 bytes into each of `sums`.
+            unsafe {
+                asm!(
+                    "tileloadd tmm0, [{x0} + {stride} * 1]",
+                    "tileloadd tmm1, [{w0} + {row} * 1]",
+                    "tileloadd tmm3, [{x1} + {stride} * 1]",
+                    "tileloadd tmm4, [{w1} + {row} * 1]",
+                    "tilezero tmm2",
+                    "tilezero tmm5",
+                    "tdpbsud tmm2, tmm0, tmm1",
+                    "tdpbsud tmm5, tmm3, tmm4",
+                    "tilestored [{s0} + {row} * 1], tmm2",
+                    "tilestored [{s1} + {row} * 1], tmm5",
+                    x0 = in(reg) x.add(b * act_block),
+                    x1 = in(reg) x.add((b + 1) * act_block),
+                    stride = in(reg) stride,
+                    w0 = in(reg) weights(b),
+                    w1 = in(reg) weights(b + 1),
+                    row = in(reg) 64usize,
+                    s0 = in(reg) low[0].0.as_mut_ptr(),
+                    s1 = in(reg) high[0].0.as_mut_ptr(),
+                    options(nostack),
+                );
+            }
+            accumulate(b, &sums[0]);
+            accumulate(b + 1, &sums[1]);
+            b += 2;
+        }
+        if b < blocks {
+            // SAFETY: as above, for the last block alone.
+            unsafe {
+                asm!(
+                    "tileloadd tmm0, [{x} + {stride} * 1]",
+                    "tileloadd tmm1, [{w} + {row} * 1]",
+                    "tilezero tmm2",
+                    "tdpbsud tmm2, tmm0, tmm1",
+                    "tilestored [{sums} + {row} * 1], tmm2",
+                    x = in(reg) x.add(b * act_block),
+                    stride = in(reg) stride,
+                    w = in(reg) weights(b),
+                    row = in(reg) 64usize,
+                    sums = in(reg) sums[0].0.as_mut_ptr(),
+                    options(nostack),
+                );
+            }
+            accumulate(b, &sums[0]);
         }
         // SAFETY: forwarded contract on `out`.
         unsafe { store_group_results(&acc, out, valid) };

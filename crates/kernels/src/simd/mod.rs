@@ -8,7 +8,7 @@
 //! single-token pass. Different levels sum in different orders, so their results differ in the
 //! last bits (tests bound that difference against an f64 reference).
 //!
-//! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`) lowers the level, e.g.
+//! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`, `amx`) lowers the level, e.g.
 //! to compare levels in a benchmark; it can never raise it above what the CPU supports.
 //!
 //! # Layout
@@ -93,6 +93,10 @@ pub use rows::{Accumulator, Rows};
 /// more rows run further passes over the (by then cache-resident) weight row.
 pub const MAX_ROWS_PER_PASS: usize = 8;
 
+/// Activation rows one pass of the AMX kernel serves at most (a tile's 16 rows); it is the
+/// only kernel whose passes go beyond [`MAX_ROWS_PER_PASS`].
+pub(crate) const MAX_TILE_ROWS: usize = 16;
+
 /// An instruction-set level a kernel can be compiled for, from slowest to fastest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SimdLevel {
@@ -102,11 +106,20 @@ pub enum SimdLevel {
     Avx2,
     /// AVX-512 F, BW, VL and VNNI on top of the AVX2 set (Ice Lake / Zen 4 and later).
     Avx512,
+    /// AVX-512 plus AMX-INT8 tile multipliers the OS grants this process (Sapphire Rapids and
+    /// later; see [`crate::amx`]): the AVX-512 kernels, with multi-row passes over interleaved
+    /// Q8_0 weights on the tiles (bit-identical to the AVX-512 kernel).
+    Amx,
 }
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+    pub const ALL: [SimdLevel; 4] = [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512,
+        SimdLevel::Amx,
+    ];
 
     /// Lower-case name, as accepted by `SPECULA_SIMD`.
     pub fn name(self) -> &'static str {
@@ -114,6 +127,7 @@ impl SimdLevel {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
+            SimdLevel::Amx => "amx",
         }
     }
 
@@ -167,7 +181,9 @@ fn detect() -> SimdLevel {
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni");
-    if avx512 {
+    if avx512 && crate::amx::amx_support() == crate::amx::AmxSupport::Granted {
+        SimdLevel::Amx
+    } else if avx512 {
         SimdLevel::Avx512
     } else if avx2 {
         SimdLevel::Avx2
@@ -230,6 +246,7 @@ mod tests {
     #[test]
     fn levels_are_ordered_and_the_process_level_is_supported() {
         assert!(SimdLevel::Scalar < SimdLevel::Avx2 && SimdLevel::Avx2 < SimdLevel::Avx512);
+        assert!(SimdLevel::Avx512 < SimdLevel::Amx);
         assert!(SimdLevel::Scalar.is_supported());
         assert!(level().is_supported());
         assert!(level() <= SimdLevel::best_supported());

@@ -19,7 +19,7 @@ pub(crate) fn sum_squares_f64(level: SimdLevel, x: &[f32]) -> ([f64; 8], usize) 
         match level {
             SimdLevel::Scalar => ([0.0; 8], 0),
             SimdLevel::Avx2 => avx2::sum_squares_f64(x),
-            SimdLevel::Avx512 => avx512::sum_squares_f64(x),
+            SimdLevel::Avx512 | SimdLevel::Amx => avx512::sum_squares_f64(x),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -47,7 +47,7 @@ pub(crate) unsafe fn scale_mul(
         match level {
             SimdLevel::Scalar => 0,
             SimdLevel::Avx2 => avx2::scale_mul(x, scale, weight, out, len),
-            SimdLevel::Avx512 => avx512::scale_mul(x, scale, weight, out, len),
+            SimdLevel::Avx512 | SimdLevel::Amx => avx512::scale_mul(x, scale, weight, out, len),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -77,7 +77,9 @@ pub(crate) fn rotate_pairs(
         match level {
             SimdLevel::Scalar => 0,
             SimdLevel::Avx2 => avx2::rotate_pairs(x0, x1, cos.as_ptr(), sin.as_ptr(), len),
-            SimdLevel::Avx512 => avx512::rotate_pairs(x0, x1, cos.as_ptr(), sin.as_ptr(), len),
+            SimdLevel::Avx512 | SimdLevel::Amx => {
+                avx512::rotate_pairs(x0, x1, cos.as_ptr(), sin.as_ptr(), len)
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

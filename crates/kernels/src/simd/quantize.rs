@@ -35,7 +35,7 @@ pub(crate) fn dequantize_q8_0_row(level: SimdLevel, bytes: &[u8], out: &mut [f32
     // (checked above).
     unsafe {
         match level {
-            SimdLevel::Avx512 => avx512::dequantize_q8_0_row(bytes, out),
+            SimdLevel::Avx512 | SimdLevel::Amx => avx512::dequantize_q8_0_row(bytes, out),
             SimdLevel::Avx2 => avx2::dequantize_q8_0_row(bytes, out),
             SimdLevel::Scalar => panic!("SIMD kernels run SIMD levels only"),
         }

@@ -2,7 +2,8 @@
 //! generic parameters of the float and attention kernels), raw loads and row pointers, and per
 //! instruction set the helper intrinsics (`avx2`: widening loads of 8 values, accumulator
 //! lanes, f16 scalars, the 8-lane horizontal sum; `avx512`: masked widening loads of 16 values,
-//! accumulator lanes, the line prefetch, the start and finish of a 16-lane integer pass).
+//! accumulator lanes, the line prefetch, the start and finish of a 16-lane integer pass;
+//! `amx`: the tile configuration and the tile instructions the AMX kernels issue).
 
 use super::Rows;
 
@@ -235,6 +236,62 @@ pub(crate) mod avx512 {
                     let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
                     out[r * stride] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
                 }
+            }
+        }
+    }
+}
+
+/// AMX tile helpers: the configuration a kernel loads before its first tile instruction, and
+/// the instructions themselves (inline assembly: Rust has no stable AMX intrinsics). The tile
+/// registers `tmm0..tmm7` are named in the templates and never allocated by the compiler, so
+/// no operand declares them.
+///
+/// Only code running at [`crate::SimdLevel::Amx`] may call these: that level exists only where
+/// [`crate::amx::amx_support`] found the tiles granted to this process.
+pub(crate) mod amx {
+    use std::arch::asm;
+
+    /// A tile configuration (`LDTILECFG`'s 64-byte operand, palette 1): per tile register its
+    /// rows and bytes per row; unused registers stay 0 (unconfigured).
+    #[repr(C, align(64))]
+    pub(crate) struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        /// Palette 1, no tile configured.
+        pub(crate) const fn new() -> Self {
+            let mut bytes = [0; 64];
+            bytes[0] = 1;
+            Self(bytes)
+        }
+
+        /// Tile register `tile` as `rows` rows of `row_bytes` bytes (at most 16 and 64).
+        pub(crate) const fn tile(mut self, tile: usize, rows: usize, row_bytes: usize) -> Self {
+            assert!(tile < 8 && rows <= 16 && row_bytes <= 64 && row_bytes.is_multiple_of(4));
+            self.0[16 + 2 * tile] = row_bytes as u8;
+            self.0[48 + tile] = rows as u8;
+            self
+        }
+
+        /// Makes this the thread's tile configuration, loading it only when the thread's
+        /// current one differs: `LDTILECFG` costs about as much as a few hundred `vpdpbusd`
+        /// (measured ~260 TSC ticks on Sapphire Rapids), more than a short pass's tile work.
+        /// The configuration then stays (tiles in use) until another is loaded.
+        ///
+        /// # Safety
+        ///
+        /// The process runs at [`crate::SimdLevel::Amx`] (tiles granted).
+        #[inline]
+        pub(crate) unsafe fn make_current(&self) {
+            thread_local! {
+                static CURRENT: std::cell::Cell<[u8; 64]> = const { std::cell::Cell::new([0; 64]) };
+            }
+            if CURRENT.get() != self.0 {
+                // SAFETY: the caller guarantees AMX is usable; the operand is 64 readable
+                // bytes.
+                unsafe {
+                    asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly))
+                }
+                CURRENT.set(self.0);
             }
         }
     }
