@@ -152,7 +152,7 @@ fn matvec_cold(c: &mut Criterion) {
         for (suffix, views) in &layouts {
             let mut group = c.benchmark_group(format!("matvec-cold/{ty}{suffix}"));
             group.throughput(Throughput::Bytes((copies * data.len()) as u64));
-            for n in [1, 4, 8] {
+            for n in [1, 4, 8, 16] {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
                 let mut out = vec![0.0; n * rows];
                 let mut scratch = MatmulScratch::new();
