@@ -241,10 +241,10 @@ pub(crate) mod avx512 {
     }
 }
 
-/// AMX tile helpers: the configuration a kernel loads before its first tile instruction, and
-/// the instructions themselves (inline assembly: Rust has no stable AMX intrinsics). The tile
-/// registers `tmm0..tmm7` are named in the templates and never allocated by the compiler, so
-/// no operand declares them.
+/// AMX tile helpers: the tile configuration a kernel makes current before its first tile
+/// instruction. The tile instructions are inline assembly in the kernels (Rust has no stable
+/// AMX intrinsics); the tile registers `tmm0..tmm7` are named in the templates and never
+/// allocated by the compiler, so no operand declares them.
 ///
 /// Only code running at [`crate::SimdLevel::Amx`] may call these: that level exists only where
 /// [`crate::amx::amx_support`] found the tiles granted to this process.
@@ -272,26 +272,67 @@ pub(crate) mod amx {
             self
         }
 
-        /// Makes this the thread's tile configuration, loading it only when the thread's
-        /// current one differs: `LDTILECFG` costs about as much as a few hundred `vpdpbusd`
-        /// (measured ~260 TSC ticks on Sapphire Rapids), more than a short pass's tile work.
-        /// The configuration then stays (tiles in use) until another is loaded.
+        /// Makes this the thread's tile configuration, loading it only when the one in force
+        /// differs. `LDTILECFG` costs ~260 TSC ticks (Emerald Rapids Xeon, a loop of it alone),
+        /// more than a short pass's tile work; reading the configuration in force back
+        /// (`STTILECFG`, ~23) and comparing is cheap, and right whoever loaded it (another copy
+        /// of this crate in another plugin on the same thread included). The configuration then
+        /// stays (tiles in use) until another is loaded.
         ///
         /// # Safety
         ///
         /// The process runs at [`crate::SimdLevel::Amx`] (tiles granted).
         #[inline]
         pub(crate) unsafe fn make_current(&self) {
-            thread_local! {
-                static CURRENT: std::cell::Cell<[u8; 64]> = const { std::cell::Cell::new([0; 64]) };
-            }
-            if CURRENT.get() != self.0 {
-                // SAFETY: the caller guarantees AMX is usable; the operand is 64 readable
-                // bytes.
-                unsafe {
-                    asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly))
+            let mut current = Self([0; 64]);
+            // SAFETY: the caller guarantees AMX is usable; `STTILECFG` writes 64 bytes (zeros
+            // when no configuration is in force) into `current`, and `LDTILECFG` reads 64.
+            unsafe {
+                asm!("sttilecfg [{}]", in(reg) current.0.as_mut_ptr(), options(nostack));
+                if current.0 != self.0 {
+                    asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly));
                 }
-                CURRENT.set(self.0);
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// The configuration in force on this thread.
+        fn in_force() -> [u8; 64] {
+            let mut current = TileConfig([0; 64]);
+            // SAFETY: only called where the tiles are granted; writes 64 bytes.
+            unsafe { asm!("sttilecfg [{}]", in(reg) current.0.as_mut_ptr(), options(nostack)) };
+            current.0
+        }
+
+        /// `make_current` leaves its configuration in force whatever was loaded before it —
+        /// also behind its back (another copy of this crate on the same thread).
+        #[test]
+        fn make_current_puts_its_configuration_in_force() {
+            if crate::SimdLevel::best_supported() < crate::SimdLevel::Amx {
+                eprintln!("skipped: no AMX tiles granted on this machine");
+                return;
+            }
+            let eight = TileConfig::new().tile(0, 8, 32).tile(1, 8, 64);
+            let sixteen = TileConfig::new().tile(0, 16, 32).tile(1, 8, 64);
+            // SAFETY: the tiles are granted (checked above).
+            unsafe {
+                eight.make_current();
+                assert_eq!(in_force(), eight.0);
+                eight.make_current();
+                assert_eq!(in_force(), eight.0);
+                // Another loader, not through `make_current`.
+                asm!("ldtilecfg [{}]", in(reg) sixteen.0.as_ptr(), options(nostack, readonly));
+                eight.make_current();
+                assert_eq!(in_force(), eight.0);
+                asm!("tilerelease", options(nostack, nomem));
+                assert_eq!(in_force(), [0; 64]);
+                sixteen.make_current();
+                assert_eq!(in_force(), sixteen.0);
+                asm!("tilerelease", options(nostack, nomem));
             }
         }
     }
