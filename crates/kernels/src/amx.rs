@@ -1,5 +1,5 @@
 //! Whether this process may execute AMX tile instructions (Intel Sapphire Rapids and later:
-//! `AMX-TILE` with `AMX-INT8`, 1 KiB tile registers multiplied by `TDPBUSD`).
+//! `AMX-TILE` with `AMX-INT8`, 1 KiB tile registers multiplied by `TDPBSUD` and its kin).
 //!
 //! Three things must hold, and a virtual machine can break each: the CPU reports the features
 //! (CPUID leaf 7), the operating system has enabled the tile state in `XCR0` (bits 17 and 18,
@@ -14,6 +14,10 @@
 //! several activation rows over interleaved Q8_0 weights go through one `TDPBSUD` per block
 //! and 16 weight rows (`simd/interleaved.rs`), bit-identical to the AVX-512 kernel. `specula
 //! bench` reports what the probe found; `SPECULA_SIMD=avx512` keeps a process off the tiles.
+//!
+//! The probe runs when the process's SIMD level is first decided, so every process that uses
+//! the kernels asks for the permission: once granted, Linux sizes its signal frames for the
+//! tile data (an alternate signal stack smaller than that is then refused, process-wide).
 
 use std::sync::OnceLock;
 

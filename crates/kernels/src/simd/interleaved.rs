@@ -773,6 +773,8 @@ mod amx {
                     row = in(reg) 64usize,
                     s0 = in(reg) low[0].0.as_mut_ptr(),
                     s1 = in(reg) high[0].0.as_mut_ptr(),
+                    out("tmm0") _, out("tmm1") _, out("tmm2") _,
+                    out("tmm3") _, out("tmm4") _, out("tmm5") _,
                     options(nostack),
                 );
             }
@@ -794,6 +796,7 @@ mod amx {
                     w = in(reg) weights(b),
                     row = in(reg) 64usize,
                     sums = in(reg) sums[0].0.as_mut_ptr(),
+                    out("tmm0") _, out("tmm1") _, out("tmm2") _,
                     options(nostack),
                 );
             }

@@ -6,7 +6,8 @@
 //! first time [`level`] is called, and never changes afterwards: every row on a given machine
 //! then goes through the same code, which is what makes a verify row bit-identical to a
 //! single-token pass. Different levels sum in different orders, so their results differ in the
-//! last bits (tests bound that difference against an f64 reference).
+//! last bits (tests bound that difference against an f64 reference) — except `amx`, whose
+//! tile kernel gives `avx512`'s bits.
 //!
 //! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`, `amx`) lowers the
 //! level, e.g. to compare levels in a benchmark; it can never raise it above what the CPU

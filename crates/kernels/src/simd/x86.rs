@@ -243,8 +243,8 @@ pub(crate) mod avx512 {
 
 /// AMX tile helpers: the tile configuration a kernel makes current before its first tile
 /// instruction. The tile instructions are inline assembly in the kernels (Rust has no stable
-/// AMX intrinsics); the tile registers `tmm0..tmm7` are named in the templates and never
-/// allocated by the compiler, so no operand declares them.
+/// AMX intrinsics), each block declaring the tile registers it writes as clobbered
+/// (`out("tmm0") _`), and loading a configuration all eight.
 ///
 /// Only code running at [`crate::SimdLevel::Amx`] may call these: that level exists only where
 /// [`crate::amx::amx_support`] found the tiles granted to this process.
@@ -290,7 +290,13 @@ pub(crate) mod amx {
             unsafe {
                 asm!("sttilecfg [{}]", in(reg) current.0.as_mut_ptr(), options(nostack));
                 if current.0 != self.0 {
-                    asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly));
+                    asm!(
+                        "ldtilecfg [{}]",
+                        in(reg) self.0.as_ptr(),
+                        out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                        out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                        options(nostack, readonly),
+                    );
                 }
             }
         }
