@@ -622,13 +622,23 @@ pub(crate) fn groups_pass(
 }
 
 /// The most activation rows one pass over `encoding` groups takes at `level`: a tile's 16
-/// where the AMX kernel runs (Q8_0), [`simd::MAX_ROWS_PER_PASS`] elsewhere (the scalar
+/// where the AMX kernels run (Q8_0, Q4_K, Q5_K), [`simd::MAX_ROWS_PER_PASS`] elsewhere (the scalar
 /// reference takes as many as the AMX kernel, to be compared with it).
 pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
     match (encoding, level) {
-        (Encoding::Q8_0, SimdLevel::Amx | SimdLevel::Scalar) => simd::MAX_TILE_ROWS,
+        (Encoding::Q8_0 | Encoding::Q4K | Encoding::Q5K, SimdLevel::Amx | SimdLevel::Scalar) => {
+            simd::MAX_TILE_ROWS
+        }
         _ => simd::MAX_ROWS_PER_PASS,
     }
+}
+
+/// Whether a pass over `encoding` groups at `level` sets itself up before its first group
+/// (the AMX Q4_K / Q5_K kernel copies the pass's activation quants to aligned rows): a
+/// caller with many passes over the same groups then runs each pass over all of them rather
+/// than each group through all the passes.
+pub(crate) fn passes_set_up(encoding: Encoding, level: SimdLevel) -> bool {
+    level == SimdLevel::Amx && matches!(encoding, Encoding::Q4K | Encoding::Q5K)
 }
 
 /// Panics unless `groups` is whole groups of as many blocks as each activation row of `x`
@@ -996,7 +1006,7 @@ mod tests {
         }
     }
 
-    /// Through `matmul`: every row of a batch (passes of 8 and a ragged one, 1 and 2 threads)
+    /// Through `matmul`: every row of a batch (whole passes and a ragged one, 1 and 2 threads)
     /// is bit-identical to a single-row call, and close to the row-major matrix's result.
     #[test]
     fn batch_rows_equal_single_rows() {
@@ -1010,7 +1020,8 @@ mod tests {
                 let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
                 let packed = InterleavedMatrix::repack(&plain).unwrap();
                 let w = packed.view();
-                let n = 11;
+                // More rows than one pass takes at any level (16 with AMX tiles).
+                let n = 21;
                 let x = random_vec(n * cols, 1.5, 9);
                 for level in levels() {
                     let mut scratch = MatmulScratch::new();
@@ -1029,7 +1040,7 @@ mod tests {
                             .num_threads(threads)
                             .build()
                             .unwrap();
-                        for batch in [2, 8, n] {
+                        for batch in [2, 8, 11, n] {
                             let mut got = vec![0.0; batch * rows];
                             pool.install(|| {
                                 matmul_at(level, &w, &x[..batch * cols], &mut got, &mut scratch)

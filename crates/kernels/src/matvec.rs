@@ -544,6 +544,27 @@ fn run_interleaved(
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
         let chunk_len = dst.len() / n;
+        if interleaved::passes_set_up(encoding, level) {
+            // Each pass over the whole chunk, so that its setup is paid once per chunk.
+            for pass_first in (0..n).step_by(pass_rows) {
+                let count = pass_rows.min(n - pass_first);
+                let outputs = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
+                let mut pass_out = OutRows::new(outputs);
+                let pass = acts.sub(pass_first, count);
+                let group = groups(first, chunk_len);
+                interleaved::groups_pass(
+                    encoding,
+                    level,
+                    group,
+                    pass,
+                    &mut pass_out,
+                    0,
+                    chunk_len,
+                    true,
+                );
+            }
+            return;
+        }
         for group_start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
             let valid = interleaved::GROUP_ROWS.min(chunk_len - group_start);
             let group = groups(first + group_start, valid);

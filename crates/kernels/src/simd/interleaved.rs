@@ -1,8 +1,8 @@
 //! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
 //! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K; there are no AVX2 ones),
-//! the AMX kernel (Q8_0 × Q8_0, passes of [`AMX_MIN_ROWS`] rows or more) and their safe entry
-//! point. Each block is reduced inside `vpdpbusd` (or one `tdpbsud`) for the 16 weight rows at
-//! once.
+//! the AMX kernels (Q8_0 × Q8_0, passes of [`AMX_MIN_ROWS`] rows or more; Q4_K / Q5_K × Q8_K,
+//! passes of [`AMX_K_QUANT_MIN_ROWS`] or more) and their safe entry point. Each block is
+//! reduced inside `vpdpbusd` (or `tdpbsud`) for the 16 weight rows at once.
 
 #[cfg(target_arch = "x86_64")]
 use super::block32::{Q4_0, Q8_0};
@@ -14,6 +14,18 @@ use super::{OutRows, SimdLevel};
 /// [`SimdLevel::Amx`]); fewer go through `vpdpbusd`, faster there (2 rows: 42 against 59 TSC
 /// ticks per block of 16 weight rows; 4 rows: 75 against 69).
 pub(crate) const AMX_MIN_ROWS: usize = 4;
+
+/// The fewest activation rows a pass over interleaved Q4_K / Q5_K weights runs on AMX tiles:
+/// more than the AVX-512 kernel takes in one pass ([`crate::simd::MAX_ROWS_PER_PASS`]), whose
+/// weights the tiles then read once instead of twice. Each group block's products are built
+/// once per pass whatever its rows (~180 TSC ticks for 16 weight rows), where `vpdpbusd`
+/// costs ~55 per activation row. From the cache the tiles pass `vpdpbusd` at 6 rows (1024 ×
+/// 4096 Q4_K from L3, one thread, Emerald Rapids Xeon, the best of 500 passes taking turns,
+/// thousands of TSC ticks, AVX-512 against AMX: 4 rows 305 / 339, 6 403 / 358, 8 524 / 413,
+/// 9 675 / 417, 16 975 / 533), but in a model's forward pass, streaming from memory, 6- to
+/// 8-row passes were slower on tiles (qwen3-0.6b Q4_K, cost(8) 1.81–2.33 against 1.58–1.71):
+/// the tiles' phase issues no prefetches and overlaps the vector work poorly.
+pub(crate) const AMX_K_QUANT_MIN_ROWS: usize = crate::simd::MAX_ROWS_PER_PASS + 1;
 
 /// A run of interleaved groups of 16 weight rows times a pass of activation rows at `level`
 /// (AVX-512 or AMX; [`crate::interleaved::groups_pass`]), after checking every size the kernel
@@ -45,12 +57,15 @@ pub(crate) fn interleaved_pass(
         use crate::interleaved::Encoding as E;
         type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
         let tiles = level == SimdLevel::Amx && x.count() >= AMX_MIN_ROWS;
+        let k_quant_tiles = level == SimdLevel::Amx && x.count() >= AMX_K_QUANT_MIN_ROWS;
         let kernel: Kernel = match encoding {
             E::Q8_0 if tiles && stream => amx::q8_0_pass::<true>,
             E::Q8_0 if tiles => amx::q8_0_pass::<false>,
             E::Q8_0 if stream => avx512::interleaved_pass::<Q8_0, true>,
             E::Q8_0 => avx512::interleaved_pass::<Q8_0, false>,
             E::Q4_0 => avx512::interleaved_pass::<Q4_0, true>,
+            E::Q4K if k_quant_tiles => amx::q4k_pass::<false>,
+            E::Q5K if k_quant_tiles => amx::q4k_pass::<true>,
             E::Q4K => avx512::interleaved_q4k_pass::<false>,
             E::Q5K => avx512::interleaved_q4k_pass::<true>,
             E::Q6K => avx512::interleaved_q6k_pass,
@@ -329,13 +344,13 @@ mod avx512 {
     /// runs, k = 4 from 13.189 / 13.109 to 12.114 / 11.979. The distance: k = 8 took
     /// 14.851 / 13.784 / 13.465 / 13.521 ms prefetching 8 / 12 / 16 / 24 KiB ahead (in sweeps of 3
     /// rows then), k = 1 the same within noise.
-    const Q4K_PREFETCH_BYTES: usize = 16 << 10;
+    pub(super) const Q4K_PREFETCH_BYTES: usize = 16 << 10;
 
     /// Prefetches part `j` of `parts` of the `encoding` group block at `ahead` (a K-quant pass
     /// spreads a block's prefetches over its sub-blocks).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    fn prefetch_part(
+    pub(super) fn prefetch_part(
         encoding: crate::interleaved::Encoding,
         ahead: *const u8,
         j: usize,
@@ -349,7 +364,7 @@ mod avx512 {
     }
 
     /// The encoding the Q4_K kernel multiplies: Q5_K when `FIVE`.
-    const fn q4k_encoding<const FIVE: bool>() -> crate::interleaved::Encoding {
+    pub(super) const fn q4k_encoding<const FIVE: bool>() -> crate::interleaved::Encoding {
         match FIVE {
             true => crate::interleaved::Encoding::Q5K,
             false => crate::interleaved::Encoding::Q4K,
@@ -371,15 +386,11 @@ mod avx512 {
         out: [*mut f32; N],
         valid: usize,
     ) {
-        use crate::interleaved::{
-            Q4K_ACT_SCALE, Q4K_ACT_SUMS, Q4K_DMIN, Q4K_MINS, Q4K_QUANTS, Q4K_SCALES, Q5K_HIGH,
-        };
+        use crate::interleaved::Q4K_SCALES;
         let encoding = q4k_encoding::<FIVE>();
         let group_block = encoding.group_block_bytes();
         let act_block = encoding.activation_block_bytes();
         let mut acc = [_mm512_setzero_ps(); N];
-        let low_nibbles = _mm512_set1_epi8(0x0f);
-        let fifth_bit = _mm512_set1_epi8(0x10);
         for b in 0..blocks {
             // SAFETY: super-block `b` lies inside the group (`group_block` bytes: scales, mins, 4
             // chunks of 8 quant registers, Q5_K's masks) and every activation row (276 bytes:
@@ -393,25 +404,7 @@ mod avx512 {
                 let mut isum = [_mm512_setzero_si512(); N];
                 for j in 0..8 {
                     prefetch_part(encoding, ahead, j, 8);
-                    // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
-                    let chunk = block.add(Q4K_QUANTS + 512 * (j / 2));
-                    let mut w = [_mm512_setzero_si512(); 8];
-                    for (k, w) in w.iter_mut().enumerate() {
-                        let packed = _mm512_loadu_si512(chunk.add(64 * k).cast());
-                        *w = if j % 2 == 0 {
-                            _mm512_and_si512(packed, low_nibbles)
-                        } else {
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles)
-                        };
-                        if FIVE {
-                            // 16 added to the bytes whose fifth bit the mask sets.
-                            let mask: __mmask64 = block
-                                .add(Q5K_HIGH + 64 * j + 8 * k)
-                                .cast::<u64>()
-                                .read_unaligned();
-                            *w = _mm512_mask_add_epi8(*w, mask, *w, fifth_bit);
-                        }
-                    }
+                    let w = q4k_sub_block::<FIVE>(block, j);
                     let scales = _mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(Q4K_SCALES + 16 * j).cast(),
                     ));
@@ -433,30 +426,123 @@ mod avx512 {
                         isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sub, scales));
                     }
                 }
-                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(Q4K_DMIN).cast()));
-                let mins: [__m512i; 4] = std::array::from_fn(|p| {
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(block.add(Q4K_MINS + 32 * p).cast()))
-                });
+                let ends = Q4kBlockEnds::load(block);
                 for r in 0..N {
-                    let xb = xp[r].add(b * act_block);
-                    let sums = xb.add(Q4K_ACT_SUMS).cast::<i32>();
-                    let pair = |p: usize| _mm512_set1_epi32(sums.add(p).read_unaligned());
-                    let low = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[0], pair(0));
-                    let high = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[1], pair(1));
-                    let low = _mm512_dpwssd_epi32(low, mins[2], pair(2));
-                    let high = _mm512_dpwssd_epi32(high, mins[3], pair(3));
-                    let imin = _mm512_add_epi32(low, high);
-                    let dx = _mm512_set1_ps(xb.add(Q4K_ACT_SCALE).cast::<f32>().read_unaligned());
-                    acc[r] =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, dx), acc[r]);
-                    acc[r] =
-                        _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), acc[r]);
+                    acc[r] = ends.accumulate(xp[r].add(b * act_block), isum[r], acc[r]);
                 }
             }
         }
         // SAFETY: forwarded contract on `out`.
         unsafe { store_group_results(&acc, out, valid) };
+    }
+
+    /// Sub-block `j`'s levels in a Q4_K (Q5_K when `FIVE`) group block: 8 registers, register
+    /// `k` holding bytes `4k .. 4k + 4` of the sub-block for the 16 weight rows (one byte per
+    /// level, `0..16`, or `0..32` with Q5_K's fifth bit).
+    ///
+    /// # Safety
+    ///
+    /// `block` is a whole group block of the encoding; `j < 8`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn q4k_sub_block<const FIVE: bool>(
+        block: *const u8,
+        j: usize,
+    ) -> [__m512i; 8] {
+        use crate::interleaved::{Q4K_QUANTS, Q5K_HIGH};
+        let low_nibbles = _mm512_set1_epi8(0x0f);
+        let fifth_bit = _mm512_set1_epi8(0x10);
+        // Sub-block `j`: the low (even `j`) or high (odd `j`) nibbles of chunk `j / 2`.
+        // SAFETY: the chunk's 8 registers (and Q5_K's masks) lie inside the block.
+        let chunk = unsafe { block.add(Q4K_QUANTS + 512 * (j / 2)) };
+        std::array::from_fn(|k| {
+            // SAFETY: as above.
+            let packed = unsafe { _mm512_loadu_si512(chunk.add(64 * k).cast()) };
+            let w = if j.is_multiple_of(2) {
+                _mm512_and_si512(packed, low_nibbles)
+            } else {
+                _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles)
+            };
+            if FIVE {
+                // 16 added to the bytes whose fifth bit the mask sets.
+                // SAFETY: as above.
+                let mask: __mmask64 = unsafe {
+                    block
+                        .add(Q5K_HIGH + 64 * j + 8 * k)
+                        .cast::<u64>()
+                        .read_unaligned()
+                };
+                _mm512_mask_add_epi8(w, mask, w, fifth_bit)
+            } else {
+                w
+            }
+        })
+    }
+
+    /// What a Q4_K (Q5_K) group block adds to each activation row's accumulators once its
+    /// integer sums `isum` are known: the mins' part `imin` and the two fused steps (see
+    /// [`crate::interleaved`]), the same instructions whichever kernel summed.
+    pub(super) struct Q4kBlockEnds {
+        dw: __m512,
+        dmin: __m512,
+        mins: [__m512i; 4],
+    }
+
+    impl Q4kBlockEnds {
+        /// The block's scales and mins.
+        ///
+        /// # Safety
+        ///
+        /// `block` is a whole Q4_K (Q5_K) group block.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        #[inline]
+        pub(super) unsafe fn load(block: *const u8) -> Self {
+            use crate::interleaved::{Q4K_DMIN, Q4K_MINS};
+            // SAFETY: the f16 scales, f16 mins' scales and 4 × 32 bytes of mins lie inside
+            // the block.
+            unsafe {
+                Self {
+                    dw: _mm512_cvtph_ps(_mm256_loadu_si256(block.cast())),
+                    dmin: _mm512_cvtph_ps(_mm256_loadu_si256(block.add(Q4K_DMIN).cast())),
+                    mins: std::array::from_fn(|p| {
+                        _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                            block.add(Q4K_MINS + 32 * p).cast(),
+                        ))
+                    }),
+                }
+            }
+        }
+
+        /// `acc` with the block added for the activation row block `xb` whose integer sums
+        /// against the 16 weight rows are `isum`.
+        ///
+        /// # Safety
+        ///
+        /// `xb` is a whole Q4_K activation block.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        #[inline]
+        pub(super) unsafe fn accumulate(
+            &self,
+            xb: *const u8,
+            isum: __m512i,
+            acc: __m512,
+        ) -> __m512 {
+            use crate::interleaved::{Q4K_ACT_SCALE, Q4K_ACT_SUMS};
+            // SAFETY: the sums and the scale lie inside the activation block.
+            unsafe {
+                let sums = xb.add(Q4K_ACT_SUMS).cast::<i32>();
+                let pair = |p: usize| _mm512_set1_epi32(sums.add(p).read_unaligned());
+                let low = _mm512_dpwssd_epi32(_mm512_setzero_si512(), self.mins[0], pair(0));
+                let high = _mm512_dpwssd_epi32(_mm512_setzero_si512(), self.mins[1], pair(1));
+                let low = _mm512_dpwssd_epi32(low, self.mins[2], pair(2));
+                let high = _mm512_dpwssd_epi32(high, self.mins[3], pair(3));
+                let imin = _mm512_add_epi32(low, high);
+                let dx = _mm512_set1_ps(xb.add(Q4K_ACT_SCALE).cast::<f32>().read_unaligned());
+                let acc =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(self.dw, dx), acc);
+                _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(self.dmin, dx), acc)
+            }
+        }
     }
 
     /// A run of interleaved Q6_K groups of 16 weight rows ([`crate::interleaved`]) times a pass of
@@ -619,7 +705,10 @@ mod amx {
     use std::arch::asm;
     use std::arch::x86_64::*;
 
-    use super::avx512::{for_each_group, store_group_results, INTERLEAVED_PREFETCH_BYTES};
+    use super::avx512::{
+        for_each_group, prefetch_part, q4k_encoding, q4k_sub_block, store_group_results,
+        Q4kBlockEnds, INTERLEAVED_PREFETCH_BYTES, Q4K_PREFETCH_BYTES,
+    };
     use crate::interleaved::{Encoding, BLOCK32_VALUES};
     use crate::simd::x86::amx::TileConfig;
     use crate::simd::x86::avx512::prefetch_block;
@@ -802,6 +891,317 @@ mod amx {
             }
             accumulate(b, &sums[0]);
         }
+        // SAFETY: forwarded contract on `out`.
+        unsafe { store_group_results(&acc, out, valid) };
+    }
+    /// A 64-byte line: the unit the Q4_K tiles' operands are laid out in.
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Line([u8; 64]);
+
+    const ZERO_LINE: Line = Line([0; 64]);
+
+    /// Sub-blocks of 32 values in a Q4_K super-block; a tile's row of 64 bytes takes a pair.
+    const SUB_BLOCKS: usize = 8;
+
+    thread_local! {
+        /// The pass's activation quants copied to 64-byte aligned rows for the Q4_K tiles
+        /// (a tile load that crosses cache lines costs about twice as much), kept from pass to
+        /// pass so a pass allocates nothing.
+        static ALIGNED: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// [`super::interleaved_pass`]'s Q4_K (Q5_K when `FIVE`) pass on tiles.
+    ///
+    /// A Q4_K sub-block's integer sum is scaled by its 6-bit `sc_j` before the super-block's
+    /// sums are added, so a tile of levels cannot be summed over the super-block as it is.
+    /// Products of levels and scales can, one byte at a time: `sc_j = 16 · high + low` (Q5_K:
+    /// `8 · high + low`), and each of `q · low`, `q · high` fits a byte. Per group block the
+    /// pass builds, for each sub-block pair, a 16 × 64-byte tile of `q · low` and one of
+    /// `q · high`, in the levels' own layout ([`q4k_products`]); `tdpbsud` of the activation
+    /// quants against each, over the super-block, gives `Σ x · q · low` and `Σ x · q · high`,
+    /// and `low + 16 · high` is exactly the AVX-512 kernel's `isum = Σ_j sc_j · Σ q · x`. From
+    /// there the float steps are its own ([`Q4kBlockEnds`]), so both kernels give the same
+    /// bits. Building the products costs the same for any number of rows, so the tiles pay
+    /// for many rows only ([`super::AMX_K_QUANT_MIN_ROWS`]).
+    ///
+    /// # Safety
+    ///
+    /// The process runs at [`crate::SimdLevel::Amx`]; `groups` holds whole groups of
+    /// `x.len() / 276` group blocks, the last of which holds row `valid - 1`; `x` holds at most
+    /// [`crate::simd::MAX_TILE_ROWS`] rows of whole activation blocks and `out` as many rows,
+    /// each of at least `first + valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn q4k_pass<const FIVE: bool>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        macro_rules! with_tile_rows {
+            ($($n:literal)*) => {
+                match x.count() {
+                    // SAFETY: forwarded contract.
+                    $($n => unsafe { q4k_groups::<FIVE, $n>(groups, x, out, first, valid) },)*
+                    n => unreachable!("an AMX pass of {n} rows"),
+                }
+            };
+        }
+        with_tile_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+
+    /// [`q4k_pass`] for `N` activation rows: the rows' quants copied aligned once for all the
+    /// groups, then tiles 0 and 5 a sub-block pair's activation quants (`N` × 64 bytes), 1 and
+    /// 6 its products' low bytes, 2 and 7 their high bytes (16 × 64 each), 3 and 4 the sums of
+    /// low and of high bytes (`N` × 16 i32).
+    ///
+    /// # Safety
+    ///
+    /// As [`q4k_pass`], with `x.count() == N`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q4k_groups<const FIVE: bool, const N: usize>(
+        groups: &[u8],
+        x: Rows<'_, u8>,
+        out: &mut OutRows<'_>,
+        first: usize,
+        valid: usize,
+    ) {
+        let encoding = q4k_encoding::<FIVE>();
+        let act_block = encoding.activation_block_bytes();
+        let blocks = x.len() / act_block;
+        let row_lines = 4 * blocks;
+        let config = TileConfig::new()
+            .tile(0, N, 64)
+            .tile(1, 16, 64)
+            .tile(2, 16, 64)
+            .tile(3, N, 64)
+            .tile(4, N, 64)
+            .tile(5, N, 64)
+            .tile(6, 16, 64)
+            .tile(7, 16, 64);
+        ALIGNED.with_borrow_mut(|aligned| {
+            aligned.clear();
+            aligned.resize(N * row_lines, ZERO_LINE);
+            for (r, lines) in aligned.chunks_exact_mut(row_lines).enumerate() {
+                let row = x.row(r);
+                for (b, lines) in lines.chunks_exact_mut(4).enumerate() {
+                    let quants = &row[b * act_block..][..256];
+                    for (line, quants) in lines.iter_mut().zip(quants.chunks_exact(64)) {
+                        line.0.copy_from_slice(quants);
+                    }
+                }
+            }
+            let mut products = [[ZERO_LINE; 16 * SUB_BLOCKS]; AHEAD];
+            let zero = || Sums::<N>([[0; 16]; N]);
+            let mut sums = [[zero(), zero()], [zero(), zero()]];
+            let quants = (aligned.as_ptr().cast::<u8>(), 64 * row_lines);
+            // SAFETY: AMX is usable (the caller's contract); `for_each_group` hands the
+            // contract on per group; the aligned rows hold `blocks` super-blocks' quants,
+            // `64 * row_lines` bytes apart.
+            unsafe {
+                config.make_current();
+                for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
+                    q4k_rows::<FIVE, N>(g, b, xp, quants, &mut products, &mut sums, op, v)
+                });
+            }
+        });
+    }
+
+    /// Sets of products in flight: super-block `b`'s are built while `b - AHEAD + 1`'s tiles
+    /// run. One ahead measured best (1024 × 4096 Q4_K, 16 rows: 533–541 thousand TSC ticks a
+    /// pass against 623–706 building two ahead, whose third set of 8 KiB crowds L1).
+    const AHEAD: usize = 2;
+
+    /// A group block's products' bytes as `tdpbsud`'s second operand (see [`q4k_pass`]): per
+    /// sub-block pair 16 lines of low bytes, then 16 of high bytes.
+    type Products = [Line; 16 * SUB_BLOCKS];
+
+    /// The bits of the base `sc_j` is split in for the products: `sc_j = 2^bits · high + low`
+    /// with `low < 2^bits`, so that `q · low` and `q · high` each fit a byte (Q4_K: `q < 16`,
+    /// base 16, `high < 4`; Q5_K: `q < 32`, base 8, `high < 8`).
+    const fn scale_base_bits<const FIVE: bool>() -> i32 {
+        if FIVE {
+            3
+        } else {
+            4
+        }
+    }
+
+    /// Builds a Q4_K (Q5_K) group block's [`Products`], prefetching the stream `ahead` as it
+    /// goes. A register of levels read as 16-bit words holds two levels per word, `q_0 + 256 ·
+    /// q_1`; one `vpmullw` by a digit `s` of the row's scale gives `q_0 · s + 256 · q_1 · s`,
+    /// and as `q_0 · s < 256` that is each level's product in the level's own byte.
+    ///
+    /// # Safety
+    ///
+    /// `block` is a whole group block of the encoding.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q4k_products<const FIVE: bool>(
+        block: *const u8,
+        ahead: *const u8,
+        products: &mut Products,
+    ) {
+        use crate::interleaved::Q4K_SCALES;
+        let encoding = q4k_encoding::<FIVE>();
+        let bits = _mm512_set1_epi32(scale_base_bits::<FIVE>());
+        let low_mask = _mm512_set1_epi32((1 << scale_base_bits::<FIVE>()) - 1);
+        for j in 0..SUB_BLOCKS {
+            prefetch_part(encoding, ahead, j, SUB_BLOCKS);
+            // SAFETY: sub-block `j`'s levels and 16 scales lie inside the block.
+            let (w, sc) = unsafe {
+                let sc = _mm_loadu_si128(block.add(Q4K_SCALES + 16 * j).cast());
+                (q4k_sub_block::<FIVE>(block, j), _mm512_cvtepu8_epi32(sc))
+            };
+            // Each digit in both words of its row's lane.
+            let words = |digit: __m512i| _mm512_or_si512(digit, _mm512_slli_epi32::<16>(digit));
+            let low = words(_mm512_and_si512(sc, low_mask));
+            let high = words(_mm512_srlv_epi32(sc, bits));
+            // Sub-block `j` is half `j % 2` of pair `j / 2`'s tiles.
+            let lines = &mut products[32 * (j / 2)..][..32];
+            let half = 8 * (j % 2);
+            for (k, w) in w.iter().enumerate() {
+                // SAFETY: each line is 64 aligned bytes.
+                unsafe {
+                    let (l, h) = (_mm512_mullo_epi16(*w, low), _mm512_mullo_epi16(*w, high));
+                    _mm512_store_si512(lines[half + k].0.as_mut_ptr().cast(), l);
+                    _mm512_store_si512(lines[16 + half + k].0.as_mut_ptr().cast(), h);
+                }
+            }
+        }
+    }
+
+    /// The tile work of one super-block: the `N` aligned activation rows at `x` (`stride`
+    /// bytes apart) times `products`, the sums of low bytes stored in `low`, of high bytes in
+    /// `high`.
+    ///
+    /// # Safety
+    ///
+    /// The tiles are configured as [`q4k_groups`] does; every row at `x` holds a super-block's
+    /// 256 quants.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q4k_tiles<const N: usize>(
+        x: *const u8,
+        stride: usize,
+        products: &Products,
+        [low, high]: &mut [Sums<N>; 2],
+    ) {
+        // SAFETY: the tiles read `N` rows of 64 quants per sub-block pair, 32 lines of
+        // products per pair, and store `N` rows of 64 bytes into each of `low` and `high`.
+        unsafe {
+            asm!(
+                "tilezero tmm3",
+                "tilezero tmm4",
+                "tileloadd tmm0, [{x} + {stride} * 1]",
+                "tileloadd tmm1, [{p} + {row} * 1]",
+                "tileloadd tmm2, [{p} + {row} * 1 + 1024]",
+                "tileloadd tmm5, [{x} + {stride} * 1 + 64]",
+                "tileloadd tmm6, [{p} + {row} * 1 + 2048]",
+                "tileloadd tmm7, [{p} + {row} * 1 + 3072]",
+                "tdpbsud tmm3, tmm0, tmm1",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tdpbsud tmm3, tmm5, tmm6",
+                "tdpbsud tmm4, tmm5, tmm7",
+                "tileloadd tmm0, [{x} + {stride} * 1 + 128]",
+                "tileloadd tmm1, [{p} + {row} * 1 + 4096]",
+                "tileloadd tmm2, [{p} + {row} * 1 + 5120]",
+                "tileloadd tmm5, [{x} + {stride} * 1 + 192]",
+                "tileloadd tmm6, [{p} + {row} * 1 + 6144]",
+                "tileloadd tmm7, [{p} + {row} * 1 + 7168]",
+                "tdpbsud tmm3, tmm0, tmm1",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tdpbsud tmm3, tmm5, tmm6",
+                "tdpbsud tmm4, tmm5, tmm7",
+                "tilestored [{low} + {row} * 1], tmm3",
+                "tilestored [{high} + {row} * 1], tmm4",
+                x = in(reg) x,
+                stride = in(reg) stride,
+                p = in(reg) products.as_ptr(),
+                row = in(reg) 64usize,
+                low = in(reg) low.0.as_mut_ptr(),
+                high = in(reg) high.0.as_mut_ptr(),
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack),
+            );
+        }
+    }
+
+    /// One Q4_K (Q5_K) group (`blocks` group blocks at `group`) times the `N` activation rows
+    /// (`xp`, and their quants aligned, `(rows, stride)`): lanes `0..valid` of row `r`'s
+    /// results stored at `out[r]`. `products` and `sums` are scratch.
+    ///
+    /// A software pipeline: super-block `b + 1`'s products are built and `b - 1`'s sums
+    /// accumulated while `b`'s tiles run, so that a tile load does not wait on the vector
+    /// stores of its operand, nor a vector load on the tile store of its sums. (The vector
+    /// stores and the tile multiplies still overlap poorly: a store cannot retire behind a
+    /// `tdpbsud` still running, and the store buffer fills.)
+    ///
+    /// # Safety
+    ///
+    /// The tiles are configured as [`q4k_groups`] does; the group and every activation row
+    /// hold `blocks` blocks, every aligned row as many super-blocks' quants; every `out[r]`
+    /// holds `valid` outputs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4k_rows<const FIVE: bool, const N: usize>(
+        group: *const u8,
+        blocks: usize,
+        xp: [*const u8; N],
+        (quants, stride): (*const u8, usize),
+        products: &mut [Products; AHEAD],
+        sums: &mut [[Sums<N>; 2]; 2],
+        out: [*mut f32; N],
+        valid: usize,
+    ) {
+        let encoding = q4k_encoding::<FIVE>();
+        let group_block = encoding.group_block_bytes();
+        let act_block = encoding.activation_block_bytes();
+        let block = |b: usize| group.wrapping_add(b * group_block);
+        let build = |b: usize, products: &mut Products| {
+            let ahead = block(b).wrapping_add(Q4K_PREFETCH_BYTES);
+            // SAFETY: super-block `b` lies inside the group (caller's contract).
+            unsafe { q4k_products::<FIVE>(block(b), ahead, products) }
+        };
+        let mut acc = [_mm512_setzero_ps(); N];
+        let bits = _mm512_set1_epi32(scale_base_bits::<FIVE>());
+        let mut accumulate = |b: usize, [low, high]: &[Sums<N>; 2]| {
+            // SAFETY: super-block `b` lies inside the group and every activation row.
+            unsafe {
+                let ends = Q4kBlockEnds::load(block(b));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let low = _mm512_load_si512(low.0[r].as_ptr().cast());
+                    let high = _mm512_load_si512(high.0[r].as_ptr().cast());
+                    let isum = _mm512_add_epi32(low, _mm512_sllv_epi32(high, bits));
+                    *acc = ends.accumulate(xp[r].add(b * act_block), isum, *acc);
+                }
+            }
+        };
+        // Super-block `b`'s products are in set `b % AHEAD`, built `AHEAD - 1` super-blocks
+        // ahead; its sums in set `b % 2`.
+        for (b, set) in products.iter_mut().enumerate().take(blocks.min(AHEAD - 1)) {
+            build(b, set);
+        }
+        for b in 0..blocks {
+            let [now, next] = products
+                .get_disjoint_mut([b % AHEAD, (b + AHEAD - 1) % AHEAD])
+                .expect("distinct sets");
+            let [running, done] = sums
+                .get_disjoint_mut([b % 2, (b + 1) % 2])
+                .expect("distinct sets");
+            // SAFETY: super-block `b` of every aligned row (caller's contract).
+            unsafe { q4k_tiles::<N>(quants.add(256 * b), stride, now, running) };
+            if b + AHEAD - 1 < blocks {
+                build(b + AHEAD - 1, next);
+            }
+            if b > 0 {
+                accumulate(b - 1, done);
+            }
+        }
+        accumulate(blocks - 1, &sums[(blocks - 1) % 2]);
         // SAFETY: forwarded contract on `out`.
         unsafe { store_group_results(&acc, out, valid) };
     }
