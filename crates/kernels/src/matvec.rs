@@ -544,45 +544,34 @@ fn run_interleaved(
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
         let chunk_len = dst.len() / n;
+        // The pass of activation rows from `pass_first` over the chunk's weight rows
+        // `start .. start + len`.
+        let mut pass = |start: usize, len: usize, pass_first: usize| {
+            let count = pass_rows.min(n - pass_first);
+            let outputs = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
+            interleaved::groups_pass(
+                encoding,
+                level,
+                groups(first + start, len),
+                acts.sub(pass_first, count),
+                &mut OutRows::new(outputs),
+                start,
+                len,
+                true,
+            );
+        };
         if interleaved::passes_set_up(encoding, level) {
             // Each pass over the whole chunk, so that its setup is paid once per chunk.
             for pass_first in (0..n).step_by(pass_rows) {
-                let count = pass_rows.min(n - pass_first);
-                let outputs = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
-                let mut pass_out = OutRows::new(outputs);
-                let pass = acts.sub(pass_first, count);
-                let group = groups(first, chunk_len);
-                interleaved::groups_pass(
-                    encoding,
-                    level,
-                    group,
-                    pass,
-                    &mut pass_out,
-                    0,
-                    chunk_len,
-                    true,
-                );
+                pass(0, chunk_len, pass_first);
             }
-            return;
-        }
-        for group_start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
-            let valid = interleaved::GROUP_ROWS.min(chunk_len - group_start);
-            let group = groups(first + group_start, valid);
-            for pass_first in (0..n).step_by(pass_rows) {
-                let count = pass_rows.min(n - pass_first);
-                let outputs = dst.chunks_exact_mut(chunk_len).skip(pass_first).take(count);
-                let mut pass_out = OutRows::new(outputs);
-                let pass = acts.sub(pass_first, count);
-                interleaved::groups_pass(
-                    encoding,
-                    level,
-                    group,
-                    pass,
-                    &mut pass_out,
-                    group_start,
-                    valid,
-                    true,
-                );
+        } else {
+            // Each group through all the passes while it is in the cache.
+            for start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
+                let valid = interleaved::GROUP_ROWS.min(chunk_len - start);
+                for pass_first in (0..n).step_by(pass_rows) {
+                    pass(start, valid, pass_first);
+                }
             }
         }
     };

@@ -714,6 +714,19 @@ mod amx {
     use crate::simd::x86::avx512::prefetch_block;
     use crate::simd::{OutRows, Rows};
 
+    /// `$kernel::<G, N>(…)` for `N = $n`, a pass of 1 to 16 rows (a tile's).
+    macro_rules! with_tile_rows {
+        ($n:expr, $kernel:ident::<$generic:ident>$args:tt) => {
+            with_tile_rows!(@ $n, $kernel, $generic, $args, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+        };
+        (@ $n:expr, $kernel:ident, $generic:ident, $args:tt, $($rows:literal)*) => {
+            match $n {
+                $($rows => $kernel::<$generic, $rows> $args,)*
+                n => unreachable!("an AMX pass of {n} rows"),
+            }
+        };
+    }
+
     /// A result tile's rows as stored: row `r` holds activation row `r`'s 16 integer sums.
     #[repr(C, align(64))]
     struct Sums<const N: usize>([[i32; 16]; N]);
@@ -734,16 +747,13 @@ mod amx {
         first: usize,
         valid: usize,
     ) {
-        macro_rules! with_tile_rows {
-            ($($n:literal)*) => {
-                match x.count() {
-                    // SAFETY: forwarded contract.
-                    $($n => unsafe { q8_0_groups::<STREAM, $n>(groups, x, out, first, valid) },)*
-                    n => unreachable!("an AMX pass of {n} rows"),
-                }
-            };
+        // SAFETY: forwarded contract.
+        unsafe {
+            with_tile_rows!(
+                x.count(),
+                q8_0_groups::<STREAM>(groups, x, out, first, valid)
+            )
         }
-        with_tile_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
     }
 
     /// [`q8_0_pass`] for `N` activation rows: tiles 0 and 3 an activation block (`N` × 32
@@ -939,16 +949,8 @@ mod amx {
         first: usize,
         valid: usize,
     ) {
-        macro_rules! with_tile_rows {
-            ($($n:literal)*) => {
-                match x.count() {
-                    // SAFETY: forwarded contract.
-                    $($n => unsafe { q4k_groups::<FIVE, $n>(groups, x, out, first, valid) },)*
-                    n => unreachable!("an AMX pass of {n} rows"),
-                }
-            };
-        }
-        with_tile_rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+        // SAFETY: forwarded contract.
+        unsafe { with_tile_rows!(x.count(), q4k_groups::<FIVE>(groups, x, out, first, valid)) }
     }
 
     /// [`q4k_pass`] for `N` activation rows: the rows' quants copied aligned once for all the
