@@ -622,8 +622,8 @@ pub(crate) fn groups_pass(
 }
 
 /// The most activation rows one pass over `encoding` groups takes at `level`: a tile's 16
-/// where the AMX kernels run (Q8_0, Q4_K, Q5_K), [`simd::MAX_ROWS_PER_PASS`] elsewhere (the scalar
-/// reference takes as many as the AMX kernel, to be compared with it).
+/// where the AMX kernels run (Q8_0, Q4_K, Q5_K), [`simd::MAX_ROWS_PER_PASS`] elsewhere (the
+/// scalar reference takes as many as the AMX kernels, to be compared with them).
 pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
     match (encoding, level) {
         (Encoding::Q8_0 | Encoding::Q4K | Encoding::Q5K, SimdLevel::Amx | SimdLevel::Scalar) => {
