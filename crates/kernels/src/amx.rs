@@ -12,7 +12,8 @@
 //!
 //! Where it finds the tiles granted, the process runs at [`crate::SimdLevel::Amx`]: passes of
 //! several activation rows over interleaved Q8_0 weights go through one `TDPBSUD` per block
-//! and 16 weight rows (`simd/interleaved.rs`), bit-identical to the AVX-512 kernel. `specula
+//! and 16 weight rows, and passes of 9 or more over Q4_K / Q5_K through tiles of their levels
+//! times their sub-block scales (`simd/interleaved.rs`), bit-identical to the AVX-512 kernels. `specula
 //! bench` reports what the probe found; `SPECULA_SIMD=avx512` keeps a process off the tiles.
 //!
 //! The probe runs when the process's SIMD level is first decided, so every process that uses

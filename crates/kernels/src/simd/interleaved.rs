@@ -972,7 +972,6 @@ mod amx {
         let encoding = q4k_encoding::<FIVE>();
         let act_block = encoding.activation_block_bytes();
         let blocks = x.len() / act_block;
-        let row_lines = 4 * blocks;
         let config = TileConfig::new()
             .tile(0, N, 64)
             .tile(1, 16, 64)
@@ -984,23 +983,20 @@ mod amx {
             .tile(7, 16, 64);
         ALIGNED.with_borrow_mut(|aligned| {
             aligned.clear();
-            aligned.resize(N * row_lines, ZERO_LINE);
-            for (r, lines) in aligned.chunks_exact_mut(row_lines).enumerate() {
+            for r in 0..N {
                 let row = x.row(r);
-                for (b, lines) in lines.chunks_exact_mut(4).enumerate() {
-                    let quants = &row[b * act_block..][..256];
-                    for (line, quants) in lines.iter_mut().zip(quants.chunks_exact(64)) {
-                        line.0.copy_from_slice(quants);
-                    }
+                for b in 0..blocks {
+                    let quants = row[b * act_block..][..256].chunks_exact(64);
+                    aligned.extend(quants.map(|q| Line(q.try_into().expect("64 bytes"))));
                 }
             }
-            let mut products = [[ZERO_LINE; 16 * SUB_BLOCKS]; AHEAD];
+            let mut products = [[ZERO_LINE; 16 * SUB_BLOCKS]; 2];
             let zero = || Sums::<N>([[0; 16]; N]);
             let mut sums = [[zero(), zero()], [zero(), zero()]];
-            let quants = (aligned.as_ptr().cast::<u8>(), 64 * row_lines);
+            let quants = (aligned.as_ptr().cast::<u8>(), 256 * blocks);
             // SAFETY: AMX is usable (the caller's contract); `for_each_group` hands the
             // contract on per group; the aligned rows hold `blocks` super-blocks' quants,
-            // `64 * row_lines` bytes apart.
+            // `256 * blocks` bytes apart.
             unsafe {
                 config.make_current();
                 for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
@@ -1009,11 +1005,6 @@ mod amx {
             }
         });
     }
-
-    /// Sets of products in flight: super-block `b`'s are built while `b - AHEAD + 1`'s tiles
-    /// run. One ahead measured best (1024 × 4096 Q4_K, 16 rows: 533–541 thousand TSC ticks a
-    /// pass against 623–706 building two ahead, whose third set of 8 KiB crowds L1).
-    const AHEAD: usize = 2;
 
     /// A group block's products' bytes as `tdpbsud`'s second operand (see [`q4k_pass`]): per
     /// sub-block pair 16 lines of low bytes, then 16 of high bytes.
@@ -1154,7 +1145,7 @@ mod amx {
         blocks: usize,
         xp: [*const u8; N],
         (quants, stride): (*const u8, usize),
-        products: &mut [Products; AHEAD],
+        products: &mut [Products; 2],
         sums: &mut [[Sums<N>; 2]; 2],
         out: [*mut f32; N],
         valid: usize,
@@ -1182,22 +1173,21 @@ mod amx {
                 }
             }
         };
-        // Super-block `b`'s products are in set `b % AHEAD`, built `AHEAD - 1` super-blocks
-        // ahead; its sums in set `b % 2`.
-        for (b, set) in products.iter_mut().enumerate().take(blocks.min(AHEAD - 1)) {
-            build(b, set);
-        }
+        // Super-block `b`'s products and sums are in the sets `b % 2`. Building one super-block
+        // ahead measured best (1024 × 4096 Q4_K, 16 rows: 533–541 thousand TSC ticks a pass
+        // against 623–706 building two ahead, whose third set of 8 KiB crowds L1).
+        build(0, &mut products[0]);
         for b in 0..blocks {
             let [now, next] = products
-                .get_disjoint_mut([b % AHEAD, (b + AHEAD - 1) % AHEAD])
+                .get_disjoint_mut([b % 2, (b + 1) % 2])
                 .expect("distinct sets");
             let [running, done] = sums
                 .get_disjoint_mut([b % 2, (b + 1) % 2])
                 .expect("distinct sets");
             // SAFETY: super-block `b` of every aligned row (caller's contract).
             unsafe { q4k_tiles::<N>(quants.add(256 * b), stride, now, running) };
-            if b + AHEAD - 1 < blocks {
-                build(b + AHEAD - 1, next);
+            if b + 1 < blocks {
+                build(b + 1, next);
             }
             if b > 0 {
                 accumulate(b - 1, done);

@@ -7,7 +7,7 @@
 //! then goes through the same code, which is what makes a verify row bit-identical to a
 //! single-token pass. Different levels sum in different orders, so their results differ in the
 //! last bits (tests bound that difference against an f64 reference) — except `amx`, whose
-//! tile kernel gives `avx512`'s bits.
+//! tile kernels give `avx512`'s bits.
 //!
 //! The environment variable `SPECULA_SIMD` (`scalar`, `avx2`, `avx512`, `amx`) lowers the
 //! level, e.g. to compare levels in a benchmark; it can never raise it above what the CPU
@@ -22,8 +22,8 @@
 //! - `float`: F32 / F16 / BF16 weight rows × f32 activation rows, `axpy`, `weighted_sum`;
 //! - `block32`: Q8_0 / Q4_0 weight rows × Q8_0 activation rows (blocks of 32);
 //! - `k_quant`: Q4_K / Q5_K / Q6_K weight rows × Q8_K activation rows (super-blocks of 256);
-//! - `interleaved`: interleaved groups of 16 weight rows (AVX-512 only; Q8_0 also on AMX tiles,
-//!   module `amx`);
+//! - `interleaved`: interleaved groups of 16 weight rows (AVX-512 only; Q8_0, Q4_K and Q5_K
+//!   also on AMX tiles, module `amx`);
 //! - `attention`: attention scores and weighted sums over one cached key / value head;
 //! - `delta_rule`: the gated delta-rule step;
 //! - `activations`: softmax's exponentials, SiLU, SwiGLU and sigmoid gates;
