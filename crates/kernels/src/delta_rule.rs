@@ -67,6 +67,97 @@ pub fn step_with(
     }
 }
 
+/// Consecutive steps of one head through a snapshot ring's planes: `planes` holds planes of
+/// `v.len() · k.len()` values; step 0 reads plane `read`, step `i` reads the state step `i - 1`
+/// computed, writes its state to plane `writes[i]` (or nowhere, when `None`: a state the
+/// ring overwrites before anyone reads it) and its output to `out[i · v.len() ..]`.
+///
+/// Each state row is carried in registers from step to step, so the state is read once and
+/// each kept state written once, and where the CPU has AVX-512 the kept states are written
+/// past the caches (non-temporal stores: a snapshot is read again only after a rollback, a
+/// live state only by the next pass), which spares the memory reading every plane before
+/// overwriting it. Every step's state and output are bit for bit those of [`step`] at the same
+/// level: a state row takes the same instructions in either order of the loops. A write to
+/// `read` itself is allowed (the ring wraps round in a long chain): each state row is read
+/// before any step writes it.
+pub fn chain(
+    xs: &[DeltaInputs<'_>],
+    planes: &mut [f32],
+    read: usize,
+    writes: &[Option<usize>],
+    out: &mut [f32],
+) {
+    chain_with(simd::level(), xs, planes, read, writes, out);
+}
+
+/// [`chain`] at `level` (which must be supported).
+pub fn chain_with(
+    level: SimdLevel,
+    xs: &[DeltaInputs<'_>],
+    planes: &mut [f32],
+    read: usize,
+    writes: &[Option<usize>],
+    out: &mut [f32],
+) {
+    let Some(first) = xs.first() else {
+        assert!(
+            out.is_empty() && writes.is_empty(),
+            "delta rule chain: no steps"
+        );
+        return;
+    };
+    let (dim, values) = (first.k.len(), first.v.len());
+    assert!(
+        xs.iter()
+            .all(|x| x.k.len() == dim && x.q.len() == dim && x.v.len() == values),
+        "delta rule chain: steps of different shapes"
+    );
+    let state_len = values * dim;
+    let n_planes = planes.len().checked_div(state_len).unwrap_or(0);
+    assert!(
+        state_len > 0 && planes.len() == n_planes * state_len,
+        "delta rule chain: planes are not whole states"
+    );
+    assert!(
+        read < n_planes && writes.iter().flatten().all(|&p| p < n_planes),
+        "delta rule chain: plane index out of range"
+    );
+    assert_eq!(
+        writes.len(),
+        xs.len(),
+        "delta rule chain: one write per step"
+    );
+    assert_eq!(
+        out.len(),
+        xs.len() * values,
+        "delta rule chain: one output per step and value"
+    );
+    if level != SimdLevel::Scalar && simd::delta_rule_chain(level, xs, planes, read, writes, out) {
+        return;
+    }
+    // Row by row through one-row steps: a row's steps are the same instructions whether the
+    // state has one row or many.
+    let (mut row, mut next) = (vec![0.0f32; dim], vec![0.0f32; dim]);
+    for j in 0..values {
+        row.copy_from_slice(&planes[read * state_len + j * dim..][..dim]);
+        for (i, x) in xs.iter().enumerate() {
+            let one = DeltaInputs {
+                v: &x.v[j..j + 1],
+                ..*x
+            };
+            let o = &mut out[i * values + j..][..1];
+            match level {
+                SimdLevel::Scalar => step_scalar(one, &row, &mut next, o),
+                _ => simd::delta_rule_step(level, one, &row, &mut next, o),
+            }
+            if let Some(p) = writes[i] {
+                planes[p * state_len + j * dim..][..dim].copy_from_slice(&next);
+            }
+            std::mem::swap(&mut row, &mut next);
+        }
+    }
+}
+
 /// Scalar reference of [`step`]: each dot product summed in order in one f32.
 pub fn step_scalar(x: DeltaInputs<'_>, state_in: &[f32], state_out: &mut [f32], out: &mut [f32]) {
     let dim = x.k.len();
@@ -93,6 +184,7 @@ pub fn step_scalar(x: DeltaInputs<'_>, state_in: &[f32], state_out: &mut [f32], 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::aligned::AlignedVec;
     use crate::test_util::random_vec;
 
     /// f64 reference of one step.
@@ -154,6 +246,83 @@ mod tests {
                         (f64::from(*got) - want).abs() <= bound,
                         "{level} dim {dim}: output {got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    /// A chain's states and outputs are bit for bit those of its steps one at a time, at every
+    /// level and awkward size (the register kernel's head sizes and the row-by-row ones), with
+    /// skipped states, a wrap onto the read plane and a single step.
+    #[test]
+    fn a_chain_equals_its_steps_one_at_a_time() {
+        for (dim, values, steps) in [
+            (128, 12, 8),
+            (128, 3, 1),
+            (16, 5, 4),
+            (37, 9, 5),
+            (64, 6, 7),
+            (7, 2, 3),
+        ] {
+            let n_planes = 4;
+            let state_len = values * dim;
+            let inputs: Vec<[Vec<f32>; 3]> = (0..steps)
+                .map(|i| {
+                    let seed = (100 * dim + i) as u64;
+                    [
+                        random_vec(dim, 0.3, seed),
+                        random_vec(dim, 0.3, seed + 1),
+                        random_vec(values, 1.0, seed + 2),
+                    ]
+                })
+                .collect();
+            let xs: Vec<DeltaInputs<'_>> = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, [k, q, v])| DeltaInputs {
+                    k,
+                    q,
+                    v,
+                    decay: 0.9 + 0.01 * i as f32,
+                    beta: 0.6,
+                })
+                .collect();
+            let start = random_vec(n_planes * state_len, 0.5, dim as u64);
+            let read = 1;
+            // Planes as a ring from `read` would take them, the older states of a chain longer
+            // than the ring skipped.
+            let writes: Vec<Option<usize>> = (0..steps)
+                .map(|i| (i + n_planes >= steps).then_some((read + i + 1) % n_planes))
+                .collect();
+            for level in SimdLevel::supported() {
+                let mut want_planes = start.clone();
+                let mut want_out = vec![0.0f32; steps * values];
+                let mut state = start[read * state_len..][..state_len].to_vec();
+                for (i, x) in xs.iter().enumerate() {
+                    let mut next = vec![0.0f32; state_len];
+                    step_with(
+                        level,
+                        *x,
+                        &state,
+                        &mut next,
+                        &mut want_out[i * values..][..values],
+                    );
+                    if let Some(p) = writes[i] {
+                        want_planes[p * state_len..][..state_len].copy_from_slice(&next);
+                    }
+                    state = next;
+                }
+                // On cache lines (non-temporal stores) and off them.
+                for offset in [0, 1] {
+                    let mut buffer = AlignedVec::<f32>::zeroed(start.len() + 1);
+                    let planes = &mut buffer.as_mut_slice()[offset..][..start.len()];
+                    planes.copy_from_slice(&start);
+                    let mut out = vec![f32::NAN; steps * values];
+                    chain_with(level, &xs, planes, read, &writes, &mut out);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    let case = format!("{level} dim {dim} offset {offset}");
+                    assert_eq!(bits(&out), bits(&want_out), "{case}: outputs");
+                    assert_eq!(bits(planes), bits(&want_planes), "{case}: planes");
                 }
             }
         }

@@ -295,9 +295,20 @@ fn rollback_beyond_the_window_re_decodes_or_is_refused() {
     assert_eq!(r.len(), 16);
     let logits = eval(&mut r, &after, LogitRows::All);
     assert_eq!(bits(&logits), bits(&clean_run(&path, &extra, &after).0));
-    // Inside the window it still rolls back.
+    // Inside the window it still rolls back, to the oldest state kept too: the 10-token chain
+    // above ran longer than the ring, which keeps its last four states.
     r.truncate_to(15).unwrap();
     assert_eq!(r.len(), 15);
+    let mut r = open_with(&path, 2, 64, 4, &[("deep_rollback", "refuse")]);
+    eval(&mut r, &PROMPT, LogitRows::Last);
+    eval(&mut r, &extra, LogitRows::Last);
+    r.truncate_to(12).unwrap();
+    let logits = eval(&mut r, &after, LogitRows::All);
+    assert_eq!(
+        bits(&logits),
+        bits(&clean_run(&path, &extra[..6], &after).0)
+    );
+    assert_eq!(r.slow_rollbacks(), 0);
 }
 
 /// A `Write` into a shared buffer, to capture log lines.

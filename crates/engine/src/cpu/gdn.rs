@@ -1,10 +1,11 @@
 //! The Gated DeltaNet recurrence on the CPU: the convolution over the conv state, the L2 norms
 //! and the delta rule head by head ([`crate::blocks::gdn`] says what it computes).
 //!
-//! The convolution runs through [`conv_rows`] and the recurrence head by head through
-//! [`head_step`], each row reading the state at its length from the snapshot ring and writing
-//! the next ring plane. A verify row and a single-token evaluation therefore execute the same
-//! code on the same data, bit for bit.
+//! The convolution runs through [`conv_rows`] and the recurrence head by head: a chain of rows
+//! through [`delta_rule::chain`], which reads the live state from the snapshot ring once and
+//! writes each row's state to the next ring plane, a tree's rows one by one through
+//! [`head_step`], each reading its parent's plane. Either way a state row takes the same
+//! instructions, so a verify row and a single-token evaluation agree bit for bit.
 
 use rayon::prelude::*;
 use specula_kernels::activations::{self, Gate};
@@ -137,19 +138,36 @@ pub fn recurrence(
     let state_len = sd * sd;
     let (qkv, z) = (&s.qkv[..m * c], &input.z[..m * vd]);
     let head = |(h, (planes, outputs)): (usize, (&mut [f32], &mut [f32]))| {
-        for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-            let (read, write) = match tree {
-                None => index.step_planes(step0 + i),
-                Some(reads) => index.tree_planes(reads[i], step0 + i),
-            };
-            let (state_in, state_out) = read_write(planes, state_len, read, write);
-            let inputs = HeadInputs {
-                qkv: &qkv[i * c..(i + 1) * c],
-                z: &z[i * vd + h * sd..][..sd],
-                beta: beta[i * hv + h],
-                alpha: alpha[i * hv + h],
-            };
-            head_step(shape, w, h, inputs, state_in, state_out, o);
+        let inputs = |i: usize| HeadInputs {
+            qkv: &qkv[i * c..(i + 1) * c],
+            z: &z[i * vd + h * sd..][..sd],
+            beta: beta[i * hv + h],
+            alpha: alpha[i * hv + h],
+        };
+        match tree {
+            // A chain: the S matrix is read once and each row's state written once (a state
+            // the ring overwrites later in the same call, `n_planes` rows on, not at all).
+            None => {
+                let n_planes = index.n_planes();
+                let xs: Vec<DeltaInputs<'_>> = (0..m)
+                    .map(|i| delta_inputs(shape, w, h, inputs(i)))
+                    .collect();
+                let writes: Vec<Option<usize>> = (0..m)
+                    .map(|i| (i + n_planes >= m).then(|| index.step_planes(step0 + i).1))
+                    .collect();
+                let read = index.step_planes(step0).0;
+                delta_rule::chain(&xs, planes, read, &writes, outputs);
+                for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
+                    gated_output(shape, w, o, inputs(i).z);
+                }
+            }
+            Some(reads) => {
+                for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
+                    let (read, write) = index.tree_planes(reads[i], step0 + i);
+                    let (state_in, state_out) = read_write(planes, state_len, read, write);
+                    head_step(shape, w, h, inputs(i), state_in, state_out, o);
+                }
+            }
         }
     };
     let per_head = ring.head_planes_len();
@@ -277,20 +295,35 @@ pub fn head_step(
     state_out: &mut [f32],
     o: &mut [f32],
 ) {
+    delta_rule::step(delta_inputs(shape, w, h, x), state_in, state_out, o);
+    gated_output(shape, w, o, x.z);
+}
+
+/// Value head `h`'s delta-rule inputs for one token: its query, key and value, decay and
+/// write strength.
+fn delta_inputs<'a>(
+    shape: &GdnShape,
+    w: &GdnWeights,
+    h: usize,
+    x: HeadInputs<'a>,
+) -> DeltaInputs<'a> {
     let sd = shape.head_dim;
     let key_dim = shape.key_dim();
     let kh = shape.head_map.key_head(h, shape.n_k_heads, shape.n_v_heads);
     let g = ops::softplus(x.alpha + w.dt_bias[h]) * w.a[h];
-    let inputs = DeltaInputs {
+    DeltaInputs {
         q: &x.qkv[kh * sd..(kh + 1) * sd],
         k: &x.qkv[key_dim + kh * sd..key_dim + (kh + 1) * sd],
         v: &x.qkv[2 * key_dim + h * sd..2 * key_dim + (h + 1) * sd],
         decay: g.exp(),
         beta: activations::sigmoid(x.beta),
-    };
-    delta_rule::step(inputs, state_in, state_out, o);
+    }
+}
+
+/// A head's raw delta-rule output `o` normalised and gated by `z`, in place.
+fn gated_output(shape: &GdnShape, w: &GdnWeights, o: &mut [f32], z: &[f32]) {
     ops::rms_norm_in_place(o, &w.norm, shape.eps);
-    activations::gate_in_place(Gate::Silu, o, x.z);
+    activations::gate_in_place(Gate::Silu, o, z);
 }
 
 #[cfg(test)]

@@ -36,6 +36,62 @@ pub(crate) fn delta_rule_step(
     }
 }
 
+/// [`crate::delta_rule::chain`] with each state row in registers, where `level` has a kernel
+/// for the head size (AVX-512, `k.len()` a multiple of 16 up to 128); returns whether it ran.
+/// The caller has checked the shapes and plane indices.
+pub(crate) fn delta_rule_chain(
+    level: SimdLevel,
+    xs: &[crate::delta_rule::DeltaInputs<'_>],
+    planes: &mut [f32],
+    read: usize,
+    writes: &[Option<usize>],
+    out: &mut [f32],
+) -> bool {
+    let Some(first) = xs.first() else {
+        return true;
+    };
+    let (dim, values) = (first.k.len(), first.v.len());
+    let state_len = values * dim;
+    assert!(
+        xs.iter()
+            .all(|x| x.k.len() == dim && x.q.len() == dim && x.v.len() == values)
+            && out.len() == xs.len() * values
+            && writes.len() == xs.len()
+            && (read + 1) * state_len <= planes.len()
+            && writes
+                .iter()
+                .flatten()
+                .all(|&p| (p + 1) * state_len <= planes.len()),
+        "delta rule chain: sizes"
+    );
+    level.assert_supported();
+    let chunks = dim / 16;
+    if level < SimdLevel::Avx512 || !dim.is_multiple_of(16) || !(1..=8).contains(&chunks) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: AVX-512 is supported; the shapes and every plane the chain touches are
+        // checked above; `dim` is `16 · CHUNKS`.
+        unsafe {
+            let run = match chunks {
+                1 => avx512::delta_rule_chain::<1>,
+                2 => avx512::delta_rule_chain::<2>,
+                3 => avx512::delta_rule_chain::<3>,
+                4 => avx512::delta_rule_chain::<4>,
+                5 => avx512::delta_rule_chain::<5>,
+                6 => avx512::delta_rule_chain::<6>,
+                7 => avx512::delta_rule_chain::<7>,
+                _ => avx512::delta_rule_chain::<8>,
+            };
+            run(xs, planes, read, writes, out);
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -191,6 +247,71 @@ mod avx512 {
                 }
                 *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
             }
+        }
+    }
+
+    /// [`super::delta_rule_chain`] for heads of exactly `16 · CHUNKS` key values: per state
+    /// row, the row loaded once into registers and taken through every step with the
+    /// instructions of [`delta_rule_rows`], each kept state row stored once — non-temporally
+    /// when the planes sit on cache lines (they do in a snapshot ring), then one `sfence`.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 is supported; every step has `16 · CHUNKS` keys and queries and as many values
+    /// as the first; `out` holds a value per step and state row; plane `read` and every
+    /// written plane (of `values · 16 · CHUNKS` values each) lie inside `planes`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn delta_rule_chain<const CHUNKS: usize>(
+        xs: &[crate::delta_rule::DeltaInputs<'_>],
+        planes: &mut [f32],
+        read: usize,
+        writes: &[Option<usize>],
+        out: &mut [f32],
+    ) {
+        let dim = 16 * CHUNKS;
+        let values = xs[0].v.len();
+        let state_len = values * dim;
+        let base = planes.as_mut_ptr();
+        // Rows of a multiple of 16 values keep a line-aligned plane's rows on lines.
+        let stream = (base as usize).is_multiple_of(64);
+        for j in 0..values {
+            // SAFETY: row `j` of every plane named holds `dim` values (the caller's contract);
+            // the read plane's row is loaded before any step stores to it.
+            unsafe {
+                let src = base.add(read * state_len + j * dim);
+                let mut row: [__m512; CHUNKS] =
+                    std::array::from_fn(|c| _mm512_loadu_ps(src.add(16 * c)));
+                for (i, x) in xs.iter().enumerate() {
+                    let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
+                    let decay = _mm512_set1_ps(x.decay);
+                    let mut acc = [_mm512_setzero_ps(); 2];
+                    for c in 0..CHUNKS {
+                        row[c] = _mm512_mul_ps(row[c], decay);
+                        acc[c % 2] =
+                            _mm512_fmadd_ps(row[c], _mm512_loadu_ps(kp.add(16 * c)), acc[c % 2]);
+                    }
+                    let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                    let delta = _mm512_set1_ps((x.v[j] - predicted) * x.beta);
+                    let dst = writes[i].map(|p| base.add(p * state_len + j * dim));
+                    let mut acc = [_mm512_setzero_ps(); 2];
+                    for c in 0..CHUNKS {
+                        row[c] = _mm512_fmadd_ps(delta, _mm512_loadu_ps(kp.add(16 * c)), row[c]);
+                        match dst {
+                            Some(dst) if stream => _mm512_stream_ps(dst.add(16 * c), row[c]),
+                            Some(dst) => _mm512_storeu_ps(dst.add(16 * c), row[c]),
+                            None => {}
+                        }
+                        acc[c % 2] =
+                            _mm512_fmadd_ps(row[c], _mm512_loadu_ps(qp.add(16 * c)), acc[c % 2]);
+                    }
+                    out[i * values + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+        if stream {
+            // The non-temporal stores ordered before whatever the caller does next (another
+            // thread reads the planes after a join).
+            _mm_sfence();
         }
     }
 
