@@ -18,6 +18,16 @@ use crate::recurrent::{read_write, SnapshotRing};
 /// Below this many state values per token, heads run on the calling thread.
 const PARALLEL_MIN_STATE: usize = 1 << 15;
 
+/// The most rows a chain runs through [`delta_rule::chain`] (each state row carried in
+/// registers through all the rows); longer ones (prefill) run row by row. The chain's steps
+/// are one dependency chain per state row, fed with every row's keys and queries again for
+/// each state row: past 16 rows those no longer stay in L1 (qwen35-0.8b Q8_0, Emerald Rapids
+/// Xeon, both ways taking turns in one process, GDN time per pass chained against row by row:
+/// 1 row 2.26 / 2.48 ms against 2.56 / 2.80, 4 rows 4.74 / 5.15 against 7.00 / 6.88, 8 rows
+/// 9.62 / 9.66 against 13.75 / 14.23, 12 rows 12.46 / 13.89 against 16.94 / 16.70; prefill
+/// passes of 64 rows and more 2–5% slower chained).
+const CHAIN_MAX_ROWS: usize = 16;
+
 /// Buffers of [`recurrence`] for up to `rows` rows.
 #[derive(Debug, Default)]
 pub struct GdnScratch {
@@ -145,9 +155,10 @@ pub fn recurrence(
             alpha: alpha[i * hv + h],
         };
         match tree {
-            // A chain: the S matrix is read once and each row's state written once (a state
-            // the ring overwrites later in the same call, `n_planes` rows on, not at all).
-            None => {
+            // A short chain (a verify pass, a decode step): the S matrix is read once and each
+            // row's state written once (a state the ring overwrites later in the same call,
+            // `n_planes` rows on, not at all).
+            None if m <= CHAIN_MAX_ROWS => {
                 let n_planes = index.n_planes();
                 let xs: Vec<DeltaInputs<'_>> = (0..m)
                     .map(|i| delta_inputs(shape, w, h, inputs(i)))
@@ -161,9 +172,13 @@ pub fn recurrence(
                     gated_output(shape, w, o, inputs(i).z);
                 }
             }
-            Some(reads) => {
+            // Row by row, each from the plane its parent (a tree's) or the row before wrote.
+            _ => {
                 for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-                    let (read, write) = index.tree_planes(reads[i], step0 + i);
+                    let (read, write) = match tree {
+                        None => index.step_planes(step0 + i),
+                        Some(reads) => index.tree_planes(reads[i], step0 + i),
+                    };
                     let (state_in, state_out) = read_write(planes, state_len, read, write);
                     head_step(shape, w, h, inputs(i), state_in, state_out, o);
                 }

@@ -268,22 +268,62 @@ mod avx512 {
         writes: &[Option<usize>],
         out: &mut [f32],
     ) {
-        let dim = 16 * CHUNKS;
         let values = xs[0].v.len();
-        let state_len = values * dim;
         let base = planes.as_mut_ptr();
         // Rows of a multiple of 16 values keep a line-aligned plane's rows on lines.
         let stream = (base as usize).is_multiple_of(64);
-        for j in 0..values {
-            // SAFETY: row `j` of every plane named holds `dim` values (the caller's contract);
-            // the read plane's row is loaded before any step stores to it.
-            unsafe {
-                let src = base.add(read * state_len + j * dim);
-                let mut row: [__m512; CHUNKS] =
-                    std::array::from_fn(|c| _mm512_loadu_ps(src.add(16 * c)));
-                for (i, x) in xs.iter().enumerate() {
-                    let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
-                    let decay = _mm512_set1_ps(x.decay);
+        // Two state rows at a time: a row's steps form one dependency chain (each step needs
+        // the last one's dot products), which two independent chains keep the core busy on.
+        let pairs = values / 2;
+        for pair in 0..pairs {
+            // SAFETY: forwarded contract; rows `2 · pair` and `2 · pair + 1` exist.
+            unsafe { chain_rows::<CHUNKS, 2>(xs, base, read, writes, out, 2 * pair, stream) };
+        }
+        if values % 2 == 1 {
+            // SAFETY: as above, for the last row.
+            unsafe { chain_rows::<CHUNKS, 1>(xs, base, read, writes, out, values - 1, stream) };
+        }
+        if stream {
+            // The non-temporal stores ordered before whatever the caller does next (another
+            // thread reads the planes after a join).
+            _mm_sfence();
+        }
+    }
+
+    /// State rows `first .. first + ROWS` of [`delta_rule_chain`]: each loaded once into
+    /// registers and taken through every step with the instructions of [`delta_rule_rows`],
+    /// each kept state row stored once (non-temporally when `stream`: the planes sit on cache
+    /// lines).
+    ///
+    /// # Safety
+    ///
+    /// As [`delta_rule_chain`], with `planes` its planes' first value, rows
+    /// `first .. first + ROWS` existing, and `stream` only when `planes` is 64-byte aligned.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn chain_rows<const CHUNKS: usize, const ROWS: usize>(
+        xs: &[crate::delta_rule::DeltaInputs<'_>],
+        planes: *mut f32,
+        read: usize,
+        writes: &[Option<usize>],
+        out: &mut [f32],
+        first: usize,
+        stream: bool,
+    ) {
+        let dim = 16 * CHUNKS;
+        let values = xs[0].v.len();
+        let state_len = values * dim;
+        // SAFETY: row `first + r` of every plane named holds `dim` values (the caller's
+        // contract); the read plane's rows are loaded before any step stores to them.
+        unsafe {
+            let row_at = |plane: usize, r: usize| planes.add(plane * state_len + (first + r) * dim);
+            let mut rows: [[__m512; CHUNKS]; ROWS] = std::array::from_fn(|r| {
+                std::array::from_fn(|c| _mm512_loadu_ps(row_at(read, r).add(16 * c)))
+            });
+            for (i, x) in xs.iter().enumerate() {
+                let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
+                let decay = _mm512_set1_ps(x.decay);
+                for (r, row) in rows.iter_mut().enumerate() {
                     let mut acc = [_mm512_setzero_ps(); 2];
                     for c in 0..CHUNKS {
                         row[c] = _mm512_mul_ps(row[c], decay);
@@ -291,8 +331,8 @@ mod avx512 {
                             _mm512_fmadd_ps(row[c], _mm512_loadu_ps(kp.add(16 * c)), acc[c % 2]);
                     }
                     let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-                    let delta = _mm512_set1_ps((x.v[j] - predicted) * x.beta);
-                    let dst = writes[i].map(|p| base.add(p * state_len + j * dim));
+                    let delta = _mm512_set1_ps((x.v[first + r] - predicted) * x.beta);
+                    let dst = writes[i].map(|p| row_at(p, r));
                     let mut acc = [_mm512_setzero_ps(); 2];
                     for c in 0..CHUNKS {
                         row[c] = _mm512_fmadd_ps(delta, _mm512_loadu_ps(kp.add(16 * c)), row[c]);
@@ -304,14 +344,10 @@ mod avx512 {
                         acc[c % 2] =
                             _mm512_fmadd_ps(row[c], _mm512_loadu_ps(qp.add(16 * c)), acc[c % 2]);
                     }
-                    out[i * values + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                    out[i * values + first + r] =
+                        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
                 }
             }
-        }
-        if stream {
-            // The non-temporal stores ordered before whatever the caller does next (another
-            // thread reads the planes after a join).
-            _mm_sfence();
         }
     }
 
