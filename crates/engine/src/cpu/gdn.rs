@@ -154,33 +154,61 @@ pub fn recurrence(
             beta: beta[i * hv + h],
             alpha: alpha[i * hv + h],
         };
+        // Rows `rows` as one chain through `delta_rule::chain`: the first reads plane `read`,
+        // each later one the state the row before computed (in registers); row `i`'s state
+        // goes to plane `write(i)`, or nowhere.
+        let chain = |planes: &mut [f32],
+                     outputs: &mut [f32],
+                     rows: std::ops::Range<usize>,
+                     read: usize,
+                     write: &dyn Fn(usize) -> Option<usize>| {
+            let xs: Vec<DeltaInputs<'_>> = rows
+                .clone()
+                .map(|i| delta_inputs(shape, w, h, inputs(i)))
+                .collect();
+            let writes: Vec<Option<usize>> = rows.clone().map(write).collect();
+            let run = &mut outputs[rows.start * sd..rows.end * sd];
+            delta_rule::chain(&xs, planes, read, &writes, run);
+            for (i, o) in rows.zip(run.chunks_exact_mut(sd)) {
+                gated_output(shape, w, o, inputs(i).z);
+            }
+        };
         match tree {
             // A short chain (a verify pass, a decode step): the S matrix is read once and each
             // row's state written once (a state the ring overwrites later in the same call,
             // `n_planes` rows on, not at all).
             None if m <= CHAIN_MAX_ROWS => {
                 let n_planes = index.n_planes();
-                let xs: Vec<DeltaInputs<'_>> = (0..m)
-                    .map(|i| delta_inputs(shape, w, h, inputs(i)))
-                    .collect();
-                let writes: Vec<Option<usize>> = (0..m)
-                    .map(|i| (i + n_planes >= m).then(|| index.step_planes(step0 + i).1))
-                    .collect();
-                let read = index.step_planes(step0).0;
-                delta_rule::chain(&xs, planes, read, &writes, outputs);
-                for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-                    gated_output(shape, w, o, inputs(i).z);
-                }
+                let write = |i: usize| (i + n_planes >= m).then(|| index.plane_of(step0 + i + 1));
+                chain(planes, outputs, 0..m, index.plane_of(step0), &write);
             }
-            // Row by row, each from the plane its parent (a tree's) or the row before wrote.
-            _ => {
+            // A longer one (prefill) row by row.
+            None => {
                 for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-                    let (read, write) = match tree {
-                        None => index.step_planes(step0 + i),
-                        Some(reads) => index.tree_planes(reads[i], step0 + i),
-                    };
+                    let (read, write) = index.step_planes(step0 + i);
                     let (state_in, state_out) = read_write(planes, state_len, read, write);
                     head_step(shape, w, h, inputs(i), state_in, state_out, o);
+                }
+            }
+            // A tree: each run of rows that continue the row before (`reads[i]` the step row
+            // `i - 1` wrote) as one chain from its first row's parent; every state kept (a
+            // later row may start from it).
+            Some(reads) => {
+                let write = |i: usize| Some(index.plane_of(step0 + i + 1));
+                let mut first = 0;
+                while first < m {
+                    let mut end = first + 1;
+                    while end < m && end - first < CHAIN_MAX_ROWS && reads[end] == step0 + end {
+                        end += 1;
+                    }
+                    chain(
+                        planes,
+                        outputs,
+                        first..end,
+                        index.plane_of(reads[first]),
+                        &write,
+                    );
+                    first = end;
                 }
             }
         }
