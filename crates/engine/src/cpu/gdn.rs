@@ -1,11 +1,12 @@
 //! The Gated DeltaNet recurrence on the CPU: the convolution over the conv state, the L2 norms
 //! and the delta rule head by head ([`crate::blocks::gdn`] says what it computes).
 //!
-//! The convolution runs through [`conv_rows`] and the recurrence head by head: a chain of rows
-//! through [`delta_rule::chain`], which reads the live state from the snapshot ring once and
-//! writes each row's state to the next ring plane, a tree's rows one by one through
-//! [`head_step`], each reading its parent's plane. Either way a state row takes the same
-//! instructions, so a verify row and a single-token evaluation agree bit for bit.
+//! The convolution runs through [`conv_rows`] and the recurrence head by head: a verify pass's
+//! or decode step's rows (and each run of a tree's rows that continue the row before) as one
+//! chain through [`delta_rule::chain`], which reads the state the chain starts from once and
+//! writes each row's state to its ring plane; a long prefill's rows one by one through
+//! [`head_step`]. Either way a state row takes the same instructions, so a verify row and a
+//! single-token evaluation agree bit for bit.
 
 use rayon::prelude::*;
 use specula_kernels::activations::{self, Gate};
