@@ -233,9 +233,7 @@ impl Store {
                 row(region, slot, units).copy_from_slice(src)
             }),
             Store::F16(store) => write(store, table, data, shape, |src, region, slot| {
-                for (d, v) in row(region, slot, units).iter_mut().zip(src) {
-                    *d = specula_kernels::f16::from_f32(*v);
-                }
+                specula_kernels::f16::from_f32_slice(src, row(region, slot, units))
             }),
             Store::Q8(store) => write(store, table, data, shape, |src, region, slot| {
                 q8_0::quantize_row(src, row(region, slot, units))

@@ -226,6 +226,19 @@ pub mod f16 {
         half::f16::from_f32(x).to_bits()
     }
 
+    /// Rounds every value of `x` into `out` as [`from_f32`] does, eight at a time where the
+    /// CPU converts in hardware (F16C): a KV cache row's store (one value at a time, each
+    /// conversion checked the CPU's features again, 2% of a single-row decode step).
+    ///
+    /// # Panics
+    ///
+    /// If the slices' lengths differ.
+    pub fn from_f32_slice(x: &[f32], out: &mut [u16]) {
+        use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+        out.reinterpret_cast_mut::<half::f16>()
+            .convert_from_f32_slice(x);
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -239,6 +252,28 @@ pub mod f16 {
                     assert!(ours.is_nan(), "{bits:#06x}");
                 } else {
                     assert_eq!(ours.to_bits(), theirs.to_bits(), "{bits:#06x}");
+                }
+            }
+        }
+
+        #[test]
+        fn slices_round_as_single_values() {
+            let mut x = crate::test_util::random_vec(1003, 70_000.0, 5);
+            x.extend([
+                0.0,
+                -0.0,
+                1e-7,
+                -6e-8,
+                65519.0,
+                65520.0,
+                f32::INFINITY,
+                -1e9,
+            ]);
+            for len in [0, 1, 7, 8, 9, 1011] {
+                let mut out = vec![0u16; len];
+                from_f32_slice(&x[..len], &mut out);
+                for (v, bits) in x.iter().zip(&out) {
+                    assert_eq!(*bits, from_f32(*v), "{v}");
                 }
             }
         }
