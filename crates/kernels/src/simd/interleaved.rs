@@ -252,23 +252,12 @@ mod avx512 {
                         w[m + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles);
                     }
                 }
-                let word = |r: usize, j: usize| {
-                    let words = xp[r].add(b * act_block).cast::<i32>();
-                    _mm512_set1_epi32(words.add(j).read_unaligned())
-                };
-                // Two chains per row (integer sums: the split changes no bit), the rows'
-                // chains taking turns so that `2N` independent `vpdpbusd` are in flight (Q8_0
-                // from L2 at `avx512`, against row after row: 8-row passes 14–19% and 4-row 6–9%
-                // faster, one row the same).
-                let mut even: [__m512i; N] =
-                    std::array::from_fn(|r| word(r, BLOCK32_VALUES / 4 + 1));
-                let mut odd = [_mm512_setzero_si512(); N];
-                for j in (0..8).step_by(2) {
-                    for r in 0..N {
-                        even[r] = _mm512_dpbusd_epi32(even[r], w[j], word(r, j));
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], w[j + 1], word(r, j + 1));
-                    }
-                }
+                let words: [*const i32; N] =
+                    std::array::from_fn(|r| xp[r].add(b * act_block).cast::<i32>());
+                let starts = std::array::from_fn(|r| {
+                    _mm512_set1_epi32(words[r].add(BLOCK32_VALUES / 4 + 1).read_unaligned())
+                });
+                let (even, odd) = row_chains::<N>(&w, words, starts);
                 for r in 0..N {
                     let xb = xp[r].add(b * act_block);
                     let sums = _mm512_add_epi32(even[r], odd[r]);
@@ -280,6 +269,40 @@ mod avx512 {
         }
         // SAFETY: forwarded contract on `out`.
         unsafe { store_group_results(&acc, out, valid) };
+    }
+
+    /// The sums of a block's 8 weight registers `w` (register `k`: bytes `4k .. 4k + 4` of the
+    /// 16 weight rows) against each activation row's 8 quant words at `words[r]`, broadcast:
+    /// registers 0, 2, 4, 6 onto `even[r]`, 1, 3, 5, 7 onto a fresh `odd[r]`. Two chains per
+    /// row (exact integers: the split changes no bit), and the rows' chains take turns step by
+    /// step so that `2N` independent `vpdpbusd` are in flight: row after row, 8-row passes from
+    /// L2 took 14–19% longer (Q8_0) and 18% (Q4_K), 4-row 6–10%; a single row the same.
+    ///
+    /// # Safety
+    ///
+    /// Every `words[r]` points at 8 readable `i32` (any alignment).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_chains<const N: usize>(
+        w: &[__m512i; 8],
+        words: [*const i32; N],
+        mut even: [__m512i; N],
+    ) -> ([__m512i; N], [__m512i; N]) {
+        let mut odd = [_mm512_setzero_si512(); N];
+        for k in (0..8).step_by(2) {
+            for r in 0..N {
+                // SAFETY: words `k`, `k + 1 < 8` of row `r` (the caller's contract).
+                let (a, b) = unsafe {
+                    (
+                        words[r].add(k).read_unaligned(),
+                        words[r].add(k + 1).read_unaligned(),
+                    )
+                };
+                even[r] = _mm512_dpbusd_epi32(even[r], w[k], _mm512_set1_epi32(a));
+                odd[r] = _mm512_dpbusd_epi32(odd[r], w[k + 1], _mm512_set1_epi32(b));
+            }
+        }
+        (even, odd)
     }
 
     /// A run of interleaved Q4_K (Q5_K when `FIVE`) groups of 16 weight rows
@@ -409,21 +432,9 @@ mod avx512 {
                     let scales = _mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(Q4K_SCALES + 16 * j).cast(),
                     ));
-                    let word = |r: usize, k: usize| {
-                        let words = xp[r].add(b * act_block + 32 * j).cast::<i32>();
-                        _mm512_set1_epi32(words.add(k).read_unaligned())
-                    };
-                    // Two chains per row (exact integers: the split changes no bit), the rows'
-                    // chains taking turns step by step so that `2N` independent `vpdpbusd` are
-                    // in flight (row after row, 8-row passes took 18% longer from L2).
-                    let mut even = [_mm512_setzero_si512(); N];
-                    let mut odd = [_mm512_setzero_si512(); N];
-                    for k in (0..8).step_by(2) {
-                        for r in 0..N {
-                            even[r] = _mm512_dpbusd_epi32(even[r], w[k], word(r, k));
-                            odd[r] = _mm512_dpbusd_epi32(odd[r], w[k + 1], word(r, k + 1));
-                        }
-                    }
+                    let words =
+                        std::array::from_fn(|r| xp[r].add(b * act_block + 32 * j).cast::<i32>());
+                    let (even, odd) = row_chains::<N>(&w, words, [_mm512_setzero_si512(); N]);
                     for r in 0..N {
                         isum[r] = scaled_sum::<FIVE, N>(isum[r], even[r], odd[r], scales);
                     }
