@@ -395,12 +395,13 @@ mod avx512 {
         }
     }
 
-    /// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains) give
-    /// the 16 rows' `Σ q_w · q_x`, times the rows' `sc_j` into `isum` ([`scaled_sum`]); 4 `vpdpwssd` of
-    /// the rows' min pairs against the activation's sub-block sum pairs give `imin`; then two
-    /// fused multiply-adds (see [`crate::interleaved`]). A sub-block's nibbles are decoded once
-    /// for all the rows; the loop over sub-blocks is outermost so that only one sub-block's 8
-    /// weight registers and each row's `isum` are live.
+    /// Per super-block and activation row: for each sub-block `j`, 8 `vpdpbusd` (two chains,
+    /// [`row_chains`]) give the 16 rows' `Σ q_w · q_x`, times the rows' `sc_j` into `isum`
+    /// ([`scaled_sum`]); 4 `vpdpwssd` of the rows' min pairs against the activation's sub-block
+    /// sum pairs give `imin`; then two fused multiply-adds (see [`crate::interleaved`]). A
+    /// sub-block's nibbles are decoded once for all the rows; the loop over sub-blocks is
+    /// outermost so that only one sub-block's 8 weight registers and each row's `isum` are
+    /// live.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     unsafe fn interleaved_q4k_rows<const FIVE: bool, const N: usize>(
