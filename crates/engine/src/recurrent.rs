@@ -19,6 +19,7 @@
 //! over all tokens of an evaluation with its own matrix hot in cache, from one borrow.
 
 use specula_kernels::aligned::AlignedVec;
+use specula_kernels::delta_rule;
 use specula_plugin_api::{ErrorKind, PluginError};
 
 /// Sizes of the per-layer recurrent state, in f32 values.
@@ -247,6 +248,51 @@ pub struct SnapshotRing {
     /// 64-byte row loads and stores (rows of S values, S a multiple of 16) each touch one line.
     ssm: AlignedVec<f32>,
     index: RingIndex,
+    /// Per layer: the S matrices chains left unwritten ([`SnapshotRing::defer`]).
+    deferred: Vec<Vec<Deferred>>,
+}
+
+/// S matrices a chain of rows did not write: the states at lengths `base + 1 ..` before its
+/// last row's (which it wrote), rebuilt on demand from the written state at `base` by the
+/// chain's recorded rank-one steps ([`delta_rule::replay`], bit for bit the chain's own
+/// arithmetic). The convolution states of those lengths are written as usual.
+#[derive(Debug, Clone)]
+struct Deferred {
+    /// The length whose written state the steps start from.
+    base: usize,
+    /// Keys per head (`S`); a head's state rows are `head_len / key_dim`.
+    key_dim: usize,
+    /// Recorded steps per head: step `i` takes length `base + i` to `base + i + 1`.
+    steps: usize,
+    /// `[head][step]`: the decay, `key_dim` keys, one `δ` per state row.
+    updates: Vec<f32>,
+    /// Whether the state at length `base + 1 + i` is still unwritten.
+    pending: Vec<bool>,
+}
+
+impl Deferred {
+    fn stride(&self, head_len: usize) -> usize {
+        1 + self.key_dim + head_len / self.key_dim
+    }
+
+    /// Lengths still unwritten.
+    fn lengths(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.pending.len())
+            .filter(|&i| self.pending[i])
+            .map(move |i| self.base + 1 + i)
+    }
+
+    fn is_pending(&self, len: usize) -> bool {
+        len > self.base && self.pending.get(len - self.base - 1) == Some(&true)
+    }
+
+    fn forget(&mut self, len: usize) {
+        if len > self.base {
+            if let Some(p) = self.pending.get_mut(len - self.base - 1) {
+                *p = false;
+            }
+        }
+    }
 }
 
 impl SnapshotRing {
@@ -304,6 +350,7 @@ impl SnapshotRing {
             conv,
             ssm,
             index: RingIndex::new(n_planes),
+            deferred: vec![Vec::new(); layout.n_layers],
         };
         let size = RingSize {
             requested: depth,
@@ -384,7 +431,7 @@ impl SnapshotRing {
     ) {
         let base = self.index.len() - n;
         assert!(
-            n <= self.index.depth() && self.index.restore(base),
+            n <= self.index.depth() && self.restore(base),
             "snapshot ring: a tree of {n} rows does not fit a ring of depth {}",
             self.index.depth()
         );
@@ -452,9 +499,140 @@ impl SnapshotRing {
         self.index.advance(n);
     }
 
-    /// Makes the state at length `len` live again, if the ring still holds it. O(1).
+    /// Makes the state at length `len` live again, if the ring still holds it: O(1), or one
+    /// state rebuilt per layer where a chain left it unwritten ([`SnapshotRing::defer`]).
     pub fn restore(&mut self, len: usize) -> bool {
-        self.index.restore(len)
+        if !self.index.restore(len) {
+            return false;
+        }
+        for layer in 0..self.layout.n_layers {
+            let records = std::mem::take(&mut self.deferred[layer]);
+            let mut kept = Vec::with_capacity(records.len());
+            for mut record in records {
+                if record.is_pending(len) {
+                    self.rebuild(layer, &record, len);
+                }
+                for later in len..=record.base + record.pending.len() {
+                    record.forget(later);
+                }
+                if record.lengths().next().is_some() {
+                    kept.push(record);
+                }
+            }
+            self.deferred[layer] = kept;
+        }
+        true
+    }
+
+    /// The plane holding (or receiving) the state at length `len`: one in the window, or one
+    /// the evaluation running from the live state writes.
+    fn plane_at(&self, len: usize) -> usize {
+        let n = self.index.n_planes() as isize;
+        let offset = len as isize - self.index.len() as isize;
+        (self.index.live_plane() as isize + offset).rem_euclid(n) as usize
+    }
+
+    /// Records that a chain of `steps` rows from length `base` wrote layer `layer`'s S
+    /// matrices only for its last row, with the rank-one steps of its rows in `updates`
+    /// (`[head][step]`: the decay, `key_dim` keys, a `δ` per state row; recorded by
+    /// [`delta_rule::chain_recorded`]): the states before it are rebuilt when a restore
+    /// lands on one, or when the plane they start from is about to be overwritten while
+    /// they may still be restored ([`SnapshotRing::settle`]).
+    pub fn defer(
+        &mut self,
+        layer: usize,
+        base: usize,
+        steps: usize,
+        key_dim: usize,
+        updates: &[f32],
+    ) {
+        if steps < 2 {
+            return;
+        }
+        let head_len = self.layout.head_len;
+        let stride = 1 + key_dim + head_len / key_dim;
+        assert_eq!(
+            updates.len(),
+            self.layout.n_heads * steps * stride,
+            "snapshot ring: deferred steps of another shape"
+        );
+        self.deferred[layer].push(Deferred {
+            base,
+            key_dim,
+            steps,
+            updates: updates.to_vec(),
+            pending: vec![true; steps - 1],
+        });
+    }
+
+    /// Before an evaluation of layer `layer` writes the states at lengths `writes`: forgets
+    /// unwritten states whose planes it overwrites, and rebuilds those at `keep_from` or later
+    /// whose starting state it overwrites (they may still be restored after it).
+    pub fn settle(
+        &mut self,
+        layer: usize,
+        writes: std::ops::RangeInclusive<usize>,
+        keep_from: usize,
+    ) {
+        if self.deferred[layer].is_empty() {
+            return;
+        }
+        let n = self.index.n_planes();
+        let mut overwritten = vec![false; n];
+        for len in writes.take(n) {
+            overwritten[self.plane_at(len)] = true;
+        }
+        let records = std::mem::take(&mut self.deferred[layer]);
+        let mut kept = Vec::with_capacity(records.len());
+        for mut record in records {
+            let lengths: Vec<usize> = record.lengths().collect();
+            for &len in &lengths {
+                if overwritten[self.plane_at(len)] {
+                    record.forget(len);
+                }
+            }
+            if overwritten[self.plane_at(record.base)] {
+                for len in record.lengths().collect::<Vec<_>>() {
+                    if len >= keep_from {
+                        self.rebuild(layer, &record, len);
+                    }
+                    record.forget(len);
+                }
+            }
+            if record.lengths().next().is_some() {
+                kept.push(record);
+            }
+        }
+        self.deferred[layer] = kept;
+    }
+
+    /// Writes layer `layer`'s S matrices at length `len` (unwritten in `record`) into their
+    /// plane, replayed from the record's starting state.
+    fn rebuild(&mut self, layer: usize, record: &Deferred, len: usize) {
+        let head_len = self.layout.head_len;
+        let (from, to) = (self.plane_at(record.base), self.plane_at(len));
+        let stride = record.stride(head_len);
+        let (key_dim, rows) = (record.key_dim, head_len / record.key_dim);
+        let per_head = self.head_planes_len();
+        let updates = &record.updates;
+        for (h, planes) in self
+            .layer_heads_mut(layer)
+            .chunks_exact_mut(per_head)
+            .enumerate()
+        {
+            let steps: Vec<delta_rule::RankOne<'_>> = (0..len - record.base)
+                .map(|i| {
+                    let u = &updates[(h * record.steps + i) * stride..][..stride];
+                    delta_rule::RankOne {
+                        decay: u[0],
+                        k: &u[1..1 + key_dim],
+                        delta: &u[1 + key_dim..1 + key_dim + rows],
+                    }
+                })
+                .collect();
+            let (state_in, state_out) = read_write(planes, head_len, from, to);
+            delta_rule::replay(&steps, state_in, state_out);
+        }
     }
 
     /// Makes this ring hold what `other` holds (every plane and which length each holds): a
@@ -473,6 +651,7 @@ impl SnapshotRing {
             .as_mut_slice()
             .copy_from_slice(other.ssm.as_slice());
         self.index = other.index;
+        self.deferred.clone_from(&other.deferred);
     }
 
     /// Copies layer `layer`'s state at length `len + step` (what the `step`-th token after the
@@ -524,6 +703,7 @@ impl SnapshotRing {
             }
         }
         self.index.start_at(len);
+        self.deferred.iter_mut().for_each(Vec::clear);
         Some(len)
     }
 
@@ -542,6 +722,7 @@ impl SnapshotRing {
             }
         }
         self.index.reset();
+        self.deferred.iter_mut().for_each(Vec::clear);
     }
 
     /// The live S matrix of value head `head` of layer `layer`.

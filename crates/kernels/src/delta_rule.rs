@@ -132,7 +132,9 @@ pub fn chain_with(
         xs.len() * values,
         "delta rule chain: one output per step and value"
     );
-    if level != SimdLevel::Scalar && simd::delta_rule_chain(level, xs, planes, read, writes, out) {
+    if level != SimdLevel::Scalar
+        && simd::delta_rule_chain(level, xs, planes, read, writes, out, None)
+    {
         return;
     }
     // Row by row through one-row steps: a row's steps are the same instructions whether the
@@ -154,6 +156,109 @@ pub fn chain_with(
                 planes[p * state_len + j * dim..][..dim].copy_from_slice(&next);
             }
             std::mem::swap(&mut row, &mut next);
+        }
+    }
+}
+
+/// Whether [`chain_recorded`] runs at `level` for heads of `dim` key values: the register
+/// kernel's head sizes (a multiple of 16 up to 128) at AVX-512.
+pub fn records_deltas(level: SimdLevel, dim: usize) -> bool {
+    level >= SimdLevel::Avx512 && dim.is_multiple_of(16) && (16..=128).contains(&dim)
+}
+
+/// [`chain`] at the process's level that also records each step's `δ`: step `i`'s
+/// `(v_j − M_j · k) · beta` at `deltas[i · v.len() + j]`, from which [`replay`] rebuilds any
+/// step's state exactly: a state the chain did not write can be had later without re-running
+/// it.
+///
+/// # Panics
+///
+/// Unless [`records_deltas`] holds for the level and head size, or on the sizes [`chain`]
+/// checks.
+pub fn chain_recorded(
+    xs: &[DeltaInputs<'_>],
+    planes: &mut [f32],
+    read: usize,
+    writes: &[Option<usize>],
+    out: &mut [f32],
+    deltas: &mut [f32],
+) {
+    let level = simd::level();
+    let Some(first) = xs.first() else {
+        return;
+    };
+    assert!(
+        records_deltas(level, first.k.len()),
+        "delta rule chain: no recording kernel at {level} for heads of {}",
+        first.k.len()
+    );
+    assert_eq!(
+        deltas.len(),
+        out.len(),
+        "delta rule chain: one delta per output"
+    );
+    let state_len = first.v.len() * first.k.len();
+    assert!(
+        planes.len().is_multiple_of(state_len)
+            && (read + 1) * state_len <= planes.len()
+            && writes
+                .iter()
+                .flatten()
+                .all(|&p| (p + 1) * state_len <= planes.len()),
+        "delta rule chain: plane index out of range"
+    );
+    let ran = simd::delta_rule_chain(level, xs, planes, read, writes, out, Some(deltas));
+    assert!(ran, "delta rule chain: the recording kernel did not run");
+}
+
+/// One recorded step of a [`chain_recorded`]: `M_j ← decay · M_j + δ_j · k` for every state
+/// row `j`.
+#[derive(Debug, Clone, Copy)]
+pub struct RankOne<'a> {
+    pub decay: f32,
+    /// Key, `S` values.
+    pub k: &'a [f32],
+    /// One `δ` per state row.
+    pub delta: &'a [f32],
+}
+
+/// The state after `steps` from `state_in`, into `state_out`: bit for bit the state a
+/// recording chain computed there (the same multiply, then the same fused multiply-add, per
+/// value; both are exact per value, so how they are vectorised changes no bit).
+pub fn replay(steps: &[RankOne<'_>], state_in: &[f32], state_out: &mut [f32]) {
+    replay_with(simd::level(), steps, state_in, state_out);
+}
+
+/// [`replay`] at `level` (which must be supported): each state row carried through every
+/// step in registers where the CPU has AVX-512 and the keys are a multiple of 16, else the
+/// scalar reference. Either way a value takes the same multiply and fused multiply-add.
+pub fn replay_with(
+    level: SimdLevel,
+    steps: &[RankOne<'_>],
+    state_in: &[f32],
+    state_out: &mut [f32],
+) {
+    assert_eq!(
+        state_in.len(),
+        state_out.len(),
+        "delta rule replay: state sizes differ"
+    );
+    assert!(
+        steps
+            .iter()
+            .all(|step| step.delta.len() * step.k.len() == state_in.len()),
+        "delta rule replay: a step of another shape"
+    );
+    if level != SimdLevel::Scalar && simd::delta_rule_replay(level, steps, state_in, state_out) {
+        return;
+    }
+    state_out.copy_from_slice(state_in);
+    for step in steps {
+        let dim = step.k.len();
+        for (row, &delta) in state_out.chunks_exact_mut(dim).zip(step.delta) {
+            for (m, &k) in row.iter_mut().zip(step.k) {
+                *m = delta.mul_add(k, *m * step.decay);
+            }
         }
     }
 }
@@ -324,6 +429,110 @@ mod tests {
                     assert_eq!(bits(&out), bits(&want_out), "{case}: outputs");
                     assert_eq!(bits(planes), bits(&want_planes), "{case}: planes");
                 }
+            }
+        }
+    }
+
+    /// Replay at every level the CPU has gives the scalar reference's bits, on head sizes with
+    /// and without a vector kernel, odd row counts, and one to nine steps.
+    #[test]
+    fn replay_at_every_level_equals_the_scalar_reference() {
+        for (dim, rows, steps) in [(16, 3, 1), (48, 5, 9), (128, 7, 4), (20, 3, 2), (128, 1, 2)] {
+            let keys: Vec<Vec<f32>> = (0..steps)
+                .map(|i| random_vec(dim, 0.3, (dim * 31 + i) as u64))
+                .collect();
+            let deltas: Vec<Vec<f32>> = (0..steps)
+                .map(|i| random_vec(rows, 1.0, (rows * 17 + i) as u64))
+                .collect();
+            let recorded: Vec<RankOne<'_>> = (0..steps)
+                .map(|i| RankOne {
+                    decay: 0.97 - 0.01 * i as f32,
+                    k: &keys[i],
+                    delta: &deltas[i],
+                })
+                .collect();
+            let start = random_vec(rows * dim, 0.5, dim as u64);
+            let mut want = vec![0.0f32; start.len()];
+            replay_with(SimdLevel::Scalar, &recorded, &start, &mut want);
+            for level in SimdLevel::supported() {
+                let mut got = vec![f32::NAN; start.len()];
+                replay_with(level, &recorded, &start, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{level} dim {dim} steps {steps}");
+            }
+        }
+    }
+
+    /// A recording chain's outputs and written states are those of a plain chain, and
+    /// replaying its deltas rebuilds every step's state bit for bit.
+    #[test]
+    fn replayed_deltas_rebuild_every_state_of_a_recorded_chain() {
+        let level = simd::level();
+        for (dim, values, steps) in [(128, 12, 8), (16, 5, 3), (64, 7, 1)] {
+            if !records_deltas(level, dim) {
+                continue;
+            }
+            let state_len = values * dim;
+            let inputs: Vec<[Vec<f32>; 3]> = (0..steps)
+                .map(|i| {
+                    let seed = (7 * dim + i) as u64;
+                    [
+                        random_vec(dim, 0.3, seed),
+                        random_vec(dim, 0.3, seed + 1),
+                        random_vec(values, 1.0, seed + 2),
+                    ]
+                })
+                .collect();
+            let xs: Vec<DeltaInputs<'_>> = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, [k, q, v])| DeltaInputs {
+                    k,
+                    q,
+                    v,
+                    decay: 0.95 - 0.02 * i as f32,
+                    beta: 0.4,
+                })
+                .collect();
+            let n_planes = steps + 1;
+            let start = random_vec(n_planes * state_len, 0.5, dim as u64);
+            let writes: Vec<Option<usize>> = (0..steps).map(|i| Some(i + 1)).collect();
+            let mut want = AlignedVec::<f32>::zeroed(start.len());
+            want.as_mut_slice().copy_from_slice(&start);
+            let mut want_out = vec![0.0f32; steps * values];
+            chain_with(level, &xs, want.as_mut_slice(), 0, &writes, &mut want_out);
+
+            let mut planes = AlignedVec::<f32>::zeroed(start.len());
+            planes.as_mut_slice().copy_from_slice(&start);
+            let mut out = vec![0.0f32; steps * values];
+            let mut deltas = vec![0.0f32; steps * values];
+            // Only the last state written, as a deferring ring does.
+            let last: Vec<Option<usize>> = (0..steps)
+                .map(|i| (i + 1 == steps).then_some(steps))
+                .collect();
+            chain_recorded(&xs, planes.as_mut_slice(), 0, &last, &mut out, &mut deltas);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want_out), "dim {dim}: outputs");
+            let plane = |p: &[f32], i: usize| p[i * state_len..][..state_len].to_vec();
+            assert_eq!(
+                bits(&plane(planes.as_slice(), steps)),
+                bits(&plane(want.as_slice(), steps))
+            );
+            let recorded: Vec<RankOne<'_>> = (0..steps)
+                .map(|i| RankOne {
+                    decay: xs[i].decay,
+                    k: xs[i].k,
+                    delta: &deltas[i * values..][..values],
+                })
+                .collect();
+            for i in 1..=steps {
+                let mut rebuilt = vec![f32::NAN; state_len];
+                replay(&recorded[..i], &plane(&start, 0), &mut rebuilt);
+                assert_eq!(
+                    bits(&rebuilt),
+                    bits(&plane(want.as_slice(), i)),
+                    "dim {dim}: step {i}"
+                );
             }
         }
     }

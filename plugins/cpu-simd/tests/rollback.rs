@@ -311,6 +311,29 @@ fn rollback_beyond_the_window_re_decodes_or_is_refused() {
     assert_eq!(r.slow_rollbacks(), 0);
 }
 
+/// A verify chain writes only its last row's recurrent state and rebuilds the others when
+/// needed: here a second chain overwrites the first one's starting state while a state the
+/// first left unwritten is still in the window, and a rollback to it is still exact and O(1).
+#[test]
+fn a_state_a_chain_left_unwritten_survives_the_next_chain() {
+    let path = fixture("tiny-qwen35-4l-mtp.gguf");
+    let extra = Rng::new(5).tokens(5, VOCAB as u32);
+    let after = [417, 290];
+    let mut b = open_with(&path, 2, 64, 4, &[]);
+    eval(&mut b, &PROMPT, LogitRows::Last);
+    eval(&mut b, &extra[..2], LogitRows::All);
+    // 2 + 3 rows from the prompt: the ring of 5 planes wraps onto the first chain's start.
+    eval(&mut b, &extra[2..], LogitRows::All);
+    let start = PROMPT.len();
+    assert_eq!(b.rollback_window(), start + 1..=start + 5);
+    b.truncate_to(start + 1).unwrap();
+    assert_eq!(b.slow_rollbacks(), 0);
+    let logits = eval(&mut b, &after, LogitRows::All);
+    let clean = clean_run(&path, &extra[..1], &after);
+    assert_eq!(bits(&logits), bits(&clean.0));
+    assert_eq!(bits(&hidden(&b)), bits(&clean.1));
+}
+
 /// A `Write` into a shared buffer, to capture log lines.
 #[derive(Clone, Default)]
 struct LogBuffer(Arc<Mutex<Vec<u8>>>);

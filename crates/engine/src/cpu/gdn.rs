@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use specula_kernels::activations::{self, Gate};
 use specula_kernels::delta_rule::{self, DeltaInputs};
 use specula_kernels::ops;
+use specula_kernels::simd;
 
 use crate::blocks::gdn::{GdnShape, GdnWeights};
 use crate::recurrent::{read_write, SnapshotRing};
@@ -29,6 +30,10 @@ const PARALLEL_MIN_STATE: usize = 1 << 15;
 /// passes of 64 rows and more 2–5% slower chained).
 const CHAIN_MAX_ROWS: usize = 16;
 
+/// One value head's buffers in [`recurrence`]: its S matrices in every plane, its outputs
+/// and its recorded rank-one steps.
+type HeadBuffers<'a> = ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]);
+
 /// Buffers of [`recurrence`] for up to `rows` rows.
 #[derive(Debug, Default)]
 pub struct GdnScratch {
@@ -39,6 +44,8 @@ pub struct GdnScratch {
     qkv: Vec<f32>,
     /// Head outputs head-major (`[head][row][S]`), as the parallel heads write them.
     heads: Vec<f32>,
+    /// A deferring chain's rank-one steps, `[head][row]`: decay, `S` keys, `S` deltas.
+    updates: Vec<f32>,
 }
 
 impl GdnScratch {
@@ -49,6 +56,7 @@ impl GdnScratch {
             alpha: vec![0.0; rows * hv],
             qkv: vec![0.0; rows * shape.channels()],
             heads: vec![0.0; rows * shape.value_dim()],
+            updates: vec![0.0; rows * hv * (1 + 2 * shape.head_dim)],
         }
     }
 }
@@ -145,10 +153,25 @@ pub fn recurrence(
         }
     }
 
+    // States chains left unwritten where this evaluation writes: forgotten, or rebuilt when
+    // they may still be restored afterwards (a tree's window is judged later: all kept).
+    let len = ring.len();
+    let keep_from = match tree {
+        None => (len + step0 + m).saturating_sub(ring.depth()),
+        Some(_) => *ring.window().start(),
+    };
+    ring.settle(slot, len + step0 + 1..=len + step0 + m, keep_from);
     let index = *ring.index();
     let state_len = sd * sd;
+    // A short chain writes only its last row's S matrices and records the rank-one steps of
+    // the others, rebuilt only if a rollback lands on one (most never are read).
+    let defer = tree.is_none()
+        && (2..=CHAIN_MAX_ROWS).contains(&m)
+        && m < index.n_planes()
+        && delta_rule::records_deltas(simd::level(), sd);
+    let stride = 1 + 2 * sd;
     let (qkv, z) = (&s.qkv[..m * c], &input.z[..m * vd]);
-    let head = |(h, (planes, outputs)): (usize, (&mut [f32], &mut [f32]))| {
+    let head = |(h, ((planes, outputs), updates)): (usize, HeadBuffers<'_>)| {
         let inputs = |i: usize| HeadInputs {
             qkv: &qkv[i * c..(i + 1) * c],
             z: &z[i * vd + h * sd..][..sd],
@@ -178,6 +201,29 @@ pub fn recurrence(
             // A short chain (a verify pass, a decode step): the S matrix is read once and each
             // row's state written once (a state the ring overwrites later in the same call,
             // `n_planes` rows on, not at all).
+            None if defer => {
+                let xs: Vec<DeltaInputs<'_>> = (0..m)
+                    .map(|i| delta_inputs(shape, w, h, inputs(i)))
+                    .collect();
+                let writes: Vec<Option<usize>> = (0..m)
+                    .map(|i| (i + 1 == m).then(|| index.plane_of(step0 + m)))
+                    .collect();
+                let mut deltas = vec![0.0f32; m * sd];
+                let read = index.plane_of(step0);
+                delta_rule::chain_recorded(&xs, planes, read, &writes, outputs, &mut deltas);
+                for ((x, u), d) in xs
+                    .iter()
+                    .zip(updates.chunks_exact_mut(stride))
+                    .zip(deltas.chunks_exact(sd))
+                {
+                    u[0] = x.decay;
+                    u[1..1 + sd].copy_from_slice(x.k);
+                    u[1 + sd..].copy_from_slice(d);
+                }
+                for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
+                    gated_output(shape, w, o, inputs(i).z);
+                }
+            }
             None if m <= CHAIN_MAX_ROWS => {
                 let n_planes = index.n_planes();
                 let write = |i: usize| (i + n_planes >= m).then(|| index.plane_of(step0 + i + 1));
@@ -217,18 +263,24 @@ pub fn recurrence(
     let per_head = ring.head_planes_len();
     let states = ring.layer_heads_mut(slot);
     let heads = &mut s.heads[..m * vd];
+    let updates = &mut s.updates[..hv * m * stride];
     if hv * state_len < PARALLEL_MIN_STATE {
         states
             .chunks_exact_mut(per_head)
             .zip(heads.chunks_exact_mut(m * sd))
+            .zip(updates.chunks_exact_mut(m * stride))
             .enumerate()
             .for_each(head);
     } else {
         states
             .par_chunks_exact_mut(per_head)
             .zip(heads.par_chunks_exact_mut(m * sd))
+            .zip(updates.par_chunks_exact_mut(m * stride))
             .enumerate()
             .for_each(head);
+    }
+    if defer {
+        ring.defer(slot, len + step0, m, sd, &s.updates[..hv * m * stride]);
     }
     // Head-major to row-major for `ssm_out`.
     for (h, rows) in s.heads[..m * vd].chunks_exact(m * sd).enumerate() {

@@ -46,6 +46,7 @@ pub(crate) fn delta_rule_chain(
     read: usize,
     writes: &[Option<usize>],
     out: &mut [f32],
+    deltas: Option<&mut [f32]>,
 ) -> bool {
     let Some(first) = xs.first() else {
         return true;
@@ -57,6 +58,7 @@ pub(crate) fn delta_rule_chain(
             .all(|x| x.k.len() == dim && x.q.len() == dim && x.v.len() == values)
             && out.len() == xs.len() * values
             && writes.len() == xs.len()
+            && deltas.as_ref().is_none_or(|d| d.len() == out.len())
             && (read + 1) * state_len <= planes.len()
             && writes
                 .iter()
@@ -84,8 +86,42 @@ pub(crate) fn delta_rule_chain(
                 7 => avx512::delta_rule_chain::<7>,
                 _ => avx512::delta_rule_chain::<8>,
             };
-            run(xs, planes, read, writes, out);
+            run(xs, planes, read, writes, out, deltas);
         }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// [`crate::delta_rule::replay`] at `level`: `false` (nothing done) where there is no kernel
+/// for the shape (below AVX-512, or keys not a multiple of 16).
+pub(crate) fn delta_rule_replay(
+    level: SimdLevel,
+    steps: &[crate::delta_rule::RankOne<'_>],
+    state_in: &[f32],
+    state_out: &mut [f32],
+) -> bool {
+    let Some(first) = steps.first() else {
+        return false;
+    };
+    let dim = first.k.len();
+    if level < SimdLevel::Avx512 || dim == 0 || !dim.is_multiple_of(16) {
+        return false;
+    }
+    assert!(
+        state_out.len() == state_in.len()
+            && steps
+                .iter()
+                .all(|s| s.k.len() == dim && s.delta.len() * dim == state_in.len()),
+        "delta rule replay: sizes"
+    );
+    level.assert_supported();
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: AVX-512 is supported; every step has `dim` keys (a multiple of 16) and a
+        // delta per state row of `dim` values, and both states hold those rows (checked above).
+        unsafe { avx512::delta_rule_replay(steps, state_in, state_out) };
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -267,21 +303,28 @@ mod avx512 {
         read: usize,
         writes: &[Option<usize>],
         out: &mut [f32],
+        mut deltas: Option<&mut [f32]>,
     ) {
         let values = xs[0].v.len();
         let base = planes.as_mut_ptr();
         // Rows of a multiple of 16 values keep a line-aligned plane's rows on lines.
         let stream = (base as usize).is_multiple_of(64);
+        let target = ChainPlanes {
+            base,
+            read,
+            writes,
+            stream,
+        };
         // Two state rows at a time: a row's steps form one dependency chain (each step needs
         // the last one's dot products), which two independent chains keep the core busy on.
         let pairs = values / 2;
         for pair in 0..pairs {
             // SAFETY: forwarded contract; rows `2 · pair` and `2 · pair + 1` exist.
-            unsafe { chain_rows::<CHUNKS, 2>(xs, base, read, writes, out, 2 * pair, stream) };
+            unsafe { chain_rows::<CHUNKS, 2>(xs, &target, out, deltas.as_deref_mut(), 2 * pair) };
         }
         if values % 2 == 1 {
             // SAFETY: as above, for the last row.
-            unsafe { chain_rows::<CHUNKS, 1>(xs, base, read, writes, out, values - 1, stream) };
+            unsafe { chain_rows::<CHUNKS, 1>(xs, &target, out, deltas, values - 1) };
         }
         if stream {
             // The non-temporal stores ordered before whatever the caller does next (another
@@ -290,26 +333,41 @@ mod avx512 {
         }
     }
 
+    /// Where a chain's states are: the planes' first value, the plane it reads, the plane (if
+    /// any) each step writes, and whether those stores bypass the caches.
+    #[derive(Clone, Copy)]
+    struct ChainPlanes<'a> {
+        base: *mut f32,
+        read: usize,
+        writes: &'a [Option<usize>],
+        stream: bool,
+    }
+
     /// State rows `first .. first + ROWS` of [`delta_rule_chain`]: each loaded once into
     /// registers and taken through every step with the instructions of [`delta_rule_rows`],
     /// each kept state row stored once (non-temporally when `stream`: the planes sit on cache
-    /// lines).
+    /// lines), and each step's `δ` recorded in `deltas` when given.
     ///
     /// # Safety
     ///
-    /// As [`delta_rule_chain`], with `planes` its planes' first value, rows
-    /// `first .. first + ROWS` existing, and `stream` only when `planes` is 64-byte aligned.
+    /// As [`delta_rule_chain`], with `target.base` its planes' first value, rows
+    /// `first .. first + ROWS` existing, and `target.stream` only when the planes are 64-byte
+    /// aligned.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     unsafe fn chain_rows<const CHUNKS: usize, const ROWS: usize>(
         xs: &[crate::delta_rule::DeltaInputs<'_>],
-        planes: *mut f32,
-        read: usize,
-        writes: &[Option<usize>],
+        target: &ChainPlanes<'_>,
         out: &mut [f32],
+        mut deltas: Option<&mut [f32]>,
         first: usize,
-        stream: bool,
     ) {
+        let ChainPlanes {
+            base: planes,
+            read,
+            writes,
+            stream,
+        } = *target;
         let dim = 16 * CHUNKS;
         let values = xs[0].v.len();
         let state_len = values * dim;
@@ -331,7 +389,11 @@ mod avx512 {
                             _mm512_fmadd_ps(row[c], _mm512_loadu_ps(kp.add(16 * c)), acc[c % 2]);
                     }
                     let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-                    let delta = _mm512_set1_ps((x.v[first + r] - predicted) * x.beta);
+                    let d = (x.v[first + r] - predicted) * x.beta;
+                    if let Some(deltas) = deltas.as_deref_mut() {
+                        deltas[i * values + first + r] = d;
+                    }
+                    let delta = _mm512_set1_ps(d);
                     let dst = writes[i].map(|p| row_at(p, r));
                     let mut acc = [_mm512_setzero_ps(); 2];
                     for c in 0..CHUNKS {
@@ -346,6 +408,40 @@ mod avx512 {
                     }
                     out[i * values + first + r] =
                         _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+    }
+
+    /// [`super::delta_rule_replay`]: each 16-value chunk of a state row loaded once, taken
+    /// through every step (`decay` multiply, then `δ · k` fused in), stored once.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 is supported; every step's keys are `dim` values, `dim` a multiple of 16, and
+    /// its deltas one per `dim`-value row of `state_in` and `state_out` (the same length).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn delta_rule_replay(
+        steps: &[crate::delta_rule::RankOne<'_>],
+        state_in: &[f32],
+        state_out: &mut [f32],
+    ) {
+        let dim = steps[0].k.len();
+        for (j, (src, dst)) in state_in
+            .chunks_exact(dim)
+            .zip(state_out.chunks_exact_mut(dim))
+            .enumerate()
+        {
+            for c in (0..dim).step_by(16) {
+                // SAFETY: `c + 16 <= dim`: values `c .. c + 16` of the row and of every key.
+                unsafe {
+                    let mut row = _mm512_loadu_ps(src.as_ptr().add(c));
+                    for step in steps {
+                        row = _mm512_mul_ps(row, _mm512_set1_ps(step.decay));
+                        let k = _mm512_loadu_ps(step.k.as_ptr().add(c));
+                        row = _mm512_fmadd_ps(_mm512_set1_ps(step.delta[j]), k, row);
+                    }
+                    _mm512_storeu_ps(dst.as_mut_ptr().add(c), row);
                 }
             }
         }

@@ -78,7 +78,7 @@ mod x86;
 pub(crate) use activations::{gate_in_place, silu_in_place, softmax_exp_sum, swiglu_in_place};
 pub(crate) use attention::{attention_scores, attention_weighted_sums};
 pub(crate) use block32::block32_accumulate;
-pub(crate) use delta_rule::{delta_rule_chain, delta_rule_step};
+pub(crate) use delta_rule::{delta_rule_chain, delta_rule_replay, delta_rule_step};
 pub(crate) use float::{axpy, float_accumulate, weighted_sum};
 pub(crate) use interleaved::interleaved_pass;
 pub(crate) use k_quant::k_quant_accumulate;
