@@ -2,21 +2,27 @@
 //!
 //! A Gated DeltaNet layer carries state from token to token: the last `conv_kernel - 1` inputs
 //! of its causal convolution and one S×S matrix per value head. All GDN layers' states at one
-//! sequence length form a **plane**. The ring holds `depth + 1` planes and the recurrence
-//! never updates a state in place: the token that takes the sequence from length `L` to
-//! `L + 1` reads the plane of `L` and writes the next plane of the ring. So after every token
-//! the ring still holds the states of the previous `depth` lengths, whether they came from one
-//! verify batch or from single-token evaluations, and rolling back to any of them is O(1): the
-//! plane of that length becomes the live one. No state is ever copied, and a batch row and a
-//! single-token evaluation run exactly the same arithmetic on exactly the same input.
+//! sequence length form a **plane**. The ring keeps the states of the last `depth` lengths
+//! whether they came from one verify batch or from single-token evaluations, and rolling back
+//! to any of them is O(1) or one rebuilt matrix per head, never a re-decode:
 //!
-//! Lengths further back than `depth` tokens have been overwritten; the backend takes its slow
-//! path for those (see `Backend::truncate_to` in `crate::backend`).
+//! - The convolution states (small) sit in a ring of `depth + 1` planes: the token that takes
+//!   the sequence from length `L` to `L + 1` reads the plane of `L` and writes the next one.
+//! - The S matrices (large: ~19 MB per plane for a 0.8B model) are written only where a chain
+//!   of rows ends; the rows before keep their rank-one steps and are rebuilt from them, bit for
+//!   bit, when a rollback lands on one ([`SnapshotRing`]). Their planes are taken as needed,
+//!   so a speculating sequence touches a few of them rather than one per draft position.
+//!
+//! A batch row and a single-token evaluation run exactly the same arithmetic on exactly the
+//! same input. Lengths further back than `depth` tokens are forgotten; the backend takes its
+//! slow path for those (see `Backend::truncate_to` in `crate::backend`).
 //!
 //! Storage is ordered for the way the recurrence runs: a layer's convolution states are
 //! consecutive planes, and each value head's S matrices in every plane are one contiguous
 //! slice ([`SnapshotRing::layer_heads_mut`]), so the heads of a layer run in parallel, each
 //! over all tokens of an evaluation with its own matrix hot in cache, from one borrow.
+
+use std::collections::BTreeMap;
 
 use specula_kernels::aligned::AlignedVec;
 use specula_kernels::delta_rule;
@@ -238,7 +244,19 @@ impl StatePlane {
     }
 }
 
-/// The planes of the recurrent state: the live one and the `depth` before it.
+/// The recurrent state of one sequence: its convolution states in a ring of `depth + 1`
+/// planes ([`RingIndex`]), and its S matrices at every length the ring can restore, each held
+/// in a plane or recorded as the rank-one steps that lead to it from one.
+///
+/// A chain of rows (a verify pass, a prefill's runs of up to [`ChainPlan`]'s run length)
+/// writes only its last row's S matrices; the rows before it keep their decay, key and one
+/// `δ` per state row (1 KiB per head and row instead of a 64 KiB matrix), from which a state
+/// is rebuilt exactly ([`delta_rule::replay`]: the chain's own multiply and fused multiply-add
+/// per value) when a restore lands on it. Planes are taken lowest first and freed as soon as
+/// no restorable length needs them, so a sequence that speculates in chains touches a few
+/// planes, not one per draft position; the ring allocates `depth + 4` (mapped lazily: a
+/// plane never written occupies no memory), enough for a tree of `depth` rows beside a full
+/// window.
 #[derive(Debug)]
 pub struct SnapshotRing {
     layout: StateLayout,
@@ -247,52 +265,153 @@ pub struct SnapshotRing {
     /// S matrices, `[layer][head][plane][head_len]`, on a cache line so that the delta rule's
     /// 64-byte row loads and stores (rows of S values, S a multiple of 16) each touch one line.
     ssm: AlignedVec<f32>,
+    /// Planes of S matrices.
+    n_ssm_planes: usize,
     index: RingIndex,
-    /// Per layer: the S matrices chains left unwritten ([`SnapshotRing::defer`]).
-    deferred: Vec<Vec<Deferred>>,
+    /// Per layer: where the S matrices of each restorable length are.
+    held: Vec<HeldStates>,
 }
 
-/// S matrices a chain of rows did not write: the states at lengths `base + 1 ..` before its
-/// last row's (which it wrote), rebuilt on demand from the written state at `base` by the
-/// chain's recorded rank-one steps ([`delta_rule::replay`], bit for bit the chain's own
-/// arithmetic). The convolution states of those lengths are written as usual.
+/// Values of one head's recorded step: the decay, `key_dim` keys, one `δ` per state row.
+fn record_stride(head_len: usize, key_dim: usize) -> usize {
+    1 + key_dim + head_len / key_dim
+}
+
+/// Planes of S matrices beyond the ring's `depth + 1`: a chain's start kept below the window
+/// as a record's base, a prefill's transient plane, and a rebuilt state.
+const EXTRA_SSM_PLANES: usize = 3;
+
+/// Where one GDN layer's S matrices of each restorable length are.
+#[derive(Debug, Clone, Default)]
+struct HeldStates {
+    at: BTreeMap<usize, Held>,
+    records: BTreeMap<usize, Record>,
+    next_id: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Plane(usize),
+    /// By record `id`: step `len - base` of it.
+    Recorded(usize),
+}
+
+/// The rank-one steps of a chain's rows from the state at `base` (held in a plane while any
+/// length refers to the record).
 #[derive(Debug, Clone)]
-struct Deferred {
-    /// The length whose written state the steps start from.
+struct Record {
     base: usize,
-    /// Keys per head (`S`); a head's state rows are `head_len / key_dim`.
-    key_dim: usize,
-    /// Recorded steps per head: step `i` takes length `base + i` to `base + i + 1`.
     steps: usize,
-    /// `[head][step]`: the decay, `key_dim` keys, one `δ` per state row.
+    /// Keys per head (`S`).
+    key_dim: usize,
+    /// Values of one step (every head's).
+    step_values: usize,
+    /// `[step][head]`: the decay, `key_dim` keys, one `δ` per state row.
     updates: Vec<f32>,
-    /// Whether the state at length `base + 1 + i` is still unwritten.
-    pending: Vec<bool>,
 }
 
-impl Deferred {
-    fn stride(&self, head_len: usize) -> usize {
-        1 + self.key_dim + head_len / self.key_dim
+impl HeldStates {
+    /// The record a chain starting at `start` may continue: the one ending there, its base
+    /// fewer than `most` steps back.
+    fn tail(&self, start: usize, most: usize) -> Option<usize> {
+        let (&id, _) = self
+            .records
+            .iter()
+            .find(|(_, r)| r.base + r.steps == start && r.steps < most)?;
+        Some(id)
     }
 
-    /// Lengths still unwritten.
-    fn lengths(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.pending.len())
-            .filter(|&i| self.pending[i])
-            .map(move |i| self.base + 1 + i)
-    }
-
-    fn is_pending(&self, len: usize) -> bool {
-        len > self.base && self.pending.get(len - self.base - 1) == Some(&true)
-    }
-
-    fn forget(&mut self, len: usize) {
-        if len > self.base {
-            if let Some(p) = self.pending.get_mut(len - self.base - 1) {
-                *p = false;
-            }
+    fn at(len: usize, plane: usize) -> Self {
+        Self {
+            at: BTreeMap::from([(len, Held::Plane(plane))]),
+            ..Self::default()
         }
     }
+
+    fn plane(&self, len: usize) -> Option<usize> {
+        match self.at.get(&len) {
+            Some(&Held::Plane(p)) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The lowest plane no length holds and `taken` does not name.
+    fn free_plane(&self, n_planes: usize, taken: &[usize]) -> usize {
+        let mut used = vec![false; n_planes];
+        for held in self.at.values() {
+            if let Held::Plane(p) = held {
+                used[*p] = true;
+            }
+        }
+        for &p in taken {
+            used[p] = true;
+        }
+        used.iter()
+            .position(|u| !u)
+            .expect("snapshot ring: every S-matrix plane is in use")
+    }
+
+    /// Forgets every length after `len`, and the recorded steps past it (a path rolled back:
+    /// a chain from `len` must not continue them).
+    fn cut(&mut self, len: usize) {
+        self.at.retain(|&l, _| l <= len);
+        self.records.retain(|_, r| r.base < len);
+        for r in self.records.values_mut() {
+            r.steps = r.steps.min(len - r.base);
+            r.updates.truncate(r.steps * r.step_values);
+        }
+    }
+
+    /// Forgets the lengths `keep` rejects (a plane that is the base of a record some kept
+    /// length refers to stays), and the records no length refers to.
+    fn retain(&mut self, keep: impl Fn(usize) -> bool) {
+        self.at
+            .retain(|&len, held| keep(len) || matches!(held, Held::Plane(_)));
+        let live: std::collections::BTreeSet<usize> = self
+            .at
+            .values()
+            .filter_map(|held| match held {
+                Held::Recorded(id) => Some(*id),
+                Held::Plane(_) => None,
+            })
+            .collect();
+        // The record that ends at the newest length is kept too: the next chain may continue it.
+        let newest = self.at.keys().next_back().copied();
+        self.records
+            .retain(|id, r| live.contains(id) || Some(r.base + r.steps) == newest);
+        let bases: std::collections::BTreeSet<usize> =
+            self.records.values().map(|r| r.base).collect();
+        self.at.retain(|&len, held| {
+            keep(len) || matches!(held, Held::Plane(_)) && bases.contains(&len)
+        });
+    }
+}
+
+/// How one layer's chain of rows runs through its S matrices ([`SnapshotRing::plan_chain`]).
+#[derive(Debug, Clone)]
+pub struct ChainPlan {
+    /// The sequence length the chain starts from.
+    start: usize,
+    /// Runs of rows, each one chain through [`delta_rule::chain`]: the rows and the plane the
+    /// run reads.
+    pub runs: Vec<(std::ops::Range<usize>, usize)>,
+    /// Per row: the plane its S matrices are written to, if any.
+    pub writes: Vec<Option<usize>>,
+    /// Whether the runs record their rows' rank-one steps ([`delta_rule::chain_recorded`]).
+    pub record: bool,
+    /// Per row: how the ring holds its state afterwards (none: not restorable).
+    keeps: Vec<Option<Keep>>,
+    /// The first length restorable after the chain.
+    oldest: usize,
+    /// The record the chain continues, its last state overwritten in place (see
+    /// [`SnapshotRing::plan_chain`]).
+    continues: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    Plane(usize),
+    Recorded,
 }
 
 impl SnapshotRing {
@@ -327,15 +446,14 @@ impl SnapshotRing {
         if n_planes < 2 {
             return Err(too_small(n_planes));
         }
-        let per_plane = [
-            layout.n_layers * layout.conv_len,
-            layout.n_layers * layout.ssm_len(),
-        ];
         let allocate = |n_planes: usize| {
             // Zeroed lazily: planes a run never reaches occupy no memory.
-            let conv =
-                specula_kernels::aligned::try_zeroed_vec(n_planes.checked_mul(per_plane[0])?)?;
-            let ssm = AlignedVec::try_zeroed(n_planes.checked_mul(per_plane[1])?)?;
+            let conv = specula_kernels::aligned::try_zeroed_vec(
+                n_planes.checked_mul(layout.n_layers * layout.conv_len)?,
+            )?;
+            let ssm = AlignedVec::try_zeroed(
+                (n_planes + EXTRA_SSM_PLANES).checked_mul(layout.n_layers * layout.ssm_len())?,
+            )?;
             Some((conv, ssm))
         };
         let (conv, ssm) = loop {
@@ -349,8 +467,9 @@ impl SnapshotRing {
             layout,
             conv,
             ssm,
+            n_ssm_planes: n_planes + EXTRA_SSM_PLANES,
             index: RingIndex::new(n_planes),
-            deferred: vec![Vec::new(); layout.n_layers],
+            held: vec![HeldStates::at(0, 0); layout.n_layers],
         };
         let size = RingSize {
             requested: depth,
@@ -363,7 +482,7 @@ impl SnapshotRing {
         &self.layout
     }
 
-    /// The ring's bookkeeping (which plane holds which length).
+    /// The ring's bookkeeping (which length is live, which convolution plane holds which).
     pub fn index(&self) -> &RingIndex {
         &self.index
     }
@@ -387,9 +506,9 @@ impl SnapshotRing {
         self.index.window()
     }
 
-    /// Bytes of all planes.
+    /// Bytes of all planes the ring may write.
     pub fn n_bytes(&self) -> u64 {
-        self.layout.plane_bytes() * self.index.n_planes() as u64
+        4 * (self.conv.len() + self.ssm.as_slice().len()) as u64
     }
 
     /// Layer `layer`'s convolution states, one plane after another.
@@ -417,6 +536,297 @@ impl SnapshotRing {
         read_write(self.conv_planes(layer), len, read, write)
     }
 
+    /// Layer `layer`'s convolution state at length `len + step` (what the `step`-th token
+    /// after the live state reads).
+    pub fn conv_state(&self, layer: usize, step: usize) -> &[f32] {
+        let (read, _) = self.index.step_planes(step);
+        let len = self.layout.conv_len;
+        let planes = self.index.n_planes() * len;
+        &self.conv[layer * planes + read * len..][..len]
+    }
+
+    /// Layer `layer`'s S matrices, head after head: each value head's matrix in every plane
+    /// is one slice of [`SnapshotRing::head_planes_len`] values (plane `p` at `p · head_len`;
+    /// the planes a chain or tree reads and writes come from [`SnapshotRing::plan_chain`] and
+    /// [`SnapshotRing::plan_tree`]), so `chunks_exact_mut` hands each head its own.
+    pub fn layer_heads_mut(&mut self, layer: usize) -> &mut [f32] {
+        let len = self.layout.n_heads * self.head_planes_len();
+        &mut self.ssm.as_mut_slice()[layer * len..][..len]
+    }
+
+    /// Values of one head's slice of [`SnapshotRing::layer_heads_mut`]: its matrix in every
+    /// plane.
+    pub fn head_planes_len(&self) -> usize {
+        self.n_ssm_planes * self.layout.head_len
+    }
+
+    /// How layer `layer` runs `m` rows from the `step0`-th state after the live one as chains
+    /// of at most `max_run` rows: their state written only where it must be (a run's last
+    /// row), the rest recorded (`record`, when the CPU has the recording kernel) or, without
+    /// it, written for the lengths the ring must be able to restore. Makes that starting
+    /// state a plane and frees the planes of lengths the evaluation takes out of the window.
+    /// Run it, then hand the plan to [`SnapshotRing::commit_chain`].
+    pub fn plan_chain(
+        &mut self,
+        layer: usize,
+        step0: usize,
+        m: usize,
+        max_run: usize,
+        record: bool,
+    ) -> ChainPlan {
+        let start = self.index.len() + step0;
+        let oldest = self.oldest_after(start + m);
+        let read0 = self.prepare(layer, start, oldest);
+        let held = &self.held[layer];
+        // A short chain from the end of a record younger than the ring's depth continues it:
+        // the starting state, rebuilt from the record when needed, is overwritten in place by
+        // the chain's last one. So a run of evaluations (single tokens, verify passes) keeps
+        // its states in one base plane, the live plane and their records.
+        let depth = self.index.depth();
+        let continues = (record && m <= max_run && oldest <= start)
+            .then(|| held.tail(start, depth))
+            .flatten();
+        if let Some(id) = continues {
+            let keeps = (0..m)
+                .map(|i| match i + 1 == m {
+                    true => Some(Keep::Plane(read0)),
+                    false => (start + i + 1 >= oldest).then_some(Keep::Recorded),
+                })
+                .collect();
+            let mut writes = vec![None; m];
+            writes[m - 1] = Some(read0);
+            return ChainPlan {
+                start,
+                runs: vec![(0..m, read0)],
+                writes,
+                record,
+                keeps,
+                oldest,
+                continues: Some(id),
+            };
+        }
+        let n_planes = self.n_ssm_planes;
+        let mut taken = Vec::new();
+        let take = |taken: &mut Vec<usize>| {
+            let p = held.free_plane(n_planes, taken);
+            taken.push(p);
+            p
+        };
+        let max_run = max_run.max(1);
+        // Whether the run of rows `a ..` keeps a record (of a row the ring must keep, or the
+        // last run's, which the next chain may continue): its start is then the record's base.
+        let records_kept = |a: usize| {
+            let b = (a + max_run).min(m);
+            record && (b == m || b > a + 1 && start + b > oldest)
+        };
+        let (mut writes, mut keeps) = (vec![None; m], vec![None; m]);
+        let (mut runs, mut read, mut transient) = (Vec::new(), read0, None);
+        let mut a = 0;
+        while a < m {
+            let b = (a + max_run).min(m);
+            for i in a..b - 1 {
+                if start + i + 1 >= oldest {
+                    if record {
+                        keeps[i] = Some(Keep::Recorded);
+                    } else {
+                        let p = take(&mut taken);
+                        (writes[i], keeps[i]) = (Some(p), Some(Keep::Plane(p)));
+                    }
+                }
+            }
+            let last = b - 1;
+            if start + b >= oldest || (b < m && records_kept(b)) {
+                let p = take(&mut taken);
+                (writes[last], keeps[last]) = (Some(p), Some(Keep::Plane(p)));
+            } else {
+                // A state no one restores: one plane for all of them, each run written over
+                // the one before (a chain may write the plane it reads).
+                let p = *transient.get_or_insert_with(|| take(&mut taken));
+                writes[last] = Some(p);
+            }
+            runs.push((a..b, read));
+            read = writes[last].expect("a run's last row is written");
+            a = b;
+        }
+        ChainPlan {
+            start,
+            runs,
+            writes,
+            record,
+            keeps,
+            oldest,
+            continues: None,
+        }
+    }
+
+    /// Records what a chain planned by [`SnapshotRing::plan_chain`] left: the planes it wrote
+    /// and, with `updates` (`[head][row]`: the decay, `key_dim` keys and one `δ` per state
+    /// row, as [`delta_rule::chain_recorded`] gave them), its recorded rows.
+    pub fn commit_chain(
+        &mut self,
+        layer: usize,
+        plan: &ChainPlan,
+        updates: &[f32],
+        key_dim: usize,
+    ) {
+        let m = plan.writes.len();
+        let stride = record_stride(self.layout.head_len, key_dim);
+        let heads = self.layout.n_heads;
+        let held = &mut self.held[layer];
+        // Rows `rows`' steps, `[step][head]`, appended to `kept`.
+        let steps_of = |rows: std::ops::Range<usize>, kept: &mut Vec<f32>| {
+            for i in rows {
+                for h in 0..heads {
+                    kept.extend_from_slice(&updates[(h * m + i) * stride..][..stride]);
+                }
+            }
+        };
+        let last_run = plan.runs.len().saturating_sub(1);
+        for (run, (rows, _)) in plan.runs.iter().enumerate() {
+            let recorded = || {
+                rows.clone()
+                    .filter(|&i| plan.keeps[i] == Some(Keep::Recorded))
+            };
+            // A record for the run's recorded rows, and for the last run in any case (the
+            // next chain may continue it).
+            if !plan.record || (run != last_run && recorded().next().is_none()) {
+                continue;
+            }
+            let id = match plan.continues {
+                Some(id) => {
+                    let record = held.records.get_mut(&id).expect("a continued record");
+                    steps_of(rows.clone(), &mut record.updates);
+                    record.steps += rows.len();
+                    // The starting state was overwritten: its record holds it now.
+                    held.at.insert(plan.start, Held::Recorded(id));
+                    id
+                }
+                None => {
+                    let mut kept = Vec::with_capacity(heads * rows.len() * stride);
+                    steps_of(rows.clone(), &mut kept);
+                    let id = held.next_id;
+                    held.next_id += 1;
+                    let record = Record {
+                        base: plan.start + rows.start,
+                        steps: rows.len(),
+                        key_dim,
+                        step_values: heads * stride,
+                        updates: kept,
+                    };
+                    held.records.insert(id, record);
+                    id
+                }
+            };
+            for i in recorded() {
+                held.at.insert(plan.start + i + 1, Held::Recorded(id));
+            }
+        }
+        for (i, keep) in plan.keeps.iter().enumerate() {
+            if let Some(Keep::Plane(p)) = keep {
+                held.at.insert(plan.start + i + 1, Held::Plane(*p));
+            }
+        }
+        let oldest = plan.oldest;
+        held.retain(|len| len >= oldest);
+    }
+
+    /// The planes of a tree evaluation of `m` rows from the `step0`-th state after the live
+    /// one, in layer `layer`: `[0]` holds that state, `[i + 1]` receives row `i`'s. Every row's
+    /// state is written (a later row may start from any); hand them to
+    /// [`SnapshotRing::commit_tree`] once the rows ran.
+    pub fn plan_tree(&mut self, layer: usize, step0: usize, m: usize) -> Vec<usize> {
+        let start = self.index.len() + step0;
+        let oldest = self.oldest_after(start + m);
+        let mut planes = vec![self.prepare(layer, start, oldest)];
+        for _ in 0..m {
+            let p = self.held[layer].free_plane(self.n_ssm_planes, &planes);
+            planes.push(p);
+        }
+        planes
+    }
+
+    /// Records the planes of a tree evaluation ([`SnapshotRing::plan_tree`]): row `i`'s state
+    /// as the state at the `step0 + i + 1`-th length after the live one.
+    pub fn commit_tree(&mut self, layer: usize, step0: usize, planes: &[usize]) {
+        let start = self.index.len() + step0;
+        let oldest = self.oldest_after(start + planes.len() - 1);
+        let held = &mut self.held[layer];
+        for (i, &p) in planes[1..].iter().enumerate() {
+            held.at.insert(start + i + 1, Held::Plane(p));
+        }
+        held.retain(|len| len >= oldest);
+    }
+
+    /// The first length the ring still restores once it reaches length `end`.
+    fn oldest_after(&self, end: usize) -> usize {
+        end.saturating_sub(self.index.depth())
+            .max(*self.index.window().start())
+    }
+
+    /// Before an evaluation of layer `layer` from length `start`: that state in a plane
+    /// (returned), later lengths forgotten, and lengths before `oldest` freed.
+    fn prepare(&mut self, layer: usize, start: usize, oldest: usize) -> usize {
+        let read = self.materialize(layer, start);
+        let held = &mut self.held[layer];
+        held.cut(start);
+        held.retain(|len| len >= oldest || len == start);
+        read
+    }
+
+    /// The plane holding layer `layer`'s S matrices at length `len`, rebuilt from its record
+    /// into a free plane if it was recorded.
+    fn materialize(&mut self, layer: usize, len: usize) -> usize {
+        let held = &self.held[layer];
+        let id = match held.at.get(&len) {
+            Some(&Held::Plane(p)) => return p,
+            Some(&Held::Recorded(id)) => id,
+            None => panic!("snapshot ring: layer {layer} holds no state at length {len}"),
+        };
+        let record = &held.records[&id];
+        let from = held
+            .plane(record.base)
+            .expect("snapshot ring: a record's base is a plane");
+        let to = held.free_plane(self.n_ssm_planes, &[]);
+        let (head_len, heads, base, key_dim) = (
+            self.layout.head_len,
+            self.layout.n_heads,
+            record.base,
+            record.key_dim,
+        );
+        let stride = record_stride(head_len, key_dim);
+        let rows = head_len / key_dim;
+        let updates = std::mem::take(
+            &mut self.held[layer]
+                .records
+                .get_mut(&id)
+                .expect("a held record")
+                .updates,
+        );
+        let per_head = self.head_planes_len();
+        for (h, planes) in self
+            .layer_heads_mut(layer)
+            .chunks_exact_mut(per_head)
+            .enumerate()
+        {
+            let replayed: Vec<delta_rule::RankOne<'_>> = (0..len - base)
+                .map(|i| {
+                    let u = &updates[(i * heads + h) * stride..][..stride];
+                    delta_rule::RankOne {
+                        decay: u[0],
+                        k: &u[1..1 + key_dim],
+                        delta: &u[1 + key_dim..1 + key_dim + rows],
+                    }
+                })
+                .collect();
+            let (state_in, state_out) = read_write(planes, head_len, from, to);
+            delta_rule::replay(&replayed, state_in, state_out);
+        }
+        let held = &mut self.held[layer];
+        held.records.get_mut(&id).expect("a held record").updates = updates;
+        held.at.insert(len, Held::Plane(to));
+        to
+    }
+
     /// After a tree of `n` rows was evaluated and the ring advanced past it: makes the states
     /// of the tree rows `path` (a root-to-node path; row `r` wrote step `r + 1`) the states at
     /// the lengths after the tree's start, in order, the last one live — as if the path alone
@@ -431,29 +841,32 @@ impl SnapshotRing {
     ) {
         let base = self.index.len() - n;
         assert!(
-            n <= self.index.depth() && self.restore(base),
+            n <= self.index.depth() && self.index.restore(base),
             "snapshot ring: a tree of {n} rows does not fit a ring of depth {}",
             self.index.depth()
         );
-        let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
-        let per_head = self.head_planes_len();
+        let conv_len = self.layout.conv_len;
         for (k, &row) in path.iter().enumerate() {
             let (from, to) = (
                 self.index.plane_of(row as usize + 1),
                 self.index.plane_of(k + 1),
             );
-            if from == to {
-                continue;
-            }
-            for layer in 0..self.layout.n_layers {
-                self.conv_planes(layer)
-                    .copy_within(from * conv_len..(from + 1) * conv_len, to * conv_len);
-                for head in self
-                    .layer_heads_mut(layer)
-                    .chunks_exact_mut(per_head.max(1))
-                {
-                    head.copy_within(from * head_len..(from + 1) * head_len, to * head_len);
+            if from != to {
+                for layer in 0..self.layout.n_layers {
+                    self.conv_planes(layer)
+                        .copy_within(from * conv_len..(from + 1) * conv_len, to * conv_len);
                 }
+            }
+        }
+        // The S matrices change lengths, not planes.
+        for held in &mut self.held {
+            let rows: Vec<Held> = path
+                .iter()
+                .map(|&row| held.at[&(base + row as usize + 1)])
+                .collect();
+            held.cut(base);
+            for (k, row) in rows.into_iter().enumerate() {
+                held.at.insert(base + k + 1, row);
             }
         }
         if let Some((at, plane)) = boundary {
@@ -465,205 +878,81 @@ impl SnapshotRing {
                 self.save_layer(layer, at - base, plane, at);
             }
         }
-        self.index.advance(path.len());
-    }
-
-    /// Layer `layer`'s convolution state at length `len + step` (what the `step`-th token
-    /// after the live state reads).
-    pub fn conv_state(&self, layer: usize, step: usize) -> &[f32] {
-        let (read, _) = self.index.step_planes(step);
-        let len = self.layout.conv_len;
-        let planes = self.index.n_planes() * len;
-        &self.conv[layer * planes + read * len..][..len]
-    }
-
-    /// Layer `layer`'s S matrices, head after head: each value head's matrix in every plane
-    /// is one slice of [`SnapshotRing::head_planes_len`] values (plane `p` at `p · head_len`;
-    /// pick a token's pair with [`read_write`] and [`RingIndex::step_planes`]), so
-    /// `chunks_exact_mut` hands each head its own. The ordering rule of
-    /// [`SnapshotRing::conv_io`] holds per head.
-    pub fn layer_heads_mut(&mut self, layer: usize) -> &mut [f32] {
-        let len = self.layout.n_heads * self.head_planes_len();
-        &mut self.ssm.as_mut_slice()[layer * len..][..len]
-    }
-
-    /// Values of one head's slice of [`SnapshotRing::layer_heads_mut`]: its matrix in every
-    /// plane.
-    pub fn head_planes_len(&self) -> usize {
-        self.index.n_planes() * self.layout.head_len
+        self.advance(path.len());
     }
 
     /// Makes the state after `n` more tokens (written through [`SnapshotRing::conv_io`] and
-    /// [`SnapshotRing::layer_heads_mut`]) the live one.
+    /// the chains' and trees' plans) the live one.
     pub fn advance(&mut self, n: usize) {
         self.index.advance(n);
+        self.forget_before_window();
+    }
+
+    fn forget_before_window(&mut self) {
+        let oldest = *self.index.window().start();
+        for held in &mut self.held {
+            held.retain(|len| len >= oldest);
+        }
     }
 
     /// Makes the state at length `len` live again, if the ring still holds it: O(1), or one
-    /// state rebuilt per layer where a chain left it unwritten ([`SnapshotRing::defer`]).
+    /// S matrix per head rebuilt where a chain recorded it.
     pub fn restore(&mut self, len: usize) -> bool {
         if !self.index.restore(len) {
             return false;
         }
         for layer in 0..self.layout.n_layers {
-            let records = std::mem::take(&mut self.deferred[layer]);
-            let mut kept = Vec::with_capacity(records.len());
-            for mut record in records {
-                if record.is_pending(len) {
-                    self.rebuild(layer, &record, len);
-                }
-                for later in len..=record.base + record.pending.len() {
-                    record.forget(later);
-                }
-                if record.lengths().next().is_some() {
-                    kept.push(record);
-                }
-            }
-            self.deferred[layer] = kept;
+            self.held[layer].cut(len);
+            self.materialize(layer, len);
         }
         true
     }
 
-    /// The plane holding (or receiving) the state at length `len`: one in the window, or one
-    /// the evaluation running from the live state writes.
-    fn plane_at(&self, len: usize) -> usize {
-        let n = self.index.n_planes() as isize;
-        let offset = len as isize - self.index.len() as isize;
-        (self.index.live_plane() as isize + offset).rem_euclid(n) as usize
-    }
-
-    /// Records that a chain of `steps` rows from length `base` wrote layer `layer`'s S
-    /// matrices only for its last row, with the rank-one steps of its rows in `updates`
-    /// (`[head][step]`: the decay, `key_dim` keys, a `δ` per state row; recorded by
-    /// [`delta_rule::chain_recorded`]): the states before it are rebuilt when a restore
-    /// lands on one, or when the plane they start from is about to be overwritten while
-    /// they may still be restored ([`SnapshotRing::settle`]).
-    pub fn defer(
-        &mut self,
-        layer: usize,
-        base: usize,
-        steps: usize,
-        key_dim: usize,
-        updates: &[f32],
-    ) {
-        if steps < 2 {
-            return;
-        }
-        let head_len = self.layout.head_len;
-        let stride = 1 + key_dim + head_len / key_dim;
-        assert_eq!(
-            updates.len(),
-            self.layout.n_heads * steps * stride,
-            "snapshot ring: deferred steps of another shape"
-        );
-        self.deferred[layer].push(Deferred {
-            base,
-            key_dim,
-            steps,
-            updates: updates.to_vec(),
-            pending: vec![true; steps - 1],
-        });
-    }
-
-    /// Before an evaluation of layer `layer` writes the states at lengths `writes`: forgets
-    /// unwritten states whose planes it overwrites, and rebuilds those at `keep_from` or later
-    /// whose starting state it overwrites (they may still be restored after it).
-    pub fn settle(
-        &mut self,
-        layer: usize,
-        writes: std::ops::RangeInclusive<usize>,
-        keep_from: usize,
-    ) {
-        if self.deferred[layer].is_empty() {
-            return;
-        }
-        let n = self.index.n_planes();
-        let mut overwritten = vec![false; n];
-        for len in writes.take(n) {
-            overwritten[self.plane_at(len)] = true;
-        }
-        let records = std::mem::take(&mut self.deferred[layer]);
-        let mut kept = Vec::with_capacity(records.len());
-        for mut record in records {
-            let lengths: Vec<usize> = record.lengths().collect();
-            for &len in &lengths {
-                if overwritten[self.plane_at(len)] {
-                    record.forget(len);
-                }
-            }
-            if overwritten[self.plane_at(record.base)] {
-                for len in record.lengths().collect::<Vec<_>>() {
-                    if len >= keep_from {
-                        self.rebuild(layer, &record, len);
-                    }
-                    record.forget(len);
-                }
-            }
-            if record.lengths().next().is_some() {
-                kept.push(record);
-            }
-        }
-        self.deferred[layer] = kept;
-    }
-
-    /// Writes layer `layer`'s S matrices at length `len` (unwritten in `record`) into their
-    /// plane, replayed from the record's starting state.
-    fn rebuild(&mut self, layer: usize, record: &Deferred, len: usize) {
-        let head_len = self.layout.head_len;
-        let (from, to) = (self.plane_at(record.base), self.plane_at(len));
-        let stride = record.stride(head_len);
-        let (key_dim, rows) = (record.key_dim, head_len / record.key_dim);
-        let per_head = self.head_planes_len();
-        let updates = &record.updates;
-        for (h, planes) in self
-            .layer_heads_mut(layer)
-            .chunks_exact_mut(per_head)
-            .enumerate()
-        {
-            let steps: Vec<delta_rule::RankOne<'_>> = (0..len - record.base)
-                .map(|i| {
-                    let u = &updates[(h * record.steps + i) * stride..][..stride];
-                    delta_rule::RankOne {
-                        decay: u[0],
-                        k: &u[1..1 + key_dim],
-                        delta: &u[1 + key_dim..1 + key_dim + rows],
-                    }
-                })
-                .collect();
-            let (state_in, state_out) = read_write(planes, head_len, from, to);
-            delta_rule::replay(&steps, state_in, state_out);
-        }
-    }
-
-    /// Makes this ring hold what `other` holds (every plane and which length each holds): a
-    /// forked sequence keeps its parent's state and rollback window.
+    /// Makes this ring hold what `other` holds (every restorable state and which length each
+    /// holds): a forked sequence keeps its parent's state and rollback window.
     ///
     /// # Panics
     ///
     /// If the rings differ in layout or depth.
     pub fn copy_from(&mut self, other: &Self) {
         assert!(
-            self.layout == other.layout && self.index.n_planes() == other.index.n_planes(),
+            self.layout == other.layout
+                && self.index.n_planes() == other.index.n_planes()
+                && self.n_ssm_planes == other.n_ssm_planes,
             "snapshot ring: copying a ring of another shape"
         );
         self.conv.copy_from_slice(&other.conv);
-        self.ssm
-            .as_mut_slice()
-            .copy_from_slice(other.ssm.as_slice());
+        let (head_len, per_head) = (self.layout.head_len, self.head_planes_len());
+        for (layer, held) in other.held.iter().enumerate() {
+            let len = self.layout.n_heads * per_head;
+            let src = &other.ssm.as_slice()[layer * len..][..len];
+            let dst = &mut self.ssm.as_mut_slice()[layer * len..][..len];
+            for held in held.at.values() {
+                if let Held::Plane(p) = *held {
+                    for (d, s) in dst
+                        .chunks_exact_mut(per_head.max(1))
+                        .zip(src.chunks_exact(per_head.max(1)))
+                    {
+                        d[p * head_len..][..head_len]
+                            .copy_from_slice(&s[p * head_len..][..head_len]);
+                    }
+                }
+            }
+        }
+        self.held.clone_from(&other.held);
         self.index = other.index;
-        self.deferred.clone_from(&other.deferred);
     }
 
     /// Copies layer `layer`'s state at length `len + step` (what the `step`-th token after the
     /// live state reads) into `plane`, as the state at sequence length `at`.
-    pub fn save_layer(&self, layer: usize, step: usize, plane: &mut StatePlane, at: usize) {
+    pub fn save_layer(&mut self, layer: usize, step: usize, plane: &mut StatePlane, at: usize) {
         assert_eq!(
             plane.layout, self.layout,
             "snapshot ring: a plane of another shape"
         );
         let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
         plane.conv[layer * conv_len..][..conv_len].copy_from_slice(self.conv_state(layer, step));
-        let (read, _) = self.index.step_planes(step);
+        let read = self.materialize(layer, self.index.len() + step);
         let per_head = self.head_planes_len();
         let heads = self.layout.n_heads;
         let layer_heads = &self.ssm.as_slice()[layer * heads * per_head..][..heads * per_head];
@@ -699,15 +988,15 @@ impl SnapshotRing {
                 .chunks_exact_mut(per_head.max(1))
                 .zip(src.chunks_exact(head_len.max(1)))
             {
-                planes[live * head_len..][..head_len].copy_from_slice(s);
+                planes[..head_len].copy_from_slice(s);
             }
+            self.held[layer] = HeldStates::at(len, 0);
         }
         self.index.start_at(len);
-        self.deferred.iter_mut().for_each(Vec::clear);
         Some(len)
     }
 
-    /// Back to the empty sequence: the live plane is zeroed, every snapshot forgotten.
+    /// Back to the empty sequence: the live state zeroed, every snapshot forgotten.
     pub fn reset(&mut self) {
         let live = self.index.live_plane();
         let (conv_len, head_len) = (self.layout.conv_len, self.layout.head_len);
@@ -718,18 +1007,21 @@ impl SnapshotRing {
                 .layer_heads_mut(layer)
                 .chunks_exact_mut(per_head.max(1))
             {
-                head[live * head_len..][..head_len].fill(0.0);
+                head[..head_len].fill(0.0);
             }
+            self.held[layer] = HeldStates::at(0, 0);
         }
         self.index.reset();
-        self.deferred.iter_mut().for_each(Vec::clear);
     }
 
     /// The live S matrix of value head `head` of layer `layer`.
     pub fn live_head(&self, layer: usize, head: usize) -> &[f32] {
         let len = self.layout.head_len;
+        let plane = self.held[layer]
+            .plane(self.index.len())
+            .expect("snapshot ring: the live state is a plane");
         let first = (layer * self.layout.n_heads + head) * self.head_planes_len();
-        &self.ssm.as_slice()[first + self.index.live_plane() * len..][..len]
+        &self.ssm.as_slice()[first + plane * len..][..len]
     }
 }
 
@@ -747,10 +1039,11 @@ mod tests {
     /// Writes `value` into every element of every layer for one step (the S matrices as the
     /// previous state plus `value` minus the previous state, so the read is exercised).
     fn step(ring: &mut SnapshotRing, step: usize, value: f32) {
-        let (read, write) = ring.index().step_planes(step);
         for layer in 0..LAYOUT.n_layers {
             let (_, dst) = ring.conv_io(layer, step);
             dst.fill(value);
+            let plan = ring.plan_chain(layer, step, 1, 16, false);
+            let (read, write) = (plan.runs[0].1, plan.writes[0].unwrap());
             let per_head = ring.head_planes_len();
             for head in ring.layer_heads_mut(layer).chunks_exact_mut(per_head) {
                 let (src, dst) = read_write(head, LAYOUT.head_len, read, write);
@@ -758,6 +1051,7 @@ mod tests {
                     *d = s + (value - s);
                 }
             }
+            ring.commit_chain(layer, &plan, &[], 1);
         }
     }
 
@@ -785,7 +1079,8 @@ mod tests {
                 depth: 3
             }
         );
-        assert_eq!(ring.n_bytes(), 4 * 4 * 14);
+        // Convolution states in 4 planes, S matrices in 4 + 3.
+        assert_eq!(ring.n_bytes(), 4 * (4 * 2 * 3 + 7 * 2 * 2 * 2));
         for i in 0..5 {
             step(&mut ring, 0, (i + 1) as f32);
             ring.advance(1);
@@ -821,6 +1116,28 @@ mod tests {
         assert_eq!(ring.window(), 5..=7);
         assert!(ring.restore(5));
         assert_eq!(live(&ring), [5.0; 14]);
+    }
+
+    /// Recorded chains of one token and of several keep a window of 8 lengths in a few
+    /// planes: the record's base, the live state and their neighbours, not one per length.
+    #[test]
+    fn recorded_chains_touch_a_few_planes() {
+        let (mut ring, _) = SnapshotRing::allocate(LAYOUT, 8, None).unwrap();
+        let stride = record_stride(LAYOUT.head_len, 1);
+        let mut touched = std::collections::BTreeSet::new();
+        for m in [
+            1, 1, 3, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1,
+        ] {
+            for layer in 0..LAYOUT.n_layers {
+                let plan = ring.plan_chain(layer, 0, m, 16, true);
+                touched.extend(plan.writes.iter().flatten().copied());
+                let updates = vec![0.0; LAYOUT.n_heads * m * stride];
+                ring.commit_chain(layer, &plan, &updates, 1);
+            }
+            ring.advance(m);
+            assert_eq!(ring.window().count(), ring.len().min(8) + 1);
+        }
+        assert!(touched.len() <= 4, "planes written: {touched:?}");
     }
 
     #[test]

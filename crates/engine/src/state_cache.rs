@@ -251,7 +251,7 @@ mod tests {
 
     /// A complete plane holding the state at `len` (a ring's live state, copied).
     fn at(len: usize) -> BoundaryState {
-        let (ring, _) = SnapshotRing::allocate(LAYOUT, 1, None).unwrap();
+        let (mut ring, _) = SnapshotRing::allocate(LAYOUT, 1, None).unwrap();
         let mut plane = StatePlane::new(LAYOUT).unwrap();
         for layer in 0..LAYOUT.n_layers {
             ring.save_layer(layer, 0, &mut plane, len);
@@ -287,7 +287,7 @@ mod tests {
         let back = cache.insert(key(1), at(64)).unwrap();
         assert_eq!(back.state_len(), Some(64));
         let mut partial = StatePlane::new(LAYOUT).unwrap();
-        let (ring, _) = SnapshotRing::allocate(LAYOUT, 1, None).unwrap();
+        let (mut ring, _) = SnapshotRing::allocate(LAYOUT, 1, None).unwrap();
         ring.save_layer(0, 0, &mut partial, 256);
         assert_eq!(partial.state_len(), None);
         let partial = BoundaryState {

@@ -334,6 +334,50 @@ fn a_state_a_chain_left_unwritten_survives_the_next_chain() {
     assert_eq!(bits(&hidden(&b)), bits(&clean.1));
 }
 
+/// A rollback forgets what a chain recorded past it: here the rolled-back path ends exactly
+/// where a later chain starts (a chain from the end of a record shorter than the ring's depth
+/// continues it in place), and the continuation must still be that of the kept tokens.
+#[test]
+fn a_chain_after_a_rollback_continues_only_the_kept_path() {
+    let after = [417, 290];
+    for file in [
+        "tiny-qwen35.gguf",
+        "tiny-qwen35-4l-mtp.gguf",
+        "tiny-qwen3next.gguf",
+    ] {
+        let path = fixture(file);
+        let mut b = open(&path, 2, 64);
+        let depth = b.caps().rollback_depth as usize;
+        assert!((4..=16).contains(&depth), "{file}: depth {depth}");
+        let mut rng = Rng::new(9);
+        let filler = rng.tokens(depth, VOCAB as u32);
+        let n = depth - 1;
+        let (first, second) = (rng.tokens(n, VOCAB as u32), rng.tokens(n, VOCAB as u32));
+        eval(&mut b, &PROMPT, LogitRows::Last);
+        // A chain as long as the ring is deep: the next one starts a record of its own.
+        eval(&mut b, &filler, LogitRows::Last);
+        let start = PROMPT.len() + depth;
+        eval(&mut b, &first, LogitRows::All);
+        b.truncate_to(start + 2).unwrap();
+        eval(&mut b, &second, LogitRows::All);
+        // Kept: two of the first chain's tokens, then the second's up to where the first
+        // chain's rolled-back path ended.
+        b.truncate_to(start + n).unwrap();
+        let logits = eval(&mut b, &after, LogitRows::All);
+        let kept = [&filler[..], &first[..2], &second[..n - 2]].concat();
+        let clean = clean_run(&path, &kept, &after);
+        assert_eq!(bits(&logits), bits(&clean.0), "{file}");
+        // And a state of that chain rebuilt from what it recorded.
+        b.truncate_to(start + n + 1).unwrap();
+        let logits = eval(&mut b, &after, LogitRows::All);
+        let kept = [&kept[..], &after[..1]].concat();
+        let clean = clean_run(&path, &kept, &after);
+        assert_eq!(bits(&logits), bits(&clean.0), "{file}");
+        assert_eq!(bits(&hidden(&b)), bits(&clean.1), "{file}");
+        assert_eq!(b.slow_rollbacks(), 0, "{file}");
+    }
+}
+
 /// A `Write` into a shared buffer, to capture log lines.
 #[derive(Clone, Default)]
 struct LogBuffer(Arc<Mutex<Vec<u8>>>);

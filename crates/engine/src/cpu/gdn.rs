@@ -1,12 +1,13 @@
 //! The Gated DeltaNet recurrence on the CPU: the convolution over the conv state, the L2 norms
 //! and the delta rule head by head ([`crate::blocks::gdn`] says what it computes).
 //!
-//! The convolution runs through [`conv_rows`] and the recurrence head by head: a verify pass's
-//! or decode step's rows (and each run of a tree's rows that continue the row before) as one
-//! chain through [`delta_rule::chain`], which reads the state the chain starts from once and
-//! writes each row's state to its ring plane; a long prefill's rows one by one through
-//! [`head_step`]. Either way a state row takes the same instructions, so a verify row and a
-//! single-token evaluation agree bit for bit.
+//! The convolution runs through [`conv_rows`] and the recurrence head by head: a pass's rows
+//! in runs of up to 16 (and each run of a tree's rows that continue the row before) as chains
+//! through [`delta_rule::chain`], which read the state a run starts from once and write a
+//! state only where the ring's plan says ([`SnapshotRing::plan_chain`]: a run's last row; the
+//! others' rank-one steps recorded). A state row takes the same instructions whatever the
+//! run, so a verify row and a single-token evaluation agree bit for bit ([`head_step`] is the
+//! one-row step they equal).
 
 use rayon::prelude::*;
 use specula_kernels::activations::{self, Gate};
@@ -15,20 +16,26 @@ use specula_kernels::ops;
 use specula_kernels::simd;
 
 use crate::blocks::gdn::{GdnShape, GdnWeights};
-use crate::recurrent::{read_write, SnapshotRing};
+use crate::recurrent::{ChainPlan, SnapshotRing};
 
 /// Below this many state values per token, heads run on the calling thread.
 const PARALLEL_MIN_STATE: usize = 1 << 15;
 
 /// The most rows a chain runs through [`delta_rule::chain`] (each state row carried in
-/// registers through all the rows); longer ones (prefill) run row by row. The chain's steps
-/// are one dependency chain per state row, fed with every row's keys and queries again for
-/// each state row: past 16 rows those no longer stay in L1 (qwen35-0.8b Q8_0, Emerald Rapids
-/// Xeon, both ways taking turns in one process, GDN time per pass chained against row by row:
-/// 1 row 2.26 / 2.48 ms against 2.56 / 2.80, 4 rows 4.74 / 5.15 against 7.00 / 6.88, 8 rows
-/// 9.62 / 9.66 against 13.75 / 14.23, 12 rows 12.46 / 13.89 against 16.94 / 16.70; prefill
-/// passes of 64 rows and more 2–5% slower chained).
+/// registers through all the rows); longer evaluations (prefill) run as several. The chain's
+/// steps are one dependency chain per state row, fed with every row's keys and queries again
+/// for each state row: past 16 rows those no longer stay in L1 (qwen35-0.8b Q8_0, Emerald
+/// Rapids Xeon, both ways taking turns in one process, GDN time per pass chained against row
+/// by row: 1 row 2.26 / 2.48 ms against 2.56 / 2.80, 4 rows 4.74 / 5.15 against 7.00 / 6.88, 8
+/// rows 9.62 / 9.66 against 13.75 / 14.23, 12 rows 12.46 / 13.89 against 16.94 / 16.70).
 const CHAIN_MAX_ROWS: usize = 16;
+
+/// How [`recurrence`] runs its rows through the S matrices.
+enum Plan {
+    Chain(ChainPlan),
+    /// The planes of a tree's start state and of each row's.
+    Tree(Vec<usize>),
+}
 
 /// One value head's buffers in [`recurrence`]: its S matrices in every plane, its outputs
 /// and its recorded rank-one steps.
@@ -153,22 +160,19 @@ pub fn recurrence(
         }
     }
 
-    // States chains left unwritten where this evaluation writes: forgotten, or rebuilt when
-    // they may still be restored afterwards (a tree's window is judged later: all kept).
-    let len = ring.len();
-    let keep_from = match tree {
-        None => (len + step0 + m).saturating_sub(ring.depth()),
-        Some(_) => *ring.window().start(),
+    // A chain writes the S matrices where its runs end and records its other rows' rank-one
+    // steps (1 KiB per head and row) for the ring to rebuild if a rollback lands on one; a
+    // tree writes every row's (a later row may start from any).
+    let plan = match tree {
+        None => Plan::Chain(ring.plan_chain(
+            slot,
+            step0,
+            m,
+            CHAIN_MAX_ROWS,
+            delta_rule::records_deltas(simd::level(), sd),
+        )),
+        Some(_) => Plan::Tree(ring.plan_tree(slot, step0, m)),
     };
-    ring.settle(slot, len + step0 + 1..=len + step0 + m, keep_from);
-    let index = *ring.index();
-    let state_len = sd * sd;
-    // A short chain writes only its last row's S matrices and records the rank-one steps of
-    // the others, rebuilt only if a rollback lands on one (most never are read).
-    let defer = tree.is_none()
-        && (2..=CHAIN_MAX_ROWS).contains(&m)
-        && m < index.n_planes()
-        && delta_rule::records_deltas(simd::level(), sd);
     let stride = 1 + 2 * sd;
     let (qkv, z) = (&s.qkv[..m * c], &input.z[..m * vd]);
     let head = |(h, ((planes, outputs), updates)): (usize, HeadBuffers<'_>)| {
@@ -180,91 +184,89 @@ pub fn recurrence(
         };
         // Rows `rows` as one chain through `delta_rule::chain`: the first reads plane `read`,
         // each later one the state the row before computed (in registers); row `i`'s state
-        // goes to plane `write(i)`, or nowhere.
+        // goes to plane `writes[i - rows.start]`, or nowhere; with `record`, each row's
+        // rank-one step goes to `updates`.
         let chain = |planes: &mut [f32],
                      outputs: &mut [f32],
+                     updates: &mut [f32],
                      rows: std::ops::Range<usize>,
                      read: usize,
-                     write: &dyn Fn(usize) -> Option<usize>| {
+                     writes: &[Option<usize>],
+                     record: bool| {
             let xs: Vec<DeltaInputs<'_>> = rows
                 .clone()
                 .map(|i| delta_inputs(shape, w, h, inputs(i)))
                 .collect();
-            let writes: Vec<Option<usize>> = rows.clone().map(write).collect();
             let run = &mut outputs[rows.start * sd..rows.end * sd];
-            delta_rule::chain(&xs, planes, read, &writes, run);
-            for (i, o) in rows.zip(run.chunks_exact_mut(sd)) {
-                gated_output(shape, w, o, inputs(i).z);
-            }
-        };
-        match tree {
-            // A short chain (a verify pass, a decode step): the S matrix is read once and each
-            // row's state written once (a state the ring overwrites later in the same call,
-            // `n_planes` rows on, not at all).
-            None if defer => {
-                let xs: Vec<DeltaInputs<'_>> = (0..m)
-                    .map(|i| delta_inputs(shape, w, h, inputs(i)))
-                    .collect();
-                let writes: Vec<Option<usize>> = (0..m)
-                    .map(|i| (i + 1 == m).then(|| index.plane_of(step0 + m)))
-                    .collect();
-                let mut deltas = vec![0.0f32; m * sd];
-                let read = index.plane_of(step0);
-                delta_rule::chain_recorded(&xs, planes, read, &writes, outputs, &mut deltas);
+            if record {
+                let mut deltas = vec![0.0f32; rows.len() * sd];
+                delta_rule::chain_recorded(&xs, planes, read, writes, run, &mut deltas);
+                let steps = &mut updates[rows.start * stride..rows.end * stride];
                 for ((x, u), d) in xs
                     .iter()
-                    .zip(updates.chunks_exact_mut(stride))
+                    .zip(steps.chunks_exact_mut(stride))
                     .zip(deltas.chunks_exact(sd))
                 {
                     u[0] = x.decay;
                     u[1..1 + sd].copy_from_slice(x.k);
                     u[1 + sd..].copy_from_slice(d);
                 }
-                for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-                    gated_output(shape, w, o, inputs(i).z);
-                }
+            } else {
+                delta_rule::chain(&xs, planes, read, writes, run);
             }
-            None if m <= CHAIN_MAX_ROWS => {
-                let n_planes = index.n_planes();
-                let write = |i: usize| (i + n_planes >= m).then(|| index.plane_of(step0 + i + 1));
-                chain(planes, outputs, 0..m, index.plane_of(step0), &write);
+            for (i, o) in rows.zip(run.chunks_exact_mut(sd)) {
+                gated_output(shape, w, o, inputs(i).z);
             }
-            // A longer one (prefill) row by row.
-            None => {
-                for (i, o) in outputs.chunks_exact_mut(sd).enumerate() {
-                    let (read, write) = index.step_planes(step0 + i);
-                    let (state_in, state_out) = read_write(planes, state_len, read, write);
-                    head_step(shape, w, h, inputs(i), state_in, state_out, o);
+        };
+        match (&plan, tree) {
+            (Plan::Chain(plan), _) => {
+                for (rows, read) in &plan.runs {
+                    let writes = &plan.writes[rows.clone()];
+                    let record = plan.record;
+                    chain(
+                        planes,
+                        outputs,
+                        updates,
+                        rows.clone(),
+                        *read,
+                        writes,
+                        record,
+                    );
                 }
             }
             // A tree: each run of rows that continue the row before (`reads[i]` the step row
-            // `i - 1` wrote) as one chain from its first row's parent; every state kept (a
-            // later row may start from it).
-            Some(reads) => {
-                let write = |i: usize| Some(index.plane_of(step0 + i + 1));
+            // `i - 1` wrote) as one chain from its first row's parent; every state kept.
+            (Plan::Tree(tree_planes), Some(reads)) => {
+                let writes: Vec<Option<usize>> =
+                    tree_planes[1..].iter().copied().map(Some).collect();
                 let mut first = 0;
                 while first < m {
                     let mut end = first + 1;
                     while end < m && end - first < CHAIN_MAX_ROWS && reads[end] == step0 + end {
                         end += 1;
                     }
+                    let read = tree_planes[reads[first] - step0];
+                    let run_writes = &writes[first..end];
                     chain(
                         planes,
                         outputs,
+                        updates,
                         first..end,
-                        index.plane_of(reads[first]),
-                        &write,
+                        read,
+                        run_writes,
+                        false,
                     );
                     first = end;
                 }
             }
+            (Plan::Tree(_), None) => unreachable!("a tree plan for a chain"),
         }
     };
     let per_head = ring.head_planes_len();
     let states = ring.layer_heads_mut(slot);
     let heads = &mut s.heads[..m * vd];
     let updates = &mut s.updates[..hv * m * stride];
-    if hv * state_len < PARALLEL_MIN_STATE {
+    if hv * sd * sd < PARALLEL_MIN_STATE {
         states
             .chunks_exact_mut(per_head)
             .zip(heads.chunks_exact_mut(m * sd))
@@ -279,8 +281,9 @@ pub fn recurrence(
             .enumerate()
             .for_each(head);
     }
-    if defer {
-        ring.defer(slot, len + step0, m, sd, &s.updates[..hv * m * stride]);
+    match &plan {
+        Plan::Chain(plan) => ring.commit_chain(slot, plan, &s.updates[..hv * m * stride], sd),
+        Plan::Tree(planes) => ring.commit_tree(slot, step0, planes),
     }
     // Head-major to row-major for `ssm_out`.
     for (h, rows) in s.heads[..m * vd].chunks_exact(m * sd).enumerate() {
