@@ -287,6 +287,8 @@ struct HeldStates {
     at: BTreeMap<usize, Held>,
     records: BTreeMap<usize, Record>,
     next_id: usize,
+    /// The ring's depth: a record this long is not continued.
+    depth: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,18 +314,19 @@ struct Record {
 
 impl HeldStates {
     /// The record a chain starting at `start` may continue: the one ending there, its base
-    /// fewer than `most` steps back.
-    fn tail(&self, start: usize, most: usize) -> Option<usize> {
+    /// fewer than the ring's depth back.
+    fn tail(&self, start: usize) -> Option<usize> {
         let (&id, _) = self
             .records
             .iter()
-            .find(|(_, r)| r.base + r.steps == start && r.steps < most)?;
+            .find(|(_, r)| r.base + r.steps == start && r.steps < self.depth)?;
         Some(id)
     }
 
-    fn at(len: usize, plane: usize) -> Self {
+    fn at(len: usize, plane: usize, depth: usize) -> Self {
         Self {
             at: BTreeMap::from([(len, Held::Plane(plane))]),
+            depth,
             ..Self::default()
         }
     }
@@ -375,10 +378,13 @@ impl HeldStates {
                 Held::Plane(_) => None,
             })
             .collect();
-        // The record that ends at the newest length is kept too: the next chain may continue it.
+        // The record that ends at the newest length is kept too while the next chain may
+        // continue it.
         let newest = self.at.keys().next_back().copied();
-        self.records
-            .retain(|id, r| live.contains(id) || Some(r.base + r.steps) == newest);
+        let depth = self.depth;
+        self.records.retain(|id, r| {
+            live.contains(id) || Some(r.base + r.steps) == newest && r.steps < depth
+        });
         let bases: std::collections::BTreeSet<usize> =
             self.records.values().map(|r| r.base).collect();
         self.at.retain(|&len, held| {
@@ -469,7 +475,7 @@ impl SnapshotRing {
             ssm,
             n_ssm_planes: n_planes + EXTRA_SSM_PLANES,
             index: RingIndex::new(n_planes),
-            held: vec![HeldStates::at(0, 0); layout.n_layers],
+            held: vec![HeldStates::at(0, 0, n_planes - 1); layout.n_layers],
         };
         let size = RingSize {
             requested: depth,
@@ -582,9 +588,8 @@ impl SnapshotRing {
         // the starting state, rebuilt from the record when needed, is overwritten in place by
         // the chain's last one. So a run of evaluations (single tokens, verify passes) keeps
         // its states in one base plane, the live plane and their records.
-        let depth = self.index.depth();
         let continues = (record && m <= max_run && oldest <= start)
-            .then(|| held.tail(start, depth))
+            .then(|| held.tail(start))
             .flatten();
         if let Some(id) = continues {
             let keeps = (0..m)
@@ -615,9 +620,10 @@ impl SnapshotRing {
         let max_run = max_run.max(1);
         // Whether the run of rows `a ..` keeps a record (of a row the ring must keep, or the
         // last run's, which the next chain may continue): its start is then the record's base.
+        let depth = self.index.depth();
         let records_kept = |a: usize| {
             let b = (a + max_run).min(m);
-            record && (b == m || b > a + 1 && start + b > oldest)
+            record && (b == m && b - a < depth || b > a + 1 && start + b > oldest)
         };
         let (mut writes, mut keeps) = (vec![None; m], vec![None; m]);
         let (mut runs, mut read, mut transient) = (Vec::new(), read0, None);
@@ -990,7 +996,7 @@ impl SnapshotRing {
             {
                 planes[..head_len].copy_from_slice(s);
             }
-            self.held[layer] = HeldStates::at(len, 0);
+            self.held[layer] = HeldStates::at(len, 0, self.index.depth());
         }
         self.index.start_at(len);
         Some(len)
@@ -1009,7 +1015,7 @@ impl SnapshotRing {
             {
                 head[..head_len].fill(0.0);
             }
-            self.held[layer] = HeldStates::at(0, 0);
+            self.held[layer] = HeldStates::at(0, 0, self.index.depth());
         }
         self.index.reset();
     }
