@@ -313,6 +313,16 @@ struct Record {
 }
 
 impl HeldStates {
+    /// When the state at `start` is only recorded, by a record ending there and shorter than
+    /// the ring's depth: that record and its base.
+    fn recorded_tail(&self, start: usize) -> Option<(usize, usize)> {
+        let Some(&Held::Recorded(id)) = self.at.get(&start) else {
+            return None;
+        };
+        let r = &self.records[&id];
+        (r.base + r.steps == start && r.steps < self.depth).then_some((id, r.base))
+    }
+
     /// The record a chain starting at `start` may continue: the one ending there, its base
     /// fewer than the ring's depth back.
     fn tail(&self, start: usize) -> Option<usize> {
@@ -393,6 +403,34 @@ impl HeldStates {
     }
 }
 
+/// The recorded steps a chain replays before its rows ([`SnapshotRing::layer_states`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Prefix<'a> {
+    /// `[step][head]`: the decay, `key_dim` keys, one `δ` per state row.
+    updates: &'a [f32],
+    heads: usize,
+    key_dim: usize,
+    rows: usize,
+}
+
+impl<'a> Prefix<'a> {
+    /// Value head `head`'s steps.
+    pub fn head(&self, head: usize) -> Vec<delta_rule::RankOne<'a>> {
+        let stride = 1 + self.key_dim + self.rows;
+        self.updates
+            .chunks_exact(stride * self.heads.max(1))
+            .map(|step| {
+                let u = &step[head * stride..][..stride];
+                delta_rule::RankOne {
+                    decay: u[0],
+                    k: &u[1..1 + self.key_dim],
+                    delta: &u[1 + self.key_dim..],
+                }
+            })
+            .collect()
+    }
+}
+
 /// How one layer's chain of rows runs through its S matrices ([`SnapshotRing::plan_chain`]).
 #[derive(Debug, Clone)]
 pub struct ChainPlan {
@@ -409,9 +447,11 @@ pub struct ChainPlan {
     keeps: Vec<Option<Keep>>,
     /// The first length restorable after the chain.
     oldest: usize,
-    /// The record the chain continues, its last state overwritten in place (see
-    /// [`SnapshotRing::plan_chain`]).
+    /// The record the chain continues (see [`SnapshotRing::plan_chain`]).
     continues: Option<usize>,
+    /// The record (and how many of its steps) taking the read plane to the chain's start,
+    /// when that state is only recorded ([`SnapshotRing::layer_states`]).
+    prefix: Option<(usize, usize)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -560,6 +600,26 @@ impl SnapshotRing {
         &mut self.ssm.as_mut_slice()[layer * len..][..len]
     }
 
+    /// [`SnapshotRing::layer_heads_mut`] and, for a chain whose plan starts from a recorded
+    /// state, the recorded steps from the plane it reads to that state.
+    pub fn layer_states(&mut self, layer: usize, plan: &ChainPlan) -> (&mut [f32], Prefix<'_>) {
+        let len = self.layout.n_heads * self.head_planes_len();
+        let states = &mut self.ssm.as_mut_slice()[layer * len..][..len];
+        let prefix = match plan.prefix {
+            Some((id, steps)) => {
+                let r = &self.held[layer].records[&id];
+                Prefix {
+                    updates: &r.updates[..steps * r.step_values],
+                    heads: self.layout.n_heads,
+                    key_dim: r.key_dim,
+                    rows: self.layout.head_len / r.key_dim,
+                }
+            }
+            None => Prefix::default(),
+        };
+        (states, prefix)
+    }
+
     /// Values of one head's slice of [`SnapshotRing::layer_heads_mut`]: its matrix in every
     /// plane.
     pub fn head_planes_len(&self) -> usize {
@@ -582,6 +642,38 @@ impl SnapshotRing {
     ) -> ChainPlan {
         let start = self.index.len() + step0;
         let oldest = self.oldest_after(start + m);
+        // A short chain from a state only recorded (the live state after a rollback) reads the
+        // record's base plane and replays the recorded steps in registers first
+        // ([`delta_rule::chain_recorded`]'s prefix), continuing the record; its last state goes
+        // to a plane of its own. A rollback then costs no rebuild.
+        let short = record && m <= max_run && oldest <= start;
+        if let Some((id, base)) = self.held[layer].recorded_tail(start).filter(|_| short) {
+            self.held[layer].cut(start);
+            self.held[layer].retain(|len| len >= oldest || len == start);
+            let held = &self.held[layer];
+            let read = held
+                .plane(base)
+                .expect("snapshot ring: a record's base is a plane");
+            let fresh = held.free_plane(self.n_ssm_planes, &[]);
+            let keeps = (0..m)
+                .map(|i| match i + 1 == m {
+                    true => Some(Keep::Plane(fresh)),
+                    false => (start + i + 1 >= oldest).then_some(Keep::Recorded),
+                })
+                .collect();
+            let mut writes = vec![None; m];
+            writes[m - 1] = Some(fresh);
+            return ChainPlan {
+                start,
+                runs: vec![(0..m, read)],
+                writes,
+                record,
+                keeps,
+                oldest,
+                continues: Some(id),
+                prefix: Some((id, start - base)),
+            };
+        }
         let read0 = self.prepare(layer, start, oldest);
         let held = &self.held[layer];
         // A short chain from the end of a record younger than the ring's depth continues it:
@@ -608,6 +700,7 @@ impl SnapshotRing {
                 keeps,
                 oldest,
                 continues: Some(id),
+                prefix: None,
             };
         }
         let n_planes = self.n_ssm_planes;
@@ -662,6 +755,7 @@ impl SnapshotRing {
             keeps,
             oldest,
             continues: None,
+            prefix: None,
         }
     }
 
@@ -901,15 +995,14 @@ impl SnapshotRing {
         }
     }
 
-    /// Makes the state at length `len` live again, if the ring still holds it: O(1), or one
-    /// S matrix per head rebuilt where a chain recorded it.
+    /// Makes the state at length `len` live again, if the ring still holds it. O(1): a state
+    /// only recorded is rebuilt by whatever reads it next (a chain replays the record first).
     pub fn restore(&mut self, len: usize) -> bool {
         if !self.index.restore(len) {
             return false;
         }
-        for layer in 0..self.layout.n_layers {
-            self.held[layer].cut(len);
-            self.materialize(layer, len);
+        for held in &mut self.held {
+            held.cut(len);
         }
         true
     }
@@ -1021,11 +1114,9 @@ impl SnapshotRing {
     }
 
     /// The live S matrix of value head `head` of layer `layer`.
-    pub fn live_head(&self, layer: usize, head: usize) -> &[f32] {
+    pub fn live_head(&mut self, layer: usize, head: usize) -> &[f32] {
         let len = self.layout.head_len;
-        let plane = self.held[layer]
-            .plane(self.index.len())
-            .expect("snapshot ring: the live state is a plane");
+        let plane = self.materialize(layer, self.index.len());
         let first = (layer * self.layout.n_heads + head) * self.head_planes_len();
         &self.ssm.as_slice()[first + plane * len..][..len]
     }
@@ -1062,17 +1153,15 @@ mod tests {
     }
 
     /// Every value of the live state of every layer.
-    fn live(ring: &SnapshotRing) -> Vec<f32> {
-        (0..LAYOUT.n_layers)
-            .flat_map(|l| {
-                let heads = (0..LAYOUT.n_heads).flat_map(move |h| ring.live_head(l, h).to_vec());
-                ring.conv_state(l, 0)
-                    .iter()
-                    .copied()
-                    .chain(heads)
-                    .collect::<Vec<_>>()
-            })
-            .collect()
+    fn live(ring: &mut SnapshotRing) -> Vec<f32> {
+        let mut values = Vec::new();
+        for l in 0..LAYOUT.n_layers {
+            values.extend_from_slice(ring.conv_state(l, 0));
+            for h in 0..LAYOUT.n_heads {
+                values.extend_from_slice(ring.live_head(l, h));
+            }
+        }
+        values
     }
 
     #[test]
@@ -1093,23 +1182,23 @@ mod tests {
         }
         assert_eq!(ring.len(), 5);
         assert_eq!(ring.window(), 2..=5);
-        assert_eq!(live(&ring), [5.0; 14]);
+        assert_eq!(live(&mut ring), [5.0; 14]);
         assert!(!ring.restore(1));
         assert!(ring.restore(3));
-        assert_eq!(live(&ring), [3.0; 14]);
+        assert_eq!(live(&mut ring), [3.0; 14]);
         assert_eq!(ring.window(), 2..=3);
         // A batch of 2 from length 3 overwrites the planes of 4 and 5.
         step(&mut ring, 0, 40.0);
         step(&mut ring, 1, 50.0);
         ring.advance(2);
-        assert_eq!(live(&ring), [50.0; 14]);
+        assert_eq!(live(&mut ring), [50.0; 14]);
         assert!(ring.restore(4));
-        assert_eq!(live(&ring), [40.0; 14]);
+        assert_eq!(live(&mut ring), [40.0; 14]);
         assert!(ring.restore(2));
-        assert_eq!(live(&ring), [2.0; 14]);
+        assert_eq!(live(&mut ring), [2.0; 14]);
         ring.reset();
         assert_eq!((ring.len(), ring.window()), (0, 0..=0));
-        assert_eq!(live(&ring), [0.0; 14]);
+        assert_eq!(live(&mut ring), [0.0; 14]);
     }
 
     #[test]
@@ -1121,7 +1210,7 @@ mod tests {
         ring.advance(7);
         assert_eq!(ring.window(), 5..=7);
         assert!(ring.restore(5));
-        assert_eq!(live(&ring), [5.0; 14]);
+        assert_eq!(live(&mut ring), [5.0; 14]);
     }
 
     /// Recorded chains of one token and of several keep a window of 8 lengths in a few

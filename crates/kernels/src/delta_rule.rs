@@ -169,7 +169,9 @@ pub fn records_deltas(level: SimdLevel, dim: usize) -> bool {
 /// [`chain`] at the process's level that also records each step's `δ`: step `i`'s
 /// `(v_j − M_j · k) · beta` at `deltas[i · v.len() + j]`, from which [`replay`] rebuilds any
 /// step's state exactly: a state the chain did not write can be had later without re-running
-/// it.
+/// it. The state read from plane `read` is first taken through the recorded steps `prefix`
+/// (as [`replay`] would: a chain can start from a state that was only recorded, with no
+/// plane of its own, without writing it first).
 ///
 /// # Panics
 ///
@@ -177,6 +179,7 @@ pub fn records_deltas(level: SimdLevel, dim: usize) -> bool {
 /// checks.
 pub fn chain_recorded(
     xs: &[DeltaInputs<'_>],
+    prefix: &[RankOne<'_>],
     planes: &mut [f32],
     read: usize,
     writes: &[Option<usize>],
@@ -197,6 +200,12 @@ pub fn chain_recorded(
         out.len(),
         "delta rule chain: one delta per output"
     );
+    assert!(
+        prefix
+            .iter()
+            .all(|s| s.k.len() == first.k.len() && s.delta.len() == first.v.len()),
+        "delta rule chain: a recorded step of another shape"
+    );
     let state_len = first.v.len() * first.k.len();
     assert!(
         planes.len().is_multiple_of(state_len)
@@ -207,8 +216,16 @@ pub fn chain_recorded(
                 .all(|&p| (p + 1) * state_len <= planes.len()),
         "delta rule chain: plane index out of range"
     );
-    let ran = simd::delta_rule_chain(level, xs, planes, read, writes, out, Some(deltas));
+    let recording = Recording { deltas, prefix };
+    let ran = simd::delta_rule_chain(level, xs, planes, read, writes, out, Some(recording));
     assert!(ran, "delta rule chain: the recording kernel did not run");
+}
+
+/// What a recording chain keeps and starts from: a `δ` per step and state row, and the
+/// recorded steps taking the read state to the chain's start.
+pub(crate) struct Recording<'a, 'b> {
+    pub deltas: &'a mut [f32],
+    pub prefix: &'a [RankOne<'b>],
 }
 
 /// One recorded step of a [`chain_recorded`]: `M_j ← decay · M_j + δ_j · k` for every state
@@ -510,7 +527,15 @@ mod tests {
             let last: Vec<Option<usize>> = (0..steps)
                 .map(|i| (i + 1 == steps).then_some(steps))
                 .collect();
-            chain_recorded(&xs, planes.as_mut_slice(), 0, &last, &mut out, &mut deltas);
+            chain_recorded(
+                &xs,
+                &[],
+                planes.as_mut_slice(),
+                0,
+                &last,
+                &mut out,
+                &mut deltas,
+            );
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&out), bits(&want_out), "dim {dim}: outputs");
             let plane = |p: &[f32], i: usize| p[i * state_len..][..state_len].to_vec();
@@ -533,6 +558,40 @@ mod tests {
                     bits(&plane(want.as_slice(), i)),
                     "dim {dim}: step {i}"
                 );
+            }
+            // A chain from a recorded state: the plane it was recorded from, then the steps.
+            for i in 1..steps {
+                let mut from = AlignedVec::<f32>::zeroed(start.len());
+                from.as_mut_slice().copy_from_slice(&start);
+                let rest = steps - i;
+                let (mut out, mut deltas) = (vec![0.0f32; rest * values], vec![0.0; rest * values]);
+                let last: Vec<Option<usize>> =
+                    (0..rest).map(|j| (j + 1 == rest).then_some(1)).collect();
+                let (head, tail) = (&recorded[..i], &xs[i..]);
+                chain_recorded(
+                    tail,
+                    head,
+                    from.as_mut_slice(),
+                    0,
+                    &last,
+                    &mut out,
+                    &mut deltas,
+                );
+                assert_eq!(
+                    bits(&out),
+                    bits(&want_out[i * values..]),
+                    "dim {dim}: from {i}"
+                );
+                assert_eq!(
+                    bits(&plane(from.as_slice(), 1)),
+                    bits(&plane(want.as_slice(), steps)),
+                    "dim {dim}: from {i}"
+                );
+                let want_deltas: Vec<f32> = recorded[i..]
+                    .iter()
+                    .flat_map(|r| r.delta.iter().copied())
+                    .collect();
+                assert_eq!(bits(&deltas), bits(&want_deltas), "dim {dim}: from {i}");
             }
         }
     }

@@ -16,7 +16,7 @@ use specula_kernels::ops;
 use specula_kernels::simd;
 
 use crate::blocks::gdn::{GdnShape, GdnWeights};
-use crate::recurrent::{ChainPlan, SnapshotRing};
+use crate::recurrent::{ChainPlan, Prefix, SnapshotRing};
 
 /// Below this many state values per token, heads run on the calling thread.
 const PARALLEL_MIN_STATE: usize = 1 << 15;
@@ -175,6 +175,11 @@ pub fn recurrence(
     };
     let stride = 1 + 2 * sd;
     let (qkv, z) = (&s.qkv[..m * c], &input.z[..m * vd]);
+    let per_head = ring.head_planes_len();
+    let (states, prefix) = match &plan {
+        Plan::Chain(plan) => ring.layer_states(slot, plan),
+        Plan::Tree(_) => (ring.layer_heads_mut(slot), Prefix::default()),
+    };
     let head = |(h, ((planes, outputs), updates)): (usize, HeadBuffers<'_>)| {
         let inputs = |i: usize| HeadInputs {
             qkv: &qkv[i * c..(i + 1) * c],
@@ -200,7 +205,12 @@ pub fn recurrence(
             let run = &mut outputs[rows.start * sd..rows.end * sd];
             if record {
                 let mut deltas = vec![0.0f32; rows.len() * sd];
-                delta_rule::chain_recorded(&xs, planes, read, writes, run, &mut deltas);
+                // The first run starts from the state the recorded prefix leads to.
+                let prefix = match rows.start {
+                    0 => prefix.head(h),
+                    _ => Vec::new(),
+                };
+                delta_rule::chain_recorded(&xs, &prefix, planes, read, writes, run, &mut deltas);
                 let steps = &mut updates[rows.start * stride..rows.end * stride];
                 for ((x, u), d) in xs
                     .iter()
@@ -262,8 +272,6 @@ pub fn recurrence(
             (Plan::Tree(_), None) => unreachable!("a tree plan for a chain"),
         }
     };
-    let per_head = ring.head_planes_len();
-    let states = ring.layer_heads_mut(slot);
     let heads = &mut s.heads[..m * vd];
     let updates = &mut s.updates[..hv * m * stride];
     if hv * sd * sd < PARALLEL_MIN_STATE {

@@ -46,7 +46,7 @@ pub(crate) fn delta_rule_chain(
     read: usize,
     writes: &[Option<usize>],
     out: &mut [f32],
-    deltas: Option<&mut [f32]>,
+    recording: Option<crate::delta_rule::Recording<'_, '_>>,
 ) -> bool {
     let Some(first) = xs.first() else {
         return true;
@@ -58,7 +58,12 @@ pub(crate) fn delta_rule_chain(
             .all(|x| x.k.len() == dim && x.q.len() == dim && x.v.len() == values)
             && out.len() == xs.len() * values
             && writes.len() == xs.len()
-            && deltas.as_ref().is_none_or(|d| d.len() == out.len())
+            && recording
+                .as_ref()
+                .is_none_or(|r| r.deltas.len() == out.len()
+                    && r.prefix
+                        .iter()
+                        .all(|s| s.k.len() == dim && s.delta.len() == values))
             && (read + 1) * state_len <= planes.len()
             && writes
                 .iter()
@@ -86,7 +91,7 @@ pub(crate) fn delta_rule_chain(
                 7 => avx512::delta_rule_chain::<7>,
                 _ => avx512::delta_rule_chain::<8>,
             };
-            run(xs, planes, read, writes, out, deltas);
+            run(xs, planes, read, writes, out, recording);
         }
         true
     }
@@ -303,10 +308,14 @@ mod avx512 {
         read: usize,
         writes: &[Option<usize>],
         out: &mut [f32],
-        mut deltas: Option<&mut [f32]>,
+        recording: Option<crate::delta_rule::Recording<'_, '_>>,
     ) {
         let values = xs[0].v.len();
         let base = planes.as_mut_ptr();
+        let (mut deltas, prefix) = match recording {
+            Some(r) => (Some(r.deltas), r.prefix),
+            None => (None, &[][..]),
+        };
         // Rows of a multiple of 16 values keep a line-aligned plane's rows on lines.
         let stream = (base as usize).is_multiple_of(64);
         let target = ChainPlanes {
@@ -314,6 +323,7 @@ mod avx512 {
             read,
             writes,
             stream,
+            prefix,
         };
         // Two state rows at a time: a row's steps form one dependency chain (each step needs
         // the last one's dot products), which two independent chains keep the core busy on.
@@ -334,13 +344,16 @@ mod avx512 {
     }
 
     /// Where a chain's states are: the planes' first value, the plane it reads, the plane (if
-    /// any) each step writes, and whether those stores bypass the caches.
+    /// any) each step writes, whether those stores bypass the caches, and the recorded steps
+    /// the read state is taken through first.
     #[derive(Clone, Copy)]
     struct ChainPlanes<'a> {
         base: *mut f32,
         read: usize,
         writes: &'a [Option<usize>],
         stream: bool,
+        /// Recorded steps from the read state to the chain's start.
+        prefix: &'a [crate::delta_rule::RankOne<'a>],
     }
 
     /// State rows `first .. first + ROWS` of [`delta_rule_chain`]: each loaded once into
@@ -367,6 +380,7 @@ mod avx512 {
             read,
             writes,
             stream,
+            prefix,
         } = *target;
         let dim = 16 * CHUNKS;
         let values = xs[0].v.len();
@@ -378,6 +392,18 @@ mod avx512 {
             let mut rows: [[__m512; CHUNKS]; ROWS] = std::array::from_fn(|r| {
                 std::array::from_fn(|c| _mm512_loadu_ps(row_at(read, r).add(16 * c)))
             });
+            // The recorded steps to the chain's start: `delta_rule_replay`'s instructions.
+            for step in prefix {
+                let decay = _mm512_set1_ps(step.decay);
+                for (r, row) in rows.iter_mut().enumerate() {
+                    let delta = _mm512_set1_ps(step.delta[first + r]);
+                    for (c, value) in row.iter_mut().enumerate() {
+                        *value = _mm512_mul_ps(*value, decay);
+                        let k = _mm512_loadu_ps(step.k.as_ptr().add(16 * c));
+                        *value = _mm512_fmadd_ps(delta, k, *value);
+                    }
+                }
+            }
             for (i, x) in xs.iter().enumerate() {
                 let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
                 let decay = _mm512_set1_ps(x.decay);
