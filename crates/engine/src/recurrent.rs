@@ -464,8 +464,9 @@ impl SnapshotRing {
     /// Allocates a ring of `depth` snapshots plus the live plane, all zero (the state of the
     /// empty sequence).
     ///
-    /// At most `budget_bytes` are used when given, and a failed allocation is retried with
-    /// fewer planes: the depth is then smaller than asked (the caller warns and advertises
+    /// At most `budget_bytes` go to the `depth + 1` planes when given (the 3 spare planes of S
+    /// matrices come on top, written only by trees and long prefills), and a failed
+    /// allocation is retried with fewer planes: the depth is then smaller than asked (the caller warns and advertises
     /// it). Fewer than two planes cannot run the recurrence, which is an `OutOfMemory` error.
     pub fn allocate(
         layout: StateLayout,
@@ -831,15 +832,25 @@ impl SnapshotRing {
     }
 
     /// The planes of a tree evaluation of `m` rows from the `step0`-th state after the live
-    /// one, in layer `layer`: `[0]` holds that state, `[i + 1]` receives row `i`'s. Every row's
-    /// state is written (a later row may start from any); hand them to
-    /// [`SnapshotRing::commit_tree`] once the rows ran.
+    /// one, in layer `layer`: `[k]` holds the state at step `k` for `k <= step0` (the tree's
+    /// base and its rows an earlier pass evaluated, which a row here may start from), and
+    /// `[step0 + i + 1]` receives row `i`'s. Every row's state is written (a later row may
+    /// start from any); hand them to [`SnapshotRing::commit_tree`] once the rows ran.
     pub fn plan_tree(&mut self, layer: usize, step0: usize, m: usize) -> Vec<usize> {
-        let start = self.index.len() + step0;
+        let len = self.index.len();
+        let start = len + step0;
         let oldest = self.oldest_after(start + m);
-        let mut planes = vec![self.prepare(layer, start, oldest)];
+        let read = self.prepare(layer, start, oldest);
+        let held = &self.held[layer];
+        let mut planes: Vec<usize> = (0..step0)
+            .map(|k| {
+                held.plane(len + k)
+                    .expect("snapshot ring: a tree's earlier states are planes")
+            })
+            .collect();
+        planes.push(read);
         for _ in 0..m {
-            let p = self.held[layer].free_plane(self.n_ssm_planes, &planes);
+            let p = held.free_plane(self.n_ssm_planes, &planes);
             planes.push(p);
         }
         planes
@@ -849,9 +860,10 @@ impl SnapshotRing {
     /// as the state at the `step0 + i + 1`-th length after the live one.
     pub fn commit_tree(&mut self, layer: usize, step0: usize, planes: &[usize]) {
         let start = self.index.len() + step0;
-        let oldest = self.oldest_after(start + planes.len() - 1);
+        let rows = &planes[step0 + 1..];
+        let oldest = self.oldest_after(start + rows.len());
         let held = &mut self.held[layer];
-        for (i, &p) in planes[1..].iter().enumerate() {
+        for (i, &p) in rows.iter().enumerate() {
             held.at.insert(start + i + 1, Held::Plane(p));
         }
         held.retain(|len| len >= oldest);

@@ -248,14 +248,14 @@ pub fn recurrence(
             // `i - 1` wrote) as one chain from its first row's parent; every state kept.
             (Plan::Tree(tree_planes), Some(reads)) => {
                 let writes: Vec<Option<usize>> =
-                    tree_planes[1..].iter().copied().map(Some).collect();
+                    tree_planes[step0 + 1..].iter().copied().map(Some).collect();
                 let mut first = 0;
                 while first < m {
                     let mut end = first + 1;
                     while end < m && end - first < CHAIN_MAX_ROWS && reads[end] == step0 + end {
                         end += 1;
                     }
-                    let read = tree_planes[reads[first] - step0];
+                    let read = tree_planes[reads[first]];
                     let run_writes = &writes[first..end];
                     chain(
                         planes,
