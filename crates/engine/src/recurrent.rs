@@ -92,8 +92,9 @@ pub struct RingSize {
 
 /// The bookkeeping of a snapshot ring: which plane holds the state of which sequence length.
 ///
-/// Shared by the host ring ([`SnapshotRing`]) and rings kept in other memory (a GPU backend's
-/// device ring), so every ring advances, restores and forgets states by the same rules.
+/// Shared by the host ring ([`SnapshotRing`]: its convolution planes and its window) and rings
+/// kept in other memory (a GPU backend's device ring), so every ring advances, restores and
+/// forgets states by the same rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingIndex {
     n_planes: usize,
