@@ -455,6 +455,39 @@ pub struct ChainPlan {
     prefix: Option<(usize, usize)>,
 }
 
+impl ChainPlan {
+    /// One recording run of `m` rows from length `start` continuing record `id`: it reads plane
+    /// `planes[0]` (taken through `prefix` first), writes its last state to `planes[1]` and
+    /// records the others.
+    fn continuing(
+        start: usize,
+        m: usize,
+        oldest: usize,
+        [read, write]: [usize; 2],
+        id: usize,
+        prefix: Option<(usize, usize)>,
+    ) -> Self {
+        let keeps = (0..m)
+            .map(|i| match i + 1 == m {
+                true => Some(Keep::Plane(write)),
+                false => (start + i + 1 >= oldest).then_some(Keep::Recorded),
+            })
+            .collect();
+        let mut writes = vec![None; m];
+        writes[m - 1] = Some(write);
+        Self {
+            start,
+            runs: vec![(0..m, read)],
+            writes,
+            record: true,
+            keeps,
+            oldest,
+            continues: Some(id),
+            prefix,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Keep {
     Plane(usize),
@@ -657,24 +690,8 @@ impl SnapshotRing {
                 .plane(base)
                 .expect("snapshot ring: a record's base is a plane");
             let fresh = held.free_plane(self.n_ssm_planes, &[]);
-            let keeps = (0..m)
-                .map(|i| match i + 1 == m {
-                    true => Some(Keep::Plane(fresh)),
-                    false => (start + i + 1 >= oldest).then_some(Keep::Recorded),
-                })
-                .collect();
-            let mut writes = vec![None; m];
-            writes[m - 1] = Some(fresh);
-            return ChainPlan {
-                start,
-                runs: vec![(0..m, read)],
-                writes,
-                record,
-                keeps,
-                oldest,
-                continues: Some(id),
-                prefix: Some((id, start - base)),
-            };
+            let prefix = Some((id, start - base));
+            return ChainPlan::continuing(start, m, oldest, [read, fresh], id, prefix);
         }
         let read0 = self.prepare(layer, start, oldest);
         let held = &self.held[layer];
@@ -682,28 +699,9 @@ impl SnapshotRing {
         // the starting state, rebuilt from the record when needed, is overwritten in place by
         // the chain's last one. So a run of evaluations (single tokens, verify passes) keeps
         // its states in one base plane, the live plane and their records.
-        let continues = (record && m <= max_run && oldest <= start)
-            .then(|| held.tail(start))
-            .flatten();
+        let continues = short.then(|| held.tail(start)).flatten();
         if let Some(id) = continues {
-            let keeps = (0..m)
-                .map(|i| match i + 1 == m {
-                    true => Some(Keep::Plane(read0)),
-                    false => (start + i + 1 >= oldest).then_some(Keep::Recorded),
-                })
-                .collect();
-            let mut writes = vec![None; m];
-            writes[m - 1] = Some(read0);
-            return ChainPlan {
-                start,
-                runs: vec![(0..m, read0)],
-                writes,
-                record,
-                keeps,
-                oldest,
-                continues: Some(id),
-                prefix: None,
-            };
+            return ChainPlan::continuing(start, m, oldest, [read0, read0], id, None);
         }
         let n_planes = self.n_ssm_planes;
         let mut taken = Vec::new();

@@ -309,6 +309,20 @@ mod tests {
     use crate::aligned::AlignedVec;
     use crate::test_util::random_vec;
 
+    /// Keys, queries and values of `steps` random steps (step `i` seeded from `seed + i`).
+    fn step_inputs(dim: usize, values: usize, steps: usize, seed: usize) -> Vec<[Vec<f32>; 3]> {
+        (0..steps)
+            .map(|i| {
+                let seed = (seed + i) as u64;
+                [
+                    random_vec(dim, 0.3, seed),
+                    random_vec(dim, 0.3, seed + 1),
+                    random_vec(values, 1.0, seed + 2),
+                ]
+            })
+            .collect()
+    }
+
     /// f64 reference of one step.
     fn reference(x: DeltaInputs<'_>, state_in: &[f32]) -> (Vec<f64>, Vec<f64>) {
         let dim = x.k.len();
@@ -388,16 +402,7 @@ mod tests {
         ] {
             let n_planes = 4;
             let state_len = values * dim;
-            let inputs: Vec<[Vec<f32>; 3]> = (0..steps)
-                .map(|i| {
-                    let seed = (100 * dim + i) as u64;
-                    [
-                        random_vec(dim, 0.3, seed),
-                        random_vec(dim, 0.3, seed + 1),
-                        random_vec(values, 1.0, seed + 2),
-                    ]
-                })
-                .collect();
+            let inputs = step_inputs(dim, values, steps, 100 * dim);
             let xs: Vec<DeltaInputs<'_>> = inputs
                 .iter()
                 .enumerate()
@@ -490,16 +495,7 @@ mod tests {
                 continue;
             }
             let state_len = values * dim;
-            let inputs: Vec<[Vec<f32>; 3]> = (0..steps)
-                .map(|i| {
-                    let seed = (7 * dim + i) as u64;
-                    [
-                        random_vec(dim, 0.3, seed),
-                        random_vec(dim, 0.3, seed + 1),
-                        random_vec(values, 1.0, seed + 2),
-                    ]
-                })
-                .collect();
+            let inputs = step_inputs(dim, values, steps, 7 * dim);
             let xs: Vec<DeltaInputs<'_>> = inputs
                 .iter()
                 .enumerate()

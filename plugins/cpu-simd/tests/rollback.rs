@@ -16,6 +16,12 @@ use specula_plugin_api::{ErrorKind, LogitRows};
 
 const PROMPT: [u32; 6] = [1, 403, 261, 378, 13, 300];
 const VOCAB: usize = 512;
+/// The hybrid fixtures: Gated DeltaNet layers with and without an MTP head, both layouts.
+const HYBRIDS: [&str; 3] = [
+    "tiny-qwen35.gguf",
+    "tiny-qwen35-4l-mtp.gguf",
+    "tiny-qwen3next.gguf",
+];
 const E: usize = 64;
 
 /// The hybrid fixtures, re-typed copies of two of them, and the trained Q8_0 model.
@@ -75,11 +81,7 @@ fn clean_run(path: &Path, tokens: &[u32], after: &[u32]) -> (Vec<f32>, Vec<f32>)
 #[test]
 fn rollback_inside_the_window_equals_a_run_without_the_rejected_tokens() {
     let after = [417, 290];
-    for file in [
-        "tiny-qwen35.gguf",
-        "tiny-qwen35-4l-mtp.gguf",
-        "tiny-qwen3next.gguf",
-    ] {
+    for file in HYBRIDS {
         let path = fixture(file);
         let drafts = Rng::new(7).tokens(8, VOCAB as u32);
         let clean: Vec<_> = (0..=8)
@@ -340,11 +342,7 @@ fn a_state_a_chain_left_unwritten_survives_the_next_chain() {
 #[test]
 fn a_chain_after_a_rollback_continues_only_the_kept_path() {
     let after = [417, 290];
-    for file in [
-        "tiny-qwen35.gguf",
-        "tiny-qwen35-4l-mtp.gguf",
-        "tiny-qwen3next.gguf",
-    ] {
+    for file in HYBRIDS {
         let path = fixture(file);
         let mut b = open(&path, 2, 64);
         let depth = b.caps().rollback_depth as usize;
