@@ -149,6 +149,67 @@ fn weight_layouts_agree_on_the_trained_model() {
     );
 }
 
+/// A tied output's repacked copy is also where the embedding tables (the trunk's and the MTP
+/// head's) look rows up, bit for bit as the file's rows decode: the file's pages of the
+/// table, released once copied, then stay out of memory instead of faulting back in row by
+/// row (on a file cached in huge pages, 2 MiB at a time).
+#[test]
+fn a_tied_embedding_is_looked_up_in_the_repacked_output() {
+    use specula_cpu_simd::model::Model;
+    use specula_kernels::{interleaved, simd, WeightType};
+    use specula_plugin_api::testing;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tied-q8_0.gguf");
+    rewrite_model(
+        &trained_qwen35("f32"),
+        &path,
+        &Rewrite {
+            matrix_type: Some(specula_gguf::GgmlType::Q8_0),
+            drop_tensors: &["output.weight"],
+            ..Default::default()
+        },
+    );
+    let mut model = Model::load(&path).unwrap();
+    model.interleave_weights(|_| true).unwrap();
+    let graph = &model.graph;
+    let mtp = graph.mtp().expect("the trained model has an MTP head");
+    let tables = [graph.token_embd(), &mtp.embed];
+    if !interleaved::pays_off(WeightType::Q8_0, simd::level()) {
+        assert!(tables.iter().all(|t| t.interleaved.is_none()));
+        return;
+    }
+    let copy = graph
+        .output()
+        .interleaved
+        .as_ref()
+        .expect("the output is repacked");
+    for table in tables {
+        let shared = table
+            .interleaved
+            .as_ref()
+            .expect("the table shares the copy");
+        assert!(std::sync::Arc::ptr_eq(shared, copy));
+        let mut in_file = table.clone();
+        in_file.interleaved = None;
+        let (looked_up, from_file) = (
+            table.view(&model.file).unwrap(),
+            in_file.view(&model.file).unwrap(),
+        );
+        let mut a = vec![0f32; table.cols];
+        let mut b = vec![0f32; table.cols];
+        for token in [0, 1, 17, 255, 510, 511] {
+            looked_up.dequantize_row(token, &mut a);
+            from_file.dequantize_row(token, &mut b);
+            assert_eq!(
+                testing::bits(&a),
+                testing::bits(&b),
+                "row {token} of {}",
+                table.name
+            );
+        }
+    }
+}
+
 /// Greedy draft agreement of the trained MTP head with the trunk's own next greedy token,
 /// over a 160-token greedy run from BOS; also the acceptance of 3-token chained drafts.
 #[test]

@@ -4,9 +4,10 @@
 pub mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use specula_gguf::{GgmlType, GgufError, GgufFile, HParams};
-use specula_kernels::WeightType;
+use specula_kernels::{InterleavedMatrix, WeightType};
 use specula_plugin_api::{ErrorKind, ModelInfo, PluginError};
 
 use crate::arch::dense::DenseModel;
@@ -152,6 +153,21 @@ impl Graph {
         out
     }
 
+    /// The embedding tables the passes look rows up in (`token_embd`, and the MTP head's
+    /// `embed`), mutably: what [`Model::interleave_weights`] points at a repacked copy of the
+    /// same tensor when one exists (a tied output).
+    pub fn embedding_tables_mut(&mut self) -> Vec<&mut MatrixRef> {
+        match self {
+            Graph::Dense(d) => vec![&mut d.weights.token_embd],
+            Graph::Hybrid(h) => {
+                let w = &mut h.weights;
+                let mut out = vec![&mut w.token_embd];
+                out.extend(w.mtp.as_mut().map(|mtp| &mut mtp.embed));
+                out
+            }
+        }
+    }
+
     /// The MTP / NextN head, when the model has one.
     pub fn mtp(&self) -> Option<&MtpWeights> {
         match self {
@@ -277,15 +293,28 @@ impl Model {
 
     /// Repacks the weight matrices at the sites `select` picks into the interleaved layout the
     /// multi-row kernels read fastest, where the SIMD level and the weight type have one
-    /// ([`weights::interleave_matrices`], run on the current rayon pool). Returns the bytes of
-    /// the repacked copies.
+    /// ([`weights::interleave_matrices`], run on the current rayon pool); an embedding table
+    /// that is one of them (a tied output) is then looked up in the copy too. Returns the bytes
+    /// of the repacked copies.
     pub fn interleave_weights(
         &mut self,
         select: impl Fn(MatrixSite) -> bool,
     ) -> Result<u64, PluginError> {
         let matrices = self.graph.matrices_mut().into_iter();
         let selected = matrices.filter(|(site, _)| select(*site)).map(|(_, m)| m);
-        weights::interleave_matrices(&self.file, selected)
+        let bytes = weights::interleave_matrices(&self.file, selected)?;
+        let copies: Vec<(String, Arc<InterleavedMatrix>)> = self
+            .graph
+            .matrices_mut()
+            .into_iter()
+            .filter_map(|(_, m)| Some((m.name.clone(), m.interleaved.clone()?)))
+            .collect();
+        for table in self.graph.embedding_tables_mut() {
+            if let Some((_, copy)) = copies.iter().find(|(name, _)| *name == table.name) {
+                table.interleaved = Some(Arc::clone(copy));
+            }
+        }
+        Ok(bytes)
     }
 
     /// Opens and checks the model at `path`.

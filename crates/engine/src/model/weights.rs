@@ -24,7 +24,7 @@ pub struct MatrixRef {
     pub rows: usize,
     pub cols: usize,
     /// The matrix repacked into interleaved row groups ([`interleave_matrices`]); when present,
-    /// forward passes multiply it instead of the file's bytes.
+    /// forward passes multiply it (or look rows up in it) instead of the file's bytes.
     pub interleaved: Option<Arc<InterleavedMatrix>>,
 }
 
@@ -110,9 +110,10 @@ impl MatrixRef {
 /// current rayon pool; refs naming the same tensor (a tied output, an MTP head falling back
 /// to the trunk's) share one copy. Returns the bytes of the copies.
 ///
-/// The file's bytes stay mapped (the embedding lookup reads them) but their pages are handed
-/// back to the OS once copied ([`GgufFile::release`]), so the copies replace them in the
-/// resident set rather than doubling it.
+/// The file's bytes stay mapped but their pages are handed back to the OS once copied
+/// ([`GgufFile::release`]), so the copies replace them in the resident set rather than
+/// doubling it (a tied embedding table is then looked up in its copy:
+/// [`crate::model::Model::interleave_weights`]).
 pub fn interleave_matrices<'m>(
     file: &GgufFile,
     matrices: impl IntoIterator<Item = &'m mut MatrixRef>,
@@ -142,8 +143,8 @@ pub fn interleave_matrices<'m>(
                     ),
                 )
             })?;
-            // The copy replaces the file's bytes in every pass: their pages need not stay
-            // resident beside it (a tied embedding's rows fault back in when looked up).
+            // The copy replaces the file's bytes in every pass and lookup: their pages need
+            // not stay resident beside it.
             file.release(view.bytes());
             Ok((m.name.clone(), Arc::new(packed)))
         })
