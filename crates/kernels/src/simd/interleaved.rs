@@ -1,6 +1,7 @@
 //! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
 //! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K; there are no AVX2 ones),
-//! the AMX kernels (Q8_0 × Q8_0, passes of [`AMX_MIN_ROWS`] rows or more; Q4_K / Q5_K × Q8_K,
+//! the AMX kernels (Q8_0 × Q8_0, passes of [`AMX_STREAM_MIN_ROWS`] rows or more over a weight
+//! matrix, [`AMX_MIN_ROWS`] over cached keys; Q4_K / Q5_K × Q8_K,
 //! passes of [`AMX_K_QUANT_MIN_ROWS`] or more) and their safe entry point. Each block is
 //! reduced inside `vpdpbusd` (or `tdpbsud`) for the 16 weight rows at once.
 
@@ -11,9 +12,19 @@ use super::Rows;
 use super::{OutRows, SimdLevel};
 
 /// The fewest activation rows a pass over interleaved Q8_0 weights runs on AMX tiles (at
-/// [`SimdLevel::Amx`]); fewer go through `vpdpbusd`, faster there (2 rows: 42 against 59 TSC
-/// ticks per block of 16 weight rows; 4 rows: 75 against 69).
+/// [`SimdLevel::Amx`]) when the weights are a short run read from the cache (a Q8_0 KV cache's
+/// keys); fewer go through `vpdpbusd`, faster there (2 rows: 42 against 59 TSC ticks per block
+/// of 16 weight rows; 4 rows: 75 against 69).
 pub(crate) const AMX_MIN_ROWS: usize = 4;
+
+/// [`AMX_MIN_ROWS`] for a weight matrix streamed from memory: more than one `vpdpbusd` pass
+/// takes ([`crate::simd::MAX_ROWS_PER_PASS`]). Up to that, the AVX-512 pass keeps up with the
+/// memory while the tiles' store-and-reload of every block's sums does not (qwen3-0.6b Q8_0,
+/// Emerald Rapids Xeon, 2 threads, the kernels taking turns pass by pass in one process, ms per
+/// forward pass, tiles against `vpdpbusd`: 4 rows 46.9 / 39.2 and 35.6 / 32.4, 8 rows 52.9 /
+/// 47.4 and 49.6 / 44.3); beyond it the tiles read the weights once where `vpdpbusd` needs two
+/// passes (12 rows 57.2 against 68.7, 16 rows 73.6 against 84.5).
+pub(crate) const AMX_STREAM_MIN_ROWS: usize = crate::simd::MAX_ROWS_PER_PASS + 1;
 
 /// The fewest activation rows a pass over interleaved Q4_K / Q5_K weights runs on AMX tiles:
 /// more than the AVX-512 kernel takes in one pass ([`crate::simd::MAX_ROWS_PER_PASS`]), whose
@@ -56,7 +67,12 @@ pub(crate) fn interleaved_pass(
     {
         use crate::interleaved::Encoding as E;
         type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
-        let tiles = level == SimdLevel::Amx && x.count() >= AMX_MIN_ROWS;
+        let tile_rows = if stream {
+            AMX_STREAM_MIN_ROWS
+        } else {
+            AMX_MIN_ROWS
+        };
+        let tiles = level == SimdLevel::Amx && x.count() >= tile_rows;
         let k_quant_tiles = level == SimdLevel::Amx && x.count() >= AMX_K_QUANT_MIN_ROWS;
         let kernel: Kernel = match encoding {
             E::Q8_0 if tiles && stream => amx::q8_0_pass::<true>,
