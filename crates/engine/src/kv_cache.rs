@@ -171,76 +171,107 @@ impl Store {
         }
     }
 
-    /// Writes rows of `data` (each `heads × dim` values, the rows of positions `pos0 ..`) into
-    /// the blocks `table` lists (head-major blocks of `BLOCK_TOKENS` positions, a head row
-    /// `units` storage units); heads on the pool's threads when there are several rows.
-    fn write_rows(
-        &mut self,
-        table: &[u32],
-        data: &[f32],
-        (heads, dim, units): (usize, usize, usize),
-        pos0: usize,
-    ) {
+    /// Writes each job's rows of `data` (each `heads × dim` values, the rows of positions
+    /// `pos0 ..`) into the blocks its `table` lists (head-major blocks of `BLOCK_TOKENS`
+    /// positions, a head row `units` storage units); the (block, head) regions of every job on
+    /// the pool's threads when there are several rows in all.
+    ///
+    /// # Panics
+    ///
+    /// If two jobs write the same block (a block being written has one holder: see
+    /// [`KvPool::reserve`]).
+    fn write_rows(&mut self, jobs: &[RowsJob<'_>], (heads, dim, units): (usize, usize, usize)) {
         fn write<T: Send>(
             store: &mut [T],
-            table: &[u32],
-            data: &[f32],
-            (heads, dim, units, pos0): (usize, usize, usize, usize),
+            jobs: &[RowsJob<'_>],
+            (heads, dim, units): (usize, usize, usize),
             convert: impl Fn(&[f32], &mut [T], usize) + Sync,
         ) {
             let width = heads * dim;
-            let n = data.len() / width;
             let block = heads * BLOCK_TOKENS * units;
-            // Each block written, split into its heads: (block index in the table, head, region).
-            let first_block = pos0 / BLOCK_TOKENS;
-            let last_block = (pos0 + n).div_ceil(BLOCK_TOKENS);
-            let mut regions: Vec<(usize, usize, &mut [T])> = Vec::new();
+            // Every block written: (its id, the job, its index in the job's table).
+            let mut wanted: Vec<(usize, usize, usize)> = Vec::new();
+            let mut rows = 0;
+            for (j, job) in jobs.iter().enumerate() {
+                let n = job.data.len() / width;
+                rows += n;
+                let (first, last) = (
+                    job.pos0 / BLOCK_TOKENS,
+                    (job.pos0 + n).div_ceil(BLOCK_TOKENS),
+                );
+                wanted.extend((first..last).map(|b| (job.table[b] as usize, j, b)));
+            }
+            wanted.sort_unstable();
+            assert!(
+                wanted.windows(2).all(|w| w[0].0 < w[1].0),
+                "kv cache: two writes into one block"
+            );
+            // Each block written, split into its heads: (job, block index in its table, head,
+            // region).
+            let mut regions: Vec<(usize, usize, usize, &mut [T])> = Vec::new();
             let mut rest: &mut [T] = store;
             let mut consumed = 0;
-            let mut wanted: Vec<(usize, usize)> = (first_block..last_block)
-                .map(|b| (table[b] as usize, b))
-                .collect();
-            wanted.sort_unstable();
-            for (id, b) in wanted {
+            for (id, j, b) in wanted {
                 let (_, tail) = rest.split_at_mut(id * block - consumed);
                 let (this, tail) = tail.split_at_mut(block);
                 consumed = (id + 1) * block;
                 rest = tail;
                 for (h, head) in this.chunks_exact_mut(BLOCK_TOKENS * units).enumerate() {
-                    regions.push((b, h, head));
+                    regions.push((j, b, h, head));
                 }
             }
-            let fill = |(b, h, region): &mut (usize, usize, &mut [T])| {
+            let fill = |(j, b, h, region): &mut (usize, usize, usize, &mut [T])| {
+                let RowsJob { data, pos0, .. } = jobs[*j];
+                let n = data.len() / width;
                 let start = *b * BLOCK_TOKENS;
                 for i in pos0.max(start)..(pos0 + n).min(start + BLOCK_TOKENS) {
                     let src = &data[(i - pos0) * width + *h * dim..][..dim];
                     convert(src, region, i - start);
                 }
             };
-            if n > 1 && rayon::current_num_threads() > 1 {
+            if rows > 1 && rayon::current_num_threads() > 1 {
                 regions.par_iter_mut().for_each(fill);
             } else {
                 regions.iter_mut().for_each(fill);
             }
         }
-        let shape = (heads, dim, units, pos0);
+        let shape = (heads, dim, units);
         // A head's region of a block and a position's slot in it: the position's row.
         fn row<T>(region: &mut [T], slot: usize, units: usize) -> &mut [T] {
             &mut region[slot * units..][..units]
         }
         match self {
-            Store::F32(store) => write(store, table, data, shape, |src, region, slot| {
+            Store::F32(store) => write(store, jobs, shape, |src, region, slot| {
                 row(region, slot, units).copy_from_slice(src)
             }),
-            Store::F16(store) => write(store, table, data, shape, |src, region, slot| {
+            Store::F16(store) => write(store, jobs, shape, |src, region, slot| {
                 specula_kernels::f16::from_f32_slice(src, row(region, slot, units))
             }),
-            Store::Q8(store) => write(store, table, data, shape, |src, region, slot| {
+            Store::Q8(store) => write(store, jobs, shape, |src, region, slot| {
                 q8_0::quantize_row(src, row(region, slot, units))
             }),
-            Store::Q8Keys(store) => write(store, table, data, shape, q8_keys::store),
+            Store::Q8Keys(store) => write(store, jobs, shape, q8_keys::store),
         }
     }
+}
+
+/// One sequence's rows for [`Store::write_rows`]: `data` holds the rows of positions `pos0 ..`,
+/// in the blocks `table` lists.
+#[derive(Clone, Copy)]
+struct RowsJob<'a> {
+    table: &'a [u32],
+    data: &'a [f32],
+    pos0: usize,
+}
+
+/// The rows of one sequence that [`KvPool::store_rows`] stores: its key rows (each `heads ×
+/// key_dim`) and value rows (each `heads × value_dim`) of positions `pos0 ..`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvWrite<'a> {
+    pub seq: &'a SeqKv,
+    pub pos0: usize,
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
 }
 
 /// A layer's cache as stored: values attention reads directly, Q8_0 rows it reads
@@ -699,28 +730,54 @@ impl KvPool {
     /// of positions `pos0 ..` of `seq` in `layer`, rounded to the storage type. The blocks must
     /// have been [`reserve`](Self::reserve)d.
     pub fn store(&mut self, layer: usize, seq: &SeqKv, pos0: usize, keys: &[f32], values: &[f32]) {
+        self.store_rows(
+            layer,
+            &[KvWrite {
+                seq,
+                pos0,
+                keys,
+                values,
+            }],
+        );
+    }
+
+    /// [`store`](Self::store) for the rows of several sequences at once (a pass over many
+    /// sequences): their blocks are written on the pool's threads together. Each sequence's
+    /// rows are rounded as they would be alone.
+    pub fn store_rows(&mut self, layer: usize, writes: &[KvWrite<'_>]) {
         let heads = self.heads;
-        for (store, data, dim) in [
-            (&mut self.keys[layer], keys, self.key_dim),
-            (&mut self.values[layer], values, self.value_dim),
+        let (key_dim, value_dim) = (self.key_dim, self.value_dim);
+        let mut jobs = Vec::with_capacity(writes.len());
+        for (store, dim, keys) in [
+            (&mut self.keys[layer], key_dim, true),
+            (&mut self.values[layer], value_dim, false),
         ] {
             let width = heads * dim;
-            assert!(
-                width > 0 && data.len().is_multiple_of(width),
-                "kv cache: rows of {width} values expected, got {}",
-                data.len()
-            );
-            let end = pos0 + data.len() / width;
-            assert!(
-                Self::blocks_for(end) <= seq.blocks.len(),
-                "kv cache: position {} beyond the reserved blocks",
-                end - 1
-            );
+            jobs.clear();
+            for w in writes {
+                let data = if keys { w.keys } else { w.values };
+                assert!(
+                    width > 0 && data.len().is_multiple_of(width),
+                    "kv cache: rows of {width} values expected, got {}",
+                    data.len()
+                );
+                let end = w.pos0 + data.len() / width;
+                assert!(
+                    Self::blocks_for(end) <= w.seq.blocks.len(),
+                    "kv cache: position {} beyond the reserved blocks",
+                    end - 1
+                );
+                jobs.push(RowsJob {
+                    table: &w.seq.blocks,
+                    data,
+                    pos0: w.pos0,
+                });
+            }
             let units = self
                 .ty
                 .row_units(dim)
                 .expect("checked when the pool was made");
-            store.write_rows(&seq.blocks, data, (heads, dim, units), pos0);
+            store.write_rows(&jobs, (heads, dim, units));
         }
     }
 
@@ -1008,6 +1065,97 @@ mod tests {
             );
             assert_eq!(pool.capacity(), 8 * BLOCK_TOKENS);
             assert_eq!(pool.n_bytes(), ty.unit_bytes() * 8 * BLOCK_TOKENS * 6 * 2);
+        }
+    }
+
+    /// Rows of several sequences stored in one call (their blocks on two threads) are the rows
+    /// each stored alone; one call writing one block twice is refused.
+    #[test]
+    fn rows_of_many_sequences_stored_together_equal_each_stored_alone() {
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for ty in [KvType::F32, KvType::F16] {
+            let mut together = KvPool::new(2, 16, &SHAPE, ty, false).unwrap();
+            let mut alone = KvPool::new(2, 16, &SHAPE, ty, false).unwrap();
+            // (positions already held, rows of this pass): a run crossing a block boundary,
+            // single rows, a first row.
+            let work = [(BLOCK_TOKENS - 2, 5), (7, 1), (0, 1), (2 * BLOCK_TOKENS, 1)];
+            let mut seqs = [
+                vec![SeqKv::default(); work.len()],
+                vec![SeqKv::default(); work.len()],
+            ];
+            let [first, second] = &mut seqs;
+            for (pool, held) in [(&mut together, &mut *first), (&mut alone, &mut *second)] {
+                for (seq, &(pos0, _)) in held.iter_mut().zip(&work) {
+                    fill(pool, seq, 0, pos0.max(1));
+                }
+            }
+            // Sequence `s`'s rows: `rows` scaled by `s + 2`, so each sequence's differ.
+            let data: Vec<(Vec<f32>, Vec<f32>)> = work
+                .iter()
+                .enumerate()
+                .map(|(s, &(pos0, n))| {
+                    let (k, v) = rows(pos0, n);
+                    let scale = |x: Vec<f32>| x.iter().map(|x| x * (s + 2) as f32).collect();
+                    (scale(k), scale(v))
+                })
+                .collect();
+            for (pool, held) in [(&mut together, &mut *first), (&mut alone, &mut *second)] {
+                for (seq, &(pos0, n)) in held.iter_mut().zip(&work) {
+                    pool.reserve(seq, pos0, pos0 + n).unwrap();
+                }
+            }
+            for layer in 0..2 {
+                let writes: Vec<KvWrite<'_>> = seqs[0]
+                    .iter()
+                    .zip(&work)
+                    .zip(&data)
+                    .map(|((seq, &(pos0, _)), (keys, values))| KvWrite {
+                        seq,
+                        pos0,
+                        keys,
+                        values,
+                    })
+                    .collect();
+                threads.install(|| together.store_rows(layer, &writes));
+                for ((seq, &(pos0, _)), (k, v)) in seqs[1].iter().zip(&work).zip(&data) {
+                    alone.store(layer, seq, pos0, k, v);
+                }
+            }
+            for (i, &(pos0, n)) in work.iter().enumerate() {
+                for pool_seqs in &mut seqs {
+                    pool_seqs[i].len = pos0 + n;
+                }
+                for layer in 0..2 {
+                    for h in 0..2 {
+                        let (a, b) = (&seqs[0][i], &seqs[1][i]);
+                        assert_eq!(
+                            head(together.keys(layer, a, pos0 + n), h),
+                            head(alone.keys(layer, b, pos0 + n), h),
+                            "{ty:?} sequence {i} layer {layer} head {h}"
+                        );
+                        assert_eq!(
+                            head(together.values(layer, a, pos0 + n), h),
+                            head(alone.values(layer, b, pos0 + n), h)
+                        );
+                    }
+                }
+                let stored = head(together.keys(0, &seqs[0][i], pos0 + n), 1);
+                assert_eq!(stored[pos0], (pos0 as f32 + 0.5) * (i + 2) as f32);
+            }
+            let (k, v) = &data[1];
+            let twice = [(&seqs[0][1], 7), (&seqs[0][1], 7)].map(|(seq, pos0)| KvWrite {
+                seq,
+                pos0,
+                keys: k,
+                values: v,
+            });
+            let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                together.store_rows(0, &twice)
+            }));
+            assert!(refused.is_err(), "two writes into one block");
         }
     }
 

@@ -97,6 +97,23 @@ impl<'a> CachedRows<'a> {
 }
 
 impl CachedRows<'_> {
+    /// Starts loading these rows into L2 (a hint: no result depends on it), for rows the
+    /// caller reads soon but not yet: e.g. the first cache block of the next head it attends
+    /// over, which no kernel prefetches (they prefetch a block ahead of the one they read).
+    pub fn prefetch_l2(&self) {
+        let rows = &self.rows;
+        if rows.count() == 0 {
+            return;
+        }
+        if rows.stride() == rows.len() {
+            simd::prefetch_lines(rows.ptr(0), rows.count() * rows.len(), true);
+        } else {
+            for j in 0..rows.count() {
+                simd::prefetch_lines(rows.ptr(j), rows.len(), true);
+            }
+        }
+    }
+
     /// Number of rows.
     pub fn count(&self) -> usize {
         self.rows.count()

@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 use specula_kernels::activations;
-use specula_kernels::attention::{self as kattention, Cached};
+use specula_kernels::attention::{self as kattention, Cached, CachedRows};
 use specula_kernels::{ops, Rope, Rows};
 
 use crate::blocks::attention::AttentionShape;
@@ -437,10 +437,29 @@ fn attend_wave<'a>(
         .iter()
         .map(|j| j.rows * shape.n_head * j.n_keys * (hd + vd))
         .sum();
+    // Each item, as it starts, has the next item's first key block fetched into L2: the
+    // kernels prefetch a block ahead only within an item, so at a short context (a block or
+    // two per head) an item would otherwise start on rows from memory. Items run in index
+    // order on each thread (rayon splits a range in contiguous pieces), so the next one is
+    // usually the same thread's.
+    let first_blocks: Vec<Option<CachedRows<'_>>> = items
+        .iter()
+        .map(|item| {
+            let seg = &segments[item.job.segment];
+            let n = seg.keys.block_tokens().min(item.job.n_keys);
+            seg.keys.stored_head_block(item.head, 0, n)
+        })
+        .collect();
+    let run_and_prefetch = |(i, item): (usize, &mut Item<'_>)| {
+        if let Some(Some(next)) = first_blocks.get(i + 1) {
+            next.prefetch_l2();
+        }
+        run(item);
+    };
     if work < PARALLEL_MIN_WORK {
-        items.iter_mut().for_each(run);
+        items.iter_mut().enumerate().for_each(run_and_prefetch);
     } else {
-        items.par_iter_mut().for_each(run);
+        items.par_iter_mut().enumerate().for_each(run_and_prefetch);
     }
     for item in &items {
         let Job {

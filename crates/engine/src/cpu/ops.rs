@@ -23,7 +23,7 @@ use crate::graph::{
     graph_error, Act, BetaAlphaRows, Cache, Cols, Dims, GdnInputs, KvSlot, LayerOps, QkNorms,
     Query, Rows,
 };
-use crate::kv_cache::{KvPool, SeqKv, BLOCK_TOKENS};
+use crate::kv_cache::{KvPool, KvWrite, SeqKv, BLOCK_TOKENS};
 use crate::model::weights::{MatrixRef, Vector};
 use crate::recurrent::{SnapshotRing, StatePlane};
 use crate::state_cache::HiddenRows;
@@ -127,6 +127,9 @@ pub struct CpuOps<'a> {
     pub logits: &'a mut [f32],
 }
 
+/// Values of an element-wise step from which its rows are split over the pool's threads.
+const PARALLEL_ELEMENTWISE: usize = 1 << 13;
+
 /// The caches of sequence slot `seq`.
 fn seq_caches(seqs: &[Option<SeqCaches>], seq: usize) -> Result<&SeqCaches, PluginError> {
     seqs.get(seq)
@@ -222,7 +225,16 @@ impl LayerOps for CpuOps<'_> {
     fn swiglu(&mut self, gate: Act, up: Act, rows: &Rows) -> Result<(), PluginError> {
         let w = self.dims.common_width(gate, up)?;
         let [g, u] = disjoint(&mut self.scratch.acts, [gate, up])?;
-        activations::swiglu_in_place(&mut g[..rows.n * w], &u[..rows.n * w]);
+        let (g, u) = (&mut g[..rows.n * w], &u[..rows.n * w]);
+        // Rows on the pool's threads when there is enough of them (each value's bits are its
+        // own whatever the split).
+        if rows.n > 1 && g.len() >= PARALLEL_ELEMENTWISE {
+            g.par_chunks_mut(w)
+                .zip(u.par_chunks(w))
+                .for_each(|(g, u)| activations::swiglu_in_place(g, u));
+        } else {
+            activations::swiglu_in_place(g, u);
+        }
         Ok(())
     }
 
@@ -289,14 +301,32 @@ impl LayerOps for CpuOps<'_> {
         self.dims.check_kv(k, v)?;
         let (kw, vw) = (self.dims.attention.k_width(), self.dims.attention.v_width());
         let acts = &self.scratch.acts;
+        // Every sequence's rows in one store (one fork-join for the pass's sequences).
+        let mut writes = Vec::with_capacity(rows.spans.len());
+        let mut target = None;
         for (first, span) in rows.with_offsets() {
             let caches = seq_caches(self.seqs, span.seq)?;
-            let (pool, layer, seq) =
-                cache_of(&mut *self.pool, self.mtp_pool.as_deref_mut(), caches, slot)?;
+            let (_, layer, seq) = cache_of(&*self.pool, self.mtp_pool.as_deref(), caches, slot)?;
+            target = Some(layer);
             let range = |w: usize| first * w..(first + span.n) * w;
-            let (keys, values) = (&acts[k.index()][range(kw)], &acts[v.index()][range(vw)]);
-            pool.store(layer, seq, span.pos0, keys, values);
+            writes.push(KvWrite {
+                seq,
+                pos0: span.pos0,
+                keys: &acts[k.index()][range(kw)],
+                values: &acts[v.index()][range(vw)],
+            });
         }
+        let Some(layer) = target else {
+            return Ok(());
+        };
+        let pool = match slot.cache {
+            Cache::Trunk(_) => &mut *self.pool,
+            Cache::Mtp => self
+                .mtp_pool
+                .as_deref_mut()
+                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+        };
+        pool.store_rows(layer, &writes);
         Ok(())
     }
 

@@ -143,7 +143,7 @@ impl Stream<'_> {
     #[inline]
     fn prefetch_ahead(&self, j: usize) {
         if j + PREFETCH_ROWS < self.count() {
-            super::prefetch(self.rows.row(j + PREFETCH_ROWS));
+            super::prefetch_lines(self.ptr(j + PREFETCH_ROWS), self.len(), false);
         }
         self.prefetch_next(j);
     }
@@ -152,7 +152,7 @@ impl Stream<'_> {
     #[inline]
     fn prefetch_next(&self, j: usize) {
         if let Some(next) = self.next.filter(|next| j < next.count()) {
-            super::prefetch_l2(next.row(j));
+            super::prefetch_lines(next.ptr(j), next.len(), true);
         }
     }
 

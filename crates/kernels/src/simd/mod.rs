@@ -85,8 +85,8 @@ pub(crate) use k_quant::k_quant_accumulate;
 pub(crate) use norm_rope::{rotate_pairs, scale_mul, sum_squares_f64};
 pub(crate) use quantize::{dequantize_q8_0_row, quantize_q8_0_row, quantize_q8_k_row};
 pub(crate) use rows::{
-    accumulate_and_sum, f32_bytes, prefetch, prefetch_l2, row_sums, widened_accumulate_and_sum,
-    OutRows, RowSumsEncoding, WidenedFormat,
+    accumulate_and_sum, f32_bytes, prefetch_l2, prefetch_lines, row_sums,
+    widened_accumulate_and_sum, OutRows, RowSumsEncoding, WidenedFormat,
 };
 #[cfg(target_arch = "x86_64")]
 pub(crate) use rows::{in_passes, u16_bytes};

@@ -525,21 +525,33 @@ pub(crate) fn prefetch_l2(bytes: &[u8]) {
 
 #[inline]
 fn prefetch_into(bytes: &[u8], l2: bool) {
+    prefetch_lines(bytes.as_ptr(), bytes.len(), l2);
+}
+
+/// Prefetches the `len` bytes from `start` a line (64 bytes) at a time, into L2 when `l2`, else
+/// into L1: [`prefetch`] / [`prefetch_l2`] for a kernel that has a row's address and length
+/// rather than a slice (a step and a compare per line, no slicing).
+#[inline]
+pub(crate) fn prefetch_lines(start: *const u8, len: usize, l2: bool) {
     #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
+    {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        // SAFETY: a prefetch never faults and changes no state visible to the program; the
-        // address is inside `bytes`.
-        unsafe {
-            if l2 {
-                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+        let mut offset = 0;
+        while offset < len {
+            let line = start.wrapping_add(offset).cast();
+            // SAFETY: a prefetch never faults and changes no state visible to the program.
+            unsafe {
+                if l2 {
+                    _mm_prefetch::<_MM_HINT_T1>(line);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(line);
+                }
             }
+            offset += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (bytes, l2);
+    let _ = (start, len, l2);
 }
 
 /// The bytes of an f32 slice (native order, which is the little-endian f32 weight encoding on
