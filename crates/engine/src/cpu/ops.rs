@@ -137,6 +137,36 @@ fn seq_caches(seqs: &[Option<SeqCaches>], seq: usize) -> Result<&SeqCaches, Plug
         .ok_or_else(|| graph_error(&format!("sequence slot {seq} has no caches")))
 }
 
+/// The pool of `slot`: `pool` (the trunk's) or `mtp_pool` (the MTP head's).
+fn pool_of<P>(pool: P, mtp_pool: Option<P>, slot: KvSlot) -> Result<P, PluginError> {
+    match slot.cache {
+        Cache::Trunk(_) => Ok(pool),
+        Cache::Mtp => mtp_pool.ok_or_else(|| graph_error("the MTP head's cache is not here")),
+    }
+}
+
+/// The layer of `slot` in its pool `pool` ([`pool_of`]) and the sequence's part of it.
+fn place_of<'c>(
+    pool: &KvPool,
+    caches: &'c SeqCaches,
+    slot: KvSlot,
+) -> Result<(usize, &'c SeqKv), PluginError> {
+    let (layer, seq) = match slot.cache {
+        Cache::Trunk(layer) => (layer, &caches.kv),
+        Cache::Mtp => (
+            0,
+            caches
+                .mtp_kv
+                .as_ref()
+                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
+        ),
+    };
+    if layer >= pool.n_layers() {
+        return Err(graph_error(&format!("attention layer {layer} is not here")));
+    }
+    Ok((layer, seq))
+}
+
 /// The pool of `slot` (one of `pool` and `mtp_pool`), the layer there, and the sequence's part
 /// of it.
 fn cache_of<P: std::ops::Deref<Target = KvPool>>(
@@ -145,18 +175,8 @@ fn cache_of<P: std::ops::Deref<Target = KvPool>>(
     caches: &SeqCaches,
     slot: KvSlot,
 ) -> Result<(P, usize, &SeqKv), PluginError> {
-    let missing = || graph_error("the MTP head's cache is not here");
-    let (pool, layer, seq) = match slot.cache {
-        Cache::Trunk(layer) => (pool, layer, &caches.kv),
-        Cache::Mtp => (
-            mtp_pool.ok_or_else(missing)?,
-            0,
-            caches.mtp_kv.as_ref().ok_or_else(missing)?,
-        ),
-    };
-    if layer >= pool.n_layers() {
-        return Err(graph_error(&format!("attention layer {layer} is not here")));
-    }
+    let pool = pool_of(pool, mtp_pool, slot)?;
+    let (layer, seq) = place_of(&pool, caches, slot)?;
     Ok((pool, layer, seq))
 }
 
@@ -301,12 +321,13 @@ impl LayerOps for CpuOps<'_> {
         self.dims.check_kv(k, v)?;
         let (kw, vw) = (self.dims.attention.k_width(), self.dims.attention.v_width());
         let acts = &self.scratch.acts;
+        let pool = pool_of(&mut *self.pool, self.mtp_pool.as_deref_mut(), slot)?;
         // Every sequence's rows in one store (one fork-join for the pass's sequences).
         let mut writes = Vec::with_capacity(rows.spans.len());
         let mut target = None;
         for (first, span) in rows.with_offsets() {
             let caches = seq_caches(self.seqs, span.seq)?;
-            let (_, layer, seq) = cache_of(&*self.pool, self.mtp_pool.as_deref(), caches, slot)?;
+            let (layer, seq) = place_of(pool, caches, slot)?;
             target = Some(layer);
             let range = |w: usize| first * w..(first + span.n) * w;
             writes.push(KvWrite {
@@ -318,13 +339,6 @@ impl LayerOps for CpuOps<'_> {
         }
         let Some(layer) = target else {
             return Ok(());
-        };
-        let pool = match slot.cache {
-            Cache::Trunk(_) => &mut *self.pool,
-            Cache::Mtp => self
-                .mtp_pool
-                .as_deref_mut()
-                .ok_or_else(|| graph_error("the MTP head's cache is not here"))?,
         };
         pool.store_rows(layer, &writes);
         Ok(())
