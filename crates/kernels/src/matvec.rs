@@ -492,9 +492,11 @@ fn scatter_chunks(staging: &[f32], out: &mut [f32], n: usize, rows: usize, chunk
 }
 
 /// [`run`] for an interleaved matrix, in thread chunks of whole 16-row groups (`chunk_rows`, a
-/// multiple of 16). Up to a pass of activation rows (every verify) each chunk writes straight
-/// into `out`, its groups in one kernel call; more rows (prefill) run pass after pass over each
-/// group while it is in cache, through `staging` and [`scatter_chunks`] as in [`run`].
+/// multiple of 16). A pass of activation rows (every verify) has each chunk write straight
+/// into `out`, its groups in one kernel call; so do the passes of more rows (prefill) one after
+/// another where the kernels are bound by arithmetic ([`interleaved::streams_passes`]).
+/// Elsewhere they run pass after pass over each group while it is in cache, through `staging`
+/// and [`scatter_chunks`] as in [`run`].
 fn run_interleaved(
     encoding: interleaved::Encoding,
     level: SimdLevel,
@@ -512,34 +514,42 @@ fn run_interleaved(
         &w.bytes()[first / interleaved::GROUP_ROWS * group_bytes..]
             [..len.div_ceil(interleaved::GROUP_ROWS) * group_bytes]
     };
-    let multiply_adds = rows * w.cols() * n;
     let pass_rows = interleaved::pass_rows(encoding, level);
-    if n <= pass_rows {
-        let work = |mut run: WeightRun<'_>| {
-            let groups = groups(run.first, run.len);
-            interleaved::groups_pass(
-                encoding,
-                level,
-                groups,
-                acts,
-                &mut run.out,
-                0,
-                run.len,
-                true,
-            );
-        };
-        let whole = WeightRun {
-            first: 0,
-            len: rows,
-            out: OutRows::new(out.chunks_exact_mut(rows)),
-        };
-        if rayon::current_num_threads() <= 1 || multiply_adds < PARALLEL_MIN_WORK {
-            work(whole);
-        } else {
-            rayon::iter::split(whole, |run| run.split(chunk_rows)).for_each(work);
+    if n <= pass_rows || interleaved::streams_passes(encoding, level) {
+        for (acts, out) in (0..n)
+            .step_by(pass_rows)
+            .map(|first| acts.sub(first, pass_rows.min(n - first)))
+            .zip(out.chunks_mut(pass_rows * rows))
+        {
+            let work = |mut run: WeightRun<'_>| {
+                let groups = groups(run.first, run.len);
+                interleaved::groups_pass(
+                    encoding,
+                    level,
+                    groups,
+                    acts,
+                    &mut run.out,
+                    0,
+                    run.len,
+                    true,
+                );
+            };
+            let whole = WeightRun {
+                first: 0,
+                len: rows,
+                out: OutRows::new(out.chunks_exact_mut(rows)),
+            };
+            if rayon::current_num_threads() <= 1
+                || rows * w.cols() * acts.count() < PARALLEL_MIN_WORK
+            {
+                work(whole);
+            } else {
+                rayon::iter::split(whole, |run| run.split(chunk_rows)).for_each(work);
+            }
         }
         return;
     }
+    let multiply_adds = rows * w.cols() * n;
     staging.resize(n * rows, 0.0);
     let work = |(chunk, dst): (usize, &mut [f32])| {
         let first = chunk * chunk_rows;
@@ -560,18 +570,11 @@ fn run_interleaved(
                 true,
             );
         };
-        if interleaved::passes_set_up(encoding, level) {
-            // Each pass over the whole chunk, so that its setup is paid once per chunk.
+        // Each group through all the passes while it is in the cache.
+        for start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
+            let valid = interleaved::GROUP_ROWS.min(chunk_len - start);
             for pass_first in (0..n).step_by(pass_rows) {
-                pass(0, chunk_len, pass_first);
-            }
-        } else {
-            // Each group through all the passes while it is in the cache.
-            for start in (0..chunk_len).step_by(interleaved::GROUP_ROWS) {
-                let valid = interleaved::GROUP_ROWS.min(chunk_len - start);
-                for pass_first in (0..n).step_by(pass_rows) {
-                    pass(start, valid, pass_first);
-                }
+                pass(start, valid, pass_first);
             }
         }
     };

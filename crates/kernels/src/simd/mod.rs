@@ -96,9 +96,13 @@ pub use rows::{Accumulator, Rows};
 /// more rows run further passes over the (by then cache-resident) weight row.
 pub const MAX_ROWS_PER_PASS: usize = 8;
 
-/// Activation rows one pass of the AMX kernel serves at most (a tile's 16 rows); it is the
-/// only kernel whose passes go beyond [`MAX_ROWS_PER_PASS`].
+/// Activation rows one tile of the AMX kernels holds (a tile's 16 rows); the AMX kernels are
+/// the only ones whose passes go beyond [`MAX_ROWS_PER_PASS`].
 pub(crate) const MAX_TILE_ROWS: usize = 16;
+
+/// Activation rows one pass of any kernel serves at most: the AMX Q8_0 kernel's two tiles of
+/// rows.
+pub(crate) const MAX_PASS_ROWS: usize = 2 * MAX_TILE_ROWS;
 
 /// An instruction-set level a kernel can be compiled for, from slowest to fastest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -6,7 +6,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::{block32, k_quant};
-use super::{SimdLevel, MAX_ROWS_PER_PASS, MAX_TILE_ROWS};
+use super::{SimdLevel, MAX_PASS_ROWS, MAX_ROWS_PER_PASS};
 
 /// The running sums of one (weight row, activation row) pair inside a SIMD kernel, kept
 /// between calls so a row can be processed in column tiles: a kernel loads it into registers,
@@ -178,18 +178,18 @@ impl<'a, T> Rows<'a, T> {
     }
 }
 
-/// The outputs of one pass of activation rows (at most [`MAX_TILE_ROWS`]) over a run of
+/// The outputs of one pass of activation rows (at most [`MAX_PASS_ROWS`]) over a run of
 /// weight rows: the product of the run's weight row `i` and activation row `b` goes to
 /// `row(b)[i]`. Each row is a separate borrow, so thread chunks of weight rows can write their
 /// runs of every output row in place (no staging buffer, no copy afterwards).
 #[derive(Debug, Default)]
 pub(crate) struct OutRows<'a> {
-    rows: [&'a mut [f32]; MAX_TILE_ROWS],
+    rows: [&'a mut [f32]; MAX_PASS_ROWS],
     count: usize,
 }
 
 impl<'a> OutRows<'a> {
-    /// The rows `rows` yields (at most [`MAX_TILE_ROWS`]).
+    /// The rows `rows` yields (at most [`MAX_PASS_ROWS`]).
     ///
     /// # Panics
     ///
@@ -197,7 +197,7 @@ impl<'a> OutRows<'a> {
     pub(crate) fn new(rows: impl IntoIterator<Item = &'a mut [f32]>) -> Self {
         let mut out = Self::default();
         for row in rows {
-            assert!(out.count < MAX_TILE_ROWS, "out rows: more than one pass");
+            assert!(out.count < MAX_PASS_ROWS, "out rows: more than one pass");
             out.rows[out.count] = row;
             out.count += 1;
         }
