@@ -130,9 +130,9 @@ impl Store {
 
     fn all(&self) -> Stored<'_> {
         match self {
-            Store::F32(v) => Stored::Float(Cached::F32(v)),
-            Store::F16(v) => Stored::Float(Cached::F16(v)),
-            Store::Q8(v) => Stored::Q8(v),
+            Store::F32(v) => Stored::Rows(Cached::F32(v)),
+            Store::F16(v) => Stored::Rows(Cached::F16(v)),
+            Store::Q8(v) => Stored::Rows(Cached::Q8_0(v)),
             Store::Q8Keys(v) => Stored::Q8Keys(v),
         }
     }
@@ -274,12 +274,11 @@ pub struct KvWrite<'a> {
     pub values: &'a [f32],
 }
 
-/// A layer's cache as stored: values attention reads directly, Q8_0 rows it reads
-/// dequantised, or Q8_0 keys in interleaved groups it scores as integers.
+/// A layer's cache as stored: rows attention reads as they are (f32, f16, Q8_0 blocks), or
+/// Q8_0 keys in interleaved groups it scores as integers.
 #[derive(Debug, Clone, Copy)]
 enum Stored<'a> {
-    Float(Cached<'a>),
-    Q8(&'a [u8]),
+    Rows(Cached<'a>),
     Q8Keys(&'a [u8]),
 }
 
@@ -315,7 +314,7 @@ impl<'a> CachedHeads<'a> {
         let row = width * heads;
         let count = data.len() / row.max(1);
         Self {
-            data: Stored::Float(data),
+            data: Stored::Rows(data),
             blocks: &ONE_BLOCK,
             block_tokens: count.max(1),
             block_stride: 0,
@@ -344,7 +343,7 @@ impl<'a> CachedHeads<'a> {
 
     /// Whether [`head_block`](Self::head_block) dequantises into its scratch.
     pub fn needs_scratch(&self) -> bool {
-        matches!(self.data, Stored::Q8(_) | Stored::Q8Keys(_))
+        matches!(self.data, Stored::Q8Keys(_))
     }
 
     /// Whether these are a Q8_0 cache's keys, scored through
@@ -370,8 +369,8 @@ impl<'a> CachedHeads<'a> {
     }
 
     /// Head `h` of the `n` positions from block `b`'s first, as stored, where the kernels read
-    /// them as stored (f32 and f16); `None` for a Q8_0 cache. (A caller hands the next block to
-    /// the kernels' prefetching: [`CachedRows::followed_by`].)
+    /// them as stored (f32, f16, Q8_0 rows); `None` for Q8_0 keys in interleaved groups. (A
+    /// caller hands the next block to the kernels' prefetching: [`CachedRows::followed_by`].)
     pub fn stored_head_block(&self, h: usize, b: usize, n: usize) -> Option<CachedRows<'a>> {
         assert!(
             n <= self.block_tokens && b * self.block_tokens + n <= self.count,
@@ -379,10 +378,8 @@ impl<'a> CachedHeads<'a> {
             self.count
         );
         match self.data {
-            Stored::Float(data) => {
-                Some(data.rows(self.first(h, b), self.row_stride, self.width, n))
-            }
-            Stored::Q8(_) | Stored::Q8Keys(_) => None,
+            Stored::Rows(data) => Some(data.rows(self.first(h, b), self.row_stride, self.width, n)),
+            Stored::Q8Keys(_) => None,
         }
     }
 
@@ -392,8 +389,9 @@ impl<'a> CachedHeads<'a> {
     }
 
     /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's): the
-    /// stored rows, or for a Q8_0 cache the rows dequantised into `scratch` (at least `n`
-    /// rows of [`values`](Self::values) each; the same f32 values whatever else is read).
+    /// stored rows, or for Q8_0 keys in interleaved groups the rows dequantised into `scratch`
+    /// (at least `n` rows of [`values`](Self::values) each; the same f32 values whatever else
+    /// is read).
     pub fn head_block<'s>(
         &self,
         h: usize,
@@ -407,25 +405,12 @@ impl<'a> CachedHeads<'a> {
         if let Some(rows) = self.stored_head_block(h, b, n) {
             return rows;
         }
+        let keys = self
+            .q8_key_block(h, b)
+            .expect("rows not read as stored are Q8_0 keys");
         let rows = &mut scratch[..n * self.values];
-        if let Some(keys) = self.q8_key_block(h, b) {
-            for (slot, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
-                q8_keys::dequantize(keys, slot, row);
-            }
-            return Cached::F32(rows).rows(0, self.values, self.values, n);
-        }
-        let Stored::Q8(bytes) = self.data else {
-            unreachable!("f32 and f16 rows are read as stored")
-        };
-        let first = self.first(h, b);
-        if self.row_stride == self.width {
-            // A block's rows of one head are contiguous: one call for all of them.
-            q8_0::dequantize_row(&bytes[first..first + n * self.width], rows);
-        } else {
-            for (i, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
-                let at = first + i * self.row_stride;
-                q8_0::dequantize_row(&bytes[at..at + self.width], row);
-            }
+        for (slot, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
+            q8_keys::dequantize(keys, slot, row);
         }
         Cached::F32(rows).rows(0, self.values, self.values, n)
     }

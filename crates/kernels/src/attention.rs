@@ -7,24 +7,30 @@
 //! element is computed by one fixed sequence of operations, whatever the other queries of the
 //! call, so a verify row gets exactly the bits of a single-token pass.
 
+use crate::q8_0;
 use crate::simd::{self, Rows, SimdLevel};
 
-/// A run of cached key or value rows as a KV cache stores them: f32, or f16 (half the memory
+/// A run of cached key or value rows as a KV cache stores them: f32, f16 (half the memory
 /// and the memory traffic; values rounded to nearest-even when stored, as llama.cpp's default
-/// cache does).
+/// cache does), or Q8_0 blocks (about a quarter).
 #[derive(Debug, Clone, Copy)]
 pub enum Cached<'a> {
     F32(&'a [f32]),
     /// IEEE binary16 bit patterns.
     F16(&'a [u16]),
+    /// Q8_0 blocks as GGUF stores them (an f16 scale `d`, then 32 signed quants `q`): value
+    /// `q · d`, the bits [`crate::q8_0::dequantize_row`] gives, which the kernels compute as
+    /// they read each block rather than from a dequantised copy.
+    Q8_0(&'a [u8]),
 }
 
 impl<'a> Cached<'a> {
-    /// Number of stored values.
+    /// Number of stored units: values for f32 and f16, bytes for Q8_0.
     pub fn len(self) -> usize {
         match self {
             Cached::F32(v) => v.len(),
             Cached::F16(v) => v.len(),
+            Cached::Q8_0(v) => v.len(),
         }
     }
 
@@ -32,16 +38,25 @@ impl<'a> Cached<'a> {
         self.len() == 0
     }
 
-    /// `count` rows of `len` values, `stride` values apart, the first starting at value
-    /// `first` (e.g. one head of every cached position).
+    /// `count` rows of `len` stored units, `stride` units apart, the first starting at unit
+    /// `first` (e.g. one head of every cached position). Units are values for f32 and f16,
+    /// bytes for Q8_0, whose rows are whole blocks.
     ///
     /// # Panics
     ///
-    /// If the rows do not fit.
+    /// If the rows do not fit, or a Q8_0 row is not a whole number of blocks.
     pub fn rows(self, first: usize, stride: usize, len: usize, count: usize) -> CachedRows<'a> {
         let (kind, bytes, size) = match self {
             Cached::F32(v) => (CacheKind::F32, simd::f32_bytes(v), 4),
             Cached::F16(v) => (CacheKind::F16, simd::u16_bytes(v), 2),
+            Cached::Q8_0(v) => {
+                assert!(
+                    len.is_multiple_of(q8_0::BLOCK_BYTES),
+                    "attention: a Q8_0 row of {len} bytes is not whole {}-byte blocks",
+                    q8_0::BLOCK_BYTES
+                );
+                (CacheKind::Q8_0, v, 1)
+            }
         };
         CachedRows {
             kind,
@@ -56,13 +71,29 @@ impl<'a> Cached<'a> {
 pub(crate) enum CacheKind {
     F32,
     F16,
+    Q8_0,
 }
 
 impl CacheKind {
-    pub(crate) fn size(self) -> usize {
+    /// Values in a row of `bytes` bytes.
+    pub(crate) const fn values(self, bytes: usize) -> usize {
         match self {
-            CacheKind::F32 => 4,
-            CacheKind::F16 => 2,
+            CacheKind::F32 => bytes / 4,
+            CacheKind::F16 => bytes / 2,
+            CacheKind::Q8_0 => bytes / q8_0::BLOCK_BYTES * q8_0::BLOCK_VALUES,
+        }
+    }
+
+    /// Value `i` of a stored `row`, as f32 (exact: f32 and f16 widen without rounding; Q8_0
+    /// is `q · d`, one rounding, as [`crate::q8_0::dequantize_row`]).
+    pub(crate) fn value(self, row: &[u8], i: usize) -> f32 {
+        match self {
+            CacheKind::F32 => f32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()),
+            CacheKind::F16 => crate::f16::to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])),
+            CacheKind::Q8_0 => {
+                let block = &row[i / q8_0::BLOCK_VALUES * q8_0::BLOCK_BYTES..];
+                f32::from(block[2 + i % q8_0::BLOCK_VALUES] as i8) * q8_0::scale(block)
+            }
         }
     }
 }
@@ -121,15 +152,15 @@ impl CachedRows<'_> {
 
     /// Values per row.
     pub fn len(&self) -> usize {
-        self.rows.len() / self.kind.size()
+        self.kind.values(self.rows.len())
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Row `j` as f32 values (exact: every stored type widens to f32 without rounding) into
-    /// `out` (`len()` values).
+    /// Row `j` as f32 values (the values every kernel reads: a Q8_0 row's as `q · d`) into `out`
+    /// (`len()` values).
     pub fn row_f32(&self, j: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.len(), "attention: one row of values");
         for (i, o) in out.iter_mut().enumerate() {
@@ -139,11 +170,7 @@ impl CachedRows<'_> {
 
     /// Value `i` of row `j`, as f32 (the scalar references read through this).
     fn value(&self, j: usize, i: usize) -> f32 {
-        let row = self.rows.row(j);
-        match self.kind {
-            CacheKind::F32 => f32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()),
-            CacheKind::F16 => crate::f16::to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])),
-        }
+        self.kind.value(self.rows.row(j), i)
     }
 }
 
@@ -362,15 +389,15 @@ mod tests {
 
     /// A paged cache's blocks summed one after another ([`weighted_sums_onto`] after a first
     /// [`weighted_sums`]) give the bits of one call over every key, at every level, for head
-    /// sizes on and off the tiled paths, tiles of 1..8 queries and ragged limits.
+    /// sizes on and off the tiled paths, tiles of 1..16 queries and ragged limits.
     #[test]
     fn block_by_block_sums_are_bit_identical_to_one_call() {
         for dim in [1, 7, 16, 40, 64, 128, 144] {
-            let (n_keys, n_queries) = (70, 11);
+            let (n_keys, n_queries) = (70, 19);
             let values = random_vec(n_keys * dim, 1.0, dim as u64 + 9);
             let (value_bits, _) = stored(&values);
             let probs = random_vec(n_queries * n_keys, 0.1, dim as u64 + 10);
-            let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - 5 * q).collect();
+            let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - 3 * q).collect();
             let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
             for v_cache in [Cached::F32(&values), Cached::F16(&value_bits)] {
                 for level in SimdLevel::supported() {
@@ -448,13 +475,54 @@ mod tests {
         }
     }
 
+    /// Q8_0 rows, read block by block as the kernels widen them, give the bits of the same
+    /// rows dequantised first ([`crate::q8_0::dequantize_row_scalar`]) and read as f32, at
+    /// every level: scores and weighted sums (fresh and onto earlier sums), on the tiled head
+    /// sizes and off them (256), every query tile, ragged limits, rows with a stride.
+    #[test]
+    fn q8_0_rows_give_the_bits_of_their_dequantised_copy() {
+        for dim in [32, 64, 96, 128, 256] {
+            let (n_keys, n_queries) = (70, 19);
+            let row_bytes = dim / q8_0::BLOCK_VALUES * q8_0::BLOCK_BYTES;
+            // Two heads per position, of which the test reads the second.
+            let stored = random_vec(n_keys * 2 * dim, 1.0, dim as u64 + 31);
+            let mut bytes = vec![0u8; n_keys * 2 * row_bytes];
+            q8_0::quantize_row(&stored, &mut bytes);
+            let mut widened = vec![0.0f32; n_keys * 2 * dim];
+            q8_0::dequantize_row_scalar(&bytes, &mut widened);
+            let q8_rows = Cached::Q8_0(&bytes).rows(row_bytes, 2 * row_bytes, row_bytes, n_keys);
+            let f32_rows = Cached::F32(&widened).rows(dim, 2 * dim, dim, n_keys);
+            assert_eq!(q8_rows.len(), dim);
+            let queries = random_vec(n_queries * dim, 1.0, dim as u64 + 32);
+            let probs = random_vec(n_queries * n_keys, 0.1, dim as u64 + 33);
+            let start = random_vec(n_queries * dim, 1.0, dim as u64 + 34);
+            let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - 3 * q).collect();
+            let q_rows = Rows::new(&queries, dim, dim, n_queries);
+            let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for level in SimdLevel::supported() {
+                let [mut q8, mut f32s] = [(); 2].map(|_| vec![0.0; n_queries * n_keys]);
+                scores_with(level, q_rows, q8_rows, &limits, &mut q8, n_keys);
+                scores_with(level, q_rows, f32_rows, &limits, &mut f32s, n_keys);
+                assert_eq!(bits(&q8), bits(&f32s), "{level} dim {dim} scores");
+                for onto in [false, true] {
+                    let [mut q8, mut f32s] = [(); 2].map(|_| start.clone());
+                    weighted_sums_with(level, p_rows, q8_rows, &limits, &mut q8, onto);
+                    weighted_sums_with(level, p_rows, f32_rows, &limits, &mut f32s, onto);
+                    assert_eq!(bits(&q8), bits(&f32s), "{level} dim {dim} sums onto {onto}");
+                }
+            }
+        }
+    }
+
     /// A query's results do not depend on the other queries of the call: each query alone
     /// gives the same bits as in a batch (what a verify row relies on).
     #[test]
     fn a_query_alone_gets_the_bits_it_gets_in_a_batch() {
         for dim in [40, 128] {
-            // 11 queries: tiles of 4, 4, 2 and 1.
-            let (n_keys, n_queries) = (35, 11);
+            // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, sum tiles of 16, 2 and 1; 70 keys:
+            // two spans of the sums' transposed probabilities.
+            let (n_keys, n_queries) = (70, 19);
             let queries = random_vec(n_queries * dim, 1.0, 3);
             let keys = random_vec(n_keys * dim, 1.0, 4);
             let values = random_vec(n_keys * dim, 1.0, 5);

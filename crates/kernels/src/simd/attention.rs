@@ -1,6 +1,6 @@
 //! Attention over one key / value head ([`crate::attention`]): the scores and the weighted sums
-//! of the values, AVX2 and AVX-512 kernels (cached rows stored as f32 or f16) and their safe
-//! entry points.
+//! of the values, AVX2 and AVX-512 kernels (cached rows stored as f32, f16 or Q8_0 blocks,
+//! widened to f32 as they are read) and their safe entry points.
 //!
 //! AVX2 runs one query at a time, 8-lane chunks; AVX-512 keeps a tile of queries in registers
 //! for head sizes of 16 · C (C ≤ 8) and loads each cached row once for the tile, other sizes
@@ -10,6 +10,38 @@
 #[cfg(target_arch = "x86_64")]
 use super::x86::{F16, F32};
 use super::{Rows, SimdLevel};
+#[cfg(target_arch = "x86_64")]
+use crate::attention::CacheKind;
+
+/// [`CacheKind::Q8_0`] as the kernels' `KIND` parameter, beside [`F32`] and [`F16`].
+#[cfg(target_arch = "x86_64")]
+const Q8_0_ROWS: u8 = 3;
+
+/// The storage a kernel's `KIND` parameter stands for.
+#[cfg(target_arch = "x86_64")]
+const fn cache_kind(kind: u8) -> CacheKind {
+    match kind {
+        F32 => CacheKind::F32,
+        F16 => CacheKind::F16,
+        Q8_0_ROWS => CacheKind::Q8_0,
+        _ => panic!("attention: not a cache kind"),
+    }
+}
+
+/// The f32 scale of the Q8_0 block at `block` (F16C's conversion: exact, as every other).
+///
+/// # Safety
+///
+/// F16C is available; two bytes are readable at `block`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+#[inline]
+unsafe fn q8_0_scale(block: *const u8) -> f32 {
+    use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
+    // SAFETY: the caller's contract.
+    let bits = u16::from_le(unsafe { block.cast::<u16>().read_unaligned() });
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
 
 /// [`crate::attention::scores`] at a SIMD `level` (sizes checked by the caller).
 pub(crate) fn attention_scores(
@@ -38,7 +70,6 @@ pub(crate) fn attention_scores(
     // SAFETY: the level is supported and every (query, key) pair written lies inside `out`
     // (checked above); `Rows` views are checked.
     unsafe {
-        use crate::attention::CacheKind;
         let stream = Stream {
             rows: keys.rows,
             next: keys.next,
@@ -50,11 +81,17 @@ pub(crate) fn attention_scores(
             (SimdLevel::Avx2, CacheKind::F16) => {
                 avx2::attention_scores::<F16>(queries, stream, limits, out, stride)
             }
+            (SimdLevel::Avx2, CacheKind::Q8_0) => {
+                avx2::attention_scores::<Q8_0_ROWS>(queries, stream, limits, out, stride)
+            }
             (_, CacheKind::F32) => {
                 avx512::attention_scores::<F32>(queries, stream, limits, out, stride)
             }
             (_, CacheKind::F16) => {
                 avx512::attention_scores::<F16>(queries, stream, limits, out, stride)
+            }
+            (_, CacheKind::Q8_0) => {
+                avx512::attention_scores::<Q8_0_ROWS>(queries, stream, limits, out, stride)
             }
         }
     }
@@ -85,7 +122,6 @@ pub(crate) fn attention_weighted_sums(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the level is supported and the sizes match (checked above).
     unsafe {
-        use crate::attention::CacheKind;
         let stream = Stream {
             rows: values.rows,
             next: values.next,
@@ -97,11 +133,17 @@ pub(crate) fn attention_weighted_sums(
             (SimdLevel::Avx2, CacheKind::F16) => {
                 avx2::attention_weighted_sums::<F16>(probs, stream, limits, out, onto)
             }
+            (SimdLevel::Avx2, CacheKind::Q8_0) => {
+                avx2::attention_weighted_sums::<Q8_0_ROWS>(probs, stream, limits, out, onto)
+            }
             (_, CacheKind::F32) => {
                 avx512::attention_weighted_sums::<F32>(probs, stream, limits, out, onto)
             }
             (_, CacheKind::F16) => {
                 avx512::attention_weighted_sums::<F16>(probs, stream, limits, out, onto)
+            }
+            (_, CacheKind::Q8_0) => {
+                avx512::attention_weighted_sums::<Q8_0_ROWS>(probs, stream, limits, out, onto)
             }
         }
     }
@@ -167,10 +209,32 @@ impl Stream<'_> {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::Stream;
+    use super::{cache_kind, q8_0_scale, Stream, Q8_0_ROWS};
+    use crate::q8_0::{BLOCK_BYTES, BLOCK_VALUES};
     use crate::simd::x86::avx2::{load8, reduce8};
-    use crate::simd::x86::{float_size, F32};
+    use crate::simd::x86::float_size;
     use crate::simd::Rows;
+
+    /// Values `i .. i + 8` (`i` a multiple of 8) of the cached row of `KIND` at `row`, as f32.
+    ///
+    /// # Safety
+    ///
+    /// AVX2 is available; the row holds values `i .. i + 8`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_values<const KIND: u8>(row: *const u8, i: usize) -> __m256 {
+        // SAFETY: the caller's contract: the values (a Q8_0 row: their block's scale and
+        // quants) are readable.
+        unsafe {
+            if KIND == Q8_0_ROWS {
+                let block = row.add(i / BLOCK_VALUES * BLOCK_BYTES);
+                let quants = _mm_loadl_epi64(block.add(2 + i % BLOCK_VALUES).cast());
+                let wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quants));
+                return _mm256_mul_ps(wide, _mm256_set1_ps(q8_0_scale(block)));
+            }
+            load8::<KIND>(row.add(i * float_size(KIND)))
+        }
+    }
 
     /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (rows of
     /// bytes; the next rows prefetched as the first query reaches each row): per (query, key)
@@ -190,7 +254,6 @@ mod avx2 {
         stride: usize,
     ) {
         let dim = queries.len();
-        let size = float_size(KIND);
         let full = dim / 8;
         let rest = dim - 8 * full;
         for (q, &limit) in limits.iter().enumerate() {
@@ -208,12 +271,12 @@ mod avx2 {
                     for c in 0..full {
                         acc[c % 2] = _mm256_fmadd_ps(
                             _mm256_loadu_ps(query.as_ptr().add(8 * c)),
-                            load8::<KIND>(key.as_ptr().add(8 * c * size)),
+                            load_values::<KIND>(key.as_ptr(), 8 * c),
                             acc[c % 2],
                         );
                     }
                     if rest > 0 {
-                        let key_tail = widen_tail::<KIND>(&key[8 * full * size..]);
+                        let key_tail = widen_tail::<KIND>(key, 8 * full, rest);
                         acc[full % 2] = _mm256_fmadd_ps(
                             _mm256_loadu_ps(query_tail.as_ptr()),
                             _mm256_loadu_ps(key_tail.as_ptr()),
@@ -226,14 +289,11 @@ mod avx2 {
         }
     }
 
-    /// The last `bytes.len() / size` (< 8) values of a `KIND` row as f32, zero-padded to 8.
-    fn widen_tail<const KIND: u8>(bytes: &[u8]) -> [f32; 8] {
+    /// Values `from .. from + count` (`count` < 8) of a `KIND` row as f32, zero-padded to 8.
+    fn widen_tail<const KIND: u8>(row: &[u8], from: usize, count: usize) -> [f32; 8] {
         let mut tail = [0.0f32; 8];
-        for (t, v) in tail.iter_mut().zip(bytes.chunks_exact(float_size(KIND))) {
-            *t = match KIND {
-                F32 => f32::from_le_bytes([v[0], v[1], v[2], v[3]]),
-                _ => crate::f16::to_f32(u16::from_le_bytes([v[0], v[1]])),
-            };
+        for (t, v) in tail[..count].iter_mut().enumerate() {
+            *v = cache_kind(KIND).value(row, from + t);
         }
         tail
     }
@@ -255,8 +315,7 @@ mod avx2 {
         out: &mut [f32],
         onto: bool,
     ) {
-        let size = float_size(KIND);
-        let dim = values.len() / size;
+        let dim = cache_kind(KIND).values(values.len());
         let full = dim / 8;
         for (q, (o, &limit)) in out.chunks_exact_mut(dim.max(1)).zip(limits).enumerate() {
             let mut tail = [0.0f32; 8];
@@ -276,11 +335,11 @@ mod avx2 {
                     let p = _mm256_set1_ps(probs.row(q)[j]);
                     for c in 0..full {
                         let y = o.as_mut_ptr().add(8 * c);
-                        let v = load8::<KIND>(value.as_ptr().add(8 * c * size));
+                        let v = load_values::<KIND>(value.as_ptr(), 8 * c);
                         _mm256_storeu_ps(y, _mm256_fmadd_ps(p, v, _mm256_loadu_ps(y)));
                     }
                     if dim > 8 * full {
-                        let v = widen_tail::<KIND>(&value[8 * full * size..]);
+                        let v = widen_tail::<KIND>(value, 8 * full, dim - 8 * full);
                         let y = _mm256_fmadd_ps(
                             p,
                             _mm256_loadu_ps(v.as_ptr()),
@@ -300,10 +359,35 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::Stream;
+    use super::{cache_kind, q8_0_scale, Stream, Q8_0_ROWS};
+    use crate::q8_0::{BLOCK_BYTES, BLOCK_VALUES};
     use crate::simd::x86::avx512::{load16, load16_f32};
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
+
+    /// Values `i .. i + count` (`count` ≤ 16, `i` a multiple of 16) of the cached row of
+    /// `KIND` at `row`, as f32, zero past `count`. (A Q8_0 row is whole blocks of 32, so its
+    /// chunks are whole.)
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 is available; the row holds values `i .. i + count`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_values<const KIND: u8>(row: *const u8, i: usize, count: usize) -> __m512 {
+        // SAFETY: the caller's contract: the values (a Q8_0 row: their block's scale and
+        // quants) are readable.
+        unsafe {
+            if KIND == Q8_0_ROWS {
+                debug_assert_eq!(count, 16, "a Q8_0 row's chunks are whole");
+                let block = row.add(i / BLOCK_VALUES * BLOCK_BYTES);
+                let quants = _mm_loadu_si128(block.add(2 + i % BLOCK_VALUES).cast());
+                let wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quants));
+                return _mm512_mul_ps(wide, _mm512_set1_ps(q8_0_scale(block)));
+            }
+            load16::<KIND>(row.add(i * float_size(KIND)), count)
+        }
+    }
 
     /// The most queries of one tile of [`attention_scores`], multiplied with each key as it
     /// streams past (then tiles of 2 and 1). Four queries' chunks outnumber the registers, so
@@ -313,8 +397,12 @@ mod avx512 {
     /// (`cargo bench -p specula-kernels -- attention/hot/16q`).
     const SCORE_TILE: usize = 4;
 
-    /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32 or
-    /// F16; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
+    /// Keys per span of [`sums_tile`]'s transposed probabilities (at 16 queries, 4 KiB on the
+    /// stack): a paged cache's whole block.
+    const SUM_SPAN: usize = 64;
+
+    /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32,
+    /// F16 or Q8_0; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
     /// registers and load each key once for the tile; other sizes run one query at a time with
     /// masked chunks. Per (query, key): two accumulators over the chunks (even / odd), then one
     /// horizontal sum — whatever the other queries.
@@ -332,7 +420,6 @@ mod avx512 {
         stride: usize,
     ) {
         let dim = queries.len();
-        let size = float_size(KIND);
         // SAFETY: forwarded contract.
         unsafe {
             if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
@@ -358,7 +445,7 @@ mod avx512 {
                         let lanes = (dim - 16 * c).min(16);
                         acc[c % 2] = _mm512_fmadd_ps(
                             load16_f32(qp.add(16 * c), lanes),
-                            load16::<KIND>(kp.add(16 * c * size), lanes),
+                            load_values::<KIND>(kp, 16 * c, lanes),
                             acc[c % 2],
                         );
                     }
@@ -417,7 +504,6 @@ mod avx512 {
         stride: usize,
         first: usize,
     ) -> usize {
-        let size = float_size(KIND);
         let tile_limits = &limits[first..first + T];
         let longest = tile_limits.iter().copied().max().unwrap_or(0);
         let shortest = tile_limits.iter().copied().min().unwrap_or(0);
@@ -439,7 +525,7 @@ mod avx512 {
                     keys.prefetch_ahead(key);
                     let kp = keys.ptr(key);
                     let k: [__m512; C] =
-                        std::array::from_fn(|c| load16::<KIND>(kp.add(16 * c * size), 16));
+                        std::array::from_fn(|c| load_values::<KIND>(kp, 16 * c, 16));
                     let every = key < shortest;
                     for t in 0..T {
                         if !every && key >= tile_limits[t] {
@@ -529,8 +615,7 @@ mod avx512 {
         out: &mut [f32],
         onto: bool,
     ) {
-        let size = float_size(KIND);
-        let dim = values.len() / size;
+        let dim = cache_kind(KIND).values(values.len());
         // SAFETY: forwarded contract.
         unsafe {
             if dim.is_multiple_of(16) && (1..=8).contains(&(dim / 16)) {
@@ -564,7 +649,7 @@ mod avx512 {
                         };
                         let y = _mm512_fmadd_ps(
                             p,
-                            load16::<KIND>(vp.add(16 * c * size), lanes),
+                            load_values::<KIND>(vp, 16 * c, lanes),
                             _mm512_maskz_loadu_ps(mask, op.add(16 * c)),
                         );
                         _mm512_mask_storeu_ps(op.add(16 * c), mask, y);
@@ -574,10 +659,11 @@ mod avx512 {
         }
     }
 
-    /// [`attention_weighted_sums`] for head size `16 · C`: queries in tiles of 8, 4, 2 and 1 whose
-    /// outputs for one 16-value chunk stay in registers while that chunk of every value row
-    /// streams past, so each value row is read once per chunk for a whole tile (rather than once
-    /// per query), and each probability is broadcast straight from memory.
+    /// [`attention_weighted_sums`] for head size `16 · C`: queries in tiles of 16, 8, 4, 2 and
+    /// 1 whose outputs stay in registers while the value rows stream past — all their chunks
+    /// for a decode step's few queries, else one 16-value chunk at a time —, so each value row
+    /// (and a Q8_0 row's widening) is read once per chunk for a whole tile rather than once
+    /// per query.
     ///
     /// # Safety
     ///
@@ -598,6 +684,7 @@ mod avx512 {
             // SAFETY: forwarded contract; the tile's queries are `first .. first + T`.
             unsafe {
                 first += match left {
+                    16.. => sums_tile::<KIND, C, 16>(probs, values, limits, out, first, onto),
                     8.. => sums_tile::<KIND, C, 8>(probs, values, limits, out, first, onto),
                     4..=7 => sums_tile::<KIND, C, 4>(probs, values, limits, out, first, onto),
                     2 | 3 => sums_tile::<KIND, C, 2>(probs, values, limits, out, first, onto),
@@ -621,7 +708,7 @@ mod avx512 {
         first: usize,
         onto: bool,
     ) -> usize {
-        let (dim, size) = (16 * C, float_size(KIND));
+        let dim = 16 * C;
         let tile_limits = &limits[first..first + T];
         let longest = tile_limits.iter().copied().max().unwrap_or(0);
         let shortest = tile_limits.iter().copied().min().unwrap_or(0);
@@ -648,7 +735,7 @@ mod avx512 {
                     values.prefetch_ahead(j);
                     let vp = values.ptr(j);
                     let v: [__m512; C] =
-                        std::array::from_fn(|c| load16::<KIND>(vp.add(16 * c * size), 16));
+                        std::array::from_fn(|c| load_values::<KIND>(vp, 16 * c, 16));
                     for t in 0..T {
                         if j < tile_limits[t] {
                             let pj = _mm512_set1_ps(*p[t].add(j));
@@ -665,34 +752,59 @@ mod avx512 {
                 }
                 return T;
             }
-            for c in 0..C {
-                let mut acc: [__m512; T] = std::array::from_fn(|t| {
-                    if onto {
-                        _mm512_loadu_ps(out.as_ptr().add((first + t) * dim + 16 * c))
-                    } else {
-                        _mm512_setzero_ps()
-                    }
-                });
-                // Values every query of the tile sees, then the causal tail checked per query.
-                for j in 0..shortest {
-                    if c == 0 {
-                        values.prefetch_ahead(j);
-                    }
-                    let v = load16::<KIND>(values.ptr(j).add(16 * c * size), 16);
-                    for (y, row) in acc.iter_mut().zip(&p) {
-                        *y = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(j)), v, *y);
+            // The tile's probabilities span by span, transposed (probability `j` of query `t`
+            // at `[j - span][t]`): one pointer and fixed offsets, where `T` row pointers
+            // outnumber the registers at 16 queries and would be reloaded for every product.
+            let out = out.as_mut_ptr();
+            let mut span_probs = [[0.0f32; T]; SUM_SPAN];
+            // (At least one span, so that a tile with no keys still writes its outputs.)
+            for span in (0..longest.max(1)).step_by(SUM_SPAN) {
+                let end = (span + SUM_SPAN).min(longest);
+                for (j, row) in (span..end).zip(span_probs.iter_mut()) {
+                    for (t, prob) in row.iter_mut().enumerate() {
+                        // Past its limit a query's probability is never read below (and may
+                        // lie past its row).
+                        *prob = if j < tile_limits[t] {
+                            *p[t].add(j)
+                        } else {
+                            0.0
+                        };
                     }
                 }
-                for j in shortest..longest {
-                    let v = load16::<KIND>(values.ptr(j).add(16 * c * size), 16);
-                    for ((y, row), &limit) in acc.iter_mut().zip(&p).zip(tile_limits) {
-                        if j < limit {
-                            *y = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(j)), v, *y);
+                let every = shortest.clamp(span, end);
+                for c in 0..C {
+                    let dst = |t: usize| out.add((first + t) * dim + 16 * c);
+                    let mut acc: [__m512; T] = std::array::from_fn(|t| {
+                        if onto || span > 0 {
+                            _mm512_loadu_ps(dst(t))
+                        } else {
+                            _mm512_setzero_ps()
+                        }
+                    });
+                    // Values every query of the tile sees, then the causal tail checked per
+                    // query.
+                    for j in span..every {
+                        if c == 0 {
+                            values.prefetch_ahead(j);
+                        }
+                        let v = load_values::<KIND>(values.ptr(j), 16 * c, 16);
+                        let row = &span_probs[j - span];
+                        for (y, &pj) in acc.iter_mut().zip(row) {
+                            *y = _mm512_fmadd_ps(_mm512_set1_ps(pj), v, *y);
                         }
                     }
-                }
-                for (t, y) in acc.iter().enumerate() {
-                    _mm512_storeu_ps(out.as_mut_ptr().add((first + t) * dim + 16 * c), *y);
+                    for j in every..end {
+                        let v = load_values::<KIND>(values.ptr(j), 16 * c, 16);
+                        let row = &span_probs[j - span];
+                        for ((y, &pj), &limit) in acc.iter_mut().zip(row).zip(tile_limits) {
+                            if j < limit {
+                                *y = _mm512_fmadd_ps(_mm512_set1_ps(pj), v, *y);
+                            }
+                        }
+                    }
+                    for (t, y) in acc.iter().enumerate() {
+                        _mm512_storeu_ps(dst(t), *y);
+                    }
                 }
             }
         }
