@@ -28,21 +28,6 @@ const fn cache_kind(kind: u8) -> CacheKind {
     }
 }
 
-/// The f32 scale of the Q8_0 block at `block` (F16C's conversion: exact, as every other).
-///
-/// # Safety
-///
-/// F16C is available; two bytes are readable at `block`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "f16c")]
-#[inline]
-unsafe fn q8_0_scale(block: *const u8) -> f32 {
-    use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
-    // SAFETY: the caller's contract.
-    let bits = u16::from_le(unsafe { block.cast::<u16>().read_unaligned() });
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
 /// [`crate::attention::scores`] at a SIMD `level` (sizes checked by the caller).
 pub(crate) fn attention_scores(
     level: SimdLevel,
@@ -209,9 +194,9 @@ impl Stream<'_> {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{cache_kind, q8_0_scale, Stream, Q8_0_ROWS};
+    use super::{cache_kind, Stream, Q8_0_ROWS};
     use crate::q8_0::{BLOCK_BYTES, BLOCK_VALUES};
-    use crate::simd::x86::avx2::{load8, reduce8};
+    use crate::simd::x86::avx2::{load8, load_f16, reduce8};
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
 
@@ -230,7 +215,7 @@ mod avx2 {
                 let block = row.add(i / BLOCK_VALUES * BLOCK_BYTES);
                 let quants = _mm_loadl_epi64(block.add(2 + i % BLOCK_VALUES).cast());
                 let wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quants));
-                return _mm256_mul_ps(wide, _mm256_set1_ps(q8_0_scale(block)));
+                return _mm256_mul_ps(wide, _mm256_set1_ps(load_f16(block)));
             }
             load8::<KIND>(row.add(i * float_size(KIND)))
         }
@@ -359,8 +344,9 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{cache_kind, q8_0_scale, Stream, Q8_0_ROWS};
+    use super::{cache_kind, Stream, Q8_0_ROWS};
     use crate::q8_0::{BLOCK_BYTES, BLOCK_VALUES};
+    use crate::simd::x86::avx2::load_f16;
     use crate::simd::x86::avx512::{load16, load16_f32};
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
@@ -383,7 +369,7 @@ mod avx512 {
                 let block = row.add(i / BLOCK_VALUES * BLOCK_BYTES);
                 let quants = _mm_loadu_si128(block.add(2 + i % BLOCK_VALUES).cast());
                 let wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quants));
-                return _mm512_mul_ps(wide, _mm512_set1_ps(q8_0_scale(block)));
+                return _mm512_mul_ps(wide, _mm512_set1_ps(load_f16(block)));
             }
             load16::<KIND>(row.add(i * float_size(KIND)), count)
         }
