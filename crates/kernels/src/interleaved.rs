@@ -633,20 +633,6 @@ pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
     }
 }
 
-/// Whether a product of more activation rows than one pass takes ([`pass_rows`]) over
-/// `encoding` groups at `level` runs its passes one after another, each over the whole matrix
-/// with its outputs written in place, rather than each group through all the passes (which
-/// keeps the group in cache for them). The AMX kernels are bound by their arithmetic, not by
-/// the weights' reads, so streaming the weights again per pass costs nothing, while a kernel
-/// call per group and the outputs' staging do. Measured on an Emerald Rapids Xeon, 2 threads,
-/// the two orders taking turns in one process: a 3072 × 1024 Q8_0 matrix times 64 rows
-/// 1.04–1.10 against 1.37 ms; qwen3-0.6b prefill, streamed against group by group, Q8_0 256
-/// tokens 355 / 291 and 449 / 377 t/s, 58 tokens 324 / 273; Q4_K 256 tokens 385 / 363, 58
-/// tokens 317 / 289.
-pub(crate) fn streams_passes(encoding: Encoding, level: SimdLevel) -> bool {
-    level == SimdLevel::Amx && matches!(encoding, Encoding::Q8_0 | Encoding::Q4K | Encoding::Q5K)
-}
-
 /// Panics unless `groups` is whole groups of as many blocks as each activation row of `x`
 /// holds, `valid` rows end in the last group, `x` is one pass with a row of `out` for each
 /// activation row, and every row of `out` holds `first + valid` outputs: everything the
