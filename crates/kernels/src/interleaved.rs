@@ -622,12 +622,13 @@ pub(crate) fn groups_pass(
 }
 
 /// The most activation rows one pass over `encoding` groups takes at `level`: where the AMX
-/// kernels run, two tiles' 32 for Q8_0 and a tile's 16 for Q4_K and Q5_K,
-/// [`simd::MAX_ROWS_PER_PASS`] elsewhere (the scalar reference takes as many as the AMX
-/// kernels, to be compared with them).
+/// kernels run, two tiles' 32 for Q8_0 and a tile's 16 for Q4_K and Q5_K; on AVX-512
+/// [`simd::MAX_Q8_0_PASS_ROWS`] for Q8_0 and [`simd::MAX_ROWS_PER_PASS`] for the others (the
+/// scalar reference takes as many as the AMX kernels, to be compared with them).
 pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
     match (encoding, level) {
         (Encoding::Q8_0, SimdLevel::Amx | SimdLevel::Scalar) => simd::MAX_PASS_ROWS,
+        (Encoding::Q8_0, SimdLevel::Avx512) => simd::MAX_Q8_0_PASS_ROWS,
         (Encoding::Q4K | Encoding::Q5K, SimdLevel::Amx | SimdLevel::Scalar) => simd::MAX_TILE_ROWS,
         _ => simd::MAX_ROWS_PER_PASS,
     }

@@ -17,8 +17,9 @@ use super::{OutRows, SimdLevel};
 /// of 16 weight rows; 4 rows: 75 against 69).
 pub(crate) const AMX_MIN_ROWS: usize = 4;
 
-/// [`AMX_MIN_ROWS`] for a weight matrix streamed from memory: more than one `vpdpbusd` pass
-/// takes ([`crate::simd::MAX_ROWS_PER_PASS`]). Up to that, the AVX-512 pass keeps up with the
+/// [`AMX_MIN_ROWS`] for a weight matrix streamed from memory: more than [`crate::simd::MAX_ROWS_PER_PASS`]
+/// (measured when the AVX-512 kernel took no more in one pass; it now takes up to
+/// [`crate::simd::MAX_Q8_0_PASS_ROWS`], not yet measured against the tiles). Up to that, the AVX-512 pass keeps up with the
 /// memory while the tiles' store-and-reload of every block's sums does not (qwen3-0.6b Q8_0,
 /// Emerald Rapids Xeon, 2 threads, the kernels taking turns pass by pass in one process, ms per
 /// forward pass, tiles against `vpdpbusd`: 4 rows 46.9 / 39.2 and 35.6 / 32.4, 8 rows 52.9 /
@@ -109,8 +110,9 @@ mod avx512 {
     ///
     /// AVX-512 is supported; `groups` holds whole groups of `x.len() / 40` group blocks of
     /// encoding `KIND`, the last of which holds row `valid - 1`; `x` holds at most
-    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows of whole activation blocks and `out` as many
-    /// rows, each of at least `first + valid` outputs.
+    /// [`crate::simd::MAX_Q8_0_PASS_ROWS`] (Q8_0) or [`crate::simd::MAX_ROWS_PER_PASS`] (Q4_0)
+    /// rows of whole activation blocks and `out` as many rows, each of at least
+    /// `first + valid` outputs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(crate) unsafe fn interleaved_pass<const KIND: u8, const STREAM: bool>(
         groups: &[u8],
@@ -121,10 +123,17 @@ mod avx512 {
     ) {
         // SAFETY: forwarded contract.
         unsafe {
-            with_row_count!(
-                x.count(),
-                interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
-            )
+            if KIND == Q8_0 {
+                with_row_count!(
+                    wide: x.count(),
+                    interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
+                )
+            } else {
+                with_row_count!(
+                    x.count(),
+                    interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
+                )
+            }
         }
     }
 
@@ -273,10 +282,15 @@ mod avx512 {
                 let starts = std::array::from_fn(|r| {
                     _mm512_set1_epi32(words[r].add(BLOCK32_VALUES / 4 + 1).read_unaligned())
                 });
-                let (even, odd) = row_chains::<N>(&w, words, starts);
+                let sums = if N > crate::simd::MAX_ROWS_PER_PASS {
+                    row_chain::<N>(&w, words, starts)
+                } else {
+                    let (even, odd) = row_chains::<N>(&w, words, starts);
+                    std::array::from_fn(|r| _mm512_add_epi32(even[r], odd[r]))
+                };
                 for r in 0..N {
                     let xb = xp[r].add(b * act_block);
-                    let sums = _mm512_add_epi32(even[r], odd[r]);
+                    let sums = sums[r];
                     let dx = _mm512_set1_ps(xb.add(BLOCK32_VALUES).cast::<f32>().read_unaligned());
                     acc[r] =
                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, dx), acc[r]);
@@ -319,6 +333,32 @@ mod avx512 {
             }
         }
         (even, odd)
+    }
+
+    /// [`row_chains`] in one chain per row, `sums[r]` onward: for passes of more than
+    /// [`crate::simd::MAX_ROWS_PER_PASS`] rows, which are independent chains enough to keep
+    /// `vpdpbusd` busy, and whose second chains and their adds would not fit the registers
+    /// (Zen 4, 16-row Q8_0 passes, one chain against two taking turns in one process: 7–15%
+    /// cheaper; exact integers, so the same bits).
+    ///
+    /// # Safety
+    ///
+    /// As [`row_chains`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_chain<const N: usize>(
+        w: &[__m512i; 8],
+        words: [*const i32; N],
+        mut sums: [__m512i; N],
+    ) -> [__m512i; N] {
+        for (k, w) in w.iter().enumerate() {
+            for r in 0..N {
+                // SAFETY: word `k < 8` of row `r` (the caller's contract).
+                let a = unsafe { words[r].add(k).read_unaligned() };
+                sums[r] = _mm512_dpbusd_epi32(sums[r], *w, _mm512_set1_epi32(a));
+            }
+        }
+        sums
     }
 
     /// A run of interleaved Q4_K (Q5_K when `FIVE`) groups of 16 weight rows

@@ -42,7 +42,8 @@
 //!
 //! The mat-vec kernels (float, block32, k_quant, interleaved) read a weight row (or a column
 //! tile of it) once per pass and dot it with up to [`MAX_ROWS_PER_PASS`] activation rows (fewer
-//! for the AVX2 float kernels, whose per-row accumulators fill the 16 ymm registers sooner).
+//! for the AVX2 float kernels, whose per-row accumulators fill the 16 ymm registers sooner;
+//! more for interleaved Q8_0, [`MAX_Q8_0_PASS_ROWS`], and on AMX tiles).
 //! Each activation row has its own accumulator ([`Accumulator`], loaded into registers at the
 //! start and stored back at the end), updated by the same instruction sequence whatever the
 //! number of rows in the pass, so a row's result does not depend on its neighbours: the
@@ -96,8 +97,15 @@ pub use rows::{Accumulator, Rows};
 /// more rows run further passes over the (by then cache-resident) weight row.
 pub const MAX_ROWS_PER_PASS: usize = 8;
 
-/// Activation rows one tile of the AMX kernels holds (a tile's 16 rows); the AMX kernels are
-/// the only ones whose passes go beyond [`MAX_ROWS_PER_PASS`].
+/// Activation rows one AVX-512 pass over interleaved Q8_0 weights serves at most: beyond
+/// [`MAX_ROWS_PER_PASS`] each row sums in one `vpdpbusd` chain instead of two, and a pass of
+/// 9–16 rows reads the weights once where two passes read them twice (Zen 4, 2 threads, a
+/// 3072 × 1024 matrix from DRAM, one pass against two taking turns in one process, ms: 9 rows
+/// 0.153–0.162 against 0.188–0.197, 12 rows 0.164–0.170 against 0.195–0.206, 16 rows
+/// 0.217–0.253 against 0.233–0.297).
+pub(crate) const MAX_Q8_0_PASS_ROWS: usize = 16;
+
+/// Activation rows one tile of the AMX kernels holds (a tile's 16 rows).
 pub(crate) const MAX_TILE_ROWS: usize = 16;
 
 /// Activation rows one pass of any kernel serves at most: the AMX Q8_0 kernel's two tiles of
@@ -221,10 +229,24 @@ pub fn level() -> SimdLevel {
 }
 
 /// Calls `$kernel::<G…, N>($args…)` (or `$kernel::<N>($args…)`) with `N` the const equal to `$n`
-/// (1 ..= [`MAX_ROWS_PER_PASS`]): multi-input kernels are monomorphised per row count so
-/// their per-row state lives in registers.
+/// (1 ..= [`MAX_ROWS_PER_PASS`], or ..= [`MAX_Q8_0_PASS_ROWS`] after `wide:`): multi-input
+/// kernels are monomorphised per row count so their per-row state lives in registers.
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_row_count {
+    // `wide:` up to 16 rows ([`MAX_Q8_0_PASS_ROWS`]).
+    (wide: $n:expr, $kernel:ident :: < $($generic:ident),* > ( $($arg:expr),* $(,)? )) => {
+        match $n {
+            9 => $kernel::<$($generic,)* 9>($($arg),*),
+            10 => $kernel::<$($generic,)* 10>($($arg),*),
+            11 => $kernel::<$($generic,)* 11>($($arg),*),
+            12 => $kernel::<$($generic,)* 12>($($arg),*),
+            13 => $kernel::<$($generic,)* 13>($($arg),*),
+            14 => $kernel::<$($generic,)* 14>($($arg),*),
+            15 => $kernel::<$($generic,)* 15>($($arg),*),
+            16 => $kernel::<$($generic,)* 16>($($arg),*),
+            n => with_row_count!(n, $kernel::<$($generic),*>($($arg),*)),
+        }
+    };
     ($n:expr, $kernel:ident :: < $($generic:ident),* > ( $($arg:expr),* $(,)? )) => {
         match $n {
             1 => $kernel::<$($generic,)* 1>($($arg),*),
