@@ -499,8 +499,9 @@ fn scatter_chunks(staging: &[f32], out: &mut [f32], n: usize, rows: usize, chunk
 /// Passes of many rows are bound by the kernels' arithmetic, not by the weights' reads, so
 /// reading the weights again per pass costs less than what the alternative — each group
 /// through all the passes while it is in cache — pays in a kernel call per group and pass and
-/// in staging the outputs. Measured with 2 threads, the two orders taking turns in one process
-/// (a 3072 × 1024 matrix from DRAM, ms, streamed against group by group): on an Emerald Rapids
+/// in staging the outputs. Measured with 2 threads, the two taking turns in one process (a
+/// 3072 × 1024 matrix from DRAM, ms, streamed against group by group; Q4_K and Q6_K with the
+/// streamed passes first, the others in both orders): on an Emerald Rapids
 /// Xeon's AMX tiles Q8_0 × 64 rows 1.04–1.10 against 1.37, qwen3-0.6b prefill of 256 tokens
 /// 355 / 449 against 291 / 377 t/s (Q8_0), 385 against 363 (Q4_K); on an AMD EPYC (Zen 4,
 /// AVX-512 `vpdpbusd`) 9 / 16 / 64 rows Q8_0 0.173–0.176 / 0.215–0.218 / 0.658–0.664 against

@@ -17,10 +17,10 @@ use super::{OutRows, SimdLevel};
 /// of 16 weight rows; 4 rows: 75 against 69).
 pub(crate) const AMX_MIN_ROWS: usize = 4;
 
-/// [`AMX_MIN_ROWS`] for a weight matrix streamed from memory: more than [`crate::simd::MAX_ROWS_PER_PASS`]
-/// (measured when the AVX-512 kernel took no more in one pass; it now takes up to
-/// [`crate::simd::MAX_Q8_0_PASS_ROWS`], not yet measured against the tiles). Up to that, the AVX-512 pass keeps up with the
-/// memory while the tiles' store-and-reload of every block's sums does not (qwen3-0.6b Q8_0,
+/// [`AMX_MIN_ROWS`] for a weight matrix streamed from memory: more than
+/// [`crate::simd::MAX_ROWS_PER_PASS`] (measured when the AVX-512 kernel took no more in one
+/// pass; it now takes up to [`crate::simd::MAX_Q8_0_PASS_ROWS`], not yet measured against the
+/// tiles). Up to that, the AVX-512 pass keeps up with the memory while the tiles' store-and-reload of every block's sums does not (qwen3-0.6b Q8_0,
 /// Emerald Rapids Xeon, 2 threads, the kernels taking turns pass by pass in one process, ms per
 /// forward pass, tiles against `vpdpbusd`: 4 rows 46.9 / 39.2 and 35.6 / 32.4, 8 rows 52.9 /
 /// 47.4 and 49.6 / 44.3); beyond it the tiles read the weights once where `vpdpbusd` needs two

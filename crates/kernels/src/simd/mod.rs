@@ -94,16 +94,17 @@ pub(crate) use rows::{in_passes, u16_bytes};
 pub use rows::{Accumulator, Rows};
 
 /// Activation rows one weight-row pass of a multi-input kernel serves at most; callers with
-/// more rows run further passes over the (by then cache-resident) weight row.
+/// more rows run further passes over the weight row (row-major kernels: while it is in
+/// cache; interleaved ones: over the whole matrix again, see `matvec`).
 pub const MAX_ROWS_PER_PASS: usize = 8;
 
 /// Activation rows one AVX-512 pass over interleaved Q8_0 weights serves at most: beyond
 /// [`MAX_ROWS_PER_PASS`] each row sums in one `vpdpbusd` chain instead of two, and a pass of
 /// 9–16 rows reads the weights once where two passes read them twice (Zen 4, 2 threads, a
 /// 3072 × 1024 matrix from DRAM, one pass against two taking turns in one process, ms: 9 rows
-/// 0.153–0.162 against 0.188–0.197, 12 rows 0.164–0.170 against 0.195–0.206; at 16 rows, even
-/// with two chains, then one chain instead of two 7–15% cheaper). In a model's verify pass
-/// (qwen3-0.6b Q8_0, both orders in one process) 9–16 rows cost 10–19% less.
+/// 0.153–0.162 against 0.188–0.197, 12 rows 0.164–0.170 against 0.195–0.206, 16 rows even
+/// with two chains per row and 7–15% cheaper with one). In a model's verify pass (qwen3-0.6b
+/// Q8_0, both orders in one process) 9–16 rows cost 10–19% less.
 pub(crate) const MAX_Q8_0_PASS_ROWS: usize = 16;
 
 /// Activation rows one tile of the AMX kernels holds (a tile's 16 rows).
