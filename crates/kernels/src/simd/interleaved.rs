@@ -123,17 +123,11 @@ mod avx512 {
     ) {
         // SAFETY: forwarded contract.
         unsafe {
-            if KIND == Q8_0 {
-                with_row_count!(
-                    wide: x.count(),
-                    interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
-                )
-            } else {
-                with_row_count!(
-                    x.count(),
-                    interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
-                )
-            }
+            // Up to 16 rows: Q4_0 passes never exceed 8 (`pass_rows`, checked by the caller).
+            with_row_count!(
+                wide: x.count(),
+                interleaved_groups::<KIND, STREAM>(groups, x, out, first, valid)
+            )
         }
     }
 
