@@ -98,7 +98,8 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::Q8_0;
-    use crate::simd::x86::avx512::prefetch_block;
+    use crate::simd::prefetch::{stream_prefetch, StreamPrefetch};
+    use crate::simd::x86::avx512::{prefetch_block, prefetch_line};
     use crate::simd::x86::row_ptrs;
     use crate::simd::{with_row_count, OutRows, Rows};
 
@@ -149,10 +150,11 @@ mod avx512 {
             Q8_0 => crate::interleaved::Encoding::Q8_0,
             _ => crate::interleaved::Encoding::Q4_0,
         };
+        let prefetch = stream_prefetch();
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
-                interleaved_rows::<KIND, STREAM, N>(g, b, xp, op, v)
+                interleaved_rows::<KIND, STREAM, N>(g, b, xp, op, v, prefetch)
             })
         }
     }
@@ -196,11 +198,6 @@ mod avx512 {
         }
     }
 
-    /// How far ahead of the block being multiplied a multi-row Q8_0 / Q4_0 interleaved pass
-    /// over a stream (a weight matrix, not a cache block of keys) prefetches. Measured (4096² from DRAM, 1 thread): Q8_0 best at 12–13 KiB. (Q4_K has its
-    /// own, [`Q4K_PREFETCH_BYTES`].)
-    pub(super) const INTERLEAVED_PREFETCH_BYTES: usize = 12 << 10;
-
     /// Stores lanes `0..valid` of row `r`'s 16 results at `out[r]`.
     ///
     /// # Safety
@@ -239,6 +236,7 @@ mod avx512 {
         xp: [*const u8; N],
         out: [*mut f32; N],
         valid: usize,
+        prefetch: StreamPrefetch,
     ) {
         use crate::interleaved::{Encoding, BLOCK32_VALUES};
         let encoding = match KIND {
@@ -255,7 +253,8 @@ mod avx512 {
             unsafe {
                 let block = group.add(b * group_block);
                 if STREAM && N > 1 {
-                    prefetch_block(block.wrapping_add(INTERLEAVED_PREFETCH_BYTES), group_block);
+                    let ahead = block.wrapping_add(prefetch.block32_ahead);
+                    prefetch_block(ahead, group_block, prefetch.into_l2);
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
                 let quants = block.add(32);
@@ -386,7 +385,7 @@ mod avx512 {
     /// [`interleaved_q4k_pass`] for `N` activation rows: every group in one sweep of all the rows.
     ///
     /// One sweep of all 8 rows measured best once the prefetches were spread over the sub-blocks
-    /// (see [`Q4K_PREFETCH_BYTES`]): 0.6B Q4_K verify pass, alternating in one process, k = 8 in
+    /// (see [`prefetch_part`]): 0.6B Q4_K verify pass, alternating in one process, k = 8 in
     /// 16.277 / 17.570 ms against 16.885 / 17.537 in sweeps of 4 and 19.331 / 19.917 in sweeps of 3
     /// (with the prefetches in one burst per block, sweeps of 3 had been best).
     ///
@@ -402,38 +401,33 @@ mod avx512 {
         valid: usize,
     ) {
         let encoding = q4k_encoding::<FIVE>();
+        let prefetch = stream_prefetch();
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
-                interleaved_q4k_rows::<FIVE, N>(g, b, xp, op, v)
+                interleaved_q4k_rows::<FIVE, N>(g, b, xp, op, v, prefetch)
             })
         }
     }
 
-    /// How far ahead of the block being multiplied the Q4_K pass prefetches, an eighth of a group
-    /// block before each of the block's 8 sub-blocks rather than the whole of it in one burst.
-    ///
-    /// Spread that way the stream keeps up far better (0.6B Q4_K forward pass, variants alternating
-    /// in one process): k = 1 from 13.299 / 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in three
-    /// runs, k = 4 from 13.189 / 13.109 to 12.114 / 11.979. The distance: k = 8 took
-    /// 14.851 / 13.784 / 13.465 / 13.521 ms prefetching 8 / 12 / 16 / 24 KiB ahead (in sweeps of 3
-    /// rows then), k = 1 the same within noise.
-    pub(super) const Q4K_PREFETCH_BYTES: usize = 16 << 10;
-
-    /// Prefetches part `j` of `parts` of the `encoding` group block at `ahead` (a K-quant pass
-    /// spreads a block's prefetches over its sub-blocks).
+    /// Prefetches part `j` of `parts` of the `encoding` group block at `ahead`, into L2 when
+    /// `into_l2`, else into L1. A K-quant pass spreads a block's prefetches over its
+    /// sub-blocks rather than issuing them in one burst, which keeps the stream up far better
+    /// (a 0.6B Q4_K model's forward pass, alternating in one process: k = 1 from 13.299 /
+    /// 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in three runs, k = 4 from 13.189 / 13.109
+    /// to 12.114 / 11.979).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     pub(super) fn prefetch_part(
         encoding: crate::interleaved::Encoding,
         ahead: *const u8,
-        j: usize,
-        parts: usize,
+        (j, parts): (usize, usize),
+        into_l2: bool,
     ) {
         let lines = encoding.group_block_bytes().div_ceil(64);
         for line in j * lines / parts..(j + 1) * lines / parts {
             // A prefetch never faults, so the address may run past the matrix.
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+            prefetch_line(ahead.wrapping_add(64 * line), into_l2);
         }
     }
 
@@ -460,6 +454,7 @@ mod avx512 {
         xp: [*const u8; N],
         out: [*mut f32; N],
         valid: usize,
+        prefetch: StreamPrefetch,
     ) {
         use crate::interleaved::Q4K_SCALES;
         let encoding = q4k_encoding::<FIVE>();
@@ -475,10 +470,10 @@ mod avx512 {
                 // Unlike Q8_0, a Q4_K single-row pass gains from prefetching too (4096² from DRAM,
                 // criterion, alternating builds: 1 thread 20.8–20.9 GiB/s without, 27.3–28.2 with;
                 // 2 threads 35.5–35.6 without, 36.4–53.0 with): its per-block work is long enough.
-                let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
+                let ahead = block.wrapping_add(prefetch.k_quant_ahead);
                 let mut isum = [_mm512_setzero_si512(); N];
                 for j in 0..8 {
-                    prefetch_part(encoding, ahead, j, 8);
+                    prefetch_part(encoding, ahead, (j, 8), prefetch.into_l2);
                     let w = q4k_sub_block::<FIVE>(block, j);
                     let scales = _mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(Q4K_SCALES + 16 * j).cast(),
@@ -676,6 +671,7 @@ mod avx512 {
         valid: usize,
     ) {
         use crate::interleaved::Encoding;
+        let prefetch = stream_prefetch();
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(
@@ -685,7 +681,7 @@ mod avx512 {
                 out,
                 first,
                 valid,
-                |g, b, xp, op, v| interleaved_q6k_rows::<N>(g, b, xp, op, v),
+                |g, b, xp, op, v| interleaved_q6k_rows::<N>(g, b, xp, op, v, prefetch),
             )
         }
     }
@@ -704,6 +700,7 @@ mod avx512 {
         xp: [*const u8; N],
         out: [*mut f32; N],
         valid: usize,
+        prefetch: StreamPrefetch,
     ) {
         use crate::interleaved::{
             Encoding, Q6K_ACT_SCALE, Q6K_ACT_STARTS, Q6K_HIGH, Q6K_LOW, Q6K_SCALES,
@@ -719,10 +716,10 @@ mod avx512 {
             // the caller's contract.
             unsafe {
                 let block = group.add(b * group_block);
-                let ahead = block.wrapping_add(Q4K_PREFETCH_BYTES);
+                let ahead = block.wrapping_add(prefetch.k_quant_ahead);
                 let mut isum = [_mm512_setzero_si512(); N];
                 for j in 0..16 {
-                    prefetch_part(Encoding::Q6K, ahead, j, 16);
+                    prefetch_part(Encoding::Q6K, ahead, (j, 16), prefetch.into_l2);
                     let low = block.add(Q6K_LOW + 256 * (j / 2));
                     let high = block.add(Q6K_HIGH + 256 * (j / 4));
                     let mut w = [_mm512_setzero_si512(); 4];
@@ -797,7 +794,7 @@ mod amx {
 
     use super::avx512::{
         for_each_group, prefetch_part, q4k_encoding, q4k_sub_block, store_group_results,
-        Q4kBlockEnds, Q4K_PREFETCH_BYTES,
+        Q4kBlockEnds,
     };
     use crate::interleaved::{Encoding, BLOCK32_VALUES};
     use crate::simd::x86::amx::TileConfig;
@@ -839,6 +836,10 @@ mod amx {
     /// process): 4 rows 46.95 / 45.83 at 6 KiB against 47.58 / 47.83 at 12 KiB, 8 rows 57.74 /
     /// 59.13 against 60.77 / 60.73; without prefetching, 61.06 (4 rows) and 71.90 (8 rows).
     const AMX_Q8_0_PREFETCH_BYTES: usize = 6 << 10;
+
+    /// How far ahead the tiles' Q4_K / Q5_K pass prefetches, into L1 (the tiles are Intel's, and
+    /// this is the AVX-512 kernels' plan there, [`crate::simd::prefetch`]).
+    const AMX_K_QUANT_PREFETCH_BYTES: usize = 16 << 10;
 
     /// A result tile's rows as stored: row `r` holds activation row `r`'s 16 integer sums.
     #[repr(C, align(64))]
@@ -955,7 +956,11 @@ mod amx {
         let weights = |b: usize| {
             let block = group.wrapping_add(b * group_block);
             if STREAM {
-                prefetch_block(block.wrapping_add(AMX_Q8_0_PREFETCH_BYTES), group_block);
+                prefetch_block(
+                    block.wrapping_add(AMX_Q8_0_PREFETCH_BYTES),
+                    group_block,
+                    false,
+                );
             }
             block.wrapping_add(32)
         };
@@ -1141,7 +1146,11 @@ mod amx {
         for b in 0..blocks {
             let block = group.wrapping_add(b * group_block);
             if STREAM {
-                prefetch_block(block.wrapping_add(AMX_Q8_0_PREFETCH_BYTES), group_block);
+                prefetch_block(
+                    block.wrapping_add(AMX_Q8_0_PREFETCH_BYTES),
+                    group_block,
+                    false,
+                );
             }
             let (sums_low, sums_high) = &mut sums[b % 2];
             // SAFETY: block `b` lies inside the group and every activation row (caller's
@@ -1323,7 +1332,7 @@ mod amx {
         let bits = _mm512_set1_epi32(scale_base_bits::<FIVE>());
         let low_mask = _mm512_set1_epi32((1 << scale_base_bits::<FIVE>()) - 1);
         for j in 0..SUB_BLOCKS {
-            prefetch_part(encoding, ahead, j, SUB_BLOCKS);
+            prefetch_part(encoding, ahead, (j, SUB_BLOCKS), false);
             // SAFETY: sub-block `j`'s levels and 16 scales lie inside the block.
             let (w, sc) = unsafe {
                 let sc = _mm_loadu_si128(block.add(Q4K_SCALES + 16 * j).cast());
@@ -1437,7 +1446,7 @@ mod amx {
         let act_block = encoding.activation_block_bytes();
         let block = |b: usize| group.wrapping_add(b * group_block);
         let build = |b: usize, products: &mut Products| {
-            let ahead = block(b).wrapping_add(Q4K_PREFETCH_BYTES);
+            let ahead = block(b).wrapping_add(AMX_K_QUANT_PREFETCH_BYTES);
             // SAFETY: super-block `b` lies inside the group (caller's contract).
             unsafe { q4k_products::<FIVE>(block(b), ahead, products) }
         };

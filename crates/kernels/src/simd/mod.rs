@@ -71,6 +71,8 @@ mod k_quant;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 mod norm_rope;
+#[cfg(target_arch = "x86_64")]
+mod prefetch;
 mod quantize;
 mod rows;
 #[cfg(target_arch = "x86_64")]

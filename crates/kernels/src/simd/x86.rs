@@ -178,20 +178,28 @@ pub(crate) mod avx512 {
         unsafe { _mm512_maskz_loadu_ps(mask, p) }
     }
 
-    /// Prefetches the `bytes` (a group block) at `ahead` into L1, a line at a time.
+    /// Prefetches the `bytes` (a group block) at `ahead` into L2 when `into_l2`, else into L1,
+    /// a line at a time (how far ahead and where: [`crate::simd::prefetch`]).
     ///
-    /// Multi-row interleaved passes compute long enough per block that the hardware prefetchers
-    /// fall behind the stream (measured, 4096² Q8_0 from DRAM, 1 thread, 8 rows: 9.2 GB/s without,
-    /// 22.8 / 33.1 GB/s prefetching 4 / 13 KiB ahead); single-row passes stream faster without.
     /// Past the group's end `ahead` is the next group, stored right after it; a prefetch never
     /// faults, so the address may run past the matrix.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    pub(crate) fn prefetch_block(ahead: *const u8, bytes: usize) {
+    pub(crate) fn prefetch_block(ahead: *const u8, bytes: usize, into_l2: bool) {
         let mut line = 0;
         while line < bytes {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+            prefetch_line(ahead.wrapping_add(line), into_l2);
             line += 64;
+        }
+    }
+
+    /// Prefetches the line at `at` into L2 when `into_l2`, else into L1.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    pub(crate) fn prefetch_line(at: *const u8, into_l2: bool) {
+        match into_l2 {
+            true => _mm_prefetch::<_MM_HINT_T1>(at.cast()),
+            false => _mm_prefetch::<_MM_HINT_T0>(at.cast()),
         }
     }
 
