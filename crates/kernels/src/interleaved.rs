@@ -935,31 +935,34 @@ mod tests {
                             true,
                         );
                     }
-                    for level in levels().filter(|&l| n <= pass_rows(encoding, l)) {
-                        // Each output row is followed by a guard of NaNs: the padding rows of
-                        // the last group are never written.
-                        let mut got = vec![f32::NAN; n * (rows + GROUP_ROWS)];
-                        let rows_out = got.chunks_exact_mut(rows + GROUP_ROWS);
-                        let mut out = OutRows::new(rows_out.map(|row| &mut row[..rows]));
-                        groups_pass(
-                            encoding,
-                            level,
-                            packed.data.as_slice(),
-                            pass,
-                            &mut out,
-                            0,
-                            rows,
-                            level < SimdLevel::Avx512 || n % 2 == 0,
-                        );
-                        for (b, row) in got.chunks_exact(rows + GROUP_ROWS).enumerate() {
-                            assert_eq!(
-                                bits(&row[..rows]),
-                                bits(&reference[b * rows..(b + 1) * rows]),
-                                "{ty:?} {rows}x{cols} n={n} {level} row {b}"
+                    // Every family's kernel variants, whatever this CPU is.
+                    crate::simd::for_each_tuning(|tuning| {
+                        for level in levels().filter(|&l| n <= pass_rows(encoding, l)) {
+                            // Each output row is followed by a guard of NaNs: the padding rows
+                            // of the last group are never written.
+                            let mut got = vec![f32::NAN; n * (rows + GROUP_ROWS)];
+                            let rows_out = got.chunks_exact_mut(rows + GROUP_ROWS);
+                            let mut out = OutRows::new(rows_out.map(|row| &mut row[..rows]));
+                            groups_pass(
+                                encoding,
+                                level,
+                                packed.data.as_slice(),
+                                pass,
+                                &mut out,
+                                0,
+                                rows,
+                                level < SimdLevel::Avx512 || n % 2 == 0,
                             );
-                            assert!(row[rows..].iter().all(|v| v.is_nan()));
+                            for (b, row) in got.chunks_exact(rows + GROUP_ROWS).enumerate() {
+                                assert_eq!(
+                                    bits(&row[..rows]),
+                                    bits(&reference[b * rows..(b + 1) * rows]),
+                                    "{ty:?} {rows}x{cols} n={n} {level} {tuning:?} row {b}"
+                                );
+                                assert!(row[rows..].iter().all(|v| v.is_nan()));
+                            }
                         }
-                    }
+                    });
                     for b in 0..n {
                         let xb = &x[b * cols..(b + 1) * cols];
                         let mut q = vec![0; encoding.activation().row_bytes(cols).unwrap()];

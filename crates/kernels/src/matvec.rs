@@ -811,8 +811,9 @@ mod tests {
     /// The guarantee speculative decoding rests on: for every type and every level this CPU
     /// runs, row `b` of an n-row matmul (n = 1..=8, and 11 = more than one pass) is bit-identical
     /// to a single-row matmul of that activation, whatever the thread count; the same for the
-    /// interleaved copy of every type the level multiplies interleaved. 37 weight rows do not
-    /// divide into the thread chunks (nor into 16-row groups) evenly.
+    /// interleaved copy of every type the level multiplies interleaved, under every CPU
+    /// family's kernel tuning. 37 weight rows do not divide into the thread chunks (nor into
+    /// 16-row groups) evenly.
     #[test]
     fn batched_rows_are_bit_identical_to_single_rows_at_every_level() {
         let (rows, cols) = (37, 512);
@@ -831,30 +832,33 @@ mod tests {
             for (level, w) in layouts {
                 let ty = format!("{ty} ({:?})", w.layout());
                 let mut scratch = MatmulScratch::new();
-                let singles: Vec<Vec<f32>> = (0..max_n)
-                    .map(|b| {
-                        let mut out = vec![0.0; rows];
-                        let row = &x[b * cols..(b + 1) * cols];
-                        matmul_at(level, &w, row, &mut out, &mut scratch);
-                        out
-                    })
-                    .collect();
-                for n in (1..=8).chain([11, 16, max_n]) {
-                    for threads in [1, 2, 3] {
-                        let batched = run_in_pool(threads, || {
-                            let mut out = vec![0.0; n * rows];
-                            matmul_at(level, &w, &x[..n * cols], &mut out, &mut scratch);
+                // Every family's kernel variants, whatever this CPU is.
+                crate::simd::for_each_tuning(|tuning| {
+                    let singles: Vec<Vec<f32>> = (0..max_n)
+                        .map(|b| {
+                            let mut out = vec![0.0; rows];
+                            let row = &x[b * cols..(b + 1) * cols];
+                            matmul_at(level, &w, row, &mut out, &mut scratch);
                             out
-                        });
-                        for (b, single) in singles.iter().take(n).enumerate() {
-                            assert_eq!(
-                                bits(&batched[b * rows..(b + 1) * rows]),
-                                bits(single),
-                                "{ty} at {level}: row {b} of {n} ({threads} threads)"
-                            );
+                        })
+                        .collect();
+                    for n in (1..=8).chain([11, 16, max_n]) {
+                        for threads in [1, 2, 3] {
+                            let batched = run_in_pool(threads, || {
+                                let mut out = vec![0.0; n * rows];
+                                matmul_at(level, &w, &x[..n * cols], &mut out, &mut scratch);
+                                out
+                            });
+                            for (b, single) in singles.iter().take(n).enumerate() {
+                                assert_eq!(
+                                    bits(&batched[b * rows..(b + 1) * rows]),
+                                    bits(single),
+                                    "{ty} at {level}, {tuning:?}: row {b} of {n} ({threads} threads)"
+                                );
+                            }
                         }
                     }
-                }
+                });
             }
         }
     }

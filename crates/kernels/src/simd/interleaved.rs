@@ -98,7 +98,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::Q8_0;
-    use crate::simd::prefetch::{stream_prefetch, StreamPrefetch};
+    use crate::simd::tuning::{tuning, StreamPrefetch};
     use crate::simd::x86::avx512::{prefetch_block, prefetch_line};
     use crate::simd::x86::row_ptrs;
     use crate::simd::{with_row_count, OutRows, Rows};
@@ -150,7 +150,7 @@ mod avx512 {
             Q8_0 => crate::interleaved::Encoding::Q8_0,
             _ => crate::interleaved::Encoding::Q4_0,
         };
-        let prefetch = stream_prefetch();
+        let prefetch = tuning().prefetch;
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
@@ -375,12 +375,22 @@ mod avx512 {
     ) {
         // SAFETY: forwarded contract.
         unsafe {
-            with_row_count!(
-                x.count(),
-                interleaved_q4k_groups::<FIVE>(groups, x, out, first, valid)
-            )
+            match tuning().q4k_scales_by_vpmulld {
+                true => with_row_count!(
+                    x.count(),
+                    interleaved_q4k_groups::<FIVE, BY_VPMULLD>(groups, x, out, first, valid)
+                ),
+                false => with_row_count!(
+                    x.count(),
+                    interleaved_q4k_groups::<FIVE, BY_VPDPWSSD>(groups, x, out, first, valid)
+                ),
+            }
         }
     }
+
+    /// Values of [`scaled_sum`]'s `MULLO`, for the row-count dispatch.
+    const BY_VPMULLD: bool = true;
+    const BY_VPDPWSSD: bool = false;
 
     /// [`interleaved_q4k_pass`] for `N` activation rows: every group in one sweep of all the rows.
     ///
@@ -393,7 +403,7 @@ mod avx512 {
     ///
     /// As [`interleaved_q4k_pass`], with `x.count() == N`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn interleaved_q4k_groups<const FIVE: bool, const N: usize>(
+    unsafe fn interleaved_q4k_groups<const FIVE: bool, const MULLO: bool, const N: usize>(
         groups: &[u8],
         x: Rows<'_, u8>,
         out: &mut OutRows<'_>,
@@ -401,11 +411,11 @@ mod avx512 {
         valid: usize,
     ) {
         let encoding = q4k_encoding::<FIVE>();
-        let prefetch = stream_prefetch();
+        let prefetch = tuning().prefetch;
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
-                interleaved_q4k_rows::<FIVE, N>(g, b, xp, op, v, prefetch)
+                interleaved_q4k_rows::<FIVE, MULLO, N>(g, b, xp, op, v, prefetch)
             })
         }
     }
@@ -448,7 +458,7 @@ mod avx512 {
     /// live.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    unsafe fn interleaved_q4k_rows<const FIVE: bool, const N: usize>(
+    unsafe fn interleaved_q4k_rows<const FIVE: bool, const MULLO: bool, const N: usize>(
         group: *const u8,
         blocks: usize,
         xp: [*const u8; N],
@@ -482,7 +492,7 @@ mod avx512 {
                         std::array::from_fn(|r| xp[r].add(b * act_block + 32 * j).cast::<i32>());
                     let (even, odd) = row_chains::<N>(&w, words, [_mm512_setzero_si512(); N]);
                     for r in 0..N {
-                        isum[r] = scaled_sum::<FIVE, N>(isum[r], even[r], odd[r], scales);
+                        isum[r] = scaled_sum::<FIVE, MULLO, N>(isum[r], even[r], odd[r], scales);
                     }
                 }
                 let ends = Q4kBlockEnds::load(block);
@@ -501,17 +511,18 @@ mod avx512 {
     /// at most 128, so it fits its lane's low word, and two `vpdpwssd` scale and add both
     /// chains where `vpaddd`, `vpmulld` (half `vpdpwssd`'s throughput on an Emerald Rapids
     /// Xeon) and `vpaddd` took three instructions. Single-row passes keep `vpmulld`, whose short
-    /// chain into `isum` measured 2–8% faster there; Q5_K's levels reach 31 and its chains do
-    /// not fit a word. Exact integers either way: the same bits.
+    /// chain into `isum` measured 2–8% faster there, and so do passes of several rows where
+    /// `MULLO` ([`crate::simd::tuning::Tuning::q4k_scales_by_vpmulld`]: Zen 4); Q5_K's levels
+    /// reach 31 and its chains do not fit a word. Exact integers either way: the same bits.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    fn scaled_sum<const FIVE: bool, const N: usize>(
+    fn scaled_sum<const FIVE: bool, const MULLO: bool, const N: usize>(
         isum: __m512i,
         even: __m512i,
         odd: __m512i,
         scales: __m512i,
     ) -> __m512i {
-        if FIVE || N == 1 {
+        if FIVE || N == 1 || MULLO {
             _mm512_add_epi32(
                 isum,
                 _mm512_mullo_epi32(_mm512_add_epi32(even, odd), scales),
@@ -671,7 +682,7 @@ mod avx512 {
         valid: usize,
     ) {
         use crate::interleaved::Encoding;
-        let prefetch = stream_prefetch();
+        let prefetch = tuning().prefetch;
         // SAFETY: the caller's contract, which `for_each_group` hands on per group.
         unsafe {
             for_each_group::<N>(

@@ -34,9 +34,11 @@
 //! [`Accumulator`], the loops that run a kernel over weight rows and passes of activation rows,
 //! and the AVX-512 whole-row sums of the integer kernels), `x86` (the float-encoding tags
 //! and the per-ISA helper intrinsics several concerns use: widening loads, accumulator lanes,
-//! horizontal sums, prefetches) and `lanes` (a register of f32 lanes, 8 or 16 wide: the kernels
-//! that differ between the levels only in width — RMSNorm's scaling, RoPE's rotation, the
-//! activations' exponential, SiLU, sigmoid and gates — are written once over it).
+//! horizontal sums, prefetches), `tuning` (what the interleaved kernels choose per CPU
+//! family: where and how far ahead they prefetch a weight matrix, a Q4_K scaling instruction)
+//! and `lanes` (a register of f32 lanes, 8 or 16 wide: the kernels that differ between the
+//! levels only in width — RMSNorm's scaling, RoPE's rotation, the activations' exponential,
+//! SiLU, sigmoid and gates — are written once over it).
 //!
 //! # Multi-input kernels
 //!
@@ -71,10 +73,10 @@ mod k_quant;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 mod norm_rope;
-#[cfg(target_arch = "x86_64")]
-mod prefetch;
 mod quantize;
 mod rows;
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+mod tuning;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -94,6 +96,8 @@ pub(crate) use rows::{
 #[cfg(target_arch = "x86_64")]
 pub(crate) use rows::{in_passes, u16_bytes};
 pub use rows::{Accumulator, Rows};
+#[cfg(test)]
+pub(crate) use tuning::tests::for_each_tuning;
 
 /// Activation rows one weight-row pass of a multi-input kernel serves at most; callers with
 /// more rows run further passes over the weight row (row-major kernels: while it is in

@@ -1,4 +1,6 @@
-//! How the interleaved kernels prefetch a weight matrix they stream from memory, per CPU family.
+//! What the interleaved kernels choose per CPU family: where and how far ahead they prefetch a
+//! weight matrix they stream from memory ([`StreamPrefetch`]), and how a multi-row Q4_K pass
+//! scales its sub-block sums. The same bits either way; only the speed differs.
 //!
 //! A pass over an interleaved matrix reads it once, front to back, and computes long enough per
 //! block that the hardware prefetchers fall behind the stream; so the kernels prefetch a fixed
@@ -6,8 +8,9 @@
 //! measured on a Zen 4 EPYC in the project's first sessions, and every Xeon figure since was
 //! taken with it; measured again on Zen 4, prefetching into L2 and nearer
 //! ([`StreamPrefetch::INTO_L2`]) streams far better there (an L1 prefetch holds one of the
-//! core's few L1 miss buffers until DRAM answers). AMD CPUs take the second plan; the rest keep
-//! the first until it is measured on a Xeon.
+//! core's few L1 miss buffers until DRAM answers). AMD CPUs take the second plan and Zen 4's
+//! choice of scaling instruction; the rest keep the first choices until they are measured on a
+//! Xeon.
 
 use std::sync::OnceLock;
 
@@ -51,13 +54,47 @@ impl StreamPrefetch {
     };
 }
 
-/// The plan for this CPU: [`StreamPrefetch::INTO_L2`] on an AMD CPU, [`StreamPrefetch::INTO_L1`]
-/// on any other. Decided once per process.
-pub(crate) fn stream_prefetch() -> StreamPrefetch {
-    static PLAN: OnceLock<StreamPrefetch> = OnceLock::new();
-    *PLAN.get_or_init(|| match amd_cpu() {
-        true => StreamPrefetch::INTO_L2,
-        false => StreamPrefetch::INTO_L1,
+/// The kernels' choices for one CPU family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tuning {
+    pub(crate) prefetch: StreamPrefetch,
+    /// Whether a Q4_K pass of several rows scales a sub-block's two chains of sums by
+    /// `vpaddd`, `vpmulld`, `vpaddd` (as single rows and Q5_K always do) rather than by two
+    /// `vpdpwssd`. `vpmulld` issues at half `vpdpwssd`'s rate on an Emerald Rapids Xeon, which
+    /// chose the pair there; on Zen 4 (both plugins in one process, both orders, qwen3-0.6b
+    /// Q4_K) `vpmulld` made 8- and 16-row passes 5–7% / 6% cheaper, the hybrid's Q4_K 2–6%
+    /// at 8 rows. (Packing the two chains' low words into one register for a single
+    /// `vpdpwssd` measured as `vpmulld` there, within 3%.)
+    pub(crate) q4k_scales_by_vpmulld: bool,
+}
+
+impl Tuning {
+    /// AMD CPUs (measured on Zen 4).
+    const AMD: Tuning = Tuning {
+        prefetch: StreamPrefetch::INTO_L2,
+        q4k_scales_by_vpmulld: true,
+    };
+
+    /// Every other CPU (the choices measured first, and on the Xeons).
+    const OTHER: Tuning = Tuning {
+        prefetch: StreamPrefetch::INTO_L1,
+        q4k_scales_by_vpmulld: false,
+    };
+}
+
+/// The choices for this CPU: [`Tuning::AMD`] on an AMD CPU, [`Tuning::OTHER`] on any other.
+/// Decided once per process.
+pub(crate) fn tuning() -> Tuning {
+    #[cfg(test)]
+    match tests::FORCED.load(std::sync::atomic::Ordering::SeqCst) {
+        1 => return Tuning::AMD,
+        2 => return Tuning::OTHER,
+        _ => {}
+    }
+    static TUNING: OnceLock<Tuning> = OnceLock::new();
+    *TUNING.get_or_init(|| match amd_cpu() {
+        true => Tuning::AMD,
+        false => Tuning::OTHER,
     })
 }
 
@@ -74,4 +111,28 @@ fn amd_cpu() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::Tuning;
+    use std::sync::atomic::{AtomicU8, Ordering};
+    use std::sync::{Mutex, PoisonError};
+
+    /// The tuning [`super::tuning`] answers while a test holds it: 0 none (the CPU's), 1
+    /// [`Tuning::AMD`], 2 [`Tuning::OTHER`]. Tests running meanwhile may see it too, which is
+    /// harmless: every tuning gives the same bits.
+    pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
+
+    /// Runs `check` under each family's tuning in turn, whatever this CPU is, so that a test
+    /// covers the kernels' variants of every family.
+    pub(crate) fn for_each_tuning(mut check: impl FnMut(Tuning)) {
+        static SERIAL: Mutex<()> = Mutex::new(());
+        let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+        for (code, tuning) in [(1, Tuning::AMD), (2, Tuning::OTHER)] {
+            FORCED.store(code, Ordering::SeqCst);
+            check(tuning);
+        }
+        FORCED.store(0, Ordering::SeqCst);
+    }
 }
