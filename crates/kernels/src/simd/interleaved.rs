@@ -849,7 +849,7 @@ mod amx {
     const AMX_Q8_0_PREFETCH_BYTES: usize = 6 << 10;
 
     /// How far ahead the tiles' Q4_K / Q5_K pass prefetches, into L1 (the tiles are Intel's, and
-    /// this is the AVX-512 kernels' plan there, [`crate::simd::prefetch`]).
+    /// this is the AVX-512 kernels' plan there, [`crate::simd::tuning`]).
     const AMX_K_QUANT_PREFETCH_BYTES: usize = 16 << 10;
 
     /// A result tile's rows as stored: row `r` holds activation row `r`'s 16 integer sums.

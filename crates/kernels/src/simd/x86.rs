@@ -179,7 +179,7 @@ pub(crate) mod avx512 {
     }
 
     /// Prefetches the `bytes` (a group block) at `ahead` into L2 when `into_l2`, else into L1,
-    /// a line at a time (how far ahead and where: [`crate::simd::prefetch`]).
+    /// a line at a time (how far ahead and where: [`crate::simd::tuning`]).
     ///
     /// Past the group's end `ahead` is the next group, stored right after it; a prefetch never
     /// faults, so the address may run past the matrix.
