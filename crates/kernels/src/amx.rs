@@ -156,17 +156,8 @@ mod tests {
         assert_eq!(first, amx_support());
         let text = first.to_string();
         assert!(!text.is_empty());
-        #[cfg(target_arch = "x86_64")]
-        {
-            let vendor = std::arch::x86_64::__cpuid_count(0, 0);
-            let amd = [vendor.ebx, vendor.edx, vendor.ecx]
-                .iter()
-                .flat_map(|r| r.to_le_bytes())
-                .collect::<Vec<u8>>()
-                == b"AuthenticAMD";
-            if amd {
-                assert_eq!(first, AmxSupport::NotOnThisCpu, "{text}");
-            }
+        if crate::simd::amd_cpu() {
+            assert_eq!(first, AmxSupport::NotOnThisCpu, "{text}");
         }
     }
 }

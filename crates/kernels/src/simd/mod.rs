@@ -97,7 +97,7 @@ pub(crate) use rows::{
 pub(crate) use rows::{in_passes, u16_bytes};
 pub use rows::{Accumulator, Rows};
 #[cfg(test)]
-pub(crate) use tuning::tests::for_each_tuning;
+pub(crate) use tuning::{amd_cpu, tests::for_each_tuning};
 
 /// Activation rows one weight-row pass of a multi-input kernel serves at most; callers with
 /// more rows run further passes over the weight row (row-major kernels: while it is in

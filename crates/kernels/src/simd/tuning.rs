@@ -99,7 +99,7 @@ pub(crate) fn tuning() -> Tuning {
 }
 
 /// Whether CPUID's vendor string is AMD's.
-fn amd_cpu() -> bool {
+pub(crate) fn amd_cpu() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         let leaf = std::arch::x86_64::__cpuid_count(0, 0);
