@@ -324,6 +324,7 @@ mod avx512 {
             writes,
             stream,
             prefix,
+            rows_ahead: crate::simd::tuning::tuning().state_rows_ahead,
         };
         // Two state rows at a time: a row's steps form one dependency chain (each step needs
         // the last one's dot products), which two independent chains keep the core busy on.
@@ -354,12 +355,15 @@ mod avx512 {
         stream: bool,
         /// Recorded steps from the read state to the chain's start.
         prefix: &'a [crate::delta_rule::RankOne<'a>],
+        /// How many rows ahead of the ones it runs the chain prefetches the read plane's.
+        rows_ahead: usize,
     }
 
     /// State rows `first .. first + ROWS` of [`delta_rule_chain`]: each loaded once into
     /// registers and taken through every step with the instructions of [`delta_rule_rows`],
     /// each kept state row stored once (non-temporally when `stream`: the planes sit on cache
-    /// lines), and each step's `δ` recorded in `deltas` when given.
+    /// lines), and each step's `δ` recorded in `deltas` when given; the read plane's rows
+    /// `target.rows_ahead` further on prefetched meanwhile.
     ///
     /// # Safety
     ///
@@ -381,6 +385,7 @@ mod avx512 {
             writes,
             stream,
             prefix,
+            rows_ahead,
         } = *target;
         let dim = 16 * CHUNKS;
         let values = xs[0].v.len();
@@ -389,6 +394,10 @@ mod avx512 {
         // contract); the read plane's rows are loaded before any step stores to them.
         unsafe {
             let row_at = |plane: usize, r: usize| planes.add(plane * state_len + (first + r) * dim);
+            if rows_ahead > 0 && first + rows_ahead + ROWS <= values {
+                let ahead = row_at(read, rows_ahead).cast::<u8>();
+                crate::simd::x86::avx512::prefetch_block(ahead, ROWS * dim * 4, false);
+            }
             let mut rows: [[__m512; CHUNKS]; ROWS] = std::array::from_fn(|r| {
                 std::array::from_fn(|c| _mm512_loadu_ps(row_at(read, r).add(16 * c)))
             });
