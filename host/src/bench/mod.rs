@@ -163,6 +163,14 @@ pub struct BenchReport {
     /// The roofline with the KV cache read too: (weight bytes + KV bytes of the mean context
     /// of the decode runs) × decode t/s ÷ bandwidth — what bounds decoding at long contexts.
     pub roofline_with_kv_fraction: Option<f64>,
+    /// Bytes of recurrent state a hybrid reads and writes per token (every Gated DeltaNet
+    /// layer's S matrices and convolution state, f32, once each way); `None` for a model
+    /// without recurrent layers.
+    pub recurrent_bytes_per_token: Option<u64>,
+    /// The roofline with the KV cache and the recurrent state too: (weight bytes + KV bytes of
+    /// the mean context + recurrent bytes per token) × decode t/s ÷ bandwidth — every byte a
+    /// hybrid's decoding step must move.
+    pub roofline_with_state_fraction: Option<f64>,
     /// The model's peak resident memory: the larger of the process's peak while the model
     /// loaded and its peak from prefill through the verify passes to the end of plain decoding
     /// (the bandwidth probe's buffer between them left out); where the OS reports them (Linux).
@@ -233,6 +241,21 @@ fn kv_bytes_per_position(file: &specula_gguf::GgufFile, profile: &Profile) -> Op
     Some(layers * (row(hp.key_length) + row(hp.value_length)))
 }
 
+/// Recurrent-state bytes a decoding step reads and writes: per Gated DeltaNet layer, `Hv` S×S
+/// matrices and `conv_kernel - 1` rows of the convolution's channels (`[q | k | v]`), f32,
+/// each read once and written once. `None` for a model without recurrent layers.
+fn recurrent_bytes_per_token(file: &specula_gguf::GgufFile) -> Option<u64> {
+    use specula_gguf::hparams::{HParams, HybridParams};
+    let hp = HParams::from_gguf(file).ok()?;
+    let hybrid = HybridParams::from_gguf(file, &hp).ok()?;
+    let layers = hybrid.recurrent.iter().filter(|&&r| r).count() as u64;
+    let s = u64::from(hybrid.state_size);
+    let matrices = u64::from(hybrid.time_step_rank) * s * s;
+    let channels = 2 * u64::from(hybrid.group_count) * s + u64::from(hybrid.inner_size);
+    let conv = u64::from(hybrid.conv_kernel - 1) * channels;
+    Some(layers * (matrices + conv) * 4 * 2)
+}
+
 /// Resets the process's peak resident set (`VmHWM`) to its current size (Linux 4.0+);
 /// whether it could.
 fn reset_peak_resident() -> bool {
@@ -276,6 +299,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let file = specula_gguf::GgufFile::open(&profile.target.model)?;
     let tensor_types = tensor_types(&file);
     let kv_bytes_per_position = kv_bytes_per_position(&file, profile);
+    let recurrent_bytes_per_token = recurrent_bytes_per_token(&file);
     drop(file);
     let mut plain_profile = profile.clone();
     plain_profile.drafter = None;
@@ -395,8 +419,12 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let decode_tps = median(plain_rates);
     let roofline_fraction = info.weight_bytes as f64 * decode_tps / bandwidth;
     let mean_context = prompt_ids.len() as f64 + options.decode_tokens as f64 / 2.0;
-    let roofline_with_kv_fraction = kv_bytes_per_position
-        .map(|kv| (info.weight_bytes as f64 + kv as f64 * mean_context) * decode_tps / bandwidth);
+    let kv_bytes = kv_bytes_per_position.map(|kv| kv as f64 * mean_context);
+    let roofline_with_kv_fraction =
+        kv_bytes.map(|kv| (info.weight_bytes as f64 + kv) * decode_tps / bandwidth);
+    let roofline_with_state_fraction = recurrent_bytes_per_token.map(|state| {
+        (info.weight_bytes as f64 + kv_bytes.unwrap_or(0.0) + state as f64) * decode_tps / bandwidth
+    });
     let run_peak = proc_status_bytes(if peak_reset { "VmHWM:" } else { "VmRSS:" });
     let peak_rss_bytes = load_peak.max(run_peak);
     drop(pipeline);
@@ -561,6 +589,8 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
         roofline_fraction,
         kv_bytes_per_position,
         roofline_with_kv_fraction,
+        recurrent_bytes_per_token,
+        roofline_with_state_fraction,
         peak_rss_bytes,
         verify,
         drafters,
@@ -718,6 +748,16 @@ pub fn render(report: &BenchReport) -> String {
             100.0 * fraction
         );
     }
+    if let (Some(state), Some(fraction)) = (
+        report.recurrent_bytes_per_token,
+        report.roofline_with_state_fraction,
+    ) {
+        out += &format!(
+            "  with the recurrent state read and written ({:.1} MiB per token): {:.1}% of the roofline of weights + KV + state\n",
+            state as f64 / (1 << 20) as f64,
+            100.0 * fraction
+        );
+    }
     out += "verify cost ratio cost(k)/cost(1):";
     for v in &report.verify {
         out += &format!(" k={} {:.2}", v.k, v.ratio);
@@ -807,6 +847,8 @@ mod tests {
             roofline_fraction: 0.5,
             kv_bytes_per_position: Some(2048),
             roofline_with_kv_fraction: Some(0.6),
+            recurrent_bytes_per_token: Some(3 << 19),
+            roofline_with_state_fraction: Some(0.7),
             peak_rss_bytes: Some(3 << 20),
             verify: vec![VerifyCost {
                 k: 1,
@@ -858,6 +900,29 @@ mod tests {
         }
     }
 
+    /// A hybrid moves each GDN layer's S matrices and convolution rows both ways per token; a
+    /// dense model has no recurrent state.
+    #[test]
+    fn recurrent_bytes_per_token_counts_the_gdn_layers() {
+        let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models");
+        let dense = specula_gguf::GgufFile::open(shared.join("stories260K.gguf")).unwrap();
+        assert_eq!(recurrent_bytes_per_token(&dense), None);
+        let path = shared.join("fixtures/tiny-qwen35-mtp.gguf");
+        let file = specula_gguf::GgufFile::open(&path).unwrap();
+        let hp = specula_gguf::HParams::from_gguf(&file).unwrap();
+        let h = specula_gguf::HybridParams::from_gguf(&file, &hp).unwrap();
+        let gdn = h.recurrent.iter().filter(|&&r| r).count() as u64;
+        assert!(gdn > 0 && gdn < u64::from(h.n_trunk));
+        let (s, hv, hk) = (
+            u64::from(h.state_size),
+            u64::from(h.time_step_rank),
+            u64::from(h.group_count),
+        );
+        let conv_rows = u64::from(h.conv_kernel) - 1;
+        let per_layer = hv * s * s + conv_rows * (2 * hk * s + hv * s);
+        assert_eq!(recurrent_bytes_per_token(&file), Some(8 * gdn * per_layer));
+    }
+
     #[test]
     fn a_bandwidth_that_moved_during_the_run_is_flagged() {
         assert_eq!(report(40e9, 44e9).bandwidth_drift(), None);
@@ -870,6 +935,10 @@ mod tests {
         );
         assert!(
             text.contains("(2.0 KiB per position): 60.0% of the roofline of weights + KV"),
+            "{text}"
+        );
+        assert!(
+            text.contains("(1.5 MiB per token): 70.0% of the roofline of weights + KV + state"),
             "{text}"
         );
         #[cfg(target_os = "linux")]
