@@ -26,7 +26,7 @@ use std::hash::{Hash, Hasher};
 
 use rayon::prelude::*;
 use specula_kernels::attention::{Cached, CachedRows};
-use specula_kernels::{q8_0, q8_keys};
+use specula_kernels::{f16_keys, q8_0, q8_keys};
 use specula_plugin_api::{ErrorKind, KvUsage, PluginError};
 
 use crate::blocks::attention::AttentionShape;
@@ -104,7 +104,11 @@ impl KvType {
 #[derive(Debug)]
 enum Store {
     F32(Vec<f32>),
+    /// f16 rows (values).
     F16(Vec<u16>),
+    /// f16 keys: each head of a block as value-major groups of 16 positions
+    /// ([`specula_kernels::f16_keys`]), which attention scores 16 keys per register.
+    F16Keys(Vec<u16>),
     /// Q8_0 rows: blocks of 32, each head row `dim / 32` of them (values; keys too where the
     /// SIMD level does not score them as integers).
     Q8(Vec<u8>),
@@ -115,13 +119,15 @@ enum Store {
 
 impl Store {
     /// `len` zero values of keys (`keys`) or values, or `None` when the allocation fails.
-    /// (Lazily mapped pages: blocks never written occupy no memory.) Q8_0 keys are kept in
-    /// interleaved groups where the SIMD level scores them as integers, else as rows.
+    /// (Lazily mapped pages: blocks never written occupy no memory.) f16 keys are kept in
+    /// groups of 16 positions; Q8_0 keys in interleaved groups where the SIMD level scores them
+    /// as integers, else as rows.
     fn zeroed(ty: KvType, len: usize, keys: bool) -> Option<Self> {
         use specula_kernels::aligned::try_zeroed_vec;
         let integer_scores = q8_keys::integer_scores(specula_kernels::simd::level());
         Some(match ty {
             KvType::F32 => Store::F32(try_zeroed_vec(len)?),
+            KvType::F16 if keys => Store::F16Keys(try_zeroed_vec(len)?),
             KvType::F16 => Store::F16(try_zeroed_vec(len)?),
             KvType::Q8_0 if keys && integer_scores => Store::Q8Keys(try_zeroed_vec(len)?),
             KvType::Q8_0 => Store::Q8(try_zeroed_vec(len)?),
@@ -132,6 +138,7 @@ impl Store {
         match self {
             Store::F32(v) => Stored::Rows(Cached::F32(v)),
             Store::F16(v) => Stored::Rows(Cached::F16(v)),
+            Store::F16Keys(v) => Stored::F16Keys(v),
             Store::Q8(v) => Stored::Rows(Cached::Q8_0(v)),
             Store::Q8Keys(v) => Stored::Q8Keys(v),
         }
@@ -141,7 +148,7 @@ impl Store {
     fn len(&self) -> usize {
         match self {
             Store::F32(v) => v.len(),
-            Store::F16(v) => v.len(),
+            Store::F16(v) | Store::F16Keys(v) => v.len(),
             Store::Q8(v) | Store::Q8Keys(v) => v.len(),
         }
     }
@@ -150,7 +157,9 @@ impl Store {
     fn copy_block(&mut self, from: usize, to: usize, block: usize) {
         match self {
             Store::F32(v) => v.copy_within(from * block..(from + 1) * block, to * block),
-            Store::F16(v) => v.copy_within(from * block..(from + 1) * block, to * block),
+            Store::F16(v) | Store::F16Keys(v) => {
+                v.copy_within(from * block..(from + 1) * block, to * block)
+            }
             Store::Q8(v) | Store::Q8Keys(v) => {
                 v.copy_within(from * block..(from + 1) * block, to * block)
             }
@@ -165,6 +174,7 @@ impl Store {
             Store::F32(v) => v.copy_within(at(from)..at(from) + units, at(to)),
             Store::F16(v) => v.copy_within(at(from)..at(from) + units, at(to)),
             Store::Q8(v) => v.copy_within(at(from)..at(from) + units, at(to)),
+            Store::F16Keys(v) => f16_keys::copy_row(v, (BLOCK_TOKENS * units, units), from, to),
             Store::Q8Keys(v) => {
                 q8_keys::copy_row(v, (BLOCK_TOKENS * units, row_dim(units)), from, to)
             }
@@ -250,6 +260,7 @@ impl Store {
             Store::Q8(store) => write(store, jobs, shape, |src, region, slot| {
                 q8_0::quantize_row(src, row(region, slot, units))
             }),
+            Store::F16Keys(store) => write(store, jobs, shape, f16_keys::store),
             Store::Q8Keys(store) => write(store, jobs, shape, q8_keys::store),
         }
     }
@@ -274,11 +285,12 @@ pub struct KvWrite<'a> {
     pub values: &'a [f32],
 }
 
-/// A layer's cache as stored: rows attention reads as they are (f32, f16, Q8_0 blocks), or
-/// Q8_0 keys in interleaved groups it scores as integers.
+/// A layer's cache as stored: rows attention reads as they are (f32, f16, Q8_0 blocks), f16
+/// keys in value-major groups, or Q8_0 keys in interleaved groups it scores as integers.
 #[derive(Debug, Clone, Copy)]
 enum Stored<'a> {
     Rows(Cached<'a>),
+    F16Keys(&'a [u16]),
     Q8Keys(&'a [u8]),
 }
 
@@ -343,7 +355,29 @@ impl<'a> CachedHeads<'a> {
 
     /// Whether [`head_block`](Self::head_block) dequantises into its scratch.
     pub fn needs_scratch(&self) -> bool {
-        matches!(self.data, Stored::Q8Keys(_))
+        matches!(self.data, Stored::Q8Keys(_) | Stored::F16Keys(_))
+    }
+
+    /// Whether these are an f16 cache's keys in groups, scored through
+    /// [`f16_key_block`](Self::f16_key_block).
+    pub fn is_f16_keys(&self) -> bool {
+        matches!(self.data, Stored::F16Keys(_))
+    }
+
+    /// Head `h` of block `b` as f16 keys in value-major groups
+    /// ([`specula_kernels::f16_keys`]: every position of the block, written or not), for an
+    /// f16 cache's keys; `None` for other caches.
+    pub fn f16_key_block(&self, h: usize, b: usize) -> Option<&'a [u16]> {
+        match self.data {
+            Stored::F16Keys(halves) => {
+                assert!(
+                    b * self.block_tokens < self.count.max(1),
+                    "kv cache: block {b} beyond the positions held"
+                );
+                Some(&halves[self.first(h, b)..][..self.block_tokens * self.width])
+            }
+            _ => None,
+        }
     }
 
     /// Whether these are a Q8_0 cache's keys, scored through
@@ -379,7 +413,7 @@ impl<'a> CachedHeads<'a> {
         );
         match self.data {
             Stored::Rows(data) => Some(data.rows(self.first(h, b), self.row_stride, self.width, n)),
-            Stored::Q8Keys(_) => None,
+            Stored::F16Keys(_) | Stored::Q8Keys(_) => None,
         }
     }
 
@@ -389,9 +423,8 @@ impl<'a> CachedHeads<'a> {
     }
 
     /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's): the
-    /// stored rows, or for Q8_0 keys in interleaved groups the rows dequantised into `scratch`
-    /// (at least `n` rows of [`values`](Self::values) each; the same f32 values whatever else
-    /// is read).
+    /// stored rows, or for keys in groups (f16, Q8_0) the rows widened into `scratch` (at least
+    /// `n` rows of [`values`](Self::values) each; the same f32 values whatever else is read).
     pub fn head_block<'s>(
         &self,
         h: usize,
@@ -405,12 +438,18 @@ impl<'a> CachedHeads<'a> {
         if let Some(rows) = self.stored_head_block(h, b, n) {
             return rows;
         }
-        let keys = self
-            .q8_key_block(h, b)
-            .expect("rows not read as stored are Q8_0 keys");
         let rows = &mut scratch[..n * self.values];
-        for (slot, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
-            q8_keys::dequantize(keys, slot, row);
+        if let Some(keys) = self.f16_key_block(h, b) {
+            for (slot, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
+                f16_keys::dequantize(keys, slot, row);
+            }
+        } else {
+            let keys = self
+                .q8_key_block(h, b)
+                .expect("rows not read as stored are keys in groups");
+            for (slot, row) in rows.chunks_exact_mut(self.values.max(1)).enumerate() {
+                q8_keys::dequantize(keys, slot, row);
+            }
         }
         Cached::F32(rows).rows(0, self.values, self.values, n)
     }

@@ -12,8 +12,8 @@
 //!   repacked into interleaved 16-row groups (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), as the engine multiplies them.
 //! - `attention/{hot,cold}/{2,16}q`: one key/value head's attention over 4,096 f16 positions in
 //!   paged blocks of 64 (see [`attention`]).
-//! - `key-scores/{f16,q8_0}/{hot,cold}/{2,16}q`: the scores alone, from an f16 cache and from
-//!   a Q8_0 cache's integer keys (see [`key_scores`]).
+//! - `key-scores/{f16,f16-groups,q8_0}/{hot,cold}/{2,16}q`: the scores alone, from an f16
+//!   cache by rows and in groups and from a Q8_0 cache's integer keys (see [`key_scores`]).
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an
@@ -280,13 +280,14 @@ fn attention(c: &mut Criterion) {
     group.finish();
 }
 
-/// `key-scores/{f16,q8_0}/{hot,cold}/{n}q`: the scores alone of one key head over 4,096
-/// positions in blocks of 64, from an f16 cache (f32 arithmetic) and from a Q8_0 cache's
-/// interleaved keys (queries quantised once per call, integer dot products: [`q8_keys`]);
+/// `key-scores/{f16,f16-groups,q8_0}/{hot,cold}/{n}q`: the scores alone of one key head over
+/// 4,096 positions in blocks of 64, from an f16 cache by rows and in value-major groups
+/// ([`f16_keys`]; f32 arithmetic both) and from a Q8_0 cache's interleaved keys (queries
+/// quantised once per call, integer dot products: [`q8_keys`]);
 /// `hot` and `cold` as in [`attention`]. Throughput in bytes of f16 keys (the same work).
 fn key_scores(c: &mut Criterion) {
     use specula_kernels::attention::{scores, Cached};
-    use specula_kernels::q8_keys;
+    use specula_kernels::{f16_keys, q8_keys};
     let head_values = ATTENTION_KEYS * ATTENTION_DIM;
     let blocks = ATTENTION_KEYS / ATTENTION_BLOCK;
     let mut rng = StdRng::seed_from_u64(12);
@@ -305,6 +306,13 @@ fn key_scores(c: &mut Criterion) {
             q8_keys::store(key(b + slot), region, slot);
         }
     }
+    let f16_block = f16_keys::head_units(ATTENTION_DIM, ATTENTION_BLOCK);
+    let mut grouped = vec![0u16; cold_heads * blocks * f16_block];
+    for (b, region) in grouped.chunks_exact_mut(f16_block).enumerate() {
+        for slot in 0..ATTENTION_BLOCK {
+            f16_keys::store(key(b + slot), region, slot);
+        }
+    }
     let mut order: Vec<usize> = (0..cold_heads * blocks).collect();
     for i in (1..order.len()).rev() {
         order.swap(i, rng.gen_range(0..=i));
@@ -319,7 +327,7 @@ fn key_scores(c: &mut Criterion) {
         let mut quantized = vec![0u8; n * q8_keys::query_bytes(ATTENTION_DIM)];
         let mut sc = vec![0.0f32; n * ATTENTION_KEYS];
         let limits = vec![ATTENTION_BLOCK; n];
-        for cache in ["f16", "q8_0"] {
+        for cache in ["f16", "f16-groups", "q8_0"] {
             for temp in ["hot", "cold"] {
                 let mut head = 0;
                 let id = BenchmarkId::new(format!("{cache}/{temp}"), format!("{n}q"));
@@ -346,6 +354,22 @@ fn key_scores(c: &mut Criterion) {
                                 };
                                 q8_keys::scores(
                                     qrows,
+                                    region,
+                                    ATTENTION_BLOCK,
+                                    next,
+                                    out,
+                                    ATTENTION_KEYS,
+                                );
+                            } else if cache == "f16-groups" {
+                                let region = &grouped[slot * f16_block..][..f16_block];
+                                let next = match order.get(head * blocks + b + 1) {
+                                    Some(&s) if b + 1 < blocks => {
+                                        &grouped[s * f16_block..][..f16_block]
+                                    }
+                                    _ => &[],
+                                };
+                                f16_keys::scores(
+                                    q,
                                     region,
                                     ATTENTION_BLOCK,
                                     next,

@@ -45,6 +45,7 @@ pub mod amx;
 pub mod attention;
 pub mod delta_rule;
 mod error;
+pub mod f16_keys;
 pub mod f32;
 mod half16;
 pub mod interleaved;

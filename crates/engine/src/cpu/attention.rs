@@ -115,6 +115,13 @@ struct Job {
     n_keys: usize,
 }
 
+/// The first key block of a head's work item, which the item before it prefetches into L2:
+/// rows as stored (none where they are not read as stored), or an f16 cache's keys in groups.
+enum FirstKeys<'a> {
+    Rows(Option<CachedRows<'a>>),
+    Groups(&'a [u16]),
+}
+
 /// One (job, key/value head) item's buffers.
 struct Item<'a> {
     job: Job,
@@ -336,6 +343,19 @@ fn attend_wave<'a>(
                 let scores = &mut item.scores[first_key..];
                 specula_kernels::q8_keys::scores(quantized, keys, count, next, scores, n_keys);
             }
+        } else if seg.keys.is_f16_keys() {
+            // An f16 cache's keys in groups: every key of each block (those past a query's
+            // limit are never read), sixteen per register.
+            for b in 0..blocks {
+                let (first_key, count) = (b * bt, bt.min(n_keys - b * bt));
+                let keys = seg.keys.f16_key_block(g, b).expect("an f16 cache's keys");
+                let next = match b + 1 < blocks {
+                    true => seg.keys.f16_key_block(g, b + 1).unwrap_or_default(),
+                    false => &[],
+                };
+                let scores = &mut item.scores[first_key..];
+                specula_kernels::f16_keys::scores(query_rows, keys, count, next, scores, n_keys);
+            }
         } else {
             for b in 0..blocks {
                 let (first_key, count) = block_limits(b, item.block_limits, item.limits);
@@ -442,17 +462,22 @@ fn attend_wave<'a>(
     // two per head) an item would otherwise start on rows from memory. Items run in index
     // order on each thread (rayon splits a range in contiguous pieces), so the next one is
     // usually the same thread's.
-    let first_blocks: Vec<Option<CachedRows<'_>>> = items
+    let first_blocks: Vec<FirstKeys<'_>> = items
         .iter()
         .map(|item| {
             let seg = &segments[item.job.segment];
             let n = seg.keys.block_tokens().min(item.job.n_keys);
-            seg.keys.stored_head_block(item.head, 0, n)
+            match seg.keys.f16_key_block(item.head, 0) {
+                Some(keys) => FirstKeys::Groups(keys),
+                None => FirstKeys::Rows(seg.keys.stored_head_block(item.head, 0, n)),
+            }
         })
         .collect();
     let run_and_prefetch = |(i, item): (usize, &mut Item<'_>)| {
-        if let Some(Some(next)) = first_blocks.get(i + 1) {
-            next.prefetch_l2();
+        match first_blocks.get(i + 1) {
+            Some(FirstKeys::Rows(Some(next))) => next.prefetch_l2(),
+            Some(FirstKeys::Groups(next)) => specula_kernels::f16_keys::prefetch_l2(next),
+            _ => {}
         }
         run(item);
     };

@@ -67,6 +67,7 @@ mod activations;
 mod attention;
 mod block32;
 mod delta_rule;
+mod f16_keys;
 mod float;
 mod interleaved;
 mod k_quant;
@@ -84,6 +85,7 @@ pub(crate) use activations::{gate_in_place, silu_in_place, softmax_exp_sum, swig
 pub(crate) use attention::{attention_scores, attention_weighted_sums};
 pub(crate) use block32::block32_accumulate;
 pub(crate) use delta_rule::{delta_rule_chain, delta_rule_replay, delta_rule_step};
+pub(crate) use f16_keys::f16_key_scores;
 pub(crate) use float::{axpy, float_accumulate, weighted_sum};
 pub(crate) use interleaved::interleaved_pass;
 pub(crate) use k_quant::k_quant_accumulate;
