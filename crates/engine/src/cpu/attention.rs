@@ -468,7 +468,11 @@ fn attend_wave<'a>(
             let seg = &segments[item.job.segment];
             let n = seg.keys.block_tokens().min(item.job.n_keys);
             match seg.keys.f16_key_block(item.head, 0) {
-                Some(keys) => FirstKeys::Groups(keys),
+                // The groups holding the `n` positions read.
+                Some(keys) => {
+                    let groups = n.next_multiple_of(specula_kernels::f16_keys::GROUP_POSITIONS);
+                    FirstKeys::Groups(&keys[..groups * seg.keys.values()])
+                }
                 None => FirstKeys::Rows(seg.keys.stored_head_block(item.head, 0, n)),
             }
         })
