@@ -111,7 +111,7 @@ pub fn prefetch_l2(head: &[u16]) {
 /// `out[q * stride + j]` = query `q` · key `j` for every query of `queries` and each of the
 /// first `count` positions of `head` (a head's keys of whole groups), at the process's
 /// [`simd::level`]. `next` is what the caller reads next (a paged cache's next block, or
-/// empty): it is fetched into L2 before `head` is read — only a hint.
+/// empty): it is fetched into L2 as `head` is read — only a hint.
 pub fn scores(
     queries: Rows<'_, f32>,
     head: &[u16],
@@ -153,11 +153,7 @@ pub fn scores_with(
     let keys = &head[..groups * GROUP_POSITIONS * dim];
     match level {
         SimdLevel::Scalar => scores_scalar(queries, keys, count, out, stride),
-        SimdLevel::Avx2 => {
-            prefetch_l2(next);
-            simd::f16_key_scores(level, queries, keys, next, count, out, stride);
-        }
-        // The AVX-512 kernel prefetches `next` as it reads `head`.
+        // The kernels prefetch `next` as they read `head`.
         _ => simd::f16_key_scores(level, queries, keys, next, count, out, stride),
     }
 }

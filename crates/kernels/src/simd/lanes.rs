@@ -22,6 +22,8 @@ pub(crate) trait F32Lanes: Copy {
     /// Values per register.
     const LANES: usize;
     unsafe fn load(p: *const f32) -> Self;
+    /// `LANES` f16 values at `p`, widened (exactly).
+    unsafe fn load_f16(p: *const u16) -> Self;
     unsafe fn store(self, p: *mut f32);
     unsafe fn splat(v: f32) -> Self;
     unsafe fn add(self, b: Self) -> Self;
@@ -58,6 +60,10 @@ impl F32Lanes for Avx2 {
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self {
         Self(_mm256_loadu_ps(p))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        Self(_mm256_cvtph_ps(_mm_loadu_si128(p.cast())))
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
@@ -117,6 +123,10 @@ impl F32Lanes for Avx512 {
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self {
         Self(_mm512_loadu_ps(p))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        Self(_mm512_cvtph_ps(_mm256_loadu_si256(p.cast())))
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
