@@ -36,13 +36,21 @@ use crate::blocks::attention::AttentionShape;
 /// kernels' prefetching.)
 pub const BLOCK_TOKENS: usize = 64;
 
+// A block's keys are whole groups of positions (f16 and Q8_0 keys in groups).
+const _: () = assert!(
+    BLOCK_TOKENS.is_multiple_of(f16_keys::GROUP_POSITIONS)
+        && BLOCK_TOKENS.is_multiple_of(q8_keys::GROUP_POSITIONS)
+);
+
 /// How the cache stores keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvType {
     /// Exact f32 (4 bytes per value).
     F32,
     /// IEEE binary16, rounded to nearest-even (2 bytes per value: half the memory and half the
-    /// attention's memory traffic; llama.cpp's default cache type, and this one's).
+    /// attention's memory traffic; llama.cpp's default cache type, and this one's). The keys of
+    /// a block's head are kept as value-major groups of 16 positions
+    /// ([`specula_kernels::f16_keys`]), the values as rows.
     #[default]
     F16,
     /// ggml's Q8_0 per head row: blocks of 32 values as an f16 scale and 32 signed bytes (34
@@ -107,7 +115,7 @@ enum Store {
     /// f16 rows (values).
     F16(Vec<u16>),
     /// f16 keys: each head of a block as value-major groups of 16 positions
-    /// ([`specula_kernels::f16_keys`]), which attention scores 16 keys per register.
+    /// ([`specula_kernels::f16_keys`]), which attention scores a register of keys at a time.
     F16Keys(Vec<u16>),
     /// Q8_0 rows: blocks of 32, each head row `dim / 32` of them (values; keys too where the
     /// SIMD level does not score them as integers).
@@ -403,8 +411,8 @@ impl<'a> CachedHeads<'a> {
     }
 
     /// Head `h` of the `n` positions from block `b`'s first, as stored, where the kernels read
-    /// them as stored (f32, f16, Q8_0 rows); `None` for Q8_0 keys in interleaved groups. (A
-    /// caller hands the next block to the kernels' prefetching: [`CachedRows::followed_by`].)
+    /// them as stored (f32, f16, Q8_0 rows); `None` for keys in groups (f16, Q8_0). (A caller
+    /// hands the next block to the kernels' prefetching: [`CachedRows::followed_by`].)
     pub fn stored_head_block(&self, h: usize, b: usize, n: usize) -> Option<CachedRows<'a>> {
         assert!(
             n <= self.block_tokens && b * self.block_tokens + n <= self.count,

@@ -64,8 +64,8 @@ pub struct AttentionScratch {
     outputs: Vec<f32>,
     /// Per job and key/value head: how many keys each query sees.
     limits: Vec<usize>,
-    /// Per job and key/value head, for a quantised cache: one block of its head's rows
-    /// dequantised.
+    /// Per job and key/value head, for a quantised cache's values (or keys in groups, were
+    /// they read as rows): one block of its head's rows widened.
     rows: Vec<f32>,
     /// Per job and key/value head, for a Q8_0 cache's keys: its queries quantised.
     quantized: Vec<u8>,
@@ -319,9 +319,9 @@ fn attend_wave<'a>(
             }
             (first_key, count)
         };
-        // What the kernels prefetch while they read a block (stored caches only): in the key
-        // loop the next block of keys, after the last one the first block of values; in the
-        // value loop the next block of values.
+        // What the kernels prefetch while they read a block: in the key loop the next block of
+        // keys, after the last one the first block of values (keys in groups: fetched as the
+        // last key block is read); in the value loop the next block of values.
         let stored = |heads: &CachedHeads<'a>, b: usize| {
             (b < blocks)
                 .then(|| heads.stored_head_block(g, b, bt.min(n_keys - b * bt)))
@@ -345,13 +345,18 @@ fn attend_wave<'a>(
             }
         } else if seg.keys.is_f16_keys() {
             // An f16 cache's keys in groups: every key of each block (those past a query's
-            // limit are never read), sixteen per register.
+            // limit are never read), a register's lanes of keys at a time.
             for b in 0..blocks {
                 let (first_key, count) = (b * bt, bt.min(n_keys - b * bt));
                 let keys = seg.keys.f16_key_block(g, b).expect("an f16 cache's keys");
                 let next = match b + 1 < blocks {
                     true => seg.keys.f16_key_block(g, b + 1).unwrap_or_default(),
-                    false => &[],
+                    false => {
+                        if let Some(values) = stored(&seg.values, 0) {
+                            values.prefetch_l2();
+                        }
+                        &[]
+                    }
                 };
                 let scores = &mut item.scores[first_key..];
                 specula_kernels::f16_keys::scores(query_rows, keys, count, next, scores, n_keys);
@@ -470,8 +475,9 @@ fn attend_wave<'a>(
             match seg.keys.f16_key_block(item.head, 0) {
                 // The groups holding the `n` positions read.
                 Some(keys) => {
-                    let groups = n.next_multiple_of(specula_kernels::f16_keys::GROUP_POSITIONS);
-                    FirstKeys::Groups(&keys[..groups * seg.keys.values()])
+                    use specula_kernels::f16_keys::{head_units, GROUP_POSITIONS};
+                    let read = head_units(seg.keys.values(), n.next_multiple_of(GROUP_POSITIONS));
+                    FirstKeys::Groups(&keys[..read])
                 }
                 None => FirstKeys::Rows(seg.keys.stored_head_block(item.head, 0, n)),
             }
@@ -513,9 +519,11 @@ fn attend_wave<'a>(
 /// Values of one item's scratch for a dequantised cache block: a block of the widest head, or
 /// 0 where every cache is read as stored.
 fn dequantised_block_values(shape: &AttentionShape, segments: &[Segment<'_>]) -> usize {
+    // Keys in groups (f16, Q8_0) are scored where they lie, never widened into rows.
+    let grouped = |heads: &CachedHeads<'_>| heads.is_q8_keys() || heads.is_f16_keys();
     let quantised = segments
         .iter()
-        .any(|seg| seg.keys.needs_scratch() || seg.values.needs_scratch());
+        .any(|seg| (seg.keys.needs_scratch() && !grouped(&seg.keys)) || seg.values.needs_scratch());
     let block = segments.iter().map(|seg| seg.keys.block_tokens()).max();
     match quantised {
         true => block.unwrap_or(0) * shape.head_dim.max(shape.value_dim),

@@ -355,7 +355,7 @@ mod avx512 {
         stream: bool,
         /// Recorded steps from the read state to the chain's start.
         prefix: &'a [crate::delta_rule::RankOne<'a>],
-        /// How many rows ahead of the ones it runs the chain prefetches the read plane's.
+        /// How many rows ahead of the ones it runs the chain prefetches the read plane's rows.
         rows_ahead: usize,
     }
 
@@ -391,7 +391,8 @@ mod avx512 {
         let values = xs[0].v.len();
         let state_len = values * dim;
         // SAFETY: row `first + r` of every plane named holds `dim` values (the caller's
-        // contract); the read plane's rows are loaded before any step stores to them.
+        // contract), and the read plane's rows `rows_ahead` further on are addressed only where
+        // they exist; the read plane's rows are loaded before any step stores to them.
         unsafe {
             let row_at = |plane: usize, r: usize| planes.add(plane * state_len + (first + r) * dim);
             if rows_ahead > 0 && first + rows_ahead + ROWS <= values {

@@ -30,6 +30,8 @@ pub(crate) fn f16_key_scores(
         "f16 key scores: sizes"
     );
     level.assert_supported();
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (keys, next, out);
     #[cfg(target_arch = "x86_64")]
     {
         let keys = x86::Stream { keys, next };
@@ -54,10 +56,11 @@ mod x86 {
     /// the hardware prefetchers to run ahead of a pass from memory.
     const PREFETCH_AHEAD: usize = 512;
 
-    /// The keys a kernel reads and the ones its caller reads next, prefetched into L2 as the
-    /// kernel reaches the same place in its own (a burst of a whole block's prefetches at the
-    /// start would overrun the core's miss buffers: a decode step's keys from DRAM took 89.6 µs
-    /// that way against 50.7).
+    /// The keys a kernel reads (each line fetched into L1 [`PREFETCH_AHEAD`] halves before it
+    /// is read) and the ones its caller reads next (fetched into L2 as the kernel reaches the
+    /// same place in its own: a burst of a whole block's prefetches at the start would overrun
+    /// the core's miss buffers — a decode step's keys from DRAM took 89.6 µs that way against
+    /// 50.7).
     #[derive(Clone, Copy)]
     pub(super) struct Stream<'a> {
         pub(super) keys: &'a [u16],
@@ -122,8 +125,8 @@ mod x86 {
     }
 
     /// Every query against every chunk of keys: tiles of `T` queries × `C` chunks, `T · C`
-    /// independent multiply-add chains (8 where the queries allow; fewer chunks at 8 lanes,
-    /// whose 16 registers hold fewer) to cover the FMA latency.
+    /// independent multiply-add chains (8 where two or more queries are left, 4 for the last
+    /// one: a 64-position block is 4 chunks at 16 lanes) to cover the FMA latency.
     ///
     /// # Safety
     ///
@@ -139,7 +142,6 @@ mod x86 {
         stride: usize,
     ) {
         let n = queries.count();
-        let wide = V::LANES == GROUP_POSITIONS;
         let mut first = 0;
         while first < n {
             let keys = if first == 0 { keys } else { keys.alone() };
@@ -150,7 +152,6 @@ mod x86 {
                     8.. => tile_rows::<V, 8, 1>(at, out, stride),
                     4..=7 => tile_rows::<V, 4, 2>(at, out, stride),
                     2 | 3 => tile_rows::<V, 2, 4>(at, out, stride),
-                    _ if wide => tile_rows::<V, 1, 8>(at, out, stride),
                     _ => tile_rows::<V, 1, 4>(at, out, stride),
                 };
             }
@@ -171,10 +172,12 @@ mod x86 {
     ) -> usize {
         let chunks = count.div_ceil(V::LANES);
         let q: [*const f32; T] = std::array::from_fn(|t| queries.ptr(first + t));
-        let o: [*mut f32; T] = std::array::from_fn(|t| out[(first + t) * stride..].as_mut_ptr());
+        let out = out.as_mut_ptr();
         let mut c = 0;
-        // SAFETY: forwarded contract; chunks `c .. c + C` (or `c`) are below `chunks`.
+        // SAFETY: forwarded contract (score row `first + t` starts at `(first + t) · stride` of
+        // `out`); chunks `c .. c + C` (or `c`) are below `chunks`.
         unsafe {
+            let o: [*mut f32; T] = std::array::from_fn(|t| out.add((first + t) * stride));
             while c + C <= chunks {
                 tile::<V, T, C>(q, queries.len(), keys, count, o, c);
                 c += C;
