@@ -439,18 +439,21 @@ mod tests {
                     }
                     state = next;
                 }
-                // On cache lines (non-temporal stores) and off them.
-                for offset in [0, 1] {
-                    let mut buffer = AlignedVec::<f32>::zeroed(start.len() + 1);
-                    let planes = &mut buffer.as_mut_slice()[offset..][..start.len()];
-                    planes.copy_from_slice(&start);
-                    let mut out = vec![f32::NAN; steps * values];
-                    chain_with(level, &xs, planes, read, &writes, &mut out);
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    let case = format!("{level} dim {dim} offset {offset}");
-                    assert_eq!(bits(&out), bits(&want_out), "{case}: outputs");
-                    assert_eq!(bits(planes), bits(&want_planes), "{case}: planes");
-                }
+                // On cache lines (non-temporal stores) and off them, under every CPU family's
+                // tuning (the state prefetched ahead or not).
+                crate::simd::for_each_tuning(|tuning| {
+                    for offset in [0, 1] {
+                        let mut buffer = AlignedVec::<f32>::zeroed(start.len() + 1);
+                        let planes = &mut buffer.as_mut_slice()[offset..][..start.len()];
+                        planes.copy_from_slice(&start);
+                        let mut out = vec![f32::NAN; steps * values];
+                        chain_with(level, &xs, planes, read, &writes, &mut out);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let case = format!("{level} dim {dim} offset {offset} {tuning:?}");
+                        assert_eq!(bits(&out), bits(&want_out), "{case}: outputs");
+                        assert_eq!(bits(planes), bits(&want_planes), "{case}: planes");
+                    }
+                });
             }
         }
     }
