@@ -377,13 +377,7 @@ impl<'a> CachedHeads<'a> {
     /// f16 cache's keys; `None` for other caches.
     pub fn f16_key_block(&self, h: usize, b: usize) -> Option<&'a [u16]> {
         match self.data {
-            Stored::F16Keys(halves) => {
-                assert!(
-                    b * self.block_tokens < self.count.max(1),
-                    "kv cache: block {b} beyond the positions held"
-                );
-                Some(&halves[self.first(h, b)..][..self.block_tokens * self.width])
-            }
+            Stored::F16Keys(halves) => Some(&halves[self.whole_block(h, b)]),
             _ => None,
         }
     }
@@ -399,13 +393,7 @@ impl<'a> CachedHeads<'a> {
     /// other caches.
     pub fn q8_key_block(&self, h: usize, b: usize) -> Option<&'a [u8]> {
         match self.data {
-            Stored::Q8Keys(bytes) => {
-                assert!(
-                    b * self.block_tokens < self.count.max(1),
-                    "kv cache: block {b} beyond the positions held"
-                );
-                Some(&bytes[self.first(h, b)..][..self.block_tokens * self.width])
-            }
+            Stored::Q8Keys(bytes) => Some(&bytes[self.whole_block(h, b)]),
             _ => None,
         }
     }
@@ -428,6 +416,38 @@ impl<'a> CachedHeads<'a> {
     /// Where head `h`'s first position of block `b` starts in the stored data.
     fn first(&self, h: usize, b: usize) -> usize {
         self.blocks[b] as usize * self.block_stride + h * self.head_offset
+    }
+
+    /// The storage units of head `h` in block `b`, every position of the block (written or
+    /// not): what keys in groups are read as.
+    fn whole_block(&self, h: usize, b: usize) -> std::ops::Range<usize> {
+        assert!(
+            b * self.block_tokens < self.count.max(1),
+            "kv cache: block {b} beyond the positions held"
+        );
+        let first = self.first(h, b);
+        first..first + self.block_tokens * self.width
+    }
+
+    /// Fetches into L2 what attention reads first of head `h`: its first `n` positions (at
+    /// most a block's) as stored — rows, or the groups holding them. (Q8_0 keys in groups are
+    /// fetched by their kernel only.)
+    pub fn prefetch_first_block_l2(&self, h: usize, n: usize) {
+        match self.data {
+            Stored::Rows(_) => {
+                if let Some(rows) = self.stored_head_block(h, 0, n) {
+                    rows.prefetch_l2();
+                }
+            }
+            Stored::F16Keys(halves) => {
+                let groups = n.next_multiple_of(f16_keys::GROUP_POSITIONS);
+                let first = self.first(h, 0);
+                f16_keys::prefetch_l2(
+                    &halves[first..first + f16_keys::head_units(self.values, groups)],
+                );
+            }
+            Stored::Q8Keys(_) => {}
+        }
     }
 
     /// Head `h` of the `n` positions from block `b`'s first (`n` at most the block's): the

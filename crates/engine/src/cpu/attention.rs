@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 use specula_kernels::activations;
-use specula_kernels::attention::{self as kattention, Cached, CachedRows};
+use specula_kernels::attention::{self as kattention, Cached};
 use specula_kernels::{ops, Rope, Rows};
 
 use crate::blocks::attention::AttentionShape;
@@ -113,13 +113,6 @@ struct Job {
     rows: usize,
     /// Keys the job's last row sees.
     n_keys: usize,
-}
-
-/// The first key block of a head's work item, which the item before it prefetches into L2:
-/// rows as stored (none where they are not read as stored), or an f16 cache's keys in groups.
-enum FirstKeys<'a> {
-    Rows(Option<CachedRows<'a>>),
-    Groups(&'a [u16]),
 }
 
 /// One (job, key/value head) item's buffers.
@@ -467,27 +460,17 @@ fn attend_wave<'a>(
     // two per head) an item would otherwise start on rows from memory. Items run in index
     // order on each thread (rayon splits a range in contiguous pieces), so the next one is
     // usually the same thread's.
-    let first_blocks: Vec<FirstKeys<'_>> = items
+    // (Each item's keys, head and positions read of its first block.)
+    let first_blocks: Vec<(&CachedHeads<'_>, usize, usize)> = items
         .iter()
         .map(|item| {
-            let seg = &segments[item.job.segment];
-            let n = seg.keys.block_tokens().min(item.job.n_keys);
-            match seg.keys.f16_key_block(item.head, 0) {
-                // The groups holding the `n` positions read.
-                Some(keys) => {
-                    use specula_kernels::f16_keys::{head_units, GROUP_POSITIONS};
-                    let read = head_units(seg.keys.values(), n.next_multiple_of(GROUP_POSITIONS));
-                    FirstKeys::Groups(&keys[..read])
-                }
-                None => FirstKeys::Rows(seg.keys.stored_head_block(item.head, 0, n)),
-            }
+            let keys = &segments[item.job.segment].keys;
+            (keys, item.head, keys.block_tokens().min(item.job.n_keys))
         })
         .collect();
     let run_and_prefetch = |(i, item): (usize, &mut Item<'_>)| {
-        match first_blocks.get(i + 1) {
-            Some(FirstKeys::Rows(Some(next))) => next.prefetch_l2(),
-            Some(FirstKeys::Groups(next)) => specula_kernels::f16_keys::prefetch_l2(next),
-            _ => {}
+        if let Some(&(keys, head, n)) = first_blocks.get(i + 1) {
+            keys.prefetch_first_block_l2(head, n);
         }
         run(item);
     };
@@ -519,11 +502,9 @@ fn attend_wave<'a>(
 /// Values of one item's scratch for a dequantised cache block: a block of the widest head, or
 /// 0 where every cache is read as stored.
 fn dequantised_block_values(shape: &AttentionShape, segments: &[Segment<'_>]) -> usize {
-    // Keys in groups (f16, Q8_0) are scored where they lie, never widened into rows.
-    let grouped = |heads: &CachedHeads<'_>| heads.is_q8_keys() || heads.is_f16_keys();
-    let quantised = segments
-        .iter()
-        .any(|seg| (seg.keys.needs_scratch() && !grouped(&seg.keys)) || seg.values.needs_scratch());
+    // Keys are scored where they lie (rows as stored, groups by their kernels): only values
+    // are ever widened into rows.
+    let quantised = segments.iter().any(|seg| seg.values.needs_scratch());
     let block = segments.iter().map(|seg| seg.keys.block_tokens()).max();
     match quantised {
         true => block.unwrap_or(0) * shape.head_dim.max(shape.value_dim),
