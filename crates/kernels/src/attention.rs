@@ -516,43 +516,50 @@ mod tests {
     }
 
     /// A query's results do not depend on the other queries of the call: each query alone
-    /// gives the same bits as in a batch (what a verify row relies on).
+    /// gives the same bits as in a batch (what a verify row relies on), at every level.
     #[test]
     fn a_query_alone_gets_the_bits_it_gets_in_a_batch() {
         for dim in [40, 128] {
-            // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, sum tiles of 16, 2 and 1; 70 keys:
-            // two spans of the sums' transposed probabilities.
-            let (n_keys, n_queries) = (70, 19);
+            // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, sum tiles of 16, 2 and 1; 150 keys:
+            // three spans of the sums' transposed probabilities, the last one short, and limits
+            // 7 apart, so that a 16-key block of a span ends inside it.
+            let (n_keys, n_queries) = (150, 19);
             let queries = random_vec(n_queries * dim, 1.0, 3);
             let keys = random_vec(n_keys * dim, 1.0, 4);
             let values = random_vec(n_keys * dim, 1.0, 5);
             let (key_bits, _) = stored(&keys);
             let (value_bits, _) = stored(&values);
             let probs = random_vec(n_queries * n_keys, 0.1, 6);
-            let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - q).collect();
+            let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - 7 * q).collect();
             for (k_cache, v_cache) in [
                 (Cached::F32(&keys), Cached::F32(&values)),
                 (Cached::F16(&key_bits), Cached::F16(&value_bits)),
             ] {
                 let k_rows = k_cache.rows(0, dim, dim, n_keys);
                 let v_rows = v_cache.rows(0, dim, dim, n_keys);
-                let mut batch_scores = vec![0.0; n_queries * n_keys];
-                let q_rows = Rows::new(&queries, dim, dim, n_queries);
-                scores(q_rows, k_rows, &limits, &mut batch_scores, n_keys);
-                let mut batch_out = vec![0.0; n_queries * dim];
-                let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
-                weighted_sums(p_rows, v_rows, &limits, &mut batch_out);
-                for q in 0..n_queries {
-                    let limit = &limits[q..q + 1];
-                    let mut one = vec![0.0; n_keys];
-                    let query = Rows::single(&queries[q * dim..(q + 1) * dim]);
-                    scores(query, k_rows, limit, &mut one, n_keys);
-                    let row = &batch_scores[q * n_keys..q * n_keys + limits[q]];
-                    assert_eq!(one[..limits[q]], *row);
-                    let mut out = vec![0.0; dim];
-                    let prob = Rows::single(&probs[q * n_keys..(q + 1) * n_keys]);
-                    weighted_sums(prob, v_rows, limit, &mut out);
-                    assert_eq!(out, batch_out[q * dim..(q + 1) * dim]);
+                for level in SimdLevel::supported() {
+                    let mut batch_scores = vec![0.0; n_queries * n_keys];
+                    let q_rows = Rows::new(&queries, dim, dim, n_queries);
+                    scores_with(level, q_rows, k_rows, &limits, &mut batch_scores, n_keys);
+                    let mut batch_out = vec![0.0; n_queries * dim];
+                    let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
+                    weighted_sums_with(level, p_rows, v_rows, &limits, &mut batch_out, false);
+                    for q in 0..n_queries {
+                        let limit = &limits[q..q + 1];
+                        let mut one = vec![0.0; n_keys];
+                        let query = Rows::single(&queries[q * dim..(q + 1) * dim]);
+                        scores_with(level, query, k_rows, limit, &mut one, n_keys);
+                        let row = &batch_scores[q * n_keys..q * n_keys + limits[q]];
+                        assert_eq!(one[..limits[q]], *row, "{level} dim {dim} query {q}");
+                        let mut out = vec![0.0; dim];
+                        let prob = Rows::single(&probs[q * n_keys..(q + 1) * n_keys]);
+                        weighted_sums_with(level, prob, v_rows, limit, &mut out, false);
+                        assert_eq!(
+                            out,
+                            batch_out[q * dim..(q + 1) * dim],
+                            "{level} dim {dim} query {q}"
+                        );
+                    }
                 }
             }
         }

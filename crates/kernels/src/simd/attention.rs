@@ -680,6 +680,72 @@ mod avx512 {
         }
     }
 
+    /// Writes probabilities `span .. end` of the 16 rows `p` (row `t` read below `limits[t]`,
+    /// zero past it) transposed to `dst`: probability `j` of row `t` at `dst[16 · (j − span) +
+    /// t]`, in 16 × 16 blocks through registers. Copied one element at a time, the
+    /// transposition took a sixth of a 16-query tile's time: 16 queries' sums over 4,096 f16
+    /// values (one thread, from cache) 181 µs that way, 165 this way, 152 with none.
+    ///
+    /// # Safety
+    ///
+    /// Each `p[t]` is readable below `limits[t]`; `end − span ≤ SUM_SPAN`; `dst` has room for
+    /// `16 · SUM_SPAN` floats.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn transpose_span16(
+        p: &[*const f32],
+        limits: &[usize],
+        span: usize,
+        end: usize,
+        dst: *mut f32,
+    ) {
+        for first in (span..end).step_by(16) {
+            let rows: [__m512; 16] = std::array::from_fn(|t| {
+                let valid = limits[t].min(end).saturating_sub(first).min(16);
+                // SAFETY: only the row's elements below its limit are read; a masked-off lane
+                // never faults.
+                unsafe {
+                    _mm512_maskz_loadu_ps(((1u32 << valid) - 1) as u16, p[t].wrapping_add(first))
+                }
+            });
+            // Pairs of rows interleaved, then pairs of pairs: register `4i + m` holds, in its
+            // 128-bit lane `k`, column `4k + m` of rows `4i .. 4i + 4`.
+            let pairs: [__m512; 16] = std::array::from_fn(|i| match i % 2 {
+                0 => _mm512_unpacklo_ps(rows[i], rows[i + 1]),
+                _ => _mm512_unpackhi_ps(rows[i - 1], rows[i]),
+            });
+            let quads: [__m512; 16] = std::array::from_fn(|i| {
+                let (a, b) = (
+                    pairs[4 * (i / 4) + (i % 4) / 2],
+                    pairs[4 * (i / 4) + (i % 4) / 2 + 2],
+                );
+                let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
+                _mm512_castpd_ps(match i % 2 {
+                    0 => _mm512_unpacklo_pd(a, b),
+                    _ => _mm512_unpackhi_pd(a, b),
+                })
+            });
+            for m in 0..4 {
+                // Lanes 0, 2 (then 1, 3) of rows 0–3 and 4–7, of rows 8–11 and 12–15.
+                let even_low = _mm512_shuffle_f32x4::<0x88>(quads[m], quads[4 + m]);
+                let odd_low = _mm512_shuffle_f32x4::<0xdd>(quads[m], quads[4 + m]);
+                let even_high = _mm512_shuffle_f32x4::<0x88>(quads[8 + m], quads[12 + m]);
+                let odd_high = _mm512_shuffle_f32x4::<0xdd>(quads[8 + m], quads[12 + m]);
+                let columns = [
+                    _mm512_shuffle_f32x4::<0x88>(even_low, even_high),
+                    _mm512_shuffle_f32x4::<0x88>(odd_low, odd_high),
+                    _mm512_shuffle_f32x4::<0xdd>(even_low, even_high),
+                    _mm512_shuffle_f32x4::<0xdd>(odd_low, odd_high),
+                ];
+                for (k, column) in columns.into_iter().enumerate() {
+                    // SAFETY: column `first − span + 4k + m < SUM_SPAN` of `dst` (the caller's
+                    // contract; columns past `end` hold zeros, never read).
+                    unsafe { _mm512_storeu_ps(dst.add(16 * (first - span + 4 * k + m)), column) };
+                }
+            }
+        }
+    }
+
     /// One tile of `T` queries from `first` for [`sums_tiled`]; returns `T`.
     ///
     /// # Safety
@@ -746,15 +812,19 @@ mod avx512 {
             // (At least one span, so that a tile with no keys still writes its outputs.)
             for span in (0..longest.max(1)).step_by(SUM_SPAN) {
                 let end = (span + SUM_SPAN).min(longest);
-                for (j, row) in (span..end).zip(span_probs.iter_mut()) {
-                    for (t, prob) in row.iter_mut().enumerate() {
-                        // Past its limit a query's probability is never read below (and may
-                        // lie past its row).
-                        *prob = if j < tile_limits[t] {
-                            *p[t].add(j)
-                        } else {
-                            0.0
-                        };
+                if T == 16 {
+                    transpose_span16(&p, tile_limits, span, end, span_probs.as_mut_ptr().cast());
+                } else {
+                    for (j, row) in (span..end).zip(span_probs.iter_mut()) {
+                        for (t, prob) in row.iter_mut().enumerate() {
+                            // Past its limit a query's probability is never read below (and may
+                            // lie past its row).
+                            *prob = if j < tile_limits[t] {
+                                *p[t].add(j)
+                            } else {
+                                0.0
+                            };
+                        }
                     }
                 }
                 let every = shortest.clamp(span, end);
