@@ -519,11 +519,11 @@ mod tests {
     /// gives the same bits as in a batch (what a verify row relies on), at every level.
     #[test]
     fn a_query_alone_gets_the_bits_it_gets_in_a_batch() {
-        for dim in [40, 128] {
-            // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, sum tiles of 16, 2 and 1; 150 keys:
-            // three spans of the sums' transposed probabilities, the last one short, and limits
-            // 7 apart, so that a 16-key block of a span ends inside it.
-            let (n_keys, n_queries) = (150, 19);
+        // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, sum tiles of 16, 2 and 1; 12: sum
+        // tiles of 8 and 4. 150 keys: three spans of the sums' transposed probabilities, the
+        // last one short, and limits 7 apart, so that a 16-key block of a span ends inside it.
+        for (dim, n_queries) in [(40, 19), (128, 19), (128, 12)] {
+            let n_keys = 150;
             let queries = random_vec(n_queries * dim, 1.0, 3);
             let keys = random_vec(n_keys * dim, 1.0, 4);
             let values = random_vec(n_keys * dim, 1.0, 5);

@@ -680,20 +680,21 @@ mod avx512 {
         }
     }
 
-    /// Writes probabilities `span .. end` of the 16 rows `p` (row `t` read below `limits[t]`,
-    /// zero past it) transposed to `dst`: probability `j` of row `t` at `dst[16 · (j − span) +
-    /// t]`, in 16 × 16 blocks through registers. Copied one element at a time, the
-    /// transposition took a sixth of a 16-query tile's time: 16 queries' sums over 4,096 f16
-    /// values (one thread, from cache) 181 µs that way, 165 this way, 152 with none.
+    /// Writes probabilities `span .. end` of the `T` (8 or 16) rows `p` (row `t` read below
+    /// `limits[t]`, zero past it) transposed to `dst`: probability `j` of row `t` at `dst[T ·
+    /// (j − span) + t]`, in blocks of 16 keys through registers (8 rows as 16 with zeros).
+    /// Copied one element at a time, the transposition took a sixth of a 16-query tile's time:
+    /// sums over 4,096 f16 values (one thread, from cache) of 16 queries 181 µs that way, 165
+    /// this way, 152 with none; of 8 queries 86 → 84 µs (of 4, no faster: they copy).
     ///
     /// # Safety
     ///
     /// Each `p[t]` is readable below `limits[t]`; `end − span ≤ SUM_SPAN`; `dst` has room for
-    /// `16 · SUM_SPAN` floats.
+    /// `T · SUM_SPAN` floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
-    unsafe fn transpose_span16(
-        p: &[*const f32],
+    unsafe fn transpose_span<const T: usize>(
+        p: &[*const f32; T],
         limits: &[usize],
         span: usize,
         end: usize,
@@ -701,6 +702,9 @@ mod avx512 {
     ) {
         for first in (span..end).step_by(16) {
             let rows: [__m512; 16] = std::array::from_fn(|t| {
+                if t >= T {
+                    return _mm512_setzero_ps();
+                }
                 let valid = limits[t].min(end).saturating_sub(first).min(16);
                 // SAFETY: only the row's elements below its limit are read; a masked-off lane
                 // never faults.
@@ -739,8 +743,15 @@ mod avx512 {
                 ];
                 for (k, column) in columns.into_iter().enumerate() {
                     // SAFETY: column `first − span + 4k + m < SUM_SPAN` of `dst` (the caller's
-                    // contract; columns past `end` hold zeros, never read).
-                    unsafe { _mm512_storeu_ps(dst.add(16 * (first - span + 4 * k + m)), column) };
+                    // contract; columns past `end` hold zeros, never read), its first `T` lanes.
+                    unsafe {
+                        let at = dst.add(T * (first - span + 4 * k + m));
+                        match T {
+                            16 => _mm512_storeu_ps(at, column),
+                            8 => _mm256_storeu_ps(at, _mm512_castps512_ps256(column)),
+                            _ => unreachable!("tiles of 8 or 16 queries"),
+                        }
+                    }
                 }
             }
         }
@@ -812,8 +823,8 @@ mod avx512 {
             // (At least one span, so that a tile with no keys still writes its outputs.)
             for span in (0..longest.max(1)).step_by(SUM_SPAN) {
                 let end = (span + SUM_SPAN).min(longest);
-                if T == 16 {
-                    transpose_span16(&p, tile_limits, span, end, span_probs.as_mut_ptr().cast());
+                if matches!(T, 8 | 16) {
+                    transpose_span(&p, tile_limits, span, end, span_probs.as_mut_ptr().cast());
                 } else {
                     for (j, row) in (span..end).zip(span_probs.iter_mut()) {
                         for (t, prob) in row.iter_mut().enumerate() {
