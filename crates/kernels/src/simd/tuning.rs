@@ -23,6 +23,9 @@ pub(crate) struct StreamPrefetch {
     /// Bytes ahead of the block being multiplied, for the Q8_0 / Q4_0 kernels' passes of
     /// several rows (a single row streams as fast without, see below).
     pub(crate) block32_ahead: usize,
+    /// The fewest activation rows whose Q8_0 / Q4_0 passes prefetch at all: fewer rows
+    /// compute so little per byte that the hardware prefetchers keep up with the stream.
+    pub(crate) block32_min_rows: usize,
     /// Bytes ahead for the K-quant kernels (Q4_K, Q5_K, Q6_K; every pass prefetches), each
     /// block's prefetches spread over its sub-blocks.
     pub(crate) k_quant_ahead: usize,
@@ -36,6 +39,7 @@ impl StreamPrefetch {
     const INTO_L1: StreamPrefetch = StreamPrefetch {
         into_l2: false,
         block32_ahead: 12 << 10,
+        block32_min_rows: 2,
         k_quant_ahead: 16 << 10,
     };
 
@@ -47,10 +51,15 @@ impl StreamPrefetch {
     /// plugins in one process, both orders), 8 rows: qwen3-0.6b Q8_0 12–22% cheaper, Q4_K_M
     /// 8–19%, Q6_K 20–23%, qwen35-0.8b Q8_0 17–23%; 4 rows: Q4_K 10–16%, Q4_K_M 10–18%, Q6_K
     /// 17–20%. Single Q8_0 rows prefetching too were 12% cheaper in the kernel alone but 3–6%
-    /// dearer in qwen3-0.6b Q8_0's one-token pass, so they still do not.
+    /// dearer in qwen3-0.6b Q8_0's one-token pass, so they still do not; nor do passes of 2
+    /// and 3 rows (the models' passes in one process, both orders, each plugin's pass against
+    /// its own one-row pass: qwen3-0.6b Q8_0 cost(2) 1.13–1.22 → 1.03–1.07 and cost(3) 1.19–1.24
+    /// → 1.14–1.15, qwen35-0.8b Q8_0 cost(2) 1.14–1.29 → 1.06 and cost(3) 1.13–1.25 → 1.04–1.18;
+    /// at 4 rows within the pairs' spread).
     const INTO_L2: StreamPrefetch = StreamPrefetch {
         into_l2: true,
         block32_ahead: 8 << 10,
+        block32_min_rows: 4,
         k_quant_ahead: 8 << 10,
     };
 }
