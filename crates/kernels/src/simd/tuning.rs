@@ -51,15 +51,16 @@ impl StreamPrefetch {
     /// plugins in one process, both orders), 8 rows: qwen3-0.6b Q8_0 12–22% cheaper, Q4_K_M
     /// 8–19%, Q6_K 20–23%, qwen35-0.8b Q8_0 17–23%; 4 rows: Q4_K 10–16%, Q4_K_M 10–18%, Q6_K
     /// 17–20%. Single Q8_0 rows prefetching too were 12% cheaper in the kernel alone but 3–6%
-    /// dearer in qwen3-0.6b Q8_0's one-token pass, so they still do not; nor do passes of 2
-    /// and 3 rows (the models' passes in one process, both orders, each plugin's pass against
-    /// its own one-row pass: qwen3-0.6b Q8_0 cost(2) 1.13–1.22 → 1.03–1.07 and cost(3) 1.19–1.24
-    /// → 1.14–1.15, qwen35-0.8b Q8_0 cost(2) 1.14–1.29 → 1.06 and cost(3) 1.13–1.25 → 1.04–1.18;
-    /// at 4 rows within the pairs' spread).
+    /// dearer in qwen3-0.6b Q8_0's one-token pass, so they still do not; nor do passes of 2–4
+    /// rows (the models' passes in one process, both orders, each plugin's pass against its
+    /// own one-row pass: qwen3-0.6b Q8_0 cost(2) 1.13–1.22 → 1.03–1.07, cost(3) 1.19–1.24 →
+    /// 1.14–1.15, cost(4) 1.125 → 1.06–1.07; qwen35-0.8b Q8_0 cost(2) 1.14–1.29 → 1.06,
+    /// cost(3) 1.13–1.25 → 1.04–1.18, cost(4) 1.16–1.17 → 1.10; at 5 rows alike, at 8 rows
+    /// 13–15% cheaper with).
     const INTO_L2: StreamPrefetch = StreamPrefetch {
         into_l2: true,
         block32_ahead: 8 << 10,
-        block32_min_rows: 4,
+        block32_min_rows: 5,
         k_quant_ahead: 8 << 10,
     };
 }
