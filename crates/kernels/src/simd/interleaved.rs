@@ -252,7 +252,11 @@ mod avx512 {
             // 32 scale bytes then 8 (Q8_0) or 4 (Q4_0) registers of quants; 40 activation bytes.
             unsafe {
                 let block = group.add(b * group_block);
-                if STREAM && N >= prefetch.block32_min_rows {
+                let min_rows = match KIND {
+                    Q8_0 => prefetch.q8_0_min_rows,
+                    _ => 2,
+                };
+                if STREAM && N >= min_rows {
                     let ahead = block.wrapping_add(prefetch.block32_ahead);
                     prefetch_block(ahead, group_block, prefetch.into_l2);
                 }

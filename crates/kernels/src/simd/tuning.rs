@@ -23,9 +23,10 @@ pub(crate) struct StreamPrefetch {
     /// Bytes ahead of the block being multiplied, for the Q8_0 / Q4_0 kernels' passes of
     /// several rows (a single row streams as fast without, see below).
     pub(crate) block32_ahead: usize,
-    /// The fewest activation rows whose Q8_0 / Q4_0 passes prefetch at all: fewer rows
-    /// compute so little per byte that the hardware prefetchers keep up with the stream.
-    pub(crate) block32_min_rows: usize,
+    /// The fewest activation rows whose Q8_0 passes prefetch at all: fewer rows compute so
+    /// little per byte that the hardware prefetchers keep up with the stream. (Q4_0 passes,
+    /// with a nibble decode per byte and not measured apart, prefetch from 2 rows.)
+    pub(crate) q8_0_min_rows: usize,
     /// Bytes ahead for the K-quant kernels (Q4_K, Q5_K, Q6_K; every pass prefetches), each
     /// block's prefetches spread over its sub-blocks.
     pub(crate) k_quant_ahead: usize,
@@ -39,7 +40,7 @@ impl StreamPrefetch {
     const INTO_L1: StreamPrefetch = StreamPrefetch {
         into_l2: false,
         block32_ahead: 12 << 10,
-        block32_min_rows: 2,
+        q8_0_min_rows: 2,
         k_quant_ahead: 16 << 10,
     };
 
@@ -60,7 +61,7 @@ impl StreamPrefetch {
     const INTO_L2: StreamPrefetch = StreamPrefetch {
         into_l2: true,
         block32_ahead: 8 << 10,
-        block32_min_rows: 5,
+        q8_0_min_rows: 5,
         k_quant_ahead: 8 << 10,
     };
 }
