@@ -519,9 +519,10 @@ mod tests {
     /// gives the same bits as in a batch (what a verify row relies on), at every level.
     #[test]
     fn a_query_alone_gets_the_bits_it_gets_in_a_batch() {
-        // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, sum tiles of 16, 2 and 1; 12: sum
-        // tiles of 8 and 4. 150 keys: three spans of the sums' transposed probabilities, the
-        // last one short, and limits 7 apart, so that a 16-key block of a span ends inside it.
+        // 19 queries: score tiles of 4, 4, 4, 4, 2 and 1, and at head size 128 sum tiles of 16,
+        // 2 and 1; 12: sum tiles of 8 and 4 (head size 40 runs the sums query by query). 150
+        // keys: three spans of the sums' transposed probabilities, the last one short, and
+        // limits 7 apart, so that a 16-key block of a span ends inside it.
         for (dim, n_queries) in [(40, 19), (128, 19), (128, 12)] {
             let n_keys = 150;
             let queries = random_vec(n_queries * dim, 1.0, 3);

@@ -384,8 +384,10 @@ mod avx512 {
     const SCORE_TILE: usize = 4;
 
     /// Keys per span of [`sums_tile`]'s transposed probabilities (at 16 queries, 4 KiB on the
-    /// stack): a paged cache's whole block.
+    /// stack): a paged cache's whole block. Whole blocks of 16 keys, which
+    /// [`transpose_span`] writes.
     const SUM_SPAN: usize = 64;
+    const _: () = assert!(SUM_SPAN.is_multiple_of(16));
 
     /// Attention scores ([`crate::attention::scores`]) over cached keys stored as `KIND` (F32,
     /// F16 or Q8_0; `keys` are rows of bytes). Head sizes of 16 · C (C ≤ 8) keep a tile of queries in
@@ -690,8 +692,9 @@ mod avx512 {
     ///
     /// # Safety
     ///
-    /// Each `p[t]` is readable below `limits[t]`; `end − span ≤ SUM_SPAN`; `dst` has room for
-    /// `T · SUM_SPAN` floats.
+    /// The AVX-512 level must be available; `limits` holds at least `T` limits and each `p[t]`
+    /// is readable below `limits[t]`; `end − span ≤ SUM_SPAN` (a multiple of 16, so the last
+    /// block of 16 columns ends inside it too); `dst` has room for `T · SUM_SPAN` floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     unsafe fn transpose_span<const T: usize>(

@@ -44,8 +44,9 @@ pub(crate) const AMX_K_QUANT_MIN_ROWS: usize = crate::simd::MAX_ROWS_PER_PASS + 
 /// indexes by. The AMX kernel and the AVX-512 one give the same bits.
 ///
 /// `stream`: the run is a long stream (a weight matrix), whose multi-row passes prefetch a
-/// fixed distance ahead; off for a short run (a cache block of Q8_0 keys) whose bytes past
-/// its end are not read next.
+/// fixed distance ahead (Q8_0 ones from
+/// [`q8_0_min_rows`](crate::simd::tuning::StreamPrefetch::q8_0_min_rows) rows); off for a
+/// short run (a cache block of Q8_0 keys) whose bytes past its end are not read next.
 pub(crate) fn interleaved_pass(
     encoding: crate::interleaved::Encoding,
     level: SimdLevel,
@@ -247,16 +248,17 @@ mod avx512 {
         let act_block = encoding.activation_block_bytes();
         let mut acc = [_mm512_setzero_ps(); N];
         let low_nibbles = _mm512_set1_epi8(0x0f);
+        let prefetching = STREAM
+            && N >= match KIND {
+                Q8_0 => prefetch.q8_0_min_rows,
+                _ => 2,
+            };
         for b in 0..blocks {
             // SAFETY: block `b` lies inside the group and every activation row (caller's contract):
             // 32 scale bytes then 8 (Q8_0) or 4 (Q4_0) registers of quants; 40 activation bytes.
             unsafe {
                 let block = group.add(b * group_block);
-                let min_rows = match KIND {
-                    Q8_0 => prefetch.q8_0_min_rows,
-                    _ => 2,
-                };
-                if STREAM && N >= min_rows {
+                if prefetching {
                     let ahead = block.wrapping_add(prefetch.block32_ahead);
                     prefetch_block(ahead, group_block, prefetch.into_l2);
                 }

@@ -21,7 +21,8 @@ pub(crate) struct StreamPrefetch {
     /// Into L2 (`prefetcht1`) rather than L1 (`prefetcht0`).
     pub(crate) into_l2: bool,
     /// Bytes ahead of the block being multiplied, for the Q8_0 / Q4_0 kernels' passes of
-    /// several rows (a single row streams as fast without, see below).
+    /// several rows (Q8_0 ones from [`q8_0_min_rows`](Self::q8_0_min_rows); a single row
+    /// streams as fast without, see below).
     pub(crate) block32_ahead: usize,
     /// The fewest activation rows whose Q8_0 passes prefetch at all: fewer rows compute so
     /// little per byte that the hardware prefetchers keep up with the stream. (Q4_0 passes,
