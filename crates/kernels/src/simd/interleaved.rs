@@ -248,10 +248,11 @@ mod avx512 {
         let act_block = encoding.activation_block_bytes();
         let mut acc = [_mm512_setzero_ps(); N];
         let low_nibbles = _mm512_set1_epi8(0x0f);
+        // Q4_0 passes keep the first rule: every pass of several rows.
         let prefetching = STREAM
-            && N >= match KIND {
-                Q8_0 => prefetch.q8_0_min_rows,
-                _ => 2,
+            && match KIND {
+                Q8_0 => N >= prefetch.q8_0_min_rows,
+                _ => N > 1,
             };
         for b in 0..blocks {
             // SAFETY: block `b` lies inside the group and every activation row (caller's contract):
