@@ -196,7 +196,7 @@ mod avx2 {
 
     use super::{cache_kind, Stream, Q8_0_ROWS};
     use crate::q8_0::{BLOCK_BYTES, BLOCK_VALUES};
-    use crate::simd::x86::avx2::{load8, load_f16, reduce8};
+    use crate::simd::x86::avx2::{load8, reduce8, splat_f16};
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
 
@@ -215,7 +215,7 @@ mod avx2 {
                 let block = row.add(i / BLOCK_VALUES * BLOCK_BYTES);
                 let quants = _mm_loadl_epi64(block.add(2 + i % BLOCK_VALUES).cast());
                 let wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quants));
-                return _mm256_mul_ps(wide, _mm256_set1_ps(load_f16(block)));
+                return _mm256_mul_ps(wide, splat_f16(block));
             }
             load8::<KIND>(row.add(i * float_size(KIND)))
         }
@@ -346,7 +346,7 @@ mod avx512 {
 
     use super::{cache_kind, Stream, Q8_0_ROWS};
     use crate::q8_0::{BLOCK_BYTES, BLOCK_VALUES};
-    use crate::simd::x86::avx2::load_f16;
+    use crate::simd::x86::avx512::splat_f16;
     use crate::simd::x86::avx512::{load16, load16_f32};
     use crate::simd::x86::float_size;
     use crate::simd::Rows;
@@ -369,7 +369,7 @@ mod avx512 {
                 let block = row.add(i / BLOCK_VALUES * BLOCK_BYTES);
                 let quants = _mm_loadu_si128(block.add(2 + i % BLOCK_VALUES).cast());
                 let wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quants));
-                return _mm512_mul_ps(wide, _mm512_set1_ps(load_f16(block)));
+                return _mm512_mul_ps(wide, splat_f16(block));
             }
             load16::<KIND>(row.add(i * float_size(KIND)), count)
         }
