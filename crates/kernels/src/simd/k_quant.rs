@@ -62,14 +62,15 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{k_block_bytes, Q4_K, Q6_K};
-    use crate::simd::x86::avx2::{load_f16, load_lanes8, store_lanes8};
+    use crate::simd::x86::avx2::{load_lanes8, splat_f16, store_lanes8};
     use crate::simd::x86::{load_f32, row_ptrs};
     use crate::simd::{in_passes, with_row_count, Accumulator, Rows};
     use crate::{k_quants, q8_k};
 
     /// One K-quant weight super-block decoded for the integer dot products: 256 unsigned quants
     /// in value order (8 registers of 32), the i16 multiplier pattern of each register, the mins
-    /// as i16 pairs (for the bsums), and the two f32 scales.
+    /// as i16 pairs (for the bsums), and the two f32 scales in every lane (see
+    /// [`splat_f16`]: converted as scalars, the compiler merged them into a live register).
     pub(crate) struct DecodedSuperBlock {
         pub(crate) quants: [__m256i; 8],
         /// Per 32 values: the i16 multipliers of the 16 `maddubs` pair sums.
@@ -77,9 +78,9 @@ mod avx2 {
         /// K-quants with mins (Q4_K, Q5_K): `m_j` in i16 lanes `2j, 2j + 1`, to `madd` with the 16
         /// bsums. Q6_K: the 16 signed scales, to `madd` with the bsums for the `-32` offset.
         pub(crate) bsum_multipliers: __m256i,
-        pub(crate) d: f32,
-        /// `dmin` of Q4_K / Q5_K; `-32 · d` (the offset's factor) is folded in for Q6_K instead.
-        pub(crate) dmin: f32,
+        pub(crate) d: __m256,
+        /// `dmin` of Q4_K / Q5_K (Q6_K's `-32` offset goes through the bsums instead).
+        pub(crate) dmin: __m256,
     }
 
     /// Broadcasts the i16 `v` to all 16 lanes.
@@ -135,8 +136,8 @@ mod avx2 {
                 quants,
                 multipliers,
                 bsum_multipliers,
-                d: load_f16(block),
-                dmin: load_f16(block.add(2)),
+                d: splat_f16(block),
+                dmin: splat_f16(block.add(2)),
             }
         }
     }
@@ -182,13 +183,13 @@ mod avx2 {
                 _mm256_shuffle_epi8(_mm256_set1_epi32(pair as i32), spread)
             });
             let bsum_multipliers = _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(192).cast()));
-            let d = load_f16(block.add(208));
+            let d = splat_f16(block.add(208));
             DecodedSuperBlock {
                 quants,
                 multipliers,
                 bsum_multipliers,
                 d,
-                dmin: 0.0,
+                dmin: _mm256_setzero_ps(),
             }
         }
     }
@@ -233,7 +234,7 @@ mod avx2 {
                 };
                 for r in 0..N {
                     let xb = xp[r].add(b * q8_k::BLOCK_BYTES);
-                    let dx = load_f32(xb);
+                    let dx = _mm256_set1_ps(load_f32(xb));
                     let xq = xb.add(4);
                     let mut sums = _mm256_setzero_si256();
                     for k in 0..8 {
@@ -250,12 +251,12 @@ mod avx2 {
                         Q6_K => {
                             // Σ scale · (q - 32) · x = Σ scale · q · x - 32 · Σ scale · bsum.
                             let exact = _mm256_sub_epi32(sums, _mm256_slli_epi32::<5>(bsum_term));
-                            let scale = _mm256_set1_ps(dx * decoded.d);
+                            let scale = _mm256_mul_ps(dx, decoded.d);
                             acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(exact), acc[r]);
                         }
                         _ => {
-                            let scale = _mm256_set1_ps(dx * decoded.d);
-                            let min_scale = _mm256_set1_ps(dx * decoded.dmin);
+                            let scale = _mm256_mul_ps(dx, decoded.d);
+                            let min_scale = _mm256_mul_ps(dx, decoded.dmin);
                             acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[r]);
                             acc[r] =
                                 _mm256_fnmadd_ps(min_scale, _mm256_cvtepi32_ps(bsum_term), acc[r]);

@@ -75,22 +75,10 @@ pub(crate) mod avx2 {
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) }
     }
 
-    /// The f32 value of the little-endian binary16 at `p` (hardware conversion, exact).
-    ///
-    /// The half is broadcast before converting: inserting it into a register instead lets the
-    /// compiler merge into a live register (a false dependency that serialised whole loops).
-    /// The compiler may still turn this back into such an insert (it reads lane 0 only), so a
-    /// value wanted in every lane comes from [`splat_f16`] or [`super::avx512::splat_f16`], whose
-    /// broadcasts it keeps.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    pub(crate) unsafe fn load_f16(p: *const u8) -> f32 {
-        // SAFETY: the caller guarantees two readable bytes at `p`.
-        let bits = unsafe { p.cast::<u16>().read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
-    }
-
-    /// The binary16 at `p` as f32 in all 8 lanes.
+    /// The binary16 at `p` as f32 in all 8 lanes. The broadcast writes the whole register; a
+    /// scalar conversion (`_mm_cvtss_f32` of the converted half, even of a broadcast one) was
+    /// compiled into an insert merging into whatever register the compiler picked
+    /// (`vpinsrw $0, mem, %xmm0, %xmmN`), a false dependency on its last writer.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub(crate) unsafe fn splat_f16(p: *const u8) -> __m256 {
