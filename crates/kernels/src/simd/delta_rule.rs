@@ -387,6 +387,7 @@ mod avx512 {
             prefix,
             rows_ahead,
         } = *target;
+        const { assert!(ROWS == 1 || ROWS == 2, "chains run one or two state rows") };
         let dim = 16 * CHUNKS;
         let values = xs[0].v.len();
         let state_len = values * dim;
@@ -405,45 +406,70 @@ mod avx512 {
             // The recorded steps to the chain's start: `delta_rule_replay`'s instructions.
             for step in prefix {
                 let decay = _mm512_set1_ps(step.decay);
-                for (r, row) in rows.iter_mut().enumerate() {
-                    let delta = _mm512_set1_ps(step.delta[first + r]);
-                    for (c, value) in row.iter_mut().enumerate() {
-                        *value = _mm512_mul_ps(*value, decay);
-                        let k = _mm512_loadu_ps(step.k.as_ptr().add(16 * c));
-                        *value = _mm512_fmadd_ps(delta, k, *value);
-                    }
+                macro_rules! replay {
+                    ($r:expr) => {{
+                        let r: usize = $r;
+                        let delta = _mm512_set1_ps(step.delta[first + r]);
+                        for (c, value) in rows[r].iter_mut().enumerate() {
+                            *value = _mm512_mul_ps(*value, decay);
+                            let k = _mm512_loadu_ps(step.k.as_ptr().add(16 * c));
+                            *value = _mm512_fmadd_ps(delta, k, *value);
+                        }
+                    }};
+                }
+                replay!(0);
+                if ROWS == 2 {
+                    replay!(1);
                 }
             }
             for (i, x) in xs.iter().enumerate() {
                 let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
                 let decay = _mm512_set1_ps(x.decay);
-                for (r, row) in rows.iter_mut().enumerate() {
-                    let mut acc = [_mm512_setzero_ps(); 2];
-                    for c in 0..CHUNKS {
-                        row[c] = _mm512_mul_ps(row[c], decay);
-                        acc[c % 2] =
-                            _mm512_fmadd_ps(row[c], _mm512_loadu_ps(kp.add(16 * c)), acc[c % 2]);
-                    }
-                    let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-                    let d = (x.v[first + r] - predicted) * x.beta;
-                    if let Some(deltas) = deltas.as_deref_mut() {
-                        deltas[i * values + first + r] = d;
-                    }
-                    let delta = _mm512_set1_ps(d);
-                    let dst = writes[i].map(|p| row_at(p, r));
-                    let mut acc = [_mm512_setzero_ps(); 2];
-                    for c in 0..CHUNKS {
-                        row[c] = _mm512_fmadd_ps(delta, _mm512_loadu_ps(kp.add(16 * c)), row[c]);
-                        match dst {
-                            Some(dst) if stream => _mm512_stream_ps(dst.add(16 * c), row[c]),
-                            Some(dst) => _mm512_storeu_ps(dst.add(16 * c), row[c]),
-                            None => {}
+                // Each row's step written out for a constant row index: a loop over the rows
+                // (by reference or index) kept them in memory, every step storing each row
+                // and reloading it — a store-to-load round trip in every step's chain.
+                macro_rules! step {
+                    ($r:expr) => {{
+                        let r: usize = $r;
+                        let row = &mut rows[r];
+                        let mut acc = [_mm512_setzero_ps(); 2];
+                        for c in 0..CHUNKS {
+                            row[c] = _mm512_mul_ps(row[c], decay);
+                            acc[c % 2] = _mm512_fmadd_ps(
+                                row[c],
+                                _mm512_loadu_ps(kp.add(16 * c)),
+                                acc[c % 2],
+                            );
                         }
-                        acc[c % 2] =
-                            _mm512_fmadd_ps(row[c], _mm512_loadu_ps(qp.add(16 * c)), acc[c % 2]);
-                    }
-                    out[i * values + first + r] =
-                        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                        let predicted = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                        let d = (x.v[first + r] - predicted) * x.beta;
+                        if let Some(deltas) = deltas.as_deref_mut() {
+                            deltas[i * values + first + r] = d;
+                        }
+                        let delta = _mm512_set1_ps(d);
+                        let dst = writes[i].map(|p| row_at(p, r));
+                        let mut acc = [_mm512_setzero_ps(); 2];
+                        for c in 0..CHUNKS {
+                            row[c] =
+                                _mm512_fmadd_ps(delta, _mm512_loadu_ps(kp.add(16 * c)), row[c]);
+                            match dst {
+                                Some(dst) if stream => _mm512_stream_ps(dst.add(16 * c), row[c]),
+                                Some(dst) => _mm512_storeu_ps(dst.add(16 * c), row[c]),
+                                None => {}
+                            }
+                            acc[c % 2] = _mm512_fmadd_ps(
+                                row[c],
+                                _mm512_loadu_ps(qp.add(16 * c)),
+                                acc[c % 2],
+                            );
+                        }
+                        out[i * values + first + r] =
+                            _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                    }};
+                }
+                step!(0);
+                if ROWS == 2 {
+                    step!(1);
                 }
             }
         }
