@@ -277,7 +277,7 @@ pub(super) mod avx512 {
 
     use super::{k_block_bytes, Q4_K, Q6_K};
     use crate::q8_k;
-    use crate::simd::x86::avx512::{pass_finish, pass_start, PassOutput};
+    use crate::simd::x86::avx512::{pass_finish, pass_start, splat_f16, PassOutput};
     use crate::simd::x86::row_ptrs;
     use crate::simd::{in_passes, with_row_count, Accumulator, Rows};
 
@@ -427,9 +427,7 @@ pub(super) mod avx512 {
                     scales,
                 )
             });
-            let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_set1_epi16(
-                block.add(208).cast::<u16>().read_unaligned() as i16,
-            )));
+            let d = splat_f16(block.add(208));
             let offsets =
                 _mm512_cvtepi32_ps(_mm512_slli_epi32::<5>(_mm512_cvtepi16_epi32(group_scales)));
             WideSuperBlock {
