@@ -401,6 +401,10 @@ fn profile_check_finds_every_problem_run_would_hit() {
     let dir = tempfile::tempdir().unwrap();
     let stories = shared("models/stories260K.gguf");
     let mtp_model = shared("models/trained/stories-qwen35-mtp-q8_0.gguf");
+    let bad_hints = format!(
+        "[drafter]\nplugin = \"model\"\nmodel = {:?}\n[drafter.options]\ncontext_hints = \"maybe\"\n",
+        shared("models/llama2xs-281K.gguf").to_str().unwrap()
+    );
     let text = dir.path().join("notes.gguf");
     std::fs::write(&text, "these are notes, not a model").unwrap();
     let check = |name: &str, model: &std::path::Path, extra: &str| {
@@ -441,6 +445,12 @@ fn profile_check_finds_every_problem_run_would_hit() {
             &stories,
             "[drafter]\nplugin = \"lookup\"\n[drafter.options]\nn_mni = 2\n",
             &["drafter.options.n_mni: unknown option"],
+        ),
+        (
+            "model-options.toml",
+            &stories,
+            &bad_hints,
+            &["drafter.options.context_hints: cannot parse \"maybe\" as bool"],
         ),
         (
             "unknown-drafter.toml",

@@ -5,7 +5,11 @@
 //! `softmax(logits / T)` and that whole distribution is appended to [`Draft::probs`], which is
 //! what the host's rejection sampling needs to stay exact. Either way the chosen token's
 //! probability is reported as its confidence.
+//!
+//! [`TreeGrower`] grows calibrated draft trees (and, with context hints, greedy chains);
+//! [`ngram`] indexes a context's n-grams for the drafts that follow earlier occurrences.
 
+pub mod ngram;
 mod tree;
 
 pub use tree::{path_tokens, TreeGrower, BRANCHING, MIN_PATH_SCORE};

@@ -15,6 +15,15 @@
 //! and its depth to how often the target accepted such drafts when it judged them, refitted
 //! as the target judges trees ([`TreeGrower::learn`]). It replaces choosing among fixed
 //! shapes by their measured acceptance, which had to spend passes trying the worse ones.
+//!
+//! With context hints ([`TreeGrower::with_context_hints`]) a greedy node's candidates also
+//! include the token that followed the longest earlier occurrence of the text up to it (the
+//! context and the node's path) — prompt lookup inside the drafter's tree. Text that repeats
+//! itself (quoted passages, code, a small model's loops) is predicted by the context better
+//! than by a draft model, which does not know what it was shown; the calibration learns how
+//! often such hints are right, by the match's length and whether the drafter ranked them too.
+//! Sampled requests take no hints: a hint is no draw from the drafter's distribution, and
+//! mixing it in measured no better (docs/benchmarks.md, thirty-seventh session).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -23,6 +32,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use specula_plugin_api::{Draft, DraftRequest, TREE_ROOT};
 
+use crate::ngram::NgramIndex;
 use crate::{draw, softmax};
 
 /// Most children a node offers: in a greedy tree its drafter's likeliest next tokens, in a
@@ -32,6 +42,11 @@ pub const BRANCHING: usize = 4;
 /// Paths less likely than this to be accepted are not proposed (but for a tree's first node:
 /// a drafter the target keeps rejecting is still judged, so the calibration can learn better).
 pub const MIN_PATH_SCORE: f32 = 0.02;
+
+/// Shortest and longest context match a hint is taken from.
+const HINT_MATCH: (usize, usize) = (1, 8);
+/// Matches at least this long are told apart from shorter ones by a calibration.
+const LONG_MATCH: u32 = 5;
 
 /// Depths a calibration tells apart: 1, 2, 3 and deeper.
 const DEPTHS: usize = 4;
@@ -44,10 +59,15 @@ const REFIT_EVERY: usize = 8;
 const NEWTON_STEPS: usize = 2;
 /// How strongly a fit is pulled toward [`PRIOR`] (in judged drafts, roughly).
 const RIDGE: f64 = 4.0;
-/// The weights before any judgement: the chance is the draft probability itself.
+/// The weights before any judgement: the chance is the draft probability itself, a context
+/// hint's 0.1 after a short match and 0.3 after a long one, whatever the drafter thinks of it
+/// (a hint it does not rank would otherwise never be proposed, so never judged; low, so that
+/// hints displace a drafter's first choices only once they have been right).
 const PRIOR: [f32; FEATURES] = {
     let mut w = [0.0; FEATURES];
     w[1] = 1.0;
+    w[HINT] = -2.2;
+    w[HINT + 2] = 1.35;
     w
 };
 
@@ -68,11 +88,27 @@ struct Facts {
     /// Whether an ancestor is not its parent's first child: the drafter's own first choice
     /// was rejected on the way.
     off_track: bool,
+    /// Whether it is the context hint at its place, and how it got there.
+    hint: HintKind,
+}
+
+/// How a candidate relates to the context hint at its place (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HintKind {
+    /// It is not the hint (or there was none).
+    None,
+    /// The drafter ranked it too; the context matched this many tokens.
+    Ranked(u32),
+    /// Only the hint offered it; the context matched this many tokens.
+    Only(u32),
 }
 
 /// Weights of a calibration: bias, logit(p), logit(p) for later siblings, rank 1, rank 2+,
-/// depth 2, depth 3, depth 4+, the first sibling's logit for later siblings, off track.
-const FEATURES: usize = 6 + DEPTHS;
+/// depth 2, depth 3, depth 4+, the first sibling's logit for later siblings, off track; for a
+/// context hint instead of the first five: its bias, logit(p), a long match, not ranked.
+const FEATURES: usize = 10 + DEPTHS;
+/// Where a hint's weights begin.
+const HINT: usize = 6 + DEPTHS;
 
 impl Facts {
     fn features(self) -> [f32; FEATURES] {
@@ -81,17 +117,30 @@ impl Facts {
             (p / (1.0 - p)).ln()
         };
         let mut x = [0.0; FEATURES];
-        x[0] = 1.0;
-        x[1] = logit(self.p);
-        if self.rank > 0 {
-            x[2] = x[1];
-            x[2 + self.rank.min(2)] = 1.0;
-            x[4 + DEPTHS] = logit(self.eldest);
-        }
         if self.depth > 1 {
             x[3 + self.depth.min(DEPTHS)] = 1.0;
         }
         x[5 + DEPTHS] = f32::from(u8::from(self.off_track));
+        let (ranked, len) = match self.hint {
+            HintKind::None => {
+                x[0] = 1.0;
+                x[1] = logit(self.p);
+                if self.rank > 0 {
+                    x[2] = x[1];
+                    x[2 + self.rank.min(2)] = 1.0;
+                    x[4 + DEPTHS] = logit(self.eldest);
+                }
+                return x;
+            }
+            HintKind::Ranked(len) => (true, len),
+            HintKind::Only(len) => (false, len),
+        };
+        // A hint has its own weights, whether or not the drafter ranked it: what is learned
+        // from the hints it did not rank holds for those it did.
+        x[HINT] = 1.0;
+        x[HINT + 1] = logit(self.p);
+        x[HINT + 2] = f32::from(u8::from(len >= LONG_MATCH));
+        x[HINT + 3] = f32::from(u8::from(!ranked));
         x
     }
 }
@@ -277,6 +326,8 @@ pub struct TreeGrower {
     greedy: Calibration,
     sampled: Calibration,
     last: Option<Grown>,
+    /// With context hints: the context's n-grams.
+    context: Option<NgramIndex>,
 }
 
 impl Default for TreeGrower {
@@ -292,15 +343,33 @@ impl TreeGrower {
             greedy: Calibration::new(),
             sampled: Calibration::new(),
             last: None,
+            context: None,
         }
+    }
+
+    /// The same grower, offering context hints to greedy trees and chains (see the module
+    /// docs).
+    pub fn with_context_hints(mut self) -> Self {
+        self.context = Some(NgramIndex::new(1));
+        self
+    }
+
+    /// Whether greedy requests get context hints (and so chains grown here, not picked).
+    pub fn has_context_hints(&self) -> bool {
+        self.context.is_some()
     }
 
     /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, as
     /// each node's confidence the calibrated chance that its path is accepted and, when
-    /// sampling, the distribution each node was drawn from): the candidates under the context come from
-    /// `root_logits`; each node added gets its own from `next_logits(path, logits)`, which
-    /// writes the draft logits after the node (`path`: the tokens from the first draft down
-    /// to it).
+    /// sampling, the distribution each node was drawn from): the candidates under the context
+    /// come from `root_logits`; each node added gets its own from `next_logits(path, logits)`,
+    /// which writes the draft logits after the node (`path`: the tokens from the first draft
+    /// down to it).
+    ///
+    /// A request for a chain (`request.tree` false) gets a chain: under each node only its
+    /// likeliest candidate, `budget` drafts whatever their chance, each reporting as its
+    /// confidence the calibrated chance that it is accepted once its parent is (the host
+    /// trims a chain's unlikely tail).
     ///
     /// Greedy requests get the likeliest tokens after each node as its candidates. Sampled
     /// ones draw them from `softmax(logits / temperature)`, siblings without replacement
@@ -316,11 +385,20 @@ impl TreeGrower {
         next_logits: impl FnMut(&[u32], &mut Vec<f32>) -> Result<(), E>,
     ) -> Result<(), E> {
         let sampled = request.temperature > 0.0;
+        let context = match (&mut self.context, sampled) {
+            (Some(index), false) => {
+                index.sync(&request.context);
+                Some(&*index)
+            }
+            _ => None,
+        };
         let mut growth = Growth {
             calibration: match sampled {
                 false => &self.greedy,
                 true => &self.sampled,
             },
+            chain: !request.tree,
+            context,
             heap: BinaryHeap::new(),
             dists: Vec::new(),
             rng: ChaCha20Rng::seed_from_u64(request.seed),
@@ -386,6 +464,10 @@ impl TreeGrower {
 /// One tree being grown.
 struct Growth<'a> {
     calibration: &'a Calibration,
+    /// Only the likeliest child under each node.
+    chain: bool,
+    /// Greedy requests with context hints: the context's n-grams.
+    context: Option<&'a NgramIndex>,
     heap: BinaryHeap<Candidate>,
     /// Sampled trees: per node offering children (the context first), the distribution its
     /// next child is drawn from.
@@ -408,39 +490,78 @@ impl Growth<'_> {
     ) -> Result<(), E> {
         out.clear();
         let mut logits = Vec::new();
-        self.offer(root_logits, TREE_ROOT, 1, false, 1.0);
+        let hint = self.hint_after(&[]);
+        self.offer(root_logits, TREE_ROOT, 1, false, 1.0, hint);
         while out.tokens.len() < budget {
             let Some(best) = self.heap.pop() else { break };
-            if best.score < MIN_PATH_SCORE && !out.tokens.is_empty() {
+            if self.chain {
+                // Its siblings would be rows of another branch.
+                self.heap.clear();
+            } else if best.score < MIN_PATH_SCORE && !out.tokens.is_empty() {
                 break;
             }
             let node = out.tokens.len() as u32;
             out.tokens.push(best.token);
             out.parents.push(best.parent);
-            out.confidence.push(best.score);
+            out.confidence.push(match self.chain {
+                true => self.calibration.chance(best.facts),
+                false => best.score,
+            });
             self.facts.push(best.facts);
             if self.temperature > 0.0 {
                 out.probs.extend_from_slice(&self.dists[best.dist]);
-                self.draw_sibling(&best);
+                if !self.chain {
+                    self.draw_sibling(&best);
+                }
             }
             if out.tokens.len() == budget {
                 break;
             }
-            next_logits(&path_tokens(out, node as usize), &mut logits)?;
+            let path = path_tokens(out, node as usize);
+            next_logits(&path, &mut logits)?;
+            let hint = self.hint_after(&path);
             self.offer(
                 &logits,
                 node,
                 best.facts.depth + 1,
                 best.facts.off_track || best.facts.rank > 0,
                 best.score,
+                hint,
             );
         }
         Ok(())
     }
 
+    /// The context hint after `path` (greedy requests with context hints): the token that
+    /// followed the longest earlier occurrence of the context's end and `path` in the
+    /// context, the most recent among equals, and how many tokens matched.
+    fn hint_after(&self, path: &[u32]) -> Option<(u32, u32)> {
+        let index = self.context?;
+        let context = index.tokens();
+        let (min, max) = HINT_MATCH;
+        // A match reads at most `max` tokens back from the end.
+        let tail: Vec<u32> = context[context.len().saturating_sub(max)..]
+            .iter()
+            .chain(path)
+            .copied()
+            .collect();
+        let tail = &tail[tail.len().saturating_sub(max)..];
+        let found = index.longest_match(tail, min, max, context.len())?;
+        Some((context[found.start], found.len as u32))
+    }
+
     /// Offers the first children of `parent` (at `depth`, reached with chance `reach`): a
-    /// greedy tree's [`BRANCHING`] likeliest tokens of `logits`, a sampled tree's first draw.
-    fn offer(&mut self, logits: &[f32], parent: u32, depth: usize, off_track: bool, reach: f32) {
+    /// greedy tree's [`BRANCHING`] likeliest tokens of `logits` and the context `hint` (token,
+    /// match length) if the drafter did not rank it, a sampled tree's first draw.
+    fn offer(
+        &mut self,
+        logits: &[f32],
+        parent: u32,
+        depth: usize,
+        off_track: bool,
+        reach: f32,
+        hint: Option<(u32, u32)>,
+    ) {
         let greedy = self.temperature <= 0.0;
         let scale = if greedy { 1.0 } else { 1.0 / self.temperature };
         softmax(logits, scale, &mut self.probs);
@@ -454,6 +575,8 @@ impl Growth<'_> {
                 }
             }
             let eldest = best.first().map_or(0.0, |b| b.1);
+            let ranked = best.len();
+            let mut hint = hint.filter(|&(token, _)| (token as usize) < self.probs.len());
             for (rank, (token, p)) in best.into_iter().enumerate() {
                 let facts = Facts {
                     rank,
@@ -461,6 +584,24 @@ impl Growth<'_> {
                     p,
                     eldest,
                     off_track,
+                    hint: match hint {
+                        Some((h, len)) if h == token => {
+                            hint = None;
+                            HintKind::Ranked(len)
+                        }
+                        _ => HintKind::None,
+                    },
+                };
+                self.push(reach, parent, token, facts, 0);
+            }
+            if let Some((token, len)) = hint {
+                let facts = Facts {
+                    rank: ranked,
+                    depth,
+                    p: self.probs[token as usize],
+                    eldest,
+                    off_track,
+                    hint: HintKind::Only(len),
                 };
                 self.push(reach, parent, token, facts, 0);
             }
@@ -474,6 +615,7 @@ impl Growth<'_> {
                 p: top,
                 eldest: top,
                 off_track,
+                hint: HintKind::None,
             };
             self.push(reach, parent, token, facts, self.dists.len() - 1);
         }
@@ -650,6 +792,7 @@ mod tests {
             p,
             eldest: p,
             off_track: false,
+            hint: HintKind::None,
         };
         let second = Facts {
             rank: 1,
@@ -857,6 +1000,80 @@ mod tests {
         grower.forget();
         grower.learn(&[]);
         assert!(grower.greedy.window.is_empty());
+    }
+
+    /// Grows a greedy draft for `context` over 8 tokens whose drafter always ranks 7 then 6,
+    /// 5, 4 (and 0–3 far below): what the context repeats, it never ranks.
+    fn grow_hinted(grower: &mut TreeGrower, context: &[u32], tree: bool, budget: usize) -> Draft {
+        let request = DraftRequest {
+            context: abi_stable::std_types::RSlice::from_slice(context),
+            max_tokens: budget as u32,
+            temperature: 0.0,
+            seed: 1,
+            tree,
+        };
+        let drafter: Vec<f32> = [1e-3, 1e-3, 1e-3, 1e-3, 0.1, 0.15, 0.2, 0.5]
+            .iter()
+            .map(|p: &f32| p.ln())
+            .collect();
+        let mut out = Draft::default();
+        grower
+            .grow::<()>(&request, &drafter, budget, &mut out, |_, l| {
+                l.clone_from(&drafter);
+                Ok(())
+            })
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn context_hints_offer_what_followed_before_and_chains_learn_to_follow_them() {
+        // The context goes round 0 1 2 3: after "… 0 1" comes 2, then 3, 0, 1, …
+        let context = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1];
+        let mut grower = TreeGrower::new().with_context_hints();
+        let tree = grow_hinted(&mut grower, &context, true, 8);
+        let roots: Vec<u32> = (0..tree.tokens.len())
+            .filter(|&i| tree.parents[i] == TREE_ROOT)
+            .map(|i| tree.tokens[i])
+            .collect();
+        assert!(roots.contains(&2), "the hint under the context: {tree:?}");
+        // Without hints only the drafter's candidates.
+        let plain = grow_hinted(&mut TreeGrower::new(), &context, true, 8);
+        assert!(plain.tokens.iter().all(|&t| t >= 4), "{plain:?}");
+
+        // A target that follows the context: the chain comes to follow the hints, each a
+        // token the drafter never ranked.
+        for _ in 0..60 {
+            let chain = grow_hinted(&mut grower, &context, false, 6);
+            assert!(is_chain(&chain), "{chain:?}");
+            assert_eq!(chain.tokens.len(), 6);
+            let accepted: Vec<u32> = (0..6)
+                .take_while(|&i| chain.tokens[i as usize] == [2, 3, 0, 1, 2, 3][i as usize])
+                .collect();
+            grower.learn(&accepted);
+        }
+        let chain = grow_hinted(&mut grower, &context, false, 6);
+        assert_eq!(chain.tokens.to_vec(), vec![2, 3, 0, 1, 2, 3]);
+        // Its confidence: each hint's calibrated chance, high now.
+        assert!(chain.confidence.iter().all(|&c| c > 0.8), "{chain:?}");
+
+        // Sampled requests take no hints.
+        let request = DraftRequest {
+            context: abi_stable::std_types::RSlice::from_slice(&context),
+            max_tokens: 8,
+            temperature: 1.0,
+            seed: 3,
+            tree: true,
+        };
+        let drafter: Vec<f32> = [-30.0, -30.0, -30.0, -30.0, 0.0, 0.0, 0.0, 0.0].to_vec();
+        let mut out = Draft::default();
+        grower
+            .grow::<()>(&request, &drafter, 8, &mut out, |_, l| {
+                l.clone_from(&drafter);
+                Ok(())
+            })
+            .unwrap();
+        assert!(out.tokens.iter().all(|&t| t >= 4), "{out:?}");
     }
 
     #[test]

@@ -12,15 +12,13 @@
 //!
 //! Options (`[drafter.options]`): `n_min` (default 2), `n_max` (default 5).
 
-mod ngram;
-
 use abi_stable::std_types::RSlice;
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, PanicFence, PluginError,
     PluginResult, TREE_ROOT,
 };
 
-pub use ngram::{Match, NgramIndex};
+pub use specula_drafting::ngram::{Match, NgramIndex};
 
 /// The prompt-lookup drafter.
 #[derive(Debug)]
@@ -64,22 +62,12 @@ impl LookupDrafter {
         })
     }
 
-    /// Brings the context index in line with `context` (append-only within a request).
-    fn sync(&mut self, context: &[u32]) {
-        let known = self.context.tokens();
-        if context.len() < known.len() || context[..known.len()] != *known {
-            self.context.clear();
-        }
-        let from = self.context.tokens().len();
-        self.context.extend(&context[from..]);
-    }
-
     /// Proposes a tree of up to `max` tokens continuing `context` into `out` (tokens and
     /// parents): the continuations of every match (the context's before the corpus's at equal
     /// lengths), longest match first, merged into a trie.
     pub fn draft_tree(&mut self, context: &[u32], max: usize, out: &mut Draft) {
         out.clear();
-        self.sync(context);
+        self.context.sync(context);
         let n_max = self.n_max.min(context.len());
         let own = self
             .context
@@ -124,7 +112,7 @@ impl LookupDrafter {
 
     /// Proposes up to `max` tokens continuing `context`.
     pub fn draft(&mut self, context: &[u32], max: usize) -> Vec<u32> {
-        self.sync(context);
+        self.context.sync(context);
         let n_max = self.n_max.min(context.len());
         // The context's own suffix ends at `context.len()`; continuations must start before.
         let own = self

@@ -11,6 +11,13 @@
 //! A tree's nodes are chosen by their chance of acceptance, calibrated on what the target
 //! accepted ([`specula_drafting::TreeGrower`]), and reported as their confidence; a chain
 //! draft's confidence is its probability under the draft model.
+//!
+//! Greedy trees and chains also take context hints: the token that followed the longest
+//! earlier occurrence of the text so far, offered beside the draft model's candidates and
+//! calibrated the same way (a draft model does not know what the context said before; text
+//! that repeats it is where speculation pays most). Greedy chains are then grown by the same
+//! calibrated grower, one child per node, and report each draft's calibrated chance as its
+//! confidence. Option (`[drafter.options]`): `context_hints` (default `true`).
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
 use specula_drafting::{DraftPicker, TreeGrower};
@@ -33,8 +40,8 @@ pub struct ModelDrafter {
 }
 
 impl ModelDrafter {
-    /// Checks that `params` can make a drafter: no options, and a draft model whose
-    /// vocabulary is the target's size.
+    /// Checks that `params` can make a drafter: a draft model whose vocabulary is the
+    /// target's size, and no option but `context_hints` (`true` or `false`).
     pub fn check(params: &DrafterParams) -> Result<(), PluginError> {
         let draft = match &params.draft_model {
             ROption::RNone => Err(PluginError::invalid_input(
@@ -48,7 +55,14 @@ impl ModelDrafter {
             }
             ROption::RSome(_) => Ok(()),
         };
-        PluginError::all([draft, params.check_options(&[])])
+        let options = params
+            .check_options(&["context_hints"])
+            .and_then(|()| Self::context_hints(params).map(|_| ()));
+        PluginError::all([draft, options])
+    }
+
+    fn context_hints(params: &DrafterParams) -> Result<bool, PluginError> {
+        params.parse_option("context_hints", true)
     }
 
     pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
@@ -58,7 +72,10 @@ impl ModelDrafter {
             vocab: params.target.vocab_size as usize,
             cached: Vec::new(),
             logits: RVec::new(),
-            grower: TreeGrower::new(),
+            grower: match Self::context_hints(params)? {
+                true => TreeGrower::new().with_context_hints(),
+                false => TreeGrower::new(),
+            },
         })
     }
 
@@ -114,7 +131,8 @@ impl ModelDrafter {
             Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
             Err(e) => return Err(e),
         }
-        if request.tree {
+        let grown = request.tree || (request.temperature <= 0.0 && self.grower.has_context_hints());
+        if grown {
             let root = self.logits[..self.vocab].to_vec();
             let mut path_context = context.to_vec();
             let mut grower = std::mem::take(&mut self.grower);

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 /// Occurrences of every `key_len`-gram of a growing sequence, by end position.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct NgramIndex {
     key_len: usize,
     tokens: Vec<u32>,
@@ -24,6 +24,7 @@ pub struct Match {
 }
 
 impl NgramIndex {
+    /// An empty index keyed by `key_len`-grams (at least 1).
     pub fn new(key_len: usize) -> Self {
         Self {
             key_len: key_len.max(1),
@@ -31,13 +32,26 @@ impl NgramIndex {
         }
     }
 
+    /// The sequence indexed.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
 
+    /// Forgets the sequence.
     pub fn clear(&mut self) {
         self.tokens.clear();
         self.ends.clear();
+    }
+
+    /// Makes the indexed sequence `tokens`: appends what it adds to the sequence indexed, or
+    /// indexes it anew where it does not continue that sequence.
+    pub fn sync(&mut self, tokens: &[u32]) {
+        let known = &self.tokens;
+        if tokens.len() < known.len() || tokens[..known.len()] != *known {
+            self.clear();
+        }
+        let from = self.tokens.len();
+        self.extend(&tokens[from..]);
     }
 
     /// Appends tokens, indexing every new n-gram.
@@ -133,5 +147,26 @@ mod tests {
             None,
             "shorter than min_len"
         );
+    }
+
+    #[test]
+    fn sync_appends_what_continues_and_reindexes_what_does_not() {
+        let mut idx = NgramIndex::new(1);
+        idx.sync(&[1, 2, 3]);
+        idx.sync(&[1, 2, 3, 1, 2]);
+        assert_eq!(idx.tokens(), &[1, 2, 3, 1, 2]);
+        assert_eq!(
+            idx.longest_match(&[1, 2], 1, 4, 5),
+            Some(Match { len: 2, start: 2 })
+        );
+        // Another sequence: nothing of the old one is matched.
+        idx.sync(&[7, 2, 9]);
+        assert_eq!(idx.tokens(), &[7, 2, 9]);
+        assert_eq!(
+            idx.longest_match(&[1, 2], 1, 4, 3),
+            Some(Match { len: 1, start: 2 })
+        );
+        idx.sync(&[7]);
+        assert_eq!(idx.tokens(), &[7]);
     }
 }
