@@ -453,6 +453,12 @@ fn profile_check_finds_every_problem_run_would_hit() {
             &["drafter.options.context_hints: cannot parse \"maybe\" as bool"],
         ),
         (
+            "mtp-options.toml",
+            &mtp_model,
+            "[drafter]\nplugin = \"mtp\"\n[drafter.options]\ncontext_hints = 1\n",
+            &["drafter.options.context_hints: cannot parse \"1\" as bool"],
+        ),
+        (
             "unknown-drafter.toml",
             &stories,
             "[drafter]\nplugin = \"telepathy\"\n",

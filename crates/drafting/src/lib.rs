@@ -12,7 +12,7 @@
 pub mod ngram;
 mod tree;
 
-pub use tree::{path_tokens, TreeGrower, BRANCHING, MIN_PATH_SCORE};
+pub use tree::{path_tokens, TreeGrower, BRANCHING, CONTEXT_HINTS, MIN_PATH_SCORE};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;

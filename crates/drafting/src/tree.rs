@@ -30,7 +30,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
-use specula_plugin_api::{Draft, DraftRequest, TREE_ROOT};
+use specula_plugin_api::{Draft, DraftRequest, DrafterParams, PluginError, TREE_ROOT};
 
 use crate::ngram::NgramIndex;
 use crate::{draw, softmax};
@@ -42,6 +42,9 @@ pub const BRANCHING: usize = 4;
 /// Paths less likely than this to be accepted are not proposed (but for a tree's first node:
 /// a drafter the target keeps rejecting is still judged, so the calibration can learn better).
 pub const MIN_PATH_SCORE: f32 = 0.02;
+
+/// The drafter option that turns context hints off (`false`) or on (`true`, the default).
+pub const CONTEXT_HINTS: &str = "context_hints";
 
 /// Shortest and longest context match a hint is taken from.
 const HINT_MATCH: (usize, usize) = (1, 8);
@@ -345,6 +348,15 @@ impl TreeGrower {
             last: None,
             context: None,
         }
+    }
+
+    /// The grower a drafter's options ask for: with context hints unless
+    /// `[drafter.options] context_hints = false` ([`CONTEXT_HINTS`]).
+    pub fn for_drafter(params: &DrafterParams) -> Result<Self, PluginError> {
+        Ok(match params.parse_option(CONTEXT_HINTS, true)? {
+            true => Self::new().with_context_hints(),
+            false => Self::new(),
+        })
     }
 
     /// The same grower, offering context hints to greedy trees and chains (see the module

@@ -20,7 +20,7 @@
 //! confidence. Option (`[drafter.options]`): `context_hints` (default `true`).
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
-use specula_drafting::{DraftPicker, TreeGrower};
+use specula_drafting::{DraftPicker, TreeGrower, CONTEXT_HINTS};
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, ErrorKind, LentSequence, LogitRows,
     PanicFence, PluginError, PluginResult,
@@ -56,13 +56,9 @@ impl ModelDrafter {
             ROption::RSome(_) => Ok(()),
         };
         let options = params
-            .check_options(&["context_hints"])
-            .and_then(|()| Self::context_hints(params).map(|_| ()));
+            .check_options(&[CONTEXT_HINTS])
+            .and_then(|()| TreeGrower::for_drafter(params).map(|_| ()));
         PluginError::all([draft, options])
-    }
-
-    fn context_hints(params: &DrafterParams) -> Result<bool, PluginError> {
-        params.parse_option("context_hints", true)
     }
 
     pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
@@ -72,10 +68,7 @@ impl ModelDrafter {
             vocab: params.target.vocab_size as usize,
             cached: Vec::new(),
             logits: RVec::new(),
-            grower: match Self::context_hints(params)? {
-                true => TreeGrower::new().with_context_hints(),
-                false => TreeGrower::new(),
-            },
+            grower: TreeGrower::for_drafter(params)?,
         })
     }
 

@@ -9,11 +9,15 @@
 //! chains the head's own hidden state. Chained steps write speculative KV entries past the
 //! accepted positions; the next catch-up overwrites them, and the backend cuts them with the
 //! trunk on rollback.
+//!
+//! Greedy drafts also take context hints (what followed the context's last tokens earlier,
+//! [`specula_drafting::TreeGrower`]): trees and chains are then grown by the calibrated
+//! grower. Option (`[drafter.options]`): `context_hints` (default `true`).
 
 use abi_stable::std_types::{RSlice, RVec};
 use std::collections::HashMap;
 
-use specula_drafting::{DraftPicker, TreeGrower};
+use specula_drafting::{DraftPicker, TreeGrower, CONTEXT_HINTS};
 use specula_plugin_api::{
     Draft, DraftRequest, Drafter, DrafterModels, DrafterParams, LentSequence, LogitRows,
     PanicFence, PluginError, PluginResult, SeqId,
@@ -45,7 +49,8 @@ pub struct MtpDrafter {
 }
 
 impl MtpDrafter {
-    /// Checks that `params` can make a drafter: no options, and a target with an MTP head.
+    /// Checks that `params` can make a drafter: a target with an MTP head, and no option but
+    /// `context_hints` (`true` or `false`).
     pub fn check(params: &DrafterParams) -> Result<(), PluginError> {
         let target = &params.target;
         let head = if target.has_mtp_head {
@@ -56,7 +61,10 @@ impl MtpDrafter {
                 target.name, target.architecture
             )))
         };
-        PluginError::all([head, params.check_options(&[])])
+        let options = params
+            .check_options(&[CONTEXT_HINTS])
+            .and_then(|()| TreeGrower::for_drafter(params).map(|_| ()));
+        PluginError::all([head, options])
     }
 
     pub fn new(params: &DrafterParams) -> Result<Self, PluginError> {
@@ -75,7 +83,7 @@ impl MtpDrafter {
             logits: RVec::new(),
             hidden: RVec::new(),
             chained: RVec::new(),
-            grower: TreeGrower::new(),
+            grower: TreeGrower::for_drafter(params)?,
         })
     }
 
@@ -154,7 +162,7 @@ impl MtpDrafter {
         self.pending_from = certain_at;
 
         let n = max.min(room);
-        if request.tree {
+        if request.tree || (request.temperature <= 0.0 && self.grower.has_context_hints()) {
             return self.draft_tree(target, request, certain_at, n, out);
         }
         let mut picker = DraftPicker::new(request);
@@ -179,8 +187,8 @@ impl MtpDrafter {
 }
 
 impl MtpDrafter {
-    /// Grows a tree of up to `n` drafts best first ([`TreeGrower`]) from the head's logits
-    /// after the catch-up. A node's children come from one head step over it, fed its
+    /// Grows a tree (or, for a greedy chain with context hints, a chain) of up to `n` drafts
+    /// best first ([`TreeGrower`]) from the head's logits after the catch-up. A node's children come from one head step over it, fed its
     /// parent's head output; the head's cache holds one path's speculative entries at a
     /// time, so a node on another branch first re-runs the head over its own ancestors from
     /// where the two paths part (one call, the rows bit-identical to the first time).
