@@ -840,6 +840,33 @@ fn context_hints_raise_the_draft_models_acceptance_and_keep_parity() {
     );
 }
 
+/// llama2xs-281K was trained on 256-token texts, stories260K on 2,048: with a prompt longer than
+/// the draft model's context, and a generation running on past it, the draft model drafts
+/// every step from a window of the context's last tokens, chains and trees, with greedy
+/// parity.
+#[test]
+fn a_draft_model_with_a_shorter_context_drafts_from_a_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = shared("models/llama2xs-281K.gguf");
+    let section = format!("context_size = 1024\n{}", draft_model_section(&draft));
+    let mut p = open(dir.path(), "models/stories260K.gguf", &section);
+    let stories = specula_host::genmodel::DEFAULT_CORPUS;
+    let long = &stories[..stories.floor_char_boundary(600)];
+    let tree = SpecSettings {
+        tree: true,
+        ..FIXED_7
+    };
+    for (prompt, max_tokens) in [(long, 200), ("Once upon a time", 400)] {
+        assert!(p.tokenizer.encode(prompt, true, false).len() + max_tokens > 256 + 100);
+        for settings in [FIXED_7, tree] {
+            let o = assert_parity_with(&mut p, prompt, max_tokens as u32, &[], settings);
+            let s = &o.speculative;
+            assert_eq!(s.steps_with_drafts, s.steps, "a step without drafts: {s:?}");
+            assert!(s.accepted > 0, "{s:?}");
+        }
+    }
+}
+
 /// Accepted drafts that fill the context end generation where plain decoding ends it, chains
 /// and trees alike (a drafter that drafts the target itself: every draft accepted up to the
 /// last position).

@@ -18,6 +18,11 @@
 //! that repeats it is where speculation pays most). Greedy chains are then grown by the same
 //! calibrated grower, one child per node, and report each draft's calibrated chance as its
 //! confidence. Option (`[drafter.options]`): `context_hints` (default `true`).
+//!
+//! A draft model whose context is shorter than the target's (a small model trained on short
+//! texts) sees the context's last tokens only: when the text outgrows its context, its window
+//! moves up to keep the last half of it, re-evaluated in one pass, so drafting goes on (and a
+//! prompt longer than its context does not stop the generation).
 
 use abi_stable::std_types::{ROption, RSlice, RVec};
 use specula_drafting::{DraftPicker, TreeGrower, CONTEXT_HINTS};
@@ -32,7 +37,9 @@ pub struct ModelDrafter {
     /// Set by the first panic of a call: every later call is refused.
     fence: PanicFence,
     vocab: usize,
-    /// Tokens the draft model has evaluated, in order (its cache).
+    /// Where in the context the draft model's window begins: it sees the tokens from there.
+    window_start: usize,
+    /// Tokens the draft model has evaluated, in order (its cache: the window's first tokens).
     cached: Vec<u32>,
     logits: RVec<f32>,
     /// Grows trees, learning which drafts the target accepts.
@@ -66,6 +73,7 @@ impl ModelDrafter {
         Ok(Self {
             fence: PanicFence::default(),
             vocab: params.target.vocab_size as usize,
+            window_start: 0,
             cached: Vec::new(),
             logits: RVec::new(),
             grower: TreeGrower::for_drafter(params)?,
@@ -97,6 +105,22 @@ impl ModelDrafter {
         self.eval(model, &context[common..])
     }
 
+    /// Moves the draft model's window so that a context of `len` tokens and `drafts` more fit
+    /// in its `capacity`: up to the last half of the capacity (less if the drafts need more
+    /// room), or back to the start for a context shorter than the window's start (a new one).
+    fn slide_window(&mut self, len: usize, drafts: usize, capacity: usize) {
+        if self.window_start > len {
+            self.window_start = 0;
+            self.cached.clear();
+        }
+        if len - self.window_start + drafts > capacity {
+            let keep = (capacity / 2).min(capacity.saturating_sub(drafts)).max(1);
+            self.window_start = len.saturating_sub(keep);
+            // Every token moves to another position: the cache is rebuilt.
+            self.cached.clear();
+        }
+    }
+
     fn eval(&mut self, model: &mut LentSequence<'_>, tokens: &[u32]) -> Result<(), PluginError> {
         model
             .eval(tokens, LogitRows::Last, &mut self.logits)
@@ -113,12 +137,13 @@ impl ModelDrafter {
         out: &mut Draft,
     ) -> Result<(), PluginError> {
         out.clear();
-        let context: &[u32] = &request.context;
-        let room = (model.model_info().context_size as usize).saturating_sub(context.len());
-        let n = (request.max_tokens as usize).min(room);
-        if context.is_empty() || n == 0 {
+        let capacity = model.model_info().context_size as usize;
+        let n = (request.max_tokens as usize).min(capacity / 2);
+        if request.context.is_empty() || n == 0 {
             return Ok(());
         }
+        self.slide_window(request.context.len(), n, capacity);
+        let context: &[u32] = &request.context[self.window_start..];
         match self.catch_up(model, context) {
             Ok(()) => {}
             Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
@@ -165,13 +190,16 @@ impl Drafter for ModelDrafter {
             // Fill the cache now with all but the last token (`propose` evaluates that one),
             // keeping what the draft model already holds of it (a conversation's earlier
             // turns: the cache is a function of its tokens alone).
-            match prompt.len() {
-                0 | 1 => {
+            self.window_start = 0;
+            let capacity = model.model_info().context_size as usize;
+            self.slide_window(prompt.len(), 1, capacity);
+            match &prompt[self.window_start..] {
+                [] | [_] => {
                     model.truncate(0).into_result()?;
                     self.cached.clear();
                     Ok(())
                 }
-                n => self.catch_up(model, &prompt[..n - 1]),
+                window => self.catch_up(model, &window[..window.len() - 1]),
             }
         })
     }
