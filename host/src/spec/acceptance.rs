@@ -12,7 +12,11 @@
 //! follows its target distribution whatever its proposal, so the emitted token is distributed
 //! exactly as `p`, the target's distribution after every sampling transform — siblings drawn
 //! with or without replacement, the tree shaped however the drafter likes.
+//!
+//! A pass's first sampled row also tells the [`DraftTemperature`] how often its first draft
+//! would have been accepted had it been drawn colder or hotter.
 
+use super::draft_temperature::DraftTemperature;
 use crate::sampling::{Candidate, Sampler};
 
 /// The target's decision among the drafts continuing one row.
@@ -24,23 +28,28 @@ pub enum Verdict {
     Reject(u32),
 }
 
-/// Reusable buffers for judging rows.
+/// Reusable buffers for judging rows, and what judging teaches about drafting.
 #[derive(Debug, Default)]
 pub struct Judge {
     candidates: Vec<Candidate>,
     residual: Vec<Candidate>,
+    /// The temperature sampled drafts are best drawn at.
+    pub draft_temperature: DraftTemperature,
 }
 
 impl Judge {
     /// Judges the drafts continuing one row against the row's target logits: each draft in
     /// order, with the distribution it was drawn from (`None`: one-hot). `history` is the
-    /// sequence the row continues (for the repetition penalty).
+    /// sequence the row continues (for the repetition penalty). With `first_row` (the pass's
+    /// certain token, always judged: an unbiased sample of the text) the draft temperature
+    /// learns from it.
     pub fn judge(
         &mut self,
         sampler: &mut Sampler,
         logits: &[f32],
         history: &[u32],
         drafts: &[(u32, Option<&[f32]>)],
+        first_row: bool,
     ) -> Verdict {
         if sampler.params().is_greedy() {
             let choice = sampler.sample(logits, history);
@@ -50,6 +59,9 @@ impl Judge {
             };
         }
         sampler.distribution(logits, history, &mut self.candidates);
+        if let (true, Some(&(_, Some(q)))) = (first_row, drafts.first()) {
+            self.draft_temperature.observe(&self.candidates, q);
+        }
         for (j, &(draft, q)) in drafts.iter().enumerate() {
             let q_of = |id: u32| match q {
                 Some(q) => q.get(id as usize).copied().unwrap_or(0.0),
@@ -131,7 +143,7 @@ mod tests {
         let mut counts = vec![0u64; logits.len()];
         for _ in 0..60_000 {
             let d = draw_draft(&mut sampler);
-            let token = match judge.judge(&mut sampler, &logits, &[], &[(d, q.as_deref())]) {
+            let token = match judge.judge(&mut sampler, &logits, &[], &[(d, q.as_deref())], true) {
                 Verdict::Accept(_) => d,
                 Verdict::Reject(t) => t,
             };
@@ -226,7 +238,7 @@ mod tests {
                     .iter()
                     .map(|(d, dist)| (*d, with_q.then_some(&dist[..])))
                     .collect();
-                let token = match judge.judge(&mut sampler, &logits, &[], &judged) {
+                let token = match judge.judge(&mut sampler, &logits, &[], &judged, true) {
                     Verdict::Accept(j) => children[j].0,
                     Verdict::Reject(t) => t,
                 };
@@ -246,15 +258,15 @@ mod tests {
         let mut judge = Judge::default();
         let logits = [0.0f32, 3.0, 1.0];
         assert_eq!(
-            judge.judge(&mut sampler, &logits, &[], &[(1, None)]),
+            judge.judge(&mut sampler, &logits, &[], &[(1, None)], false),
             Verdict::Accept(0)
         );
         assert_eq!(
-            judge.judge(&mut sampler, &logits, &[], &[(2, None)]),
+            judge.judge(&mut sampler, &logits, &[], &[(2, None)], false),
             Verdict::Reject(1)
         );
         assert_eq!(
-            judge.judge(&mut sampler, &logits, &[], &[(2, None), (1, None)]),
+            judge.judge(&mut sampler, &logits, &[], &[(2, None), (1, None)], false),
             Verdict::Accept(1)
         );
     }

@@ -551,10 +551,16 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         };
         self.step.asked = true;
         let t = Instant::now();
+        let temperature = match self.request.sampling.temperature {
+            sampled if sampled > 0.0 => self.judge.draft_temperature.next(sampled),
+            greedy => greedy,
+        };
         let request = DraftRequest {
             context: RSlice::from_slice(&self.history),
             max_tokens: n as u32,
-            temperature: self.request.sampling.temperature,
+            // Sampled: as cold as the drafts are likeliest to be accepted (their distribution
+            // goes with them, so rejection sampling stays exact).
+            temperature,
             seed: self.draft_rng.next_u64(),
             tree: self.tree,
         };
@@ -792,6 +798,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
                 &logits[row * vocab..(row + 1) * vocab],
                 &self.history,
                 &drafts,
+                row == 0,
             );
             match verdict {
                 Verdict::Accept(j) => {

@@ -19,6 +19,7 @@
 
 mod acceptance;
 mod adaptive;
+mod draft_temperature;
 mod generation;
 mod stats;
 
