@@ -48,12 +48,16 @@ impl Default for DraftTemperature {
 
 impl DraftTemperature {
     /// The temperature to draw the next drafts at, for a target sampled at `temperature`.
-    /// Fixes the factor until the next call: the drafts it draws are judged at it.
+    /// Fixes the factor until the next call: the drafts it draws are judged at it. Among
+    /// factors that do equally well, the one nearest the target's temperature.
     pub fn next(&mut self, temperature: f32) -> f32 {
         if self.rows >= MIN_ROWS {
-            self.now = (0..FACTORS.len())
-                .max_by(|&a, &b| self.acceptance[a].total_cmp(&self.acceptance[b]))
-                .unwrap_or(0);
+            self.now = (1..FACTORS.len()).fold(0, |best, i| {
+                match self.acceptance[i] > self.acceptance[best] {
+                    true => i,
+                    false => best,
+                }
+            });
         }
         temperature / FACTORS[self.now]
     }
@@ -199,5 +203,13 @@ mod tests {
         assert_eq!(tuner.next(1.0), 1.0, "too few rows to move");
         tuner.observe(&p, &[0.6, 0.4]);
         assert_eq!(tuner.next(1.0), 0.5, "a one-hot target: the coldest factor");
+
+        // A drafter whose distribution is the same at every factor (one-hot): no reason to
+        // move from the target's temperature.
+        let mut tuner = DraftTemperature::default();
+        for _ in 0..MIN_ROWS {
+            tuner.observe(&candidates(&[0.7, 0.3]), &[1.0, 0.0]);
+        }
+        assert_eq!(tuner.next(1.0), 1.0);
     }
 }

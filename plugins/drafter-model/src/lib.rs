@@ -9,8 +9,9 @@
 //! model's softmax at the request's temperature (a chain, or a tree with sampled siblings),
 //! with each draft's distribution handed over so the host's rejection sampling stays exact.
 //! A tree's nodes are chosen by their chance of acceptance, calibrated on what the target
-//! accepted ([`specula_drafting::TreeGrower`]), and reported as their confidence; a chain
-//! draft's confidence is its probability under the draft model.
+//! accepted ([`specula_drafting::TreeGrower`]), and reported as their confidence; a sampled
+//! chain draft's confidence (a greedy one's too without context hints) is its probability
+//! under the draft model.
 //!
 //! Greedy trees and chains also take context hints: the token that followed the longest
 //! earlier occurrence of the text so far, offered beside the draft model's candidates and

@@ -188,8 +188,8 @@ impl MtpDrafter {
 
 impl MtpDrafter {
     /// Grows a tree (or, for a greedy chain with context hints, a chain) of up to `n` drafts
-    /// best first ([`TreeGrower`]) from the head's logits after the catch-up. A node's children come from one head step over it, fed its
-    /// parent's head output; the head's cache holds one path's speculative entries at a
+    /// best first ([`TreeGrower`]) from the head's logits after the catch-up. A node's
+    /// children come from one head step over it, fed its parent's head output; the head's cache holds one path's speculative entries at a
     /// time, so a node on another branch first re-runs the head over its own ancestors from
     /// where the two paths part (one call, the rows bit-identical to the first time).
     fn draft_tree(
