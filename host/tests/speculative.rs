@@ -625,6 +625,18 @@ fn mtp_greedy_parity_on_every_mtp_model() {
             }
             assert_parity_with(&mut p, prompt, 80, &["Lily", "."], FIXED_4);
         }
+        // With context hints (off by default for the head): chains and trees.
+        let hinted = "[drafter]\nplugin = \"mtp\"\n[drafter.options]\ncontext_hints = true\n";
+        let mut h = open(dir.path(), model, hinted);
+        let tree = SpecSettings {
+            tree: true,
+            ..FIXED_7
+        };
+        for prompt in STORY_PROMPTS {
+            for settings in [FIXED_7, tree] {
+                assert_parity_with(&mut h, prompt, 80, &[], settings);
+            }
+        }
         assert!(total.drafted > 0, "{model}");
         println!(
             "{model}: MTP acceptance {:.3} ({} of {}), by position {:?}, passes/token {:.3}",

@@ -43,7 +43,7 @@ pub const BRANCHING: usize = 4;
 /// a drafter the target keeps rejecting is still judged, so the calibration can learn better).
 pub const MIN_PATH_SCORE: f32 = 0.02;
 
-/// The drafter option that turns context hints off (`false`) or on (`true`, the default).
+/// The drafter option that turns context hints on (`true`) or off (`false`).
 pub const CONTEXT_HINTS: &str = "context_hints";
 
 /// Shortest and longest context match a hint is taken from.
@@ -350,10 +350,10 @@ impl TreeGrower {
         }
     }
 
-    /// The grower a drafter's options ask for: with context hints unless
-    /// `[drafter.options] context_hints = false` ([`CONTEXT_HINTS`]).
-    pub fn for_drafter(params: &DrafterParams) -> Result<Self, PluginError> {
-        Ok(match params.parse_option(CONTEXT_HINTS, true)? {
+    /// The grower a drafter's options ask for: with context hints if `[drafter.options]
+    /// context_hints` ([`CONTEXT_HINTS`]) says so, or by `default` where it is not set.
+    pub fn for_drafter(params: &DrafterParams, default: bool) -> Result<Self, PluginError> {
+        Ok(match params.parse_option(CONTEXT_HINTS, default)? {
             true => Self::new().with_context_hints(),
             false => Self::new(),
         })

@@ -65,7 +65,7 @@ impl ModelDrafter {
         };
         let options = params
             .check_options(&[CONTEXT_HINTS])
-            .and_then(|()| TreeGrower::for_drafter(params).map(|_| ()));
+            .and_then(|()| TreeGrower::for_drafter(params, true).map(|_| ()));
         PluginError::all([draft, options])
     }
 
@@ -77,7 +77,7 @@ impl ModelDrafter {
             window_start: 0,
             cached: Vec::new(),
             logits: RVec::new(),
-            grower: TreeGrower::for_drafter(params)?,
+            grower: TreeGrower::for_drafter(params, true)?,
         })
     }
 

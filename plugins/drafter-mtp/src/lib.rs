@@ -10,9 +10,12 @@
 //! accepted positions; the next catch-up overwrites them, and the backend cuts them with the
 //! trunk on rollback.
 //!
-//! Greedy drafts also take context hints (what followed the context's last tokens earlier,
-//! [`specula_drafting::TreeGrower`]): trees and chains are then grown by the calibrated
-//! grower. Option (`[drafter.options]`): `context_hints` (default `true`).
+//! With `[drafter.options] context_hints = true`, greedy drafts also take context hints (what
+//! followed the context's last tokens earlier, [`specula_drafting::TreeGrower`]): trees and
+//! chains are then grown by the calibrated grower. Off by default: the trained head is right
+//! more often than its softmax says, so until the calibration has learned that, hints displace
+//! its first choices (the built-in 128-token run: 92% of drafts accepted without, 83% with;
+//! over 40 runs of 256 tokens hints gained 2.5%).
 
 use abi_stable::std_types::{RSlice, RVec};
 use std::collections::HashMap;
@@ -50,7 +53,7 @@ pub struct MtpDrafter {
 
 impl MtpDrafter {
     /// Checks that `params` can make a drafter: a target with an MTP head, and no option but
-    /// `context_hints` (`true` or `false`).
+    /// `context_hints` (`true` or `false`, default `false`).
     pub fn check(params: &DrafterParams) -> Result<(), PluginError> {
         let target = &params.target;
         let head = if target.has_mtp_head {
@@ -63,7 +66,7 @@ impl MtpDrafter {
         };
         let options = params
             .check_options(&[CONTEXT_HINTS])
-            .and_then(|()| TreeGrower::for_drafter(params).map(|_| ()));
+            .and_then(|()| TreeGrower::for_drafter(params, false).map(|_| ()));
         PluginError::all([head, options])
     }
 
@@ -83,7 +86,7 @@ impl MtpDrafter {
             logits: RVec::new(),
             hidden: RVec::new(),
             chained: RVec::new(),
-            grower: TreeGrower::for_drafter(params)?,
+            grower: TreeGrower::for_drafter(params, false)?,
         })
     }
 
