@@ -122,6 +122,11 @@ const FIXED_7: SpecSettings = SpecSettings {
     adaptive: false,
     tree: false,
 };
+/// Trees of 7 nodes: 8 rows per pass, as [`FIXED_7`]'s chains.
+const TREE_7: SpecSettings = SpecSettings {
+    tree: true,
+    ..FIXED_7
+};
 
 fn assert_parity_with(
     pipeline: &mut Pipeline,
@@ -628,12 +633,8 @@ fn mtp_greedy_parity_on_every_mtp_model() {
         // With context hints (off by default for the head): chains and trees.
         let hinted = "[drafter]\nplugin = \"mtp\"\n[drafter.options]\ncontext_hints = true\n";
         let mut h = open(dir.path(), model, hinted);
-        let tree = SpecSettings {
-            tree: true,
-            ..FIXED_7
-        };
         for prompt in STORY_PROMPTS {
-            for settings in [FIXED_7, tree] {
+            for settings in [FIXED_7, TREE_7] {
                 assert_parity_with(&mut h, prompt, 80, &[], settings);
             }
         }
@@ -737,22 +738,18 @@ fn a_turn_that_keeps_less_than_the_rollback_window_starts_a_new_sequence() {
 /// with token limits, stop strings and an end-of-generation token inside the accepted path —
 /// and returns the tokens per target pass of chains and of trees at 8 rows per pass.
 fn tree_parity(p: &mut Pipeline, name: &str) -> (f64, f64) {
-    let tree = SpecSettings {
-        tree: true,
-        ..FIXED_7
-    };
     let (mut chains, mut trees) = (
         specula_host::spec::SpecStats::default(),
         specula_host::spec::SpecStats::default(),
     );
     for prompt in STORY_PROMPTS {
-        trees.merge(&assert_parity_with(p, prompt, 96, &[], tree).speculative);
+        trees.merge(&assert_parity_with(p, prompt, 96, &[], TREE_7).speculative);
         chains.merge(&assert_parity_with(p, prompt, 96, &[], FIXED_7).speculative);
         for max in [1, 3, 10] {
-            assert_parity_with(p, prompt, max, &[], tree);
+            assert_parity_with(p, prompt, max, &[], TREE_7);
         }
         for stop in ["Lily", "park.", "\n"] {
-            assert_parity_with(p, prompt, 96, &[stop], tree);
+            assert_parity_with(p, prompt, 96, &[stop], TREE_7);
         }
     }
     assert!(trees.drafted > 0, "{name}: {trees:?}");
@@ -760,7 +757,7 @@ fn tree_parity(p: &mut Pipeline, name: &str) -> (f64, f64) {
     let ids = p.tokenizer.encode(" the", false, false);
     p.info.eos_token = Some(*ids.last().unwrap()).into();
     for prompt in STORY_PROMPTS {
-        assert_parity_with(p, prompt, 150, &[], tree);
+        assert_parity_with(p, prompt, 150, &[], TREE_7);
     }
     p.info.eos_token = eos;
     let per_pass = |s: &specula_host::spec::SpecStats| s.emitted as f64 / s.target_passes as f64;
@@ -812,10 +809,6 @@ fn context_hints_raise_the_draft_models_acceptance_and_keep_parity() {
             &stories[at..stories.floor_char_boundary(at + 120)]
         })
         .collect();
-    let tree = SpecSettings {
-        tree: true,
-        ..FIXED_7
-    };
     let mut per_pass = Vec::new();
     for drafter in [
         draft_model_section(&draft),
@@ -830,7 +823,7 @@ fn context_hints_raise_the_draft_models_acceptance_and_keep_parity() {
         );
         for prompt in &prompts {
             chains.merge(&assert_parity_with(&mut p, prompt, 256, &[], FIXED_7).speculative);
-            trees.merge(&assert_parity_with(&mut p, prompt, 256, &[], tree).speculative);
+            trees.merge(&assert_parity_with(&mut p, prompt, 256, &[], TREE_7).speculative);
         }
         let rate = |s: &specula_host::spec::SpecStats| s.emitted as f64 / s.target_passes as f64;
         per_pass.push((rate(&chains), rate(&trees)));
@@ -864,13 +857,9 @@ fn a_draft_model_with_a_shorter_context_drafts_from_a_window() {
     let mut p = open(dir.path(), "models/stories260K.gguf", &section);
     let stories = specula_host::genmodel::DEFAULT_CORPUS;
     let long = &stories[..stories.floor_char_boundary(600)];
-    let tree = SpecSettings {
-        tree: true,
-        ..FIXED_7
-    };
     for (prompt, max_tokens) in [(long, 200), ("Once upon a time", 400)] {
         assert!(p.tokenizer.encode(prompt, true, false).len() + max_tokens > 256 + 100);
-        for settings in [FIXED_7, tree] {
+        for settings in [FIXED_7, TREE_7] {
             let o = assert_parity_with(&mut p, prompt, max_tokens as u32, &[], settings);
             let s = &o.speculative;
             assert_eq!(s.steps_with_drafts, s.steps, "a step without drafts: {s:?}");
@@ -891,12 +880,8 @@ fn drafts_that_fill_the_context_stop_where_plain_decoding_does() {
         "models/stories260K.gguf",
         &format!("context_size = 90\n{}", draft_model_section(&model)),
     );
-    let tree = SpecSettings {
-        tree: true,
-        ..FIXED_7
-    };
     for prompt in STORY_PROMPTS {
-        for settings in [FIXED_4, FIXED_7, tree] {
+        for settings in [FIXED_4, FIXED_7, TREE_7] {
             let o = assert_parity_with(&mut p, prompt, 400, &[], settings);
             assert_eq!(o.stop_reason, StopReason::ContextFull, "{prompt:?}");
         }

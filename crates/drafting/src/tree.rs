@@ -366,9 +366,10 @@ impl TreeGrower {
         self
     }
 
-    /// Whether greedy requests get context hints (and so chains grown here, not picked).
-    pub fn has_context_hints(&self) -> bool {
-        self.context.is_some()
+    /// Whether `request`'s drafts are grown here: trees, and with context hints greedy
+    /// chains too (others are picked one by one from the drafter's logits).
+    pub fn grows(&self, request: &DraftRequest<'_>) -> bool {
+        request.tree || (request.temperature <= 0.0 && self.context.is_some())
     }
 
     /// Grows a tree of at most `budget` nodes for `request` into `out` (tokens, parents, as

@@ -24,7 +24,7 @@ const MIN_ROWS: u32 = 8;
 const TAIL: f32 = 1e-7;
 
 /// The draft temperature of one sampled generation.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct DraftTemperature {
     /// Index into [`FACTORS`] of the factor the drafts being judged were drawn at.
     now: usize,
@@ -33,17 +33,6 @@ pub struct DraftTemperature {
     rows: u32,
     /// The draft distribution's significant tokens: (id, ln q).
     support: Vec<(u32, f32)>,
-}
-
-impl Default for DraftTemperature {
-    fn default() -> Self {
-        Self {
-            now: 0,
-            acceptance: [0.0; FACTORS.len()],
-            rows: 0,
-            support: Vec::new(),
-        }
-    }
 }
 
 impl DraftTemperature {

@@ -150,8 +150,7 @@ impl ModelDrafter {
             Err(e) if e.kind == ErrorKind::ContextFull => return Ok(()),
             Err(e) => return Err(e),
         }
-        let grown = request.tree || (request.temperature <= 0.0 && self.grower.has_context_hints());
-        if grown {
+        if self.grower.grows(request) {
             let root = self.logits[..self.vocab].to_vec();
             let mut path_context = context.to_vec();
             let mut grower = std::mem::take(&mut self.grower);

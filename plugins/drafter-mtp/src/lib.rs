@@ -165,7 +165,7 @@ impl MtpDrafter {
         self.pending_from = certain_at;
 
         let n = max.min(room);
-        if request.tree || (request.temperature <= 0.0 && self.grower.has_context_hints()) {
+        if self.grower.grows(request) {
             return self.draft_tree(target, request, certain_at, n, out);
         }
         let mut picker = DraftPicker::new(request);
