@@ -180,6 +180,13 @@ fn gpu_greedy_output_equals_cpu_simd_plain_and_with_mtp_drafting() {
             "{}: split + MTP",
             model.display()
         );
+        let graphs = "[target.options]\ncuda_graphs = true\n[drafter]\nplugin = \"mtp\"\n";
+        assert_eq!(
+            run("cuda-hybrid", graphs),
+            reference,
+            "{}: CUDA graphs + MTP",
+            model.display()
+        );
     }
 }
 

@@ -95,7 +95,7 @@ fn main() {
         eprintln!("SKIPPED the GPU kernel benchmark: {why}");
         return;
     }
-    let gpu = Gpu::open(0, None).expect("opening the GPU");
+    let gpu = Gpu::open(0, None, false).expect("opening the GPU");
     let mut c = Criterion::default().configure_from_args();
     bench(&mut c, &gpu);
     c.final_summary();

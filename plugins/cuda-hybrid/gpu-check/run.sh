@@ -9,7 +9,8 @@
 #                                                # and weight GB/s per type, shape, k = 1, 2, 4, 8
 #   plugins/cuda-hybrid/gpu-check/run.sh bench   # specula bench: Qwen3.5-2B-shaped Q4_K on the
 #                                                # GPU and half on the CPU, Qwen3-0.6B-shaped
-#                                                # Q8_0 (and many sequences), the trained qwen35
+#                                                # Q8_0 (and many sequences), the trained qwen35;
+#                                                # the GPU-only ones again with cuda_graphs = true
 #   plugins/cuda-hybrid/gpu-check/run.sh profile # ncu: each kernel's time over a few decode
 #                                                # steps of the 2B and 0.6B models, by grid
 #   plugins/cuda-hybrid/gpu-check/run.sh all     # tests, kernels, bench (the default)
@@ -121,11 +122,12 @@ if [ -n "$gen_pid" ] && ! wait "$gen_pid"; then
     tail -n 20 "$out/gen-model.log"
     failed=$((failed + 1))
 fi
-# profile NAME BACKEND MODEL GPU_LAYERS [DRAFTER]: a profile for the benches.
+# profile NAME BACKEND MODEL GPU_LAYERS [DRAFTER]: a profile for the benches (with the
+# target option line in $TARGET_OPTION, if set).
 profile() {
     local drafter=${5:-mtp}
-    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n\n[drafter]\nplugin = "%s"\n' \
-        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "$drafter" >"$out/$1.toml"
+    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n%s\n[drafter]\nplugin = "%s"\n' \
+        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "${TARGET_OPTION:-}" "$drafter" >"$out/$1.toml"
     echo "$out/$1.toml"
 }
 # bench NAME MODEL GPU_LAYERS BENCH-ARGS...: the bench with this kit's plugin, then the old one.
@@ -151,6 +153,13 @@ if wants bench; then
     # The random models' MTP heads accept nothing; the trained qwen35 shows real acceptance.
     bench trained "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" all \
         --runs 3 -n 128 --prompt-tokens 64 --drafters profile,oracle
+    # Each recurring pass as one CUDA graph (gpu/replay.rs), against the runs above.
+    export TARGET_OPTION='cuda_graphs = "true"'
+    bench qwen35-2b-gpu-graphs "$q2b" all "${short[@]}" --drafters oracle --oracle-k 4
+    bench qwen3-0.6b-gpu-graphs "$q06" all "${short[@]}" --drafters oracle --oracle-k 8
+    bench trained-graphs "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" all \
+        --runs 3 -n 128 --prompt-tokens 64 --drafters profile,oracle
+    unset TARGET_OPTION
 fi
 
 if wants profile; then

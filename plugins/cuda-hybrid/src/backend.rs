@@ -100,6 +100,14 @@ impl CudaExecutor {
     pub fn device_description(&self) -> &str {
         &self.device_description
     }
+
+    /// How the passes went as CUDA graphs (option `cuda_graphs`), where the GPU is in use
+    /// with them.
+    pub fn replay_stats(&self) -> Option<crate::gpu::replay::ReplayStats> {
+        self.device
+            .as_ref()
+            .and_then(|d| d.model.gpu.replay_stats())
+    }
 }
 
 /// Bytes of the weights of one hybrid layer (all experts of an MoE FFN).
@@ -266,8 +274,14 @@ fn open_with(
         Mode::HostOnly => (None, Placement::cpu_only(n_layers)),
         Mode::Gpu | Mode::Emulated(..) => {
             let gpu = match mode {
-                Mode::Emulated(emulator, memory) => Gpu::emulated(emulator, memory),
-                _ => Gpu::open(options.device, options.kernel_cache.as_deref())?,
+                Mode::Emulated(emulator, memory) => {
+                    Gpu::emulated(emulator, memory, options.cuda_graphs)
+                }
+                _ => Gpu::open(
+                    options.device,
+                    options.kernel_cache.as_deref(),
+                    options.cuda_graphs,
+                )?,
             };
             let budget = options.vram_budget.unwrap_or_else(|| {
                 let reserve =
@@ -486,6 +500,7 @@ impl Executor for CudaExecutor {
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
             return pool.install(|| host.head(model, &rows, hidden, logits));
         };
+        d.model.gpu.begin_pass()?;
         sync_block_tables(host, &mut d.model, chunks)?;
         d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
         let gpu_model = &mut d.model;
@@ -602,6 +617,7 @@ impl Executor for CudaExecutor {
             d.pinned_in.as_mut_slice()?,
         );
         let gpu_model = &mut d.model;
+        gpu_model.gpu.begin_pass()?;
         let input = gpu_model.scratch.act_mut(Act::MtpIn);
         gpu_model
             .gpu
@@ -652,7 +668,16 @@ fn sync_block_tables(
                 "a sequence's block table does not fit its positions or the device's table",
             ));
         }
-        m.gpu.write(table, &mut m.tables, chunk.seq * m.table_len)?;
+        let at = chunk.seq * m.table_len;
+        if m.gpu.records_passes() {
+            // A recorded pass's copies are part of its graph's key: the whole row of the
+            // table, so that a sequence's table growing a block does not make a new graph.
+            let mut row = table.to_vec();
+            row.resize(m.table_len, 0);
+            m.gpu.write(&row, &mut m.tables, at)?;
+        } else {
+            m.gpu.write(table, &mut m.tables, at)?;
+        }
     }
     Ok(())
 }

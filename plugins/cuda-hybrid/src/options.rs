@@ -10,6 +10,7 @@
 //! | `kv_type` | `f16`, `f32` or `q8_0`: how the attention KV cache stores keys and values, on the host and on the device (an engine option; `q8_0` needs heads of a multiple of 32 values) | `f16` |
 //! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.13` or `.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
 //! | `kernel_cache` | directory for compiled PTX, or `off` | `$SPECULA_HOME/cuda-kernels`, else `$XDG_CACHE_HOME/specula/cuda-kernels`, else `~/.cache/specula/cuda-kernels` |
+//! | `cuda_graphs` | `true` or `false`: issue each recurring pass as one CUDA graph ([`crate::gpu::replay`]) | `false` (not yet measured on a GPU) |
 //!
 //! Unknown options and malformed values are `InvalidInput` errors
 //! naming the option.
@@ -26,14 +27,16 @@ pub const OPTION_VRAM_BUDGET: &str = "vram_budget";
 pub const OPTION_DEVICE: &str = "device";
 pub const OPTION_NVRTC_PATH: &str = "nvrtc_path";
 pub const OPTION_KERNEL_CACHE: &str = "kernel_cache";
+pub const OPTION_CUDA_GRAPHS: &str = "cuda_graphs";
 
 /// The options of this backend besides the engine's, for the error an unknown one gets.
-const OWN_OPTIONS: [&str; 5] = [
+const OWN_OPTIONS: [&str; 6] = [
     OPTION_GPU_LAYERS,
     OPTION_VRAM_BUDGET,
     OPTION_DEVICE,
     OPTION_NVRTC_PATH,
     OPTION_KERNEL_CACHE,
+    OPTION_CUDA_GRAPHS,
 ];
 
 /// How many trunk layers go on the GPU.
@@ -56,6 +59,8 @@ pub struct Options {
     pub nvrtc_path: Option<PathBuf>,
     /// `None`: no disk cache.
     pub kernel_cache: Option<PathBuf>,
+    /// Recurring passes issued as CUDA graphs.
+    pub cuda_graphs: bool,
 }
 
 impl Default for Options {
@@ -67,6 +72,7 @@ impl Default for Options {
             common: CommonOptions::default(),
             nvrtc_path: None,
             kernel_cache: default_kernel_cache(),
+            cuda_graphs: false,
         }
     }
 }
@@ -117,6 +123,11 @@ impl Options {
                         dir => Some(PathBuf::from(dir)),
                     }
                 }
+                OPTION_CUDA_GRAPHS => match value {
+                    "true" => options.cuda_graphs = true,
+                    "false" => options.cuda_graphs = false,
+                    _ => return Parsed::Expected("true or false"),
+                },
                 _ => return Parsed::Unknown,
             }
             Parsed::Ok
@@ -148,6 +159,7 @@ mod tests {
             ("kv_type", "f32"),
             ("nvrtc_path", "/opt/nvrtc/lib"),
             ("kernel_cache", "off"),
+            ("cuda_graphs", "true"),
         ]))
         .unwrap();
         let unknown = Options::parse(&params(&[("gpu_layer", "3")])).unwrap_err();
@@ -165,6 +177,7 @@ mod tests {
         assert_eq!(Options::default().common.kv_type, KvType::F16);
         assert_eq!(o.nvrtc_path, Some(PathBuf::from("/opt/nvrtc/lib")));
         assert_eq!(o.kernel_cache, None);
+        assert!(o.cuda_graphs && !Options::default().cuda_graphs);
         assert_eq!(
             Options::parse(&params(&[("gpu_layers", "all")]))
                 .unwrap()
@@ -183,6 +196,7 @@ mod tests {
             ("device", "-1"),
             ("deep_rollback", "maybe"),
             ("kv_type", "q4_0"),
+            ("cuda_graphs", "yes"),
         ] {
             let err = Options::parse(&params(&[(key, value)])).unwrap_err();
             assert_eq!(err.kind, ErrorKind::InvalidInput);

@@ -9,7 +9,8 @@
 //! bit-identical to single-token evals, the rollback oracle (truncating inside the window
 //! equals a run that never saw the rejected tokens), logits close to cpu-simd and greedy output
 //! equal to it, MTP rows bit-identical to one-row calls, MTP drafting equal to plain decoding,
-//! deep rollback, and placement options.
+//! deep rollback, placement options, and passes replayed as CUDA graphs (`cuda_graphs`)
+//! bit-identical to passes issued launch by launch.
 //!
 //! Where there is no GPU, the tests run on the host emulator of the kernels
 //! ([`specula_cuda_hybrid::gpu::emulator`], built with the C++ compiler `$CXX` or `c++`) — the
@@ -1601,6 +1602,111 @@ fn gated_delta_net_recurrence_follows_the_cpu_step() {
                 "S = {s}, token {t}: the state plane is off by {d}"
             );
             state = next;
+        }
+    }
+}
+
+/// With `cuda_graphs = true` every pass is recorded and issued at its end — first as
+/// recorded, a second time captured as a graph, then replayed from the graph (on the
+/// emulator, the recorded work kept is issued again) — and every logit and hidden row equals
+/// the backend's without graphs bit for bit, through plain steps (the ring's planes cycling,
+/// the block table growing), verify passes of several sizes, rollbacks and MTP calls, on
+/// the GPU alone and split with the host; and the graphs were replayed.
+#[test]
+fn cuda_graphs_replay_passes_bit_for_bit() {
+    let Some(device) = device_or_skip("cuda_graphs_replay_passes_bit_for_bit") else {
+        return;
+    };
+    let models = [
+        fixture("tiny-qwen3next-mtp.gguf"),
+        fixture("tiny-llama.gguf"),
+    ];
+    for path in models {
+        for placement in [&[][..], &[("gpu_layers", "2")][..]] {
+            let name = format!("{} {placement:?}", path.display());
+            let with: Vec<(&str, &str)> = placement
+                .iter()
+                .copied()
+                .chain([("cuda_graphs", "true")])
+                .collect();
+            let mut graphs = cuda(&device, &path, &with);
+            let mut plain = cuda(&device, &path, placement);
+            assert!(graphs.executor().placement().uses_gpu(), "{name}");
+            assert_eq!(plain.executor().replay_stats(), None, "{name}");
+            let info = graphs.info();
+            let (vocab, mtp_head) = (info.vocab_size as usize, graphs.caps().mtp_head);
+            let both = |graphs: &mut Solo<CudaBackend>,
+                        plain: &mut Solo<CudaBackend>,
+                        tokens: &[u32],
+                        what: &str| {
+                let (a, b) = (
+                    eval(graphs, tokens, LogitRows::All),
+                    eval(plain, tokens, LogitRows::All),
+                );
+                assert_eq!(bits(&a), bits(&b), "{name}: logits of {what}");
+                assert_eq!(
+                    bits(&hidden(graphs)),
+                    bits(&hidden(plain)),
+                    "{name}: hidden rows of {what}"
+                );
+                a
+            };
+            let e = info.hidden_size as usize;
+            // The MTP head after the row at `position` (hidden `h`, the token after it `t`),
+            // on both; its positions follow the trunk's without a gap.
+            let head = |graphs: &mut Solo<CudaBackend>,
+                        plain: &mut Solo<CudaBackend>,
+                        h: &[f32],
+                        tokens: &[u32],
+                        position: usize| {
+                if !mtp_head {
+                    return;
+                }
+                let (a, ha) = mtp(graphs, h, tokens, position);
+                let (b, hb) = mtp(plain, h, tokens, position);
+                assert_eq!(bits(&a), bits(&b), "{name}: MTP logits at {position}");
+                assert_eq!(bits(&ha), bits(&hb), "{name}: MTP hidden at {position}");
+            };
+            let logits = both(&mut graphs, &mut plain, &PROMPT, "the prompt");
+            let mut next = argmax(row(&logits, PROMPT.len() - 1, vocab));
+            let mut after: Vec<u32> = PROMPT[1..].to_vec();
+            after.push(next);
+            let h = hidden(&graphs);
+            head(&mut graphs, &mut plain, &h, &after, 0);
+            let mut len = PROMPT.len();
+            for step in 0..60 {
+                if step % 5 == 4 {
+                    // A verify pass of 2-4 rows whose first draft is kept: the rest rolled
+                    // back, the next token the first row's.
+                    let k = 2 + step / 5 % 3;
+                    let draft: Vec<u32> = (0..k as u32).map(|i| (next + 7 * i) % 200).collect();
+                    let rows = both(&mut graphs, &mut plain, &draft, &format!("a {k}-row pass"));
+                    let h = hidden(&graphs);
+                    truncate(&mut graphs, len + 1);
+                    truncate(&mut plain, len + 1);
+                    next = argmax(row(&rows, 0, vocab));
+                    head(&mut graphs, &mut plain, row(&h, 0, e), &[next], len);
+                    len += 1;
+                }
+                let logits = both(&mut graphs, &mut plain, &[next], &format!("step {step}"));
+                next = argmax(&logits);
+                let h = hidden(&graphs);
+                head(&mut graphs, &mut plain, &h, &[next], len);
+                len += 1;
+            }
+            let stats = graphs
+                .executor()
+                .replay_stats()
+                .unwrap_or_else(|| panic!("{name}: no graphs with cuda_graphs = true"));
+            assert!(
+                stats.replayed >= 10 && stats.captured >= 2 && stats.issued >= 2,
+                "{name}: {stats:?}"
+            );
+            assert_eq!(
+                stats.passes,
+                stats.replayed + stats.captured + stats.issued,
+                "{name}: {stats:?}"
+            );
         }
     }
 }

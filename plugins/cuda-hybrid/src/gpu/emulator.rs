@@ -128,6 +128,11 @@ impl Emulator {
         })
     }
 
+    /// The kernel named `name`, by the name the table keeps.
+    pub fn kernel_name(&self, name: &str) -> Option<&'static str> {
+        self.functions.get_key_value(name).map(|(k, _)| *k)
+    }
+
     /// Runs kernel `name` over `grid` with `block` threads per block.
     pub fn launch(
         &self,

@@ -4,21 +4,24 @@
 //! Everything runs on one stream of one context, in order; cudarc's per-buffer event tracking
 //! is switched off (it only matters with several streams), and kernels get raw device
 //! pointers, so buffers can be offset freely. Host-visible results are read only after
-//! [`Gpu::sync`].
+//! [`Gpu::sync`]. With CUDA graphs on ([`replay`]), a pass's work between
+//! [`Gpu::begin_pass`] and [`Gpu::sync`] is recorded and issued at the `sync`, as a graph where
+//! the same work was seen before.
 
 pub mod emulator;
 pub mod graph_ops;
 pub mod model;
 pub mod ops;
+pub mod replay;
 pub mod weights;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use specula_plugin_api::{ErrorKind, PluginError};
 
@@ -143,10 +146,41 @@ enum Backing {
     Emulated(Arc<emulator::Emulator>),
 }
 
+/// A captured graph, used only under its [`Gpu`]'s replay lock.
+struct Graph(CudaGraph);
+
+// SAFETY: a `Graph` is reached only through its `Gpu`'s `replaying` mutex, so one thread at
+// a time launches or drops it, as CUDA asks of graph objects.
+unsafe impl Send for Graph {}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Graph")
+    }
+}
+
+/// The memory of the staging arena ([`replay::Staging`]).
+enum StagingMemory {
+    Pinned(#[allow(dead_code)] PinnedHostSlice<u8>), // owns the memory behind `Staging::base`
+    Plain(#[allow(dead_code)] Vec<u128>),            // likewise, on the emulator
+}
+
+// SAFETY: the page-locked allocation is plain host memory owned by the `Gpu`; it is written
+// only under the replay lock and read by the device's copies on the `Gpu`'s stream.
+unsafe impl Send for StagingMemory {}
+
+/// With CUDA graphs on: the recorder and the graphs it keeps.
+struct Replaying {
+    replay: replay::Replay<Graph>,
+    _memory: StagingMemory,
+}
+
 /// One device with its stream and kernels — a CUDA device, or the host [`emulator`] in tests.
 pub struct Gpu {
     backing: Backing,
     pub info: DeviceInfo,
+    /// `Some` with CUDA graphs on.
+    replaying: Option<Mutex<Replaying>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -169,9 +203,15 @@ fn kernel_arch(device: (i32, i32)) -> Result<(i32, i32), PluginError> {
 }
 
 impl Gpu {
-    /// Opens device `ordinal`: context, stream, and every kernel (compiled or from the caches).
-    /// The driver and NVRTC must have been probed (see [`crate::driver`]).
-    pub fn open(ordinal: usize, kernel_cache: Option<&Path>) -> Result<Self, PluginError> {
+    /// Opens device `ordinal`: context, stream, and every kernel (compiled or from the caches);
+    /// with `graphs`, passes are replayed as CUDA graphs ([`replay`]; on a stream of its own,
+    /// since the legacy default stream cannot be captured). The driver and NVRTC must have
+    /// been probed (see [`crate::driver`]).
+    pub fn open(
+        ordinal: usize,
+        kernel_cache: Option<&Path>,
+        graphs: bool,
+    ) -> Result<Self, PluginError> {
         let count = CudaContext::device_count().map_err(|e| {
             PluginError::unsupported(format!(
                 "cuda-hybrid: the CUDA driver is installed but reports no usable device: {e:?}"
@@ -192,7 +232,12 @@ impl Gpu {
         // One stream, in order: no need for cudarc's cross-stream events.
         // SAFETY: every buffer of this backend is used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        let stream = match graphs {
+            true => ctx
+                .new_stream()
+                .map_err(|e| driver_error("cannot create a CUDA stream", e))?,
+            false => ctx.default_stream(),
+        };
         let compute_capability = ctx
             .compute_capability()
             .map_err(|e| driver_error("cannot read the compute capability", e))?;
@@ -241,6 +286,25 @@ impl Gpu {
                 functions.insert(function, f);
             }
         }
+        let replaying = match graphs {
+            true => {
+                // SAFETY: plain page-locked memory, written only through `Staging`.
+                let mut memory =
+                    unsafe { ctx.alloc_pinned_with_flags::<u8>(replay::STAGING_BYTES, 0) }
+                        .map_err(|e| {
+                            driver_error("cannot allocate the graphs' staging memory", e)
+                        })?;
+                let base = memory
+                    .as_mut_slice()
+                    .map_err(|e| driver_error("cannot map pinned memory", e))?
+                    .as_mut_ptr() as u64;
+                Some(Mutex::new(Replaying {
+                    replay: replay::Replay::new(replay::Staging::new(base, replay::STAGING_BYTES)),
+                    _memory: StagingMemory::Pinned(memory),
+                }))
+            }
+            false => None,
+        };
         Ok(Self {
             backing: Backing::Cuda(Cuda {
                 ctx,
@@ -255,13 +319,23 @@ impl Gpu {
                 total_memory: total as u64,
                 free_memory: free as u64,
             },
+            replaying,
         })
     }
 
     /// The host emulator as the device (tests on machines without a GPU): device memory is
     /// host memory and kernels are the C++ build of `kernels/*.cu` that `emulator` loads.
-    /// `memory` is the device memory it pretends to have.
-    pub fn emulated(emulator: Arc<emulator::Emulator>, memory: u64) -> Self {
+    /// `memory` is the device memory it pretends to have. With `graphs`, passes are recorded
+    /// and replayed as [`replay`] says, a kept "graph" being the recorded work issued again.
+    pub fn emulated(emulator: Arc<emulator::Emulator>, memory: u64, graphs: bool) -> Self {
+        let replaying = graphs.then(|| {
+            let mut memory = vec![0u128; replay::STAGING_BYTES / 16];
+            let base = memory.as_mut_ptr() as u64;
+            Mutex::new(Replaying {
+                replay: replay::Replay::new(replay::Staging::new(base, replay::STAGING_BYTES)),
+                _memory: StagingMemory::Plain(memory),
+            })
+        });
         Self {
             backing: Backing::Emulated(emulator),
             info: DeviceInfo {
@@ -272,6 +346,7 @@ impl Gpu {
                 total_memory: memory,
                 free_memory: memory,
             },
+            replaying,
         }
     }
 
@@ -280,7 +355,8 @@ impl Gpu {
         matches!(self.backing, Backing::Emulated(_))
     }
 
-    /// Launches kernel `name` with `args` (in the order of its C signature).
+    /// Launches kernel `name` with `args` (in the order of its C signature); while a pass is
+    /// recorded, records the launch.
     pub fn launch(
         &self,
         name: &str,
@@ -291,6 +367,37 @@ impl Gpu {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
+        if let Some(mut replaying) = self.replaying() {
+            if let Some(work) = replaying.replay.recording.as_mut() {
+                work.launch(self.kernel_name(name)?, grid, block, args);
+                return Ok(());
+            }
+        }
+        self.launch_now(name, grid, block, args)
+    }
+
+    /// The loaded kernel named `name`, by the name the module table keeps.
+    fn kernel_name(&self, name: &str) -> Result<&'static str, PluginError> {
+        let known = match &self.backing {
+            Backing::Cuda(cuda) => cuda.functions.get_key_value(name).map(|(k, _)| *k),
+            Backing::Emulated(emulator) => emulator.kernel_name(name),
+        };
+        known.ok_or_else(|| {
+            PluginError::new(
+                ErrorKind::Internal,
+                format!("cuda-hybrid: kernel '{name}' was not loaded"),
+            )
+        })
+    }
+
+    /// [`Gpu::launch`], issued now.
+    fn launch_now(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<(), PluginError> {
         let cuda = match &self.backing {
             Backing::Cuda(cuda) => cuda,
             Backing::Emulated(emulator) => return emulator.launch(name, grid, block, args),
@@ -425,6 +532,15 @@ impl Gpu {
             return Ok(());
         }
         let host = &src.as_slice()?[..len];
+        check_range("a copy to the device", at, len, dst.len)?;
+        if self.record(replay::Op::Copy {
+            kind: replay::CopyKind::HostToDevice,
+            src: host.as_ptr() as u64,
+            dst: dst.at(at),
+            bytes: (4 * len) as u64,
+        }) {
+            return Ok(());
+        }
         match (&self.backing, &mut dst.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
                 let mut view = slice.slice_mut(at..at + len);
@@ -459,6 +575,15 @@ impl Gpu {
             return Ok(());
         }
         let host = &mut dst.as_mut_slice()?[..len];
+        check_range("a copy to the host", at, len, src.len)?;
+        if self.record(replay::Op::Copy {
+            kind: replay::CopyKind::DeviceToHost,
+            src: src.at(at),
+            dst: host.as_mut_ptr() as u64,
+            bytes: (4 * len) as u64,
+        }) {
+            return Ok(());
+        }
         match (&self.backing, &src.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
                 let view = slice.slice(at..at + len);
@@ -505,6 +630,14 @@ impl Gpu {
                     src.len, dst.len
                 ),
             ));
+        }
+        if self.record(replay::Op::Copy {
+            kind: replay::CopyKind::DeviceToDevice,
+            src: src.at(src_at),
+            dst: dst.at(dst_at),
+            bytes: (len * std::mem::size_of::<T>()) as u64,
+        }) {
+            return Ok(());
         }
         match (&self.backing, &src.storage, &mut dst.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(from), Storage::Cuda(to)) => {
@@ -555,6 +688,14 @@ impl Gpu {
             ));
         }
         let size = std::mem::size_of::<T>();
+        if self.record(replay::Op::Copy {
+            kind: replay::CopyKind::DeviceToDevice,
+            src: buf.at(from),
+            dst: buf.at(to),
+            bytes: (len * size) as u64,
+        }) {
+            return Ok(());
+        }
         match (&self.backing, &buf.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(_)) => {
                 // SAFETY: both ranges lie inside the allocation behind `buf.ptr` and do not
@@ -610,6 +751,9 @@ impl Gpu {
                 ),
             ));
         }
+        if self.record_write(data, dst.at(at))? {
+            return Ok(());
+        }
         match (&self.backing, &mut dst.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
                 let mut view = slice.slice_mut(at..at + data.len());
@@ -645,6 +789,13 @@ impl Gpu {
         if len == 0 {
             return Ok(());
         }
+        check_range("clearing device memory", at, len, buf.len)?;
+        if self.record(replay::Op::Zero {
+            dst: buf.at(at),
+            bytes: (4 * len) as u64,
+        }) {
+            return Ok(());
+        }
         match (&self.backing, &mut buf.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
                 let mut view = slice.slice_mut(at..at + len);
@@ -669,6 +820,7 @@ impl Gpu {
         &self,
         buf: &DevBuf<T>,
     ) -> Result<Vec<T>, PluginError> {
+        self.sync()?;
         match (&self.backing, &buf.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(slice)) => {
                 let mut all = cuda
@@ -693,14 +845,281 @@ impl Gpu {
         }
     }
 
-    /// Waits for everything queued on the stream.
+    /// Waits for everything queued on the stream; a pass being recorded is issued first
+    /// (as a graph where it can be, see [`replay`]) and its recording ends.
     pub fn sync(&self) -> Result<(), PluginError> {
+        if let Some(mut replaying) = self.replaying() {
+            if let Some(work) = replaying.replay.recording.take() {
+                let issued = self.issue_recorded(&mut replaying.replay, work);
+                let waited = self.wait();
+                replaying.replay.staging.reset();
+                issued?;
+                return waited;
+            }
+        }
+        self.wait()
+    }
+
+    /// Waits for the stream.
+    fn wait(&self) -> Result<(), PluginError> {
         match &self.backing {
             Backing::Cuda(cuda) => cuda
                 .stream
                 .synchronize()
                 .map_err(|e| driver_error("the device reported an error", e)),
             Backing::Emulated(_) => Ok(()),
+        }
+    }
+}
+
+/// Fails unless `at .. at + len` lies inside a buffer of `buf_len` elements.
+fn check_range(what: &str, at: usize, len: usize, buf_len: usize) -> Result<(), PluginError> {
+    match at.checked_add(len) {
+        Some(end) if end <= buf_len => Ok(()),
+        _ => Err(PluginError::new(
+            ErrorKind::Internal,
+            format!("cuda-hybrid: {what} of {len} values at {at} of a buffer of {buf_len}"),
+        )),
+    }
+}
+
+/// Recording and replaying passes ([`replay`]).
+impl Gpu {
+    /// The recorder, with CUDA graphs on.
+    fn replaying(&self) -> Option<MutexGuard<'_, Replaying>> {
+        self.replaying
+            .as_ref()
+            .map(|r| r.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Starts recording a pass (with CUDA graphs on; otherwise nothing): its launches and
+    /// copies are kept until [`Gpu::sync`] issues them. A recording a failed pass left
+    /// unissued is issued first, as the work it asked for.
+    pub fn begin_pass(&self) -> Result<(), PluginError> {
+        let Some(mut replaying) = self.replaying() else {
+            return Ok(());
+        };
+        if let Some(stale) = replaying.replay.recording.take() {
+            self.issue(&stale)?;
+            self.wait()?;
+        }
+        // Every pass that staged copies has ended with a `sync` (or the wait above): the
+        // arena is free.
+        replaying.replay.staging.reset();
+        replaying.replay.recording = Some(replay::Work::default());
+        Ok(())
+    }
+
+    /// Whether passes are recorded (CUDA graphs on).
+    pub fn records_passes(&self) -> bool {
+        self.replaying.is_some()
+    }
+
+    /// How the recorded passes went, with CUDA graphs on.
+    pub fn replay_stats(&self) -> Option<replay::ReplayStats> {
+        self.replaying().map(|r| r.replay.stats)
+    }
+
+    /// Records `op` if a pass is being recorded; whether it did.
+    fn record(&self, op: replay::Op) -> bool {
+        match self.replaying() {
+            Some(mut replaying) => match replaying.replay.recording.as_mut() {
+                Some(work) => {
+                    work.ops.push(op);
+                    true
+                }
+                None => false,
+            },
+            None => false,
+        }
+    }
+
+    /// Records a write of pageable `data` to device address `dst`, staged in the arena, if a
+    /// pass is being recorded; whether it did. Where the arena is full, the pass's work so
+    /// far is issued as it is and its recording ends (the write is then the caller's).
+    fn record_write<T: DeviceRepr>(&self, data: &[T], dst: u64) -> Result<bool, PluginError> {
+        let Some(mut replaying) = self.replaying() else {
+            return Ok(false);
+        };
+        let Replaying { replay, .. } = &mut *replaying;
+        if replay.recording.is_none() {
+            return Ok(false);
+        }
+        // SAFETY: `DeviceRepr` values are plain data that the device copies byte for byte.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
+        };
+        if let Some(src) = replay.staging.stage(bytes) {
+            if let Some(work) = replay.recording.as_mut() {
+                work.ops.push(replay::Op::Copy {
+                    kind: replay::CopyKind::HostToDevice,
+                    src,
+                    dst,
+                    bytes: bytes.len() as u64,
+                });
+            }
+            return Ok(true);
+        }
+        if let Some(work) = replay.recording.take() {
+            replay.stats.passes += 1;
+            replay.stats.issued += 1;
+            self.issue(&work)?;
+        }
+        Ok(false)
+    }
+
+    /// Issues a recorded pass: as the graph kept for the same work, as a graph captured now
+    /// if the work was seen before, else as it is.
+    fn issue_recorded(
+        &self,
+        replay: &mut replay::Replay<Graph>,
+        work: replay::Work,
+    ) -> Result<(), PluginError> {
+        if work.ops.is_empty() {
+            return Ok(());
+        }
+        let key = work.key();
+        match replay.decide(key, &work) {
+            replay::Decision::Replay(kept) => match &kept.graph {
+                Some(graph) => graph
+                    .0
+                    .launch()
+                    .map_err(|e| driver_error("launching a CUDA graph", e)),
+                None => self.issue(&kept.work),
+            },
+            replay::Decision::Issue => self.issue(&work),
+            replay::Decision::Capture => {
+                let graph = match &self.backing {
+                    Backing::Cuda(cuda) => self.capture(cuda, &work),
+                    Backing::Emulated(_) => None,
+                };
+                let issued = match &graph {
+                    Some(graph) => graph
+                        .0
+                        .launch()
+                        .map_err(|e| driver_error("launching a CUDA graph", e)),
+                    None => self.issue(&work),
+                };
+                replay.keep(key, work, graph);
+                issued
+            }
+        }
+    }
+
+    /// `work` captured as a CUDA graph, or `None` (with a warning) where the capture failed —
+    /// its work is then issued as it is, now and whenever it recurs.
+    fn capture(&self, cuda: &Cuda, work: &replay::Work) -> Option<Graph> {
+        let captured = (|| {
+            cuda.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| driver_error("starting a CUDA graph capture", e))?;
+            let issued = self.issue(work);
+            let graph = cuda
+                .stream
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .map_err(|e| driver_error("capturing a CUDA graph", e));
+            issued?;
+            graph?.ok_or_else(|| {
+                PluginError::new(ErrorKind::Internal, "cuda-hybrid: an empty CUDA graph")
+            })
+        })();
+        match captured {
+            Ok(graph) => Some(Graph(graph)),
+            Err(e) => {
+                tracing::warn!("cuda-hybrid: a pass runs without a CUDA graph: {e}");
+                None
+            }
+        }
+    }
+
+    /// Issues recorded work as it is: each launch and copy, in order.
+    fn issue(&self, work: &replay::Work) -> Result<(), PluginError> {
+        if let Backing::Cuda(cuda) = &self.backing {
+            // The raw copies below need the context current on this thread (cudarc's own
+            // calls make it so themselves).
+            cuda.ctx
+                .bind_to_thread()
+                .map_err(|e| driver_error("binding the CUDA context", e))?;
+        }
+        for op in &work.ops {
+            match *op {
+                replay::Op::Launch {
+                    kernel,
+                    grid,
+                    block,
+                    first,
+                    count,
+                } => self.launch_now(kernel, grid, block, work.launch_args(first, count))?,
+                replay::Op::Copy {
+                    kind,
+                    src,
+                    dst,
+                    bytes,
+                } => self.copy_now(kind, src, dst, bytes as usize)?,
+                replay::Op::Zero { dst, bytes } => self.zero_now(dst, bytes as usize)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// A recorded copy, issued now.
+    fn copy_now(
+        &self,
+        kind: replay::CopyKind,
+        src: u64,
+        dst: u64,
+        bytes: usize,
+    ) -> Result<(), PluginError> {
+        use replay::CopyKind::*;
+        match &self.backing {
+            Backing::Cuda(cuda) => {
+                let stream = cuda.stream.cu_stream();
+                // SAFETY: the copy was recorded by one of the checked copies above: `src` and
+                // `dst` are live device allocations of this context, or page-locked host
+                // memory the `Gpu`'s owner keeps until the pass's `sync`, each holding `bytes`
+                // bytes; the copy is ordered on the one stream every launch and copy uses.
+                unsafe {
+                    match kind {
+                        HostToDevice => cudarc::driver::result::memcpy_htod_async(
+                            dst,
+                            std::slice::from_raw_parts(src as *const u8, bytes),
+                            stream,
+                        ),
+                        DeviceToHost => cudarc::driver::result::memcpy_dtoh_async(
+                            std::slice::from_raw_parts_mut(dst as *mut u8, bytes),
+                            src,
+                            stream,
+                        ),
+                        DeviceToDevice => {
+                            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream)
+                        }
+                    }
+                }
+                .map_err(|e| driver_error("a recorded copy", e))
+            }
+            Backing::Emulated(_) => {
+                // SAFETY: as above, with host memory standing in for device memory; the
+                // recorded ranges do not overlap (checked when recorded).
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+                Ok(())
+            }
+        }
+    }
+
+    /// A recorded clearing of `bytes` bytes at device address `dst`, issued now.
+    fn zero_now(&self, dst: u64, bytes: usize) -> Result<(), PluginError> {
+        match &self.backing {
+            // SAFETY: recorded by `zero_range` from a live allocation of this context holding
+            // `bytes` bytes at `dst`; ordered on the one stream.
+            Backing::Cuda(cuda) => unsafe {
+                cudarc::driver::result::memset_d8_async(dst, 0, bytes, cuda.stream.cu_stream())
+            }
+            .map_err(|e| driver_error("clearing device memory", e)),
+            Backing::Emulated(_) => {
+                // SAFETY: as above, with host memory standing in for device memory.
+                unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+                Ok(())
+            }
         }
     }
 }

@@ -227,9 +227,9 @@ pub fn device_or_skip(test: &str) -> Option<Device> {
 /// The device as a [`specula_cuda_hybrid::gpu::Gpu`].
 pub fn open_device(device: &Device) -> specula_cuda_hybrid::gpu::Gpu {
     match device {
-        Device::Cuda => specula_cuda_hybrid::gpu::Gpu::open(0, None)
+        Device::Cuda => specula_cuda_hybrid::gpu::Gpu::open(0, None, false)
             .unwrap_or_else(|e| panic!("opening the GPU: {e}")),
-        Device::Emulated(e) => specula_cuda_hybrid::gpu::Gpu::emulated(e.clone(), 1 << 34),
+        Device::Emulated(e) => specula_cuda_hybrid::gpu::Gpu::emulated(e.clone(), 1 << 34, false),
     }
 }
 
