@@ -906,7 +906,7 @@ impl Gpu {
         // Every pass that staged copies has ended with a `sync` (or the wait above): the
         // arena is free.
         replaying.replay.staging.reset();
-        replaying.replay.recording = Some(replay::Work::default());
+        replaying.replay.start();
         Ok(())
     }
 
@@ -979,7 +979,7 @@ impl Gpu {
             return Ok(());
         }
         let key = work.key();
-        match replay.decide(key, &work) {
+        let issued = match replay.decide(key, &work) {
             replay::Decision::Replay(kept) => match &kept.graph {
                 Some(graph) => graph
                     .0
@@ -1001,9 +1001,11 @@ impl Gpu {
                     None => self.issue(&work),
                 };
                 replay.keep(key, work, graph);
-                issued
+                return issued;
             }
-        }
+        };
+        replay.recycle(work);
+        issued
     }
 
     /// `work` captured as a CUDA graph, or `None` (with a warning) where the capture failed —

@@ -98,9 +98,10 @@ impl Work {
         &self.args[first as usize..(first + count) as usize]
     }
 
-    /// A hash of everything that makes two works the same graph.
+    /// A hash of everything that makes two works the same graph (a kernel by the address of
+    /// its name in the kernel table, which is the same for every launch of it).
     pub fn key(&self) -> u64 {
-        let mut h = Fnv::default();
+        let mut h = Mix::default();
         for op in &self.ops {
             match *op {
                 Op::Launch {
@@ -110,10 +111,11 @@ impl Work {
                     first,
                     count,
                 } => {
-                    h.bytes(kernel.as_bytes());
-                    h.words(&[grid.0.into(), grid.1.into(), grid.2.into(), block.into()]);
+                    h.add(kernel.as_ptr() as u64);
+                    h.add(u64::from(grid.0) | u64::from(grid.1) << 32);
+                    h.add(u64::from(grid.2) | u64::from(block) << 32);
                     for arg in self.launch_args(first, count) {
-                        h.words(&[arg_bits(arg)]);
+                        h.add(arg_bits(arg));
                     }
                 }
                 Op::Copy {
@@ -121,8 +123,16 @@ impl Work {
                     src,
                     dst,
                     bytes,
-                } => h.words(&[kind as u64 + 1, src, dst, bytes]),
-                Op::Zero { dst, bytes } => h.words(&[9, dst, bytes]),
+                } => {
+                    for word in [kind as u64 + 1, src, dst, bytes] {
+                        h.add(word);
+                    }
+                }
+                Op::Zero { dst, bytes } => {
+                    for word in [9, dst, bytes] {
+                        h.add(word);
+                    }
+                }
             }
         }
         h.0
@@ -157,26 +167,20 @@ fn arg_kind(arg: &Arg) -> u8 {
     }
 }
 
-/// FNV-1a, 64-bit.
-struct Fnv(u64);
+/// A word-at-a-time hash (a pass is thousands of words; equal keys are confirmed by
+/// [`Work::same`]).
+struct Mix(u64);
 
-impl Default for Fnv {
+impl Default for Mix {
     fn default() -> Self {
         Self(0xcbf2_9ce4_8422_2325)
     }
 }
 
-impl Fnv {
-    fn bytes(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-
-    fn words(&mut self, words: &[u64]) {
-        for w in words {
-            self.bytes(&w.to_le_bytes());
-        }
+impl Mix {
+    fn add(&mut self, word: u64) {
+        let x = (self.0 ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = x ^ (x >> 29);
     }
 }
 
@@ -248,6 +252,8 @@ pub struct Replay<G> {
     /// The pass being recorded, between `begin_pass` and `sync`.
     pub recording: Option<Work>,
     pub staging: Staging,
+    /// A finished recording's buffers, for the next pass's.
+    spare: Work,
     kept: Vec<Kept<G>>,
     seen: HashSet<u64>,
     clock: u64,
@@ -269,11 +275,25 @@ impl<G> Replay<G> {
         Self {
             recording: None,
             staging,
+            spare: Work::default(),
             kept: Vec::new(),
             seen: HashSet::new(),
             clock: 0,
             stats: ReplayStats::default(),
         }
+    }
+
+    /// Starts recording a pass, in the buffers of one recorded before.
+    pub fn start(&mut self) {
+        let mut work = std::mem::take(&mut self.spare);
+        work.ops.clear();
+        work.args.clear();
+        self.recording = Some(work);
+    }
+
+    /// Gives back a recording's buffers once its work is issued (and not kept).
+    pub fn recycle(&mut self, work: Work) {
+        self.spare = work;
     }
 
     /// What to do with `work`, whose key is `key`.
