@@ -184,9 +184,11 @@ static void launch(void (*kernel)(A...), unsigned gx, unsigned gy, unsigned gz, 
     const std::function<void()> run = [&]() {
         call(kernel, args, std::index_sequence_for<A...>{});
     };
-    for (unsigned z = 0; z < gz; ++z) {
-        for (unsigned y = 0; y < gy; ++y) {
-            for (unsigned x = 0; x < gx; ++x) {
+    // Last block first: CUDA runs a grid's blocks in no set order, and a kernel that leaned on
+    // one block finishing before a later one would pass in grid order and fail on a GPU.
+    for (unsigned z = gz; z-- > 0;) {
+        for (unsigned y = gy; y-- > 0;) {
+            for (unsigned x = gx; x-- > 0;) {
                 emu_block_idx = emu_dim3{x, y, z};
                 run_block(block, run);
             }

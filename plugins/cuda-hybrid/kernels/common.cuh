@@ -177,3 +177,27 @@ __device__ float block_max_f32(float v, float* scratch) {
 // Ints per row of a pass's row table (attention.cu, rope.cu): sequence slot, cache position,
 // start of the tree path (-1 for a chain row), the tree's first position, RoPE position.
 #define ROW_INFO 5
+
+// One run of a Gated DeltaNet launch (conv.cu, gdn.cu): GDN_RUN 64-bit words at
+// runs + r * GDN_RUN — the address of the sequence's ring planes, the run's first row in the
+// pass, its rows, the plane its first row reads, and the plane its first row writes (-1: the
+// one after the start plane).
+#define GDN_RUN 5
+struct GdnRun {
+    float* planes;
+    int first;
+    int rows;
+    int start_plane;
+    int write_plane;
+};
+
+__device__ __forceinline__ GdnRun gdn_run(const long long* runs, int r) {
+    const long long* p = runs + (u64)r * GDN_RUN;
+    GdnRun run;
+    run.planes = (float*)(u64)p[0];
+    run.first = (int)p[1];
+    run.rows = (int)p[2];
+    run.start_plane = (int)p[3];
+    run.write_plane = (int)p[4];
+    return run;
+}

@@ -34,9 +34,12 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ x, int channels, in
 //   row j:  M_j <- decay * M_j;  d_j = (v_j - M_j . k) * beta;  M_j <- M_j + d_j * k;
 //           o_j = M_j . q;
 //   out[t][h*S + j] = o_j (gdn_gated_norm below then norms and gates it).
-// Token t writes its state to plane (first + t) % n_planes, first = write_plane when it is
+// A launch runs several runs of rows (common.cuh's GdnRun: one sequence's consecutive rows
+// each, independent of each other), a run's tokens in order. Token t of a run writes its
+// state to plane (first + t) % n_planes of the run's ring, first = write_plane when it is
 // >= 0 (a run of a tree's rows, each the child of the one before, the first reading its
-// parent's state) else start_plane + 1; token 0 reads the start plane.
+// parent's state) else start_plane + 1; token 0 reads the start plane. conv_out, beta_raw,
+// alpha_raw and out are the pass's rows; a run's are from its first row.
 // b and a: `grouped` 0 (qwen35): beta_raw[t * n_v_heads + h], alpha_raw[t * n_v_heads + h];
 // `grouped` 1 (qwen3next ssm_ba, both pointers the same buffer of 2 * n_v_heads per row): per
 // key head, n_v/n_k betas then n_v/n_k alphas.
@@ -45,8 +48,8 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ x, int channels, in
 // for all the launch's tokens, held in registers: lane l owns columns l, l + 32, ... (S <=
 // 32 * GDN_PER_LANE). The dot products are summed per lane in column order, then across the
 // lanes by warp_sum, the same for every token whatever the launch's row count.
-// Launch: grid = (n_v_heads, ceil(S / GDN_WARPS)), blockDim = 32 * GDN_WARPS; warp w of block
-// (h, y) owns row j = y * GDN_WARPS + w of head h.
+// Launch: grid = (n_v_heads, ceil(S / GDN_WARPS), n_runs), blockDim = 32 * GDN_WARPS; warp w of
+// block (h, y, z) owns row j = y * GDN_WARPS + w of head h in run z.
 #define GDN_WARPS 4
 #define GDN_PER_LANE 8
 extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, int channels,
@@ -54,11 +57,15 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
                                           const float* __restrict__ alpha_raw, int grouped,
                                           const float* __restrict__ dt_bias,
                                           const float* __restrict__ ssm_a,
-                                          float* planes, u64 plane_len, u64 layer_offset,
-                                          u64 conv_len, int n_planes, int start_plane,
-                                          int write_plane, int rows,
-                                          int head_dim, int n_k_heads, int n_v_heads,
-                                          int head_map, float* __restrict__ out) {
+                                          const long long* __restrict__ runs,
+                                          u64 plane_len, u64 layer_offset, u64 conv_len,
+                                          int n_planes, int head_dim, int n_k_heads,
+                                          int n_v_heads, int head_map, float* __restrict__ out) {
+    const GdnRun run = gdn_run(runs, blockIdx.z);
+    float* planes = run.planes;
+    const int start_plane = run.start_plane;
+    const int write_plane = run.write_plane;
+    const int rows = run.rows;
     const int h = blockIdx.x;
     const int lane = threadIdx.x % 32;
     const int j = blockIdx.y * GDN_WARPS + threadIdx.x / 32;
@@ -84,7 +91,8 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
         m[c] = c < per_lane && i < S ? m_in[i] : 0.0f;
     }
     for (int t = 0; t < rows; ++t) {
-        const float* row = conv_out + (u64)t * channels;
+        const int pass_row = run.first + t;
+        const float* row = conv_out + (u64)pass_row * channels;
         float ks[GDN_PER_LANE], qs[GDN_PER_LANE];
 #pragma unroll
         for (int c = 0; c < GDN_PER_LANE; ++c) {
@@ -96,12 +104,13 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
         const float v_j = row[2 * key_dim + (u64)h * S + j];
         float b, a;
         if (grouped) {
-            const u64 base = (u64)t * 2 * n_v_heads + (u64)(h / per_group) * 2 * per_group;
+            const u64 base =
+                (u64)pass_row * 2 * n_v_heads + (u64)(h / per_group) * 2 * per_group;
             b = beta_raw[base + h % per_group];
             a = alpha_raw[base + per_group + h % per_group];
         } else {
-            b = beta_raw[(u64)t * n_v_heads + h];
-            a = alpha_raw[(u64)t * n_v_heads + h];
+            b = beta_raw[(u64)pass_row * n_v_heads + h];
+            a = alpha_raw[(u64)pass_row * n_v_heads + h];
         }
         const float beta = sigmoid_f(b);
         const float g = softplus_f(a + dt) * a_h;
@@ -128,7 +137,7 @@ extern "C" __global__ void gdn_recurrence(const float* __restrict__ conv_out, in
         }
         o = warp_sum(o);
         if (lane == 0) {
-            out[(u64)t * value_dim + (u64)h * S + j] = o;
+            out[(u64)pass_row * value_dim + (u64)h * S + j] = o;
         }
     }
 }

@@ -1555,7 +1555,20 @@ fn gated_delta_net_recurrence_follows_the_cpu_step() {
             layer_offset: 0,
             conv_len,
         };
-        ops::gdn_recurrence(&gpu, &inputs, &dims, &ring, 0, None, rows, out.ptr()).unwrap();
+        let run = ops::GdnRun {
+            planes: d_planes.ptr(),
+            first: 0,
+            rows,
+            start: 0,
+            write: None,
+        };
+        let table = gpu.upload(&run.words()).unwrap();
+        let runs = ops::GdnRuns {
+            table: table.ptr(),
+            count: 1,
+            max_rows: rows,
+        };
+        ops::gdn_recurrence(&gpu, &inputs, &dims, &ring, &runs, out.ptr()).unwrap();
         ops::gdn_gated_norm(&gpu, &dims, out.ptr(), d_z.ptr(), d_norm.ptr(), rows).unwrap();
         let got = download(&gpu, &out);
         let got_planes = download(&gpu, &d_planes);

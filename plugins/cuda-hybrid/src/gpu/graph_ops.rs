@@ -50,6 +50,28 @@ fn cache_layer(m: &GpuModel, seq: usize, slot: KvSlot) -> Result<(KvLayer, usize
     }
 }
 
+/// Trunk layer `layer`'s part of the device rings of `rows`' sequences ([`ops::RingSlot`] of
+/// the first: the layout is every sequence's), checked: the layer is a GPU Gated DeltaNet
+/// layer and the sequence has a device ring.
+fn gdn_ring_slot(m: &GpuModel, rows: &Rows, layer: usize) -> Result<ops::RingSlot, PluginError> {
+    let seq = rows.spans.first().map_or(0, |span| span.seq);
+    ring_slot(m, seq, layer)
+}
+
+/// Trunk layer `layer`'s part of sequence slot `seq`'s device ring, checked.
+fn ring_slot(m: &GpuModel, seq: usize, layer: usize) -> Result<ops::RingSlot, PluginError> {
+    let state = m
+        .seqs
+        .get(seq)
+        .and_then(|s| s.ring.as_ref())
+        .ok_or_else(|| graph_error("a Gated DeltaNet layer without a device ring"))?;
+    let local = layer
+        .checked_sub(m.first_gdn)
+        .filter(|&i| i < state.layout.n_layers)
+        .ok_or_else(|| graph_error(&format!("GDN layer {layer} is not on the GPU")))?;
+    Ok(state.slot(local))
+}
+
 /// Cache layer `slot` of each span of `rows`, checked: the span's sequence is on the GPU and
 /// its positions fit the cache (a trunk layer is one pool for every sequence; the MTP head's
 /// caches are each sequence's own).
@@ -83,6 +105,9 @@ pub struct GpuOps<'a> {
     /// Whether the pass's row table and its tree rows' paths are in the device scratch: written once a pass, read by every layer (the rows are the same for all
     /// layers of a pass).
     rows_written: bool,
+    /// The launches of the pass's Gated DeltaNet runs (the same for every layer), once
+    /// written to the device ([`Self::write_gdn_runs`]).
+    gdn_waves: Option<Vec<ops::GdnRuns>>,
 }
 
 impl<'a> GpuOps<'a> {
@@ -90,6 +115,7 @@ impl<'a> GpuOps<'a> {
         Self {
             m,
             rows_written: false,
+            gdn_waves: None,
         }
     }
 
@@ -144,6 +170,81 @@ impl<'a> GpuOps<'a> {
             paths: m.scratch.extras.tree_paths.ptr(),
             max_keys: rows.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0),
         }
+    }
+
+    /// Writes the pass's Gated DeltaNet runs to the device and returns its launches, once per
+    /// pass (every GDN layer runs the same runs, in its own part of the planes): each
+    /// sequence's rows in runs of at most the ring's depth, so no token overwrites the plane
+    /// its run starts from (the convolution reads it for every token), and a tree's rows a
+    /// run at a time — rows each the child of the row before — the run's first from its
+    /// parent's state (the plane of step parent + 1, or the live one for a root), each into
+    /// its own plane (step row + 1). The `w`-th runs of all sequences are one launch: they are
+    /// independent, while a sequence's next run starts from the state its run before wrote.
+    fn write_gdn_runs(
+        &mut self,
+        rows: &Rows,
+        layer: usize,
+    ) -> Result<Vec<ops::GdnRuns>, PluginError> {
+        if let Some(waves) = &self.gdn_waves {
+            return Ok(waves.clone());
+        }
+        let m = &mut *self.m;
+        // (wave, run), in the order of the pass's rows.
+        let mut runs: Vec<(usize, ops::GdnRun)> = Vec::new();
+        for (row0, span) in rows.with_offsets() {
+            let planes = ring_slot(m, span.seq, layer)?.planes;
+            let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
+                return Err(graph_error("a Gated DeltaNet layer without a device ring"));
+            };
+            let depth = state.index.depth();
+            let (mut step, mut wave) = (0, 0);
+            while step < span.n {
+                let (n, start, write) = match span.tree {
+                    None => {
+                        let (start, _) = state.index.step_planes(span.ring_step0 + step);
+                        (depth.min(span.n - step), start, None)
+                    }
+                    Some(tree) => {
+                        let row = span.ring_step0 + step;
+                        let (start, write) = state.index.tree_planes(tree.read_step(row), row);
+                        let run = (1..depth.min(span.n - step))
+                            .take_while(|&k| tree.parents[row + k] as usize == row + k - 1)
+                            .count();
+                        (1 + run, start, Some(write))
+                    }
+                };
+                let run = ops::GdnRun {
+                    planes,
+                    first: row0 + step,
+                    rows: n,
+                    start,
+                    write,
+                };
+                runs.push((wave, run));
+                step += n;
+                wave += 1;
+            }
+        }
+        // Wave by wave (stable: each wave's runs in the order of the rows).
+        runs.sort_by_key(|&(wave, _)| wave);
+        let table: Vec<i64> = runs.iter().flat_map(|(_, run)| run.words()).collect();
+        m.gpu.write(&table, &mut m.scratch.extras.gdn_runs, 0)?;
+        let base = m.scratch.extras.gdn_runs.ptr();
+        let mut waves: Vec<ops::GdnRuns> = Vec::new();
+        for (i, &(wave, run)) in runs.iter().enumerate() {
+            if waves.len() == wave {
+                waves.push(ops::GdnRuns {
+                    table: base + (8 * ops::GDN_RUN * i) as u64,
+                    count: 0,
+                    max_rows: 0,
+                });
+            }
+            let launch = &mut waves[wave];
+            launch.count += 1;
+            launch.max_rows = launch.max_rows.max(run.rows);
+        }
+        self.gdn_waves = Some(waves.clone());
+        Ok(waves)
     }
 
     /// The `n` rows from row `first` of `all`, one sequence's at positions `pos0 ..`, through
@@ -420,18 +521,14 @@ impl LayerOps for GpuOps<'_> {
         dst: Act,
         rows: &Rows,
     ) -> Result<(), PluginError> {
+        let shape = self.m.dims.check_gdn(&inputs, dst)?;
+        let waves = self.write_gdn_runs(rows, ring)?;
         let m = &*self.m;
-        let shape = &m.dims.check_gdn(&inputs, dst)?;
         let s = &m.scratch;
-        let (c, vd, hv, sd) = (
-            shape.channels(),
-            shape.value_dim(),
-            shape.n_v_heads,
-            shape.head_dim,
-        );
-        let (beta, alpha, grouped, per_row) = match inputs.beta_alpha {
-            BetaAlphaRows::Separate { beta, alpha } => (s.act(beta), s.act(alpha), false, hv),
-            BetaAlphaRows::Grouped(ba) => (s.act(ba), s.act(ba), true, 2 * hv),
+        let (c, hv, sd) = (shape.channels(), shape.n_v_heads, shape.head_dim);
+        let (beta, alpha, grouped) = match inputs.beta_alpha {
+            BetaAlphaRows::Separate { beta, alpha } => (s.act(beta), s.act(alpha), false),
+            BetaAlphaRows::Grouped(ba) => (s.act(ba), s.act(ba), true),
         };
         let (mixed, z, out) = (s.act(inputs.mixed), s.act(inputs.z), s.act(dst));
         let conv_out = &s.extras.conv_out;
@@ -453,56 +550,20 @@ impl LayerOps for GpuOps<'_> {
             eps: shape.eps,
         };
         let q_scale = 1.0 / (sd as f32).sqrt();
-        // Each sequence's rows in launches of at most the ring's depth, so no token overwrites
-        // the plane its launch starts from (the convolution reads it for every token). A tree's
-        // rows go a run at a time — rows each the child of the row before — the run's first
-        // from its parent's state (the plane of step parent + 1, or the live one for a root),
-        // each into its own plane (step row + 1).
-        let mut launches = Vec::new();
-        for (row0, span) in rows.with_offsets() {
-            let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
-                return Err(graph_error("a Gated DeltaNet layer without a device ring"));
-            };
-            let local = ring
-                .checked_sub(m.first_gdn)
-                .filter(|&i| i < state.layout.n_layers)
-                .ok_or_else(|| graph_error(&format!("GDN layer {ring} is not on the GPU")))?;
-            let ring_slot = state.slot(local);
-            let depth = state.index.depth();
-            let mut step = 0;
-            while step < span.n {
-                let (n, start, write) = match span.tree {
-                    None => {
-                        let (start, _) = state.index.step_planes(span.ring_step0 + step);
-                        (depth.min(span.n - step), start, None)
-                    }
-                    Some(tree) => {
-                        let row = span.ring_step0 + step;
-                        let (start, write) = state.index.tree_planes(tree.read_step(row), row);
-                        let run = (1..depth.min(span.n - step))
-                            .take_while(|&k| tree.parents[row + k] as usize == row + k - 1)
-                            .count();
-                        (1 + run, start, Some(write))
-                    }
-                };
-                launches.push((row0 + step, n, ring_slot, start, write));
-                step += n;
-            }
-        }
+        // The layer's part of the planes (the same in every sequence's ring).
+        let ring_slot = gdn_ring_slot(m, rows, ring)?;
         // All the convolutions, then all the recurrences: a plane's convolution state and its
         // S matrices are separate parts of it, so each keeps its own order of writes and reads.
-        for &(first, n, ring_slot, start, write) in &launches {
+        for wave in &waves {
             ops::gdn_conv(
                 &m.gpu,
-                mixed.at(first * c),
+                mixed.ptr(),
                 &conv,
                 &ring_slot,
-                start,
-                write,
-                n,
+                wave,
                 shape.conv_kernel,
                 c,
-                conv_out.at(first * c),
+                conv_out.ptr(),
             )?;
         }
         // Row-wise: every sequence's rows at once.
@@ -516,25 +577,16 @@ impl LayerOps for GpuOps<'_> {
             shape.eps,
             q_scale,
         )?;
-        for &(first, n, ring_slot, start, write) in &launches {
-            let inputs = ops::GdnInputs {
-                conv_out: conv_out.at(first * c),
-                beta: beta.at(first * per_row),
-                alpha: alpha.at(first * per_row),
-                grouped,
-                dt_bias: dt_bias.ptr,
-                ssm_a: a.ptr,
-            };
-            ops::gdn_recurrence(
-                &m.gpu,
-                &inputs,
-                &dims,
-                &ring_slot,
-                start,
-                write,
-                n,
-                out.at(first * vd),
-            )?;
+        let inputs = ops::GdnInputs {
+            conv_out: conv_out.ptr(),
+            beta: beta.ptr(),
+            alpha: alpha.ptr(),
+            grouped,
+            dt_bias: dt_bias.ptr,
+            ssm_a: a.ptr,
+        };
+        for wave in &waves {
+            ops::gdn_recurrence(&m.gpu, &inputs, &dims, &ring_slot, wave, out.ptr())?;
         }
         ops::gdn_gated_norm(&m.gpu, &dims, out.ptr(), z.ptr(), norm.ptr, rows.n)
     }

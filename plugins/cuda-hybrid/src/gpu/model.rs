@@ -20,7 +20,7 @@ use specula_engine::recurrent::{RingIndex, StateLayout};
 use specula_plugin_api::PluginError;
 
 use super::graph_ops::{GpuOps, Uploader};
-use super::ops::{DevRope, KvLayer, Q8Scratch, RingSlot, ATTENTION_ROWS, ROW_INFO};
+use super::ops::{DevRope, KvLayer, Q8Scratch, RingSlot, ATTENTION_ROWS, GDN_RUN, ROW_INFO};
 use super::weights::WeightStore;
 use super::{DevBuf, Gpu};
 
@@ -254,7 +254,9 @@ pub fn scratch_bytes(dims: &Dims, rows: usize, n_ctx: usize) -> u64 {
     let extras: usize = extra_lens(dims, rows, n_ctx).iter().sum();
     let indices =
         2 * rows * dims.moe().map_or(0, |m| m.n_used) + tree_path_values(rows) + ROW_INFO * rows;
-    4 * (acts + extras + indices) as u64 + Q8Scratch::bytes(q8_values(dims, rows))
+    4 * (acts + extras + indices) as u64
+        + (8 * GDN_RUN * rows) as u64
+        + Q8Scratch::bytes(q8_values(dims, rows))
 }
 
 /// Device buffers the operations use besides the graph's [`Act`] roles.
@@ -282,6 +284,8 @@ pub struct Extras {
     pub tree_paths: DevBuf<i32>,
     /// Each row's sequence, positions and tree path ([`super::ops::AttentionRows`]).
     pub row_info: DevBuf<i32>,
+    /// The pass's Gated DeltaNet runs ([`super::ops::GdnRun`]; at most one per row).
+    pub gdn_runs: DevBuf<i64>,
 }
 
 /// Ints the paths of a pass's tree rows take at most: per row its path's length and nodes
@@ -327,6 +331,7 @@ impl GpuScratch {
                 route_weights: gpu.zeros(rows * k)?,
                 tree_paths: gpu.zeros(tree_path_values(rows))?,
                 row_info: gpu.zeros(ROW_INFO * rows)?,
+                gdn_runs: gpu.zeros(GDN_RUN * rows)?,
             },
             q8: Q8Scratch::new(gpu, q8_values(dims, rows))?,
             n_ctx,

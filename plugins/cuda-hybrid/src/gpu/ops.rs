@@ -540,7 +540,8 @@ pub fn attention(
     Ok(())
 }
 
-/// Where a Gated DeltaNet layer's state is in the device ring.
+/// Where a Gated DeltaNet layer's state is in a sequence's device ring. (The kernels take
+/// the ring's address from each run, [`GdnRun::planes`], and the layout from here.)
 #[derive(Debug, Clone, Copy)]
 pub struct RingSlot {
     pub planes: u64,
@@ -552,41 +553,80 @@ pub struct RingSlot {
     pub conv_len: usize,
 }
 
-/// The causal convolution of `rows` tokens (`rows < n_planes`) whose first token reads ring
-/// plane `start_plane`; token `t` writes plane `write_plane + t` when given (a run of a tree's
-/// rows), else `start_plane + t + 1`.
+/// Words per run in a Gated DeltaNet launch's run table (`GdnRun` in kernels/common.cuh).
+pub const GDN_RUN: usize = 5;
+
+/// One run of a Gated DeltaNet launch: `rows` consecutive rows of one sequence, from row
+/// `first` of the pass, whose ring planes are at `planes`; its first row reads plane `start`,
+/// row `t` writes plane `write + t` when given (a run of a tree's rows, each the child of the
+/// one before), else `start + 1 + t`. A launch's runs are independent of each other (at most
+/// one per sequence), and a run has fewer rows than the ring has planes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnRun {
+    pub planes: u64,
+    pub first: usize,
+    pub rows: usize,
+    pub start: usize,
+    pub write: Option<usize>,
+}
+
+impl GdnRun {
+    /// The run as its words in a run table.
+    pub fn words(&self) -> [i64; GDN_RUN] {
+        [
+            self.planes as i64,
+            self.first as i64,
+            self.rows as i64,
+            self.start as i64,
+            self.write.map_or(-1, |w| w as i64),
+        ]
+    }
+}
+
+/// The runs of one Gated DeltaNet launch: `count` runs ([`GdnRun::words`]) at device address
+/// `table`, none of more than `max_rows` rows.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnRuns {
+    pub table: u64,
+    pub count: usize,
+    pub max_rows: usize,
+}
+
+/// The causal convolution of the rows of `runs` (the pass's rows `mixed`, into the pass's
+/// rows `out`), each run's first token reading its start plane and every token writing its
+/// own (see [`GdnRun`]), in layer `ring`'s part of each plane.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_conv(
     gpu: &Gpu,
     mixed: u64,
     taps: &DevVec,
     ring: &RingSlot,
-    start_plane: usize,
-    write_plane: Option<usize>,
-    rows: usize,
+    runs: &GdnRuns,
     kernel: usize,
     channels: usize,
     out: u64,
 ) -> Result<(), PluginError> {
-    if rows >= ring.n_planes {
+    if runs.max_rows >= ring.n_planes {
         return Err(internal(format!(
-            "cuda-hybrid: {rows} convolution steps in one launch, but the ring has {} planes",
-            ring.n_planes
+            "cuda-hybrid: {} convolution steps in one run, but the ring has {} planes",
+            runs.max_rows, ring.n_planes
         )));
     }
     gpu.launch(
         "gdn_conv",
-        (blocks(channels, 128), blocks(rows, 1), 1),
+        (
+            blocks(channels, 128),
+            blocks(runs.max_rows, 1),
+            blocks(runs.count, 1),
+        ),
         128,
         &[
             Arg::Ptr(mixed),
             Arg::Ptr(taps.ptr),
-            Arg::Ptr(ring.planes),
+            Arg::Ptr(runs.table),
             Arg::U64(ring.plane_len as u64),
             Arg::U64(ring.layer_offset as u64),
             int(ring.n_planes),
-            int(start_plane),
-            plane_arg(write_plane),
             int(kernel),
             int(channels),
             Arg::Ptr(out),
@@ -649,25 +689,24 @@ pub struct GdnDims {
 const GDN_WARPS: usize = 4;
 const GDN_MAX_STATE: usize = 32 * 8;
 
-/// The recurrence of `rows` tokens, the first reading plane `start_plane`, each the next the
-/// state the token before wrote (token `t` writes plane `write_plane + t` when given: a run of
-/// a tree's rows; else `start_plane + t + 1`); writes `rows × n_v_heads × head_dim` values to
-/// `out`, which [`gdn_gated_norm`] then norms and gates.
+/// The recurrence of the rows of `runs` (the pass's rows of `inputs`), each run's tokens in
+/// order, the first reading its start plane and each the next the state the token before
+/// wrote (see [`GdnRun`]), in layer `ring`'s part of each plane; writes each row's
+/// `n_v_heads × head_dim` values to the pass's rows `out`, which [`gdn_gated_norm`] then
+/// norms and gates.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_recurrence(
     gpu: &Gpu,
     inputs: &GdnInputs,
     dims: &GdnDims,
     ring: &RingSlot,
-    start_plane: usize,
-    write_plane: Option<usize>,
-    rows: usize,
+    runs: &GdnRuns,
     out: u64,
 ) -> Result<(), PluginError> {
-    if rows >= ring.n_planes {
+    if runs.max_rows >= ring.n_planes {
         return Err(internal(format!(
-            "cuda-hybrid: {rows} recurrence steps in one launch, but the ring has {} planes",
-            ring.n_planes
+            "cuda-hybrid: {} recurrence steps in one run, but the ring has {} planes",
+            runs.max_rows, ring.n_planes
         )));
     }
     if dims.head_dim > GDN_MAX_STATE {
@@ -681,7 +720,7 @@ pub fn gdn_recurrence(
         (
             blocks(dims.n_v_heads, 1),
             blocks(dims.head_dim, GDN_WARPS),
-            1,
+            blocks(runs.count, 1),
         ),
         (32 * GDN_WARPS) as u32,
         &[
@@ -692,14 +731,11 @@ pub fn gdn_recurrence(
             Arg::I32(i32::from(inputs.grouped)),
             Arg::Ptr(inputs.dt_bias),
             Arg::Ptr(inputs.ssm_a),
-            Arg::Ptr(ring.planes),
+            Arg::Ptr(runs.table),
             Arg::U64(ring.plane_len as u64),
             Arg::U64(ring.layer_offset as u64),
             Arg::U64(ring.conv_len as u64),
             int(ring.n_planes),
-            int(start_plane),
-            plane_arg(write_plane),
-            int(rows),
             int(dims.head_dim),
             int(dims.n_k_heads),
             int(dims.n_v_heads),
@@ -738,12 +774,6 @@ pub fn gdn_gated_norm(
             int(dims.n_v_heads),
         ],
     )
-}
-
-/// A kernel's `write_plane` argument: the plane a launch's first token writes (a run of a
-/// tree's rows), or -1 for the plane after the start plane.
-fn plane_arg(plane: Option<usize>) -> Arg {
-    plane.map_or(Arg::I32(-1), int)
 }
 
 /// Routing of `rows` rows of router logits (overwritten with probabilities).
