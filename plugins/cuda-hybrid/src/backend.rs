@@ -501,33 +501,39 @@ impl Executor for CudaExecutor {
             return pool.install(|| host.head(model, &rows, hidden, logits));
         };
         d.model.gpu.begin_pass()?;
-        sync_block_tables(host, &mut d.model, chunks)?;
-        d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
-        let gpu_model = &mut d.model;
-        let x = gpu_model.scratch.act_mut(Act::X);
-        gpu_model.gpu.copy_to_device(&d.pinned_in, m * e, x, 0)?;
-        gpu_model.forward_layers(model, &rows)?;
-        if placement.head_on_gpu {
-            gpu_model.head(model, &rows)?;
-            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
-            gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
-            gpu.copy_to_host(
-                &scratch.extras.logits,
-                0,
-                n_logits * vocab,
-                &mut d.pinned_logits,
-            )?;
-            gpu.sync()?;
-            hidden.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
-            Ok(())
-        } else {
-            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
-            gpu.copy_to_host(scratch.act(Act::X), 0, m * e, &mut d.pinned_hidden)?;
-            gpu.sync()?;
-            host.residual()[..m * e].copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            pool.install(|| host.head(model, &rows, hidden, logits))
+        let passed = (|| {
+            sync_block_tables(host, &mut d.model, chunks)?;
+            d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
+            let gpu_model = &mut d.model;
+            let x = gpu_model.scratch.act_mut(Act::X);
+            gpu_model.gpu.copy_to_device(&d.pinned_in, m * e, x, 0)?;
+            gpu_model.forward_layers(model, &rows)?;
+            if placement.head_on_gpu {
+                gpu_model.head(model, &rows)?;
+                let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
+                gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
+                gpu.copy_to_host(
+                    &scratch.extras.logits,
+                    0,
+                    n_logits * vocab,
+                    &mut d.pinned_logits,
+                )?;
+                gpu.sync()?;
+                hidden.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
+                logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
+                Ok(())
+            } else {
+                let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
+                gpu.copy_to_host(scratch.act(Act::X), 0, m * e, &mut d.pinned_hidden)?;
+                gpu.sync()?;
+                host.residual()[..m * e].copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
+                pool.install(|| host.head(model, &rows, hidden, logits))
+            }
+        })();
+        if passed.is_err() {
+            d.model.gpu.abandon_pass();
         }
+        passed
     }
 
     fn commit(&mut self, seq: usize, start: usize, n: usize, tokens: &[u32]) {
@@ -611,30 +617,36 @@ impl Executor for CudaExecutor {
         let rows = Rows::new(&spans);
         let m = rows.n;
         let n_logits = rows.logit_rows();
-        MtpRows::write_all_inputs(
-            chunks,
-            &weights.embed.view(&model.file)?,
-            d.pinned_in.as_mut_slice()?,
-        );
-        let gpu_model = &mut d.model;
-        gpu_model.gpu.begin_pass()?;
-        let input = gpu_model.scratch.act_mut(Act::MtpIn);
-        gpu_model
-            .gpu
-            .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
-        gpu_model.mtp(model, &rows)?;
-        let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
-        gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
-        gpu.copy_to_host(
-            &scratch.extras.logits,
-            0,
-            n_logits * vocab,
-            &mut d.pinned_logits,
-        )?;
-        gpu.sync()?;
-        hidden_out.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-        logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
-        Ok(())
+        d.model.gpu.begin_pass()?;
+        let passed = (|| {
+            MtpRows::write_all_inputs(
+                chunks,
+                &weights.embed.view(&model.file)?,
+                d.pinned_in.as_mut_slice()?,
+            );
+            let gpu_model = &mut d.model;
+            let input = gpu_model.scratch.act_mut(Act::MtpIn);
+            gpu_model
+                .gpu
+                .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
+            gpu_model.mtp(model, &rows)?;
+            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
+            gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
+            gpu.copy_to_host(
+                &scratch.extras.logits,
+                0,
+                n_logits * vocab,
+                &mut d.pinned_logits,
+            )?;
+            gpu.sync()?;
+            hidden_out.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
+            logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
+            Ok(())
+        })();
+        if passed.is_err() {
+            d.model.gpu.abandon_pass();
+        }
+        passed
     }
 }
 

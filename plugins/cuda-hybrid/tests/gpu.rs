@@ -1715,6 +1715,7 @@ fn cuda_graphs_replay_passes_bit_for_bit() {
                 stats.replayed >= 10 && stats.captured >= 2 && stats.issued >= 2,
                 "{name}: {stats:?}"
             );
+            assert_eq!(stats.capture_failed, 0, "{name}: {stats:?}");
             assert_eq!(
                 stats.passes,
                 stats.replayed + stats.captured + stats.issued,

@@ -173,18 +173,15 @@ impl<'a> GpuOps<'a> {
     }
 
     /// Writes the pass's Gated DeltaNet runs to the device and returns its launches, once per
-    /// pass (every GDN layer runs the same runs, in its own part of the planes): each
+    /// pass and before its first launch, with the row table (every GDN layer runs the same
+    /// runs, in its own part of the planes; none where the GPU runs no GDN layer): each
     /// sequence's rows in runs of at most the ring's depth, so no token overwrites the plane
     /// its run starts from (the convolution reads it for every token), and a tree's rows a
     /// run at a time — rows each the child of the row before — the run's first from its
     /// parent's state (the plane of step parent + 1, or the live one for a root), each into
     /// its own plane (step row + 1). The `w`-th runs of all sequences are one launch: they are
     /// independent, while a sequence's next run starts from the state its run before wrote.
-    fn write_gdn_runs(
-        &mut self,
-        rows: &Rows,
-        layer: usize,
-    ) -> Result<Vec<ops::GdnRuns>, PluginError> {
+    pub fn write_gdn_runs(&mut self, rows: &Rows) -> Result<Vec<ops::GdnRuns>, PluginError> {
         if let Some(waves) = &self.gdn_waves {
             return Ok(waves.clone());
         }
@@ -192,10 +189,11 @@ impl<'a> GpuOps<'a> {
         // (wave, run), in the order of the pass's rows.
         let mut runs: Vec<(usize, ops::GdnRun)> = Vec::new();
         for (row0, span) in rows.with_offsets() {
-            let planes = ring_slot(m, span.seq, layer)?.planes;
             let Some(state) = m.seqs.get(span.seq).and_then(|s| s.ring.as_ref()) else {
-                return Err(graph_error("a Gated DeltaNet layer without a device ring"));
+                // No GDN layer on the GPU (a sequence with one has a device ring).
+                continue;
             };
+            let planes = state.planes.ptr();
             let depth = state.index.depth();
             let (mut step, mut wave) = (0, 0);
             while step < span.n {
@@ -522,7 +520,7 @@ impl LayerOps for GpuOps<'_> {
         rows: &Rows,
     ) -> Result<(), PluginError> {
         let shape = self.m.dims.check_gdn(&inputs, dst)?;
-        let waves = self.write_gdn_runs(rows, ring)?;
+        let waves = self.write_gdn_runs(rows)?;
         let m = &*self.m;
         let s = &m.scratch;
         let (c, hv, sd) = (shape.channels(), shape.n_v_heads, shape.head_dim);

@@ -177,10 +177,10 @@ struct Replaying {
 
 /// One device with its stream and kernels — a CUDA device, or the host [`emulator`] in tests.
 pub struct Gpu {
+    /// `Some` with CUDA graphs on. (First: its graphs go before the kernels' modules.)
+    replaying: Option<Mutex<Replaying>>,
     backing: Backing,
     pub info: DeviceInfo,
-    /// `Some` with CUDA graphs on.
-    replaying: Option<Mutex<Replaying>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -698,6 +698,9 @@ impl Gpu {
         }
         match (&self.backing, &buf.storage) {
             (Backing::Cuda(cuda), Storage::Cuda(_)) => {
+                cuda.ctx
+                    .bind_to_thread()
+                    .map_err(|e| driver_error("binding the CUDA context", e))?;
                 // SAFETY: both ranges lie inside the allocation behind `buf.ptr` and do not
                 // overlap (checked above); the copy is ordered on the one stream every
                 // launch and copy uses.
@@ -852,6 +855,7 @@ impl Gpu {
             if let Some(work) = replaying.replay.recording.take() {
                 let issued = self.issue_recorded(&mut replaying.replay, work);
                 let waited = self.wait();
+                replaying.replay.unwaited = false;
                 replaying.replay.staging.reset();
                 issued?;
                 return waited;
@@ -868,6 +872,25 @@ impl Gpu {
                 .synchronize()
                 .map_err(|e| driver_error("the device reported an error", e)),
             Backing::Emulated(_) => Ok(()),
+        }
+    }
+}
+
+/// Makes sure `cuda`'s stream is out of capture mode after a failed capture (cudarc's
+/// `end_capture` can return early), dropping whatever graph the capture left.
+fn leave_capture(cuda: &Cuda) {
+    let stream = cuda.stream.cu_stream();
+    // SAFETY: `stream` is this context's live stream; a graph `end_capture` hands back is
+    // ours to destroy.
+    unsafe {
+        let capturing = cudarc::driver::result::stream::is_capturing(stream);
+        if matches!(capturing, Ok(status) if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        {
+            if let Ok(graph) = cudarc::driver::result::stream::end_capture(stream) {
+                if !graph.is_null() {
+                    let _ = cudarc::driver::result::graph::destroy(graph);
+                }
+            }
         }
     }
 }
@@ -901,13 +924,30 @@ impl Gpu {
         };
         if let Some(stale) = replaying.replay.recording.take() {
             self.issue(&stale)?;
+            replaying.replay.unwaited = true;
+        }
+        if std::mem::take(&mut replaying.replay.unwaited) {
             self.wait()?;
         }
-        // Every pass that staged copies has ended with a `sync` (or the wait above): the
-        // arena is free.
+        // Every copy staged so far has been waited for: the arena is free.
         replaying.replay.staging.reset();
         replaying.replay.start();
         Ok(())
+    }
+
+    /// Ends a pass that failed before its [`Gpu::sync`]: issues what it recorded (the work
+    /// it asked for, as without graphs) and waits for it, so that what comes before the next
+    /// pass is issued as it is asked for. Errors are the failed pass's to report, not this.
+    pub fn abandon_pass(&self) {
+        let Some(mut replaying) = self.replaying() else {
+            return;
+        };
+        if let Some(work) = replaying.replay.recording.take() {
+            let _ = self.issue(&work);
+        }
+        let _ = self.wait();
+        replaying.replay.unwaited = false;
+        replaying.replay.staging.reset();
     }
 
     /// Whether passes are recorded (CUDA graphs on).
@@ -963,6 +1003,7 @@ impl Gpu {
         if let Some(work) = replay.recording.take() {
             replay.stats.passes += 1;
             replay.stats.issued += 1;
+            replay.unwaited = true;
             self.issue(&work)?;
         }
         Ok(false)
@@ -990,7 +1031,13 @@ impl Gpu {
             replay::Decision::Issue => self.issue(&work),
             replay::Decision::Capture => {
                 let graph = match &self.backing {
-                    Backing::Cuda(cuda) => self.capture(cuda, &work),
+                    Backing::Cuda(cuda) => {
+                        let graph = self.capture(cuda, &work);
+                        if graph.is_none() {
+                            replay.stats.capture_failed += 1;
+                        }
+                        graph
+                    }
                     Backing::Emulated(_) => None,
                 };
                 let issued = match &graph {
@@ -1012,6 +1059,11 @@ impl Gpu {
     /// its work is then issued as it is, now and whenever it recurs.
     fn capture(&self, cuda: &Cuda, work: &replay::Work) -> Option<Graph> {
         let captured = (|| {
+            // An error cudarc keeps from an earlier call would make `end_capture` return
+            // before ending the capture: report it first.
+            cuda.ctx
+                .check_err()
+                .map_err(|e| driver_error("an earlier CUDA call", e))?;
             cuda.stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(|e| driver_error("starting a CUDA graph capture", e))?;
@@ -1028,6 +1080,7 @@ impl Gpu {
         match captured {
             Ok(graph) => Some(Graph(graph)),
             Err(e) => {
+                leave_capture(cuda);
                 tracing::warn!("cuda-hybrid: a pass runs without a CUDA graph: {e}");
                 None
             }

@@ -560,6 +560,7 @@ impl GpuModel {
         // Before the first launch: a copy from pageable memory behind queued kernels would
         // wait for them.
         ops.write_rows(rows)?;
+        ops.write_gdn_runs(rows)?;
         for layer in layers {
             arch::layer(model, &mut ops, layer, rows)?;
         }

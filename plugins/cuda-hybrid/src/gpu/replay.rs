@@ -234,6 +234,9 @@ pub struct ReplayStats {
     pub captured: u64,
     /// Passes issued operation by operation (first seen, staging full, or not capturable).
     pub issued: u64,
+    /// Captures that failed (counted in `captured` too; the work is then issued as it is
+    /// whenever it recurs, counted as replayed).
+    pub capture_failed: u64,
 }
 
 /// A graph kept, with the work it was captured from.
@@ -252,6 +255,9 @@ pub struct Replay<G> {
     /// The pass being recorded, between `begin_pass` and `sync`.
     pub recording: Option<Work>,
     pub staging: Staging,
+    /// Whether work was issued since the last wait for the stream (so the arena may still be
+    /// read by copies in flight).
+    pub unwaited: bool,
     /// A finished recording's buffers, for the next pass's.
     spare: Work,
     kept: Vec<Kept<G>>,
@@ -275,6 +281,7 @@ impl<G> Replay<G> {
         Self {
             recording: None,
             staging,
+            unwaited: false,
             spare: Work::default(),
             kept: Vec::new(),
             seen: HashSet::new(),
@@ -404,7 +411,8 @@ mod tests {
                 passes: 3,
                 replayed: 1,
                 captured: 1,
-                issued: 1
+                issued: 1,
+                capture_failed: 0,
             }
         );
         for plane in 10..10 + GRAPHS_KEPT as i32 {
