@@ -510,18 +510,7 @@ impl Executor for CudaExecutor {
             gpu_model.forward_layers(model, &rows)?;
             if placement.head_on_gpu {
                 gpu_model.head(model, &rows)?;
-                let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
-                gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
-                gpu.copy_to_host(
-                    &scratch.extras.logits,
-                    0,
-                    n_logits * vocab,
-                    &mut d.pinned_logits,
-                )?;
-                gpu.sync()?;
-                hidden.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-                logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
-                Ok(())
+                hand_back(d, m * e, n_logits * vocab, hidden, logits)
             } else {
                 let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
                 gpu.copy_to_host(scratch.act(Act::X), 0, m * e, &mut d.pinned_hidden)?;
@@ -630,24 +619,41 @@ impl Executor for CudaExecutor {
                 .gpu
                 .copy_to_device(&d.pinned_in, m * 2 * e, input, 0)?;
             gpu_model.mtp(model, &rows)?;
-            let (gpu, scratch) = (&gpu_model.gpu, &gpu_model.scratch);
-            gpu.copy_to_host(scratch.act(Act::Hidden), 0, m * e, &mut d.pinned_hidden)?;
-            gpu.copy_to_host(
-                &scratch.extras.logits,
-                0,
-                n_logits * vocab,
-                &mut d.pinned_logits,
-            )?;
-            gpu.sync()?;
-            hidden_out.copy_from_slice(&pinned(&d.pinned_hidden)?[..m * e]);
-            logits.copy_from_slice(&pinned(&d.pinned_logits)?[..n_logits * vocab]);
-            Ok(())
+            hand_back(d, m * e, n_logits * vocab, hidden_out, logits)
         })();
         if passed.is_err() {
             d.model.gpu.abandon_pass();
         }
         passed
     }
+}
+
+/// Ends a pass whose head ran on the GPU: its final-norm hidden states (`hidden_values`
+/// floats) and logits (`logit_values`) copied back through the pinned buffers.
+fn hand_back(
+    d: &mut DeviceState,
+    hidden_values: usize,
+    logit_values: usize,
+    hidden: &mut [f32],
+    logits: &mut [f32],
+) -> Result<(), PluginError> {
+    let (gpu, scratch) = (&d.model.gpu, &d.model.scratch);
+    gpu.copy_to_host(
+        scratch.act(Act::Hidden),
+        0,
+        hidden_values,
+        &mut d.pinned_hidden,
+    )?;
+    gpu.copy_to_host(
+        &scratch.extras.logits,
+        0,
+        logit_values,
+        &mut d.pinned_logits,
+    )?;
+    gpu.sync()?;
+    hidden.copy_from_slice(&pinned(&d.pinned_hidden)?[..hidden_values]);
+    logits.copy_from_slice(&pinned(&d.pinned_logits)?[..logit_values]);
+    Ok(())
 }
 
 /// Makes the host pool's copy-on-write copies in the device's trunk caches; the ones a
