@@ -11,7 +11,9 @@
 //! recorded work is issued as the graph captured for exactly the same work, if there is one.
 //! Work first seen is issued as it is; work seen a second time is captured (it recurs: a
 //! plain decoding step, a verify pass of a given size at a given ring position), and its
-//! graph kept among the most recently used.
+//! graph kept among the most recently used. Where the graphs kept keep being dropped before
+//! any replay (batches of ever new shapes: a capture costs milliseconds), captures pause for
+//! a while.
 //!
 //! What a pass copies from pageable host memory (the row table, block tables) is staged in a
 //! page-locked arena at an offset that is part of the recorded work, so a replayed graph
@@ -31,6 +33,13 @@ pub const STAGING_BYTES: usize = 1 << 20;
 
 /// Keys remembered as seen once (forgotten all together past this many).
 const SEEN_KEPT: usize = 4096;
+
+/// Of the last this many graphs dropped to make room, ...
+const CHURN_WINDOW: usize = 32;
+/// ... this many never replayed mean the passes' shapes vary too much for graphs to pay (a
+/// capture costs milliseconds): no more captures for [`CHURN_PAUSE`] passes.
+const CHURN_LIMIT: usize = 16;
+const CHURN_PAUSE: u64 = 512;
 
 /// The direction of a recorded copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,6 +256,8 @@ pub struct Kept<G> {
     /// `None` on the emulator, or where the capture failed: the work is issued as it is.
     pub graph: Option<G>,
     used: u64,
+    /// Whether it was replayed since it was kept.
+    replayed: bool,
 }
 
 /// The recorder's state for one device: the pass being recorded, the arena, the graphs kept.
@@ -263,6 +274,10 @@ pub struct Replay<G> {
     kept: Vec<Kept<G>>,
     seen: HashSet<u64>,
     clock: u64,
+    /// Of the last [`CHURN_WINDOW`] graphs dropped, whether each had been replayed.
+    dropped: std::collections::VecDeque<bool>,
+    /// Passes left without captures.
+    paused: u64,
     pub stats: ReplayStats,
 }
 
@@ -286,6 +301,8 @@ impl<G> Replay<G> {
             kept: Vec::new(),
             seen: HashSet::new(),
             clock: 0,
+            dropped: std::collections::VecDeque::new(),
+            paused: 0,
             stats: ReplayStats::default(),
         }
     }
@@ -314,10 +331,16 @@ impl<G> Replay<G> {
         {
             self.stats.replayed += 1;
             self.kept[i].used = self.clock;
+            self.kept[i].replayed = true;
             return Decision::Replay(&self.kept[i]);
         }
         if self.seen.len() >= SEEN_KEPT {
             self.seen.clear();
+        }
+        if self.paused > 0 {
+            self.paused -= 1;
+            self.stats.issued += 1;
+            return Decision::Issue;
         }
         if self.seen.insert(key) {
             self.stats.issued += 1;
@@ -333,7 +356,8 @@ impl<G> Replay<G> {
     pub fn keep(&mut self, key: u64, work: Work, graph: Option<G>) {
         if self.kept.len() >= GRAPHS_KEPT {
             if let Some(oldest) = (0..self.kept.len()).min_by_key(|&i| self.kept[i].used) {
-                self.kept.swap_remove(oldest);
+                let dropped = self.kept.swap_remove(oldest);
+                self.note_dropped(dropped.replayed);
             }
         }
         self.seen.remove(&key);
@@ -342,7 +366,21 @@ impl<G> Replay<G> {
             work,
             graph,
             used: self.clock,
+            replayed: false,
         });
+    }
+
+    /// Notes a graph dropped to make room, and pauses the captures when too many of the last
+    /// ones dropped were never replayed.
+    fn note_dropped(&mut self, replayed: bool) {
+        if self.dropped.len() == CHURN_WINDOW {
+            self.dropped.pop_front();
+        }
+        self.dropped.push_back(replayed);
+        if self.dropped.iter().filter(|&&r| !r).count() >= CHURN_LIMIT {
+            self.paused = CHURN_PAUSE;
+            self.dropped.clear();
+        }
     }
 }
 
@@ -424,6 +462,58 @@ mod tests {
             matches!(replay.decide(key, &a), Decision::Issue),
             "the least recently used graph made room"
         );
+    }
+
+    #[test]
+    fn captures_pause_when_the_graphs_kept_are_never_replayed() {
+        let mut replay: Replay<u32> = Replay::new(Staging::new(0, 0));
+        // Shapes that each come twice (issued, captured) and never again.
+        let mut plane = 0;
+        let mut shape = |replay: &mut Replay<u32>| {
+            plane += 1;
+            let w = work(1, plane);
+            let key = w.key();
+            let first = replay.decide(key, &w);
+            assert!(matches!(first, Decision::Issue));
+            let second = matches!(replay.decide(key, &w), Decision::Capture);
+            if second {
+                replay.keep(key, w, Some(0));
+            }
+            second
+        };
+        let captured = (0..GRAPHS_KEPT + CHURN_LIMIT)
+            .filter(|_| shape(&mut replay))
+            .count();
+        assert_eq!(
+            captured,
+            GRAPHS_KEPT + CHURN_LIMIT,
+            "captured until the churn showed"
+        );
+        assert!(!shape(&mut replay), "then paused");
+        assert_eq!(replay.paused, CHURN_PAUSE - 2);
+        // A graph that is replayed counts for graphs: keep one busy while the others churn.
+        let mut replay: Replay<u32> = Replay::new(Staging::new(0, 0));
+        let busy = work(2, 0);
+        let busy_key = busy.key();
+        replay.decide(busy_key, &busy);
+        replay.decide(busy_key, &busy);
+        replay.keep(busy_key, busy.clone(), Some(1));
+        for plane in 1..=400 {
+            let w = work(1, plane);
+            let key = w.key();
+            replay.decide(key, &w);
+            if matches!(replay.decide(key, &w), Decision::Capture) {
+                replay.keep(key, w, Some(0));
+                // Each dropped graph was replayed once.
+                let again = work(1, plane);
+                assert!(matches!(replay.decide(key, &again), Decision::Replay(_)));
+            }
+            assert!(matches!(
+                replay.decide(busy_key, &busy),
+                Decision::Replay(_)
+            ));
+        }
+        assert_eq!(replay.paused, 0, "replayed graphs never pause the captures");
     }
 
     #[test]
