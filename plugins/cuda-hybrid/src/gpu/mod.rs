@@ -851,17 +851,24 @@ impl Gpu {
     /// Waits for everything queued on the stream; a pass being recorded is issued first
     /// (as a graph where it can be, see [`replay`]) and its recording ends.
     pub fn sync(&self) -> Result<(), PluginError> {
-        if let Some(mut replaying) = self.replaying() {
-            if let Some(work) = replaying.replay.recording.take() {
-                let issued = self.issue_recorded(&mut replaying.replay, work);
-                let waited = self.wait();
-                replaying.replay.unwaited = false;
-                replaying.replay.staging.reset();
-                issued?;
-                return waited;
+        let Some(mut replaying) = self.replaying() else {
+            return self.wait();
+        };
+        let issued = match replaying.replay.recording.take() {
+            Some(work) => {
+                replaying.replay.unwaited = true;
+                self.issue_recorded(&mut replaying.replay, work)
             }
+            None => Ok(()),
+        };
+        let waited = self.wait();
+        if waited.is_ok() {
+            // Nothing staged is read any more.
+            replaying.replay.unwaited = false;
+            replaying.replay.staging.reset();
         }
-        self.wait()
+        issued?;
+        waited
     }
 
     /// Waits for the stream.
@@ -923,11 +930,12 @@ impl Gpu {
             return Ok(());
         };
         if let Some(stale) = replaying.replay.recording.take() {
-            self.issue(&stale)?;
             replaying.replay.unwaited = true;
+            self.issue(&stale)?;
         }
-        if std::mem::take(&mut replaying.replay.unwaited) {
+        if replaying.replay.unwaited {
             self.wait()?;
+            replaying.replay.unwaited = false;
         }
         // Every copy staged so far has been waited for: the arena is free.
         replaying.replay.staging.reset();
@@ -943,11 +951,13 @@ impl Gpu {
             return;
         };
         if let Some(work) = replaying.replay.recording.take() {
+            replaying.replay.unwaited = true;
             let _ = self.issue(&work);
         }
-        let _ = self.wait();
-        replaying.replay.unwaited = false;
-        replaying.replay.staging.reset();
+        if self.wait().is_ok() {
+            replaying.replay.unwaited = false;
+            replaying.replay.staging.reset();
+        }
     }
 
     /// Whether passes are recorded (CUDA graphs on).
@@ -1005,6 +1015,7 @@ impl Gpu {
             replay.stats.issued += 1;
             replay.unwaited = true;
             self.issue(&work)?;
+            replay.recycle(work);
         }
         Ok(false)
     }

@@ -37,7 +37,8 @@ const SEEN_KEPT: usize = 4096;
 /// Of the last this many graphs dropped to make room, ...
 const CHURN_WINDOW: usize = 32;
 /// ... this many never replayed mean the passes' shapes vary too much for graphs to pay (a
-/// capture costs milliseconds): no more captures for [`CHURN_PAUSE`] passes.
+/// capture costs milliseconds): no more captures for the next [`CHURN_PAUSE`] passes that
+/// are not replays.
 const CHURN_LIMIT: usize = 16;
 const CHURN_PAUSE: u64 = 512;
 
