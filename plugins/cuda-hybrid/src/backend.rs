@@ -686,16 +686,12 @@ fn sync_block_tables(
                 "a sequence's block table does not fit its positions or the device's table",
             ));
         }
-        let at = chunk.seq * m.table_len;
-        if m.gpu.records_passes() {
-            // A recorded pass's copies are part of its graph's key: the whole row of the
-            // table, so that a sequence's table growing a block does not make a new graph.
-            let mut row = table.to_vec();
-            row.resize(m.table_len, 0);
-            m.gpu.write(&row, &mut m.tables, at)?;
-        } else {
-            m.gpu.write(table, &mut m.tables, at)?;
-        }
+        // The whole row of the device's table, the same copy whatever the sequence's length
+        // (with CUDA graphs a pass's copies are part of its graph's key: a table growing a
+        // block would otherwise make a new graph).
+        let mut row = table.to_vec();
+        row.resize(m.table_len, 0);
+        m.gpu.write(&row, &mut m.tables, chunk.seq * m.table_len)?;
     }
     Ok(())
 }

@@ -55,11 +55,6 @@ fn cache_layer(m: &GpuModel, seq: usize, slot: KvSlot) -> Result<(KvLayer, usize
 /// layer and the sequence has a device ring.
 fn gdn_ring_slot(m: &GpuModel, rows: &Rows, layer: usize) -> Result<ops::RingSlot, PluginError> {
     let seq = rows.spans.first().map_or(0, |span| span.seq);
-    ring_slot(m, seq, layer)
-}
-
-/// Trunk layer `layer`'s part of sequence slot `seq`'s device ring, checked.
-fn ring_slot(m: &GpuModel, seq: usize, layer: usize) -> Result<ops::RingSlot, PluginError> {
     let state = m
         .seqs
         .get(seq)

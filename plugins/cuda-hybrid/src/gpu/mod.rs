@@ -960,11 +960,6 @@ impl Gpu {
         }
     }
 
-    /// Whether passes are recorded (CUDA graphs on).
-    pub fn records_passes(&self) -> bool {
-        self.replaying.is_some()
-    }
-
     /// How the recorded passes went, with CUDA graphs on.
     pub fn replay_stats(&self) -> Option<replay::ReplayStats> {
         self.replaying().map(|r| r.replay.stats)
