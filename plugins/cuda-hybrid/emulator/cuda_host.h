@@ -2,14 +2,15 @@
 // compiled as C++ and run on a machine without a GPU (tests only; the plugin never uses it on a
 // real device). See `specula_cuda_hybrid::gpu::emulator`.
 //
-// Blocks run one after another on the calling OS thread; the emulator's state is global, so
-// the Rust side runs one launch at a time per process. The threads of a block are fibers
-// (started with makecontext / swapcontext, then switched with _setjmp / _longjmp, which do not
-// touch the signal mask and so need no system call): each runs until it finishes or waits at
-// __syncthreads() (all live threads of the
-// block) or at a warp shuffle (all live lanes of its warp); the scheduler resumes waiting
-// fibers once everyone they wait for has arrived, as the hardware does. Threads that have
-// returned no longer count, as on the GPU. A wait nobody can complete aborts with a message.
+// Blocks run one after another on the calling OS thread, the last block first; the emulator's
+// state is global, so the Rust side runs one launch at a time per process. The threads of a
+// block are fibers (started with makecontext / swapcontext, then switched with _setjmp /
+// _longjmp, which do not touch the signal mask and so need no system call): each runs until it
+// finishes or waits at __syncthreads() (all live threads of the block) or at a warp shuffle
+// (all live lanes of its warp); the scheduler resumes waiting fibers once everyone they wait
+// for has arrived, as the hardware does, every other block from its last thread to its first.
+// Threads that have returned no longer count, as on the GPU. A wait nobody can complete aborts
+// with a message.
 // __shared__ variables are function statics: shared by the block, which runs alone.
 //
 // What this does not model: warp-synchronous execution without explicit shuffles or barriers
@@ -67,6 +68,8 @@ static const std::function<void()>* body = nullptr;
 // Shuffle slots, double-buffered by the parity of each warp's barrier generation.
 static unsigned shuffle_slots[2][1024];
 static unsigned warp_generation[32];
+// Blocks run so far, in every launch (their parity picks the order a block's threads start in).
+static unsigned blocks_run = 0;
 
 static void entry() {
     for (;;) {
@@ -119,8 +122,12 @@ static void run_block(unsigned n, const std::function<void()>& kernel) {
     }
     std::fill(std::begin(warp_generation), std::end(warp_generation), 0u);
     const unsigned n_warps = (n + 31) / 32;
+    // Every other block runs its threads last first: a kernel that reads shared memory another
+    // thread writes without a barrier between them passes in one order and fails in the other.
+    const bool last_first = (blocks_run++ & 1u) != 0;
     for (;;) {
-        for (unsigned i = 0; i < n; ++i) {
+        for (unsigned k = 0; k < n; ++k) {
+            const unsigned i = last_first ? n - 1 - k : k;
             if (fibers[i].state == RUNNABLE) {
                 resume(i);
             }
