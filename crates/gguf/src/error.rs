@@ -13,7 +13,9 @@ pub enum GgufError {
     },
     #[error("{path} is not a regular file (a directory, device or pipe); expected a GGUF file")]
     NotAFile { path: PathBuf },
-    #[error("{path} is not a GGUF file (magic bytes {found:?}, expected \"GGUF\")")]
+    #[error("{path} is empty (0 bytes); expected a GGUF file")]
+    Empty { path: PathBuf },
+    #[error("{path} is not a GGUF file: it starts with \"{}\", not \"GGUF\"", found.escape_ascii())]
     BadMagic { path: PathBuf, found: [u8; 4] },
     #[error("{path}: unsupported GGUF version {version} (Specula reads versions 2 and 3)")]
     UnsupportedVersion { path: PathBuf, version: u32 },
@@ -43,6 +45,8 @@ pub enum GgufError {
     },
     #[error("{path}: missing tensor '{tensor}'")]
     MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path} holds no tensors, so no '{tensor}' (a vocabulary-only GGUF?); expected a model's weights")]
+    NoTensors { path: PathBuf, tensor: String },
     #[error("{path}: tensor '{tensor}' has shape {found:?}, expected {expected:?}")]
     WrongShape {
         path: PathBuf,

@@ -171,6 +171,9 @@ impl GgufFile {
             pos: 0,
             path: &path,
         };
+        if map.is_empty() {
+            return Err(GgufError::Empty { path });
+        }
         let magic: [u8; 4] = cur.take(4, "magic")?.try_into().expect("4 bytes");
         if magic != MAGIC {
             return Err(GgufError::BadMagic {
@@ -456,11 +459,14 @@ impl GgufFile {
 
     /// Tensor `name`, or an error naming the file and tensor.
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        self.get_tensor(name)
-            .ok_or_else(|| GgufError::MissingTensor {
-                path: self.path.clone(),
-                tensor: name.to_string(),
-            })
+        self.get_tensor(name).ok_or_else(|| {
+            let (path, tensor) = (self.path.clone(), name.to_string());
+            if self.tensors.is_empty() {
+                GgufError::NoTensors { path, tensor }
+            } else {
+                GgufError::MissingTensor { path, tensor }
+            }
+        })
     }
 
     /// Tensor `name`, checked to have exactly the shape `dims` (ggml order).

@@ -236,7 +236,23 @@ fn bad_magic_and_version_are_reported() {
     let path = dir.path().join("x.gguf");
     std::fs::write(&path, b"not a gguf file at all").unwrap();
     let err = GgufFile::open(&path).unwrap_err();
-    assert!(err.to_string().contains("not a GGUF file"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("not a GGUF file: it starts with \"not \", not \"GGUF\""),
+        "{err}"
+    );
+    std::fs::write(&path, b"").unwrap();
+    let err = GgufFile::open(&path).unwrap_err();
+    assert!(matches!(err, GgufError::Empty { .. }), "{err}");
+    assert!(err.to_string().contains("is empty (0 bytes)"), "{err}");
+
+    // A vocabulary-only file (metadata, no tensors) asked for a weight says what it is.
+    let vocab = GgufFile::open(shared("vocab/ggml-vocab-llama-spm.gguf")).unwrap();
+    let err = vocab.tensor("token_embd.weight").unwrap_err();
+    assert!(
+        err.to_string().contains("holds no tensors") && err.to_string().contains("vocabulary-only"),
+        "{err}"
+    );
 
     let mut bytes = std::fs::read(shared("models/fixtures/tiny-llama.gguf")).unwrap();
     bytes[4..8].copy_from_slice(&9u32.to_le_bytes());

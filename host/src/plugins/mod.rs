@@ -154,9 +154,12 @@ impl LoadedPlugin {
 
     /// A plugin call's result, its error naming this plugin.
     fn answer<T>(&self, result: PluginResult<T>) -> Result<T, PluginError> {
-        result
-            .into_result()
-            .map_err(|e| self.plugin_error(e.message.to_string()))
+        result.into_result().map_err(|e| {
+            // Plugins name themselves in their messages; the error names the plugin already.
+            let own = format!("{}: ", self.info().name);
+            let message = e.message.as_str();
+            self.plugin_error(message.strip_prefix(&own).unwrap_or(message))
+        })
     }
 
     /// Opens a model with this backend plugin.

@@ -236,7 +236,11 @@ fn truncated_file_is_reported_as_truncated() {
     std::fs::write(&path, b"").unwrap();
     let err = open_err(&path);
     assert_eq!(err.kind, ErrorKind::Model, "{}", err.message);
-    assert!(err.message.contains("truncated"), "{}", err.message);
+    assert!(
+        err.message.contains("is empty (0 bytes)"),
+        "{}",
+        err.message
+    );
     std::fs::write(&path, &bytes[..100]).unwrap();
     let err = open_err(&path);
     assert!(err.message.contains("truncated"), "{}", err.message);
@@ -262,6 +266,33 @@ fn missing_tensor_is_named() {
         err.message
     );
     assert!(err.message.contains("holey.gguf"), "{}", err.message);
+}
+
+#[test]
+fn nan_weights_are_an_error_not_noise() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nan.gguf");
+    rewrite_model(
+        &tiny_llama(),
+        &path,
+        &Rewrite {
+            nan_in: Some("blk.0.ffn_up.weight"),
+            ..Default::default()
+        },
+    );
+    let mut backend = specula_plugin_api::backend::box_forward_pass(open_raw(&path, 1, 0));
+    let seq = backend.seq_create().into_result().unwrap();
+    let mut logits = RVec::new();
+    let err = backend
+        .eval(seq, &[1, 2, 3], LogitRows::Last, &mut logits)
+        .into_result()
+        .expect_err("NaN weights must not give logits");
+    assert_eq!(err.kind, ErrorKind::Model);
+    assert!(
+        err.message.contains("not finite") && err.message.contains("nan.gguf"),
+        "{}",
+        err.message
+    );
 }
 
 #[test]

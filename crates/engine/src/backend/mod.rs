@@ -212,6 +212,35 @@ fn piece_logit_from(rows: LogitRows, n: usize, first: usize, take: usize) -> usi
     from.clamp(first, first + take) - first
 }
 
+/// Refuses a pass whose final hidden states hold NaN or infinity (`hidden`: the pass's
+/// rows, `chunks` in order): such rows come from weights that hold them or from an overflow,
+/// and every logit and token computed from them would be noise. A few thousand values a row,
+/// against the millions of weights the row read.
+fn check_finite(model: &Model, chunks: &[Chunk<'_>], hidden: &[f32]) -> Result<(), PluginError> {
+    let Some(at) = hidden.iter().position(|v| !v.is_finite()) else {
+        return Ok(());
+    };
+    let row = at / model.graph.n_embd();
+    let mut first = 0;
+    let place = chunks
+        .iter()
+        .find_map(|c| {
+            let hit = (first..first + c.rows())
+                .contains(&row)
+                .then(|| match c.tree {
+                    None => format!(" (sequence {}, position {})", c.seq, c.pos0 + row - first),
+                    Some(_) => format!(" (sequence {}, a tree row)", c.seq),
+                });
+            first += c.rows();
+            hit
+        })
+        .unwrap_or_default();
+    Err(PluginError::model(format!(
+        "{}: the hidden state of row {row} of a pass{place} is not finite (NaN or infinity): the model's weights hold NaN or infinity, or an activation overflowed; check the file",
+        model.file.path().display()
+    )))
+}
+
 impl<X: Executor> Backend<X> {
     /// `executor` over `model` with no sequence yet, on `pool`.
     pub fn new(model: Model, pool: ThreadPool, executor: X, setup: Setup) -> Self {
@@ -623,6 +652,7 @@ impl<X: Executor> Backend<X> {
                 hidden,
                 &mut logits[logit_at..logit_at + n_logits * vocab],
             )?;
+            check_finite(&self.model, &chunks, hidden)?;
             logit_at += n_logits * vocab;
             let mut row = 0;
             for &[c, first, take] in &pass {

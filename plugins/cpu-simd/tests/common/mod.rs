@@ -250,6 +250,8 @@ pub struct Rewrite<'a> {
     /// Extra or replaced metadata.
     pub set_str: &'a [(&'a str, &'a str)],
     pub set_u32: &'a [(&'a str, u32)],
+    /// Make this tensor's first value NaN (a corrupt weight).
+    pub nan_in: Option<&'a str>,
 }
 
 /// Writes a copy of the all-F32 model `src` to `dst`, changed as `rewrite` says.
@@ -285,10 +287,16 @@ pub fn rewrite_model(src: &Path, dst: &Path, rewrite: &Rewrite<'_>) {
                 continue;
             }
         }
-        let values = specula_kernels::dequantize(GgmlType::F32, view.data, n);
+        let mut values = specula_kernels::dequantize(GgmlType::F32, view.data, n);
+        if rewrite.nan_in == Some(info.name.as_str()) {
+            values[0] = f32::NAN;
+        }
         let (ty, data) = match rewrite.matrix_type {
             Some(ty) => encode(ty, &info.dims, &values),
-            None => (GgmlType::F32, view.data.to_vec()),
+            None => (
+                GgmlType::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
         };
         w.add_tensor(info.name.clone(), &info.dims, ty, data)
             .unwrap();
