@@ -27,14 +27,15 @@ impl Report {
     }
 }
 
-/// Checks the profile at `path` (its file must parse first: a parse error is the only
-/// problem reported then).
+/// Checks the profile at `path` (its file must parse first: a parse error — bad TOML, an
+/// unknown key, a value of the wrong type — is the only problem reported then; out-of-range
+/// values are all reported, then nothing else).
 pub fn check_profile(path: &Path) -> Report {
     let mut report = Report::default();
     let profile = match Profile::load(path) {
         Ok(p) => p,
         Err(e) => {
-            report.problem(e.to_string());
+            e.problems().into_iter().for_each(|p| report.problem(p));
             return report;
         }
     };
@@ -88,6 +89,11 @@ pub fn check_profile(path: &Path) -> Report {
                 if info.has_mtp_head { ", MTP head" } else { "" }
             ),
         ));
+        if let Some(note) = crate::pipeline::context_clamped(target.context_size, info) {
+            report
+                .facts
+                .push(("note", format!("target.context_size: {note}")));
+        }
     }
 
     let Some(section) = &profile.drafter else {

@@ -172,6 +172,7 @@ impl Parts {
     ) -> anyhow::Result<Self> {
         let search = SearchPath::new(&profile.plugin_dir);
         let target = &profile.target;
+        warn_of_oversubscription(target.threads);
         let tokenizer = load_tokenizer(&target.model)?;
         let plugin = search.load(&target.backend, PluginKind::Backend)?;
         let mut plugins = vec![plugin.provenance()];
@@ -186,6 +187,9 @@ impl Parts {
         params.max_sequences = sequences;
         let backend = plugin.open_backend(&params)?;
         let info = backend.model_info();
+        if let Some(note) = context_clamped(target.context_size, &info) {
+            tracing::warn!("{}: {note}", target.model.display());
+        }
         if info.vocab_size as usize != tokenizer.vocab_size() {
             tracing::warn!(
                 model_vocab = info.vocab_size,
@@ -264,8 +268,14 @@ fn open_drafter(
     let corpus = match (corpus_tokens, &section.corpus) {
         (Some(tokens), _) => tokens,
         (None, Some(path)) => {
-            let text = crate::bounded::read_to_string(path, section.corpus_max_bytes)
-                .context("drafter.corpus (raise drafter.corpus_max_bytes for a larger corpus)")?;
+            let text = crate::bounded::read_to_string(path, section.corpus_max_bytes).map_err(
+                |e| match e {
+                    crate::bounded::BoundedReadError::TooLarge { .. } => anyhow::anyhow!(
+                        "drafter.corpus: {e}; raise drafter.corpus_max_bytes for a larger corpus"
+                    ),
+                    e => anyhow::anyhow!("drafter.corpus: {e}"),
+                },
+            )?;
             tokenizer.encode(&text, false, false)
         }
         (None, None) => Vec::new(),
@@ -284,6 +294,28 @@ fn open_drafter(
         params,
     };
     Ok((kit, draft_model))
+}
+
+/// Warns when `threads` workers would outnumber the CPUs: every pass waits for its slowest
+/// worker, and a worker that waits for a core makes a pass many times slower.
+fn warn_of_oversubscription(threads: u32) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads as usize > cpus {
+        tracing::warn!(
+            "{threads} worker threads on {cpus} CPUs: passes slow down sharply when threads outnumber the cores; use -t 0 (or target.threads = 0) for one per core"
+        );
+    }
+}
+
+/// What to tell a user who asked for a context of `asked` tokens (0: the model's own) that
+/// the backend cut to the length the model was trained for, if it did.
+pub(crate) fn context_clamped(asked: u32, info: &ModelInfo) -> Option<String> {
+    (asked > info.context_size).then(|| {
+        format!(
+            "a context of {asked} tokens was asked for, but the model was trained for {}; using {}",
+            info.train_context_length, info.context_size
+        )
+    })
 }
 
 /// Model drafting needs the two models to speak the same token ids.

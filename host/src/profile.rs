@@ -36,12 +36,27 @@ pub enum ProfileError {
         #[source]
         source: crate::bounded::BoundedReadError,
     },
+    #[error("{} is a GGUF model, not a profile: to run a model, pass it with -m (a profile is a TOML file like those in profiles/)", path.display())]
+    ModelNotProfile { path: PathBuf },
     #[error("profile {path}: key `{key}`: {message}")]
     Invalid {
         path: PathBuf,
         key: String,
         message: String,
     },
+    /// Several of the above, each on its own (`profile check` lists them one by one).
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Several(Vec<ProfileError>),
+}
+
+impl ProfileError {
+    /// Each problem on its own line's worth of text.
+    pub fn problems(&self) -> Vec<String> {
+        match self {
+            Self::Several(all) => all.iter().map(ToString::to_string).collect(),
+            one => vec![one.to_string()],
+        }
+    }
 }
 
 /// Largest profile file read (a profile is a few hundred bytes).
@@ -267,6 +282,11 @@ impl Profile {
     /// directory. Does not touch models or plugins.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ProfileError> {
         let path = path.as_ref();
+        if starts_with_gguf_magic(path) {
+            return Err(ProfileError::ModelNotProfile {
+                path: path.to_path_buf(),
+            });
+        }
         let text = crate::bounded::read_to_string(path, MAX_PROFILE_BYTES).map_err(|source| {
             ProfileError::Io {
                 path: path.to_path_buf(),
@@ -332,25 +352,27 @@ impl Profile {
         }
     }
 
+    /// Every out-of-range value (a file that parsed): one error, or [`ProfileError::Several`].
     fn validate(&self, path: &Path) -> Result<(), ProfileError> {
-        let bad = |key: &str, message: String| {
-            Err(ProfileError::Invalid {
+        let mut problems = Vec::new();
+        let mut bad = |key: &str, message: String| {
+            problems.push(ProfileError::Invalid {
                 path: path.to_path_buf(),
                 key: key.to_string(),
                 message,
             })
         };
         if self.target.backend.trim().is_empty() {
-            return bad(
+            bad(
                 "target.backend",
                 "must name a backend plugin, e.g. \"cpu-simd\"".into(),
             );
         }
         if self.target.model.as_os_str().is_empty() {
-            return bad("target.model", "must be the path of a GGUF file".into());
+            bad("target.model", "must be the path of a GGUF file".into());
         }
         if self.target.threads > 1024 {
-            return bad(
+            bad(
                 "target.threads",
                 format!(
                     "{} is not a sensible thread count (0 = one per core)",
@@ -360,7 +382,7 @@ impl Profile {
         }
         let s = &self.sampling;
         if !(s.temperature >= 0.0 && s.temperature.is_finite()) {
-            return bad(
+            bad(
                 "sampling.temperature",
                 format!(
                     "{} must be a finite number >= 0 (0 = greedy)",
@@ -369,32 +391,32 @@ impl Profile {
             );
         }
         if !(s.top_p > 0.0 && s.top_p <= 1.0) {
-            return bad(
+            bad(
                 "sampling.top_p",
                 format!("{} must be in (0, 1] (1 = disabled)", s.top_p),
             );
         }
         if !(0.0..=1.0).contains(&s.min_p) {
-            return bad(
+            bad(
                 "sampling.min_p",
                 format!("{} must be in [0, 1] (0 = disabled)", s.min_p),
             );
         }
         if !(s.repeat_penalty > 0.0 && s.repeat_penalty.is_finite()) {
-            return bad(
+            bad(
                 "sampling.repeat_penalty",
                 format!("{} must be a number > 0 (1 = disabled)", s.repeat_penalty),
             );
         }
         let sp = &self.speculation;
         if sp.draft_max > 64 {
-            return bad(
+            bad(
                 "speculation.draft_max",
                 format!("{} is more than 64 drafts per step", sp.draft_max),
             );
         }
         if sp.draft_min > sp.draft_max {
-            return bad(
+            bad(
                 "speculation.draft_min",
                 format!(
                     "{} is larger than speculation.draft_max ({})",
@@ -404,29 +426,29 @@ impl Profile {
         }
         if let Some(d) = &self.drafter {
             if d.plugin.trim().is_empty() {
-                return bad(
+                bad(
                     "drafter.plugin",
                     "must name a drafter plugin, e.g. \"lookup\"".into(),
                 );
             }
             if d.corpus_max_bytes == 0 {
-                return bad(
+                bad(
                     "drafter.corpus_max_bytes",
                     "must be at least 1 (bytes)".into(),
                 );
             }
         }
         if self.generation.stop.iter().any(String::is_empty) {
-            return bad("generation.stop", "stop strings must not be empty".into());
+            bad("generation.stop", "stop strings must not be empty".into());
         }
         if !(1..=64).contains(&self.serve.slots) {
-            return bad(
+            bad(
                 "serve.slots",
                 format!("{} must be between 1 and 64", self.serve.slots),
             );
         }
         if !(1..=65_536).contains(&self.serve.prefill_chunk) {
-            return bad(
+            bad(
                 "serve.prefill_chunk",
                 format!(
                     "{} must be between 1 and 65536 (prompt tokens per pass)",
@@ -435,12 +457,16 @@ impl Profile {
             );
         }
         if self.serve.queue > 100_000 {
-            return bad(
+            bad(
                 "serve.queue",
                 format!("{} is more than 100000 waiting requests", self.serve.queue),
             );
         }
-        Ok(())
+        match problems.len() {
+            0 => Ok(()),
+            1 => Err(problems.remove(0)),
+            _ => Err(ProfileError::Several(problems)),
+        }
     }
 
     /// The built-in profile used when `specula run` gets none: `cpu-simd` on `model`.
@@ -483,6 +509,17 @@ pub fn options_as_text(options: &BTreeMap<String, toml::Value>) -> Vec<(String, 
             (k.clone(), text)
         })
         .collect()
+}
+
+/// Whether `path` is a file that starts as a GGUF model does (a model passed where a profile
+/// was expected).
+fn starts_with_gguf_magic(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::metadata(path).is_ok_and(|m| m.is_file())
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok_and(|()| &magic == b"GGUF")
 }
 
 #[cfg(test)]

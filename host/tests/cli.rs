@@ -532,6 +532,110 @@ fn profile_check_finds_every_problem_run_would_hit() {
     }
 }
 
+/// The slips of a first run each get a line that says what happened and what to do, instead
+/// of silence or a message about something else.
+#[test]
+fn first_run_slips_are_explained() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = shared("models/stories260K.gguf");
+    let m = model.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let mut all = vec!["run", "-m", m, "--temp", "0"];
+        all.extend_from_slice(args);
+        specula(&all, dir.path())
+    };
+    // A context beyond the trained length is cut, and the cut is said.
+    let out = run(&["-c", "100000", "-n", "3", "Once"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("a context of 100000 tokens was asked for, but the model was trained for 2048; using 2048"),
+        "{}",
+        stderr(&out)
+    );
+    // A full context ends the text with a line saying so (not only in --json).
+    let out = run(&["-c", "10", "-n", "100", "Once"]);
+    assert!(
+        stderr(&out).contains("stopped: the context of 10 tokens is full; raise it with -c"),
+        "{}",
+        stderr(&out)
+    );
+    // A prompt that fills the context names both fixes.
+    let out = run(&["-c", "5", "Once upon a time there was"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("leaves no room for a new token")
+            && stderr(&out).contains("trained for 2048"),
+        "{}",
+        stderr(&out)
+    );
+    // --check-plain that cannot check says why.
+    let out = run(&["--check-plain", "-n", "4", "Once"]);
+    assert!(
+        stderr(&out).contains("check: skipped (there is no drafter)"),
+        "{}",
+        stderr(&out)
+    );
+    // More threads than CPUs.
+    let out = run(&["-t", "1024", "-n", "1", "Once"]);
+    assert!(
+        stderr(&out).contains("1024 worker threads on"),
+        "{}",
+        stderr(&out)
+    );
+    // A model where a profile belongs.
+    let out = specula(&["run", "--profile", m, "Once"], dir.path());
+    assert!(
+        stderr(&out).contains("is a GGUF model, not a profile: to run a model, pass it with -m"),
+        "{}",
+        stderr(&out)
+    );
+    // Every out-of-range value of a profile, and several profiles in one check.
+    let bad = write_profile(
+        dir.path(),
+        "bad.toml",
+        &model,
+        "[sampling]\ntemperature = -1.0\ntop_p = 1.5\nmin_p = -2.0\n",
+    );
+    let good = write_profile(dir.path(), "good.toml", &model, "");
+    let out = specula(
+        &[
+            "profile",
+            "check",
+            good.to_str().unwrap(),
+            bad.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    assert!(stdout(&out).contains("good.toml: ok"), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("bad.toml: 3 problems"), "{err}");
+    for key in ["sampling.temperature", "sampling.top_p", "sampling.min_p"] {
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    // A drafter typo in bench is an error before any measuring, and so are zero runs.
+    for (args, says) in [
+        (
+            &["--drafters", "lookp"][..],
+            "--drafters: 'lookp' is none of",
+        ),
+        (&["--runs", "0"][..], "--runs 0"),
+    ] {
+        let mut all = vec!["bench", "--profile", good.to_str().unwrap()];
+        all.extend_from_slice(args);
+        let out = specula(&all, dir.path());
+        assert!(!out.status.success(), "{args:?}");
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    // `serve` without anything to serve names both ways to give it something.
+    let out = specula(&["serve"], dir.path());
+    assert!(
+        stderr(&out).contains("--profiles") && stderr(&out).contains("--model"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn missing_model_file_is_named() {
     let dir = tempfile::tempdir().unwrap();

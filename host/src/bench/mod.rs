@@ -316,15 +316,17 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     };
 
     let corpus_ids = pipeline.tokenizer.encode(DEFAULT_CORPUS, true, false);
-    let prompt_ids: Vec<u32> = corpus_ids
-        .iter()
-        .copied()
-        .take(
-            options
-                .prompt_tokens
-                .clamp(1, info.context_size as usize / 2),
-        )
-        .collect();
+    let prompt_tokens = options
+        .prompt_tokens
+        .clamp(1, info.context_size as usize / 2);
+    if prompt_tokens != options.prompt_tokens {
+        tracing::warn!(
+            "a prompt of {} tokens leaves too little of the {}-token context to decode in; measuring a prompt of {prompt_tokens} (raise target.context_size for longer ones)",
+            options.prompt_tokens,
+            info.context_size
+        );
+    }
+    let prompt_ids: Vec<u32> = corpus_ids.iter().copied().take(prompt_tokens).collect();
     let prompt_text = String::from_utf8_lossy(&pipeline.tokenizer.decode(&prompt_ids)).into_owned();
 
     let rounds = runs.max(VERIFY_MIN_ROUNDS);

@@ -2,6 +2,8 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context;
+
 use crate::bench::concurrency::{self, ConcurrencyOptions};
 use crate::bench::{render, run, write_concurrency_svg, write_svg, BenchOptions};
 use crate::profile::Profile;
@@ -20,7 +22,8 @@ pub struct BenchArgs {
     /// Tokens decoded per run.
     #[arg(short = 'n', long, default_value_t = 128)]
     tokens: usize,
-    /// Drafters to compare (comma-separated): profile, lookup, model, mtp, oracle.
+    /// Drafters to compare (comma-separated): profile, lookup, model, mtp, oracle, or a drafter
+    /// plugin's name or path.
     #[arg(
         long,
         value_delimiter = ',',
@@ -62,9 +65,16 @@ pub struct BenchArgs {
 }
 
 pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.runs > 0,
+        "--runs 0: every figure is the median of at least one run"
+    );
     let mut profile = Profile::load(&args.profile)?;
     if let Some(t) = args.threads {
         profile.target.threads = t;
+    }
+    if args.concurrency.is_none() {
+        check_drafter_names(&profile, &args.drafters)?;
     }
     if let Some(sequences) = args.concurrency {
         let options = ConcurrencyOptions {
@@ -108,4 +118,26 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
         print!("{}", render(&report));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The drafters `bench` measures without a plugin of that name.
+const BUILT_IN_DRAFTERS: [&str; 5] = ["profile", "lookup", "model", "mtp", "oracle"];
+
+/// Refuses a `--drafters` name that is neither a drafter `bench` knows nor a drafter plugin
+/// (a typo would otherwise only show as a skipped row at the end of the run).
+fn check_drafter_names(profile: &Profile, names: &[String]) -> anyhow::Result<()> {
+    let search = crate::plugins::SearchPath::new(&profile.plugin_dir);
+    for name in names {
+        if !BUILT_IN_DRAFTERS.contains(&name.as_str()) {
+            search
+                .load(name, specula_plugin_api::PluginKind::Drafter)
+                .with_context(|| {
+                    format!(
+                        "--drafters: '{name}' is none of {} nor a drafter plugin",
+                        BUILT_IN_DRAFTERS.join(", ")
+                    )
+                })?;
+        }
+    }
+    Ok(())
 }

@@ -7,7 +7,7 @@ use anyhow::Context;
 
 use super::setup::Setup;
 use crate::pipeline::Pipeline;
-use crate::request::{summary, Outcome, Request};
+use crate::request::{summary, Outcome, Request, StopReason};
 use crate::sampling::SamplingParams;
 use crate::spec::{generate, SpecSettings};
 
@@ -74,12 +74,38 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             eprintln!("drafter: {}", slot.name);
             eprintln!("{}", outcome.speculative.report());
         }
+        if outcome.stop_reason == StopReason::ContextFull {
+            eprintln!(
+                "stopped: the context of {} tokens is full{}",
+                pipeline.info.context_size,
+                if pipeline.info.context_size < pipeline.info.train_context_length {
+                    format!(
+                        "; raise it with -c or target.context_size (the model was trained for {})",
+                        pipeline.info.train_context_length
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
     }
-    let speculated = request.speculation.is_some() && outcome.speculative.drafted > 0;
-    if (args.check_plain || builtin) && speculated && request.sampling.temperature <= 0.0 {
-        return check_plain(&mut pipeline, &request, &outcome);
+    let skipped = if request.speculation.is_none() {
+        Some("there is no drafter")
+    } else if request.sampling.temperature > 0.0 {
+        Some("sampled output is not plain decoding's token for token; use --temp 0")
+    } else if outcome.speculative.drafted == 0 {
+        Some("no drafts were made")
+    } else {
+        None
+    };
+    match skipped {
+        None if args.check_plain || builtin => check_plain(&mut pipeline, &request, &outcome),
+        Some(why) if args.check_plain => {
+            eprintln!("check: skipped ({why})");
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => Ok(ExitCode::SUCCESS),
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Decodes `request` again without drafts and says whether the tokens equal `speculative`'s

@@ -18,7 +18,8 @@ Serve profiles over an OpenAI-compatible HTTP API.
 Each profile file is a model named by its file stem (profiles/stories.toml is `stories`).
 Endpoints:
   POST /v1/completions, POST /v1/chat/completions   (\"stream\": true for SSE)
-  GET  /v1/models
+  GET  /v1/models, GET /v1/models/{id}
+  POST /tokenize, POST /detokenize   ({\"model\", \"content\"} / {\"model\", \"tokens\"})
   GET  /health          200 when at least one profile is ready, with per-profile status
   GET  /metrics         Prometheus text: requests, tokens, latency, queue, speculation
   POST /admin/reload    reload now; {\"model\": NAME} for one, {\"force\": true} even if unchanged
@@ -44,9 +45,10 @@ request needs `Authorization: Bearer KEY` (else 401); /health and /metrics stay 
 --protect-metrics. Listening on a non-loopback address without a key prints a warning.";
 
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("served").required(true).multiple(true).args(["profiles", "model"])))]
 pub struct ServeArgs {
     /// Profile directories (every *.toml file in them) and profile files.
-    #[arg(long, value_name = "DIR|FILE", num_args = 1.., required_unless_present = "model")]
+    #[arg(long, value_name = "DIR|FILE", num_args = 1..)]
     profiles: Vec<PathBuf>,
     /// Serve this GGUF model without a profile (cpu-simd, the profile defaults).
     #[arg(short = 'm', long = "model", value_name = "FILE")]
@@ -54,8 +56,9 @@ pub struct ServeArgs {
     /// The name clients use for the -m model (default: its file stem).
     #[arg(long, value_name = "NAME", requires = "model")]
     alias: Option<String>,
-    /// Address to listen on; port 0 picks a free port. The address is printed on stdout.
-    #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:8080")]
+    /// Address to listen on (an IP address or a host name such as localhost); port 0 picks a
+    /// free port. The address is printed on stdout.
+    #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:8080", value_parser = listen_address)]
     listen: SocketAddr,
     /// Quiet time after the last profile file change before reloading.
     #[arg(long, value_name = "MS", default_value_t = 250)]
@@ -93,6 +96,22 @@ pub struct ServeArgs {
     /// Require the API key on /health and /metrics too.
     #[arg(long)]
     protect_metrics: bool,
+}
+
+/// `--listen`: `IP:PORT`, or `HOST:PORT` for the first address the host name resolves to.
+fn listen_address(text: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(address) = text.parse() {
+        return Ok(address);
+    }
+    match text.to_socket_addrs() {
+        Ok(mut addresses) => addresses
+            .next()
+            .ok_or_else(|| format!("{text:?} resolves to no address")),
+        Err(e) => Err(format!(
+            "{text:?} is not ADDR:PORT (e.g. 127.0.0.1:8080 or localhost:8080): {e}"
+        )),
+    }
 }
 
 /// A timeout in seconds: a finite number above 0.
@@ -155,4 +174,21 @@ pub fn run_cli(args: ServeArgs) -> anyhow::Result<ExitCode> {
         keys: keys.protect_metrics(args.protect_metrics),
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_takes_host_names_as_well_as_addresses() {
+        assert_eq!(
+            listen_address("127.0.0.1:8080").unwrap(),
+            "127.0.0.1:8080".parse::<SocketAddr>().unwrap()
+        );
+        let local = listen_address("localhost:8080").unwrap();
+        assert!(local.ip().is_loopback() && local.port() == 8080, "{local}");
+        let err = listen_address("localhost").unwrap_err();
+        assert!(err.contains("e.g. 127.0.0.1:8080"), "{err}");
+    }
 }

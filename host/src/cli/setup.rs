@@ -57,7 +57,8 @@ pub struct Setup {
     /// Do not prepend BOS to the prompt.
     #[arg(long)]
     pub(super) no_bos: bool,
-    /// Drafter plugin for speculative decoding (`lookup`, `model`, `mtp`, or `none`).
+    /// Drafter plugin for speculative decoding: `lookup`, `model`, `mtp`, a drafter plugin's
+    /// name or library path, or `none`.
     #[arg(long, value_name = "NAME")]
     pub(super) drafter: Option<String>,
     /// Draft model for model drafting (implies `--drafter model` when no drafter is set).

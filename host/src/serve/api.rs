@@ -60,10 +60,10 @@ impl ApiError {
         }
     }
 
-    /// 413: the prompt does not fit the context.
+    /// 400 (as OpenAI's API answers it): the prompt does not fit the context.
     pub fn prompt_too_long(prompt_tokens: usize, context: usize, param: &str) -> Self {
         Self {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
+            status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
             message: format!(
                 "This model's context holds {context} tokens, but the prompt is {prompt_tokens} tokens; shorten the prompt"
@@ -96,6 +96,17 @@ impl ApiError {
     }
 
     /// 404 for a path the daemon does not serve.
+    /// 405: a known endpoint asked with another method (the `Allow` header lists the right one).
+    pub fn wrong_method(method: &str, path: &str) -> Self {
+        Self {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            kind: "invalid_request_error",
+            message: format!("{path} does not take {method} requests (see the Allow header)"),
+            param: None,
+            code: Some("method_not_allowed"),
+        }
+    }
+
     pub fn no_route(path: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,

@@ -78,6 +78,9 @@ pub fn router(state: Arc<AppState>, keys: Arc<ApiKeys>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/admin/reload", post(admin_reload))
+        .method_not_allowed_fallback(|method: axum::http::Method, uri: Uri| async move {
+            ApiError::wrong_method(method.as_str(), uri.path())
+        })
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
         .layer(panics_to_500s())
         .layer(axum::middleware::from_fn_with_state(keys, require_key))

@@ -223,8 +223,16 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             }
         }
         if prompt.len() >= context {
+            let trained = info.train_context_length as usize;
+            let fix = if context < trained {
+                format!(
+                    "shorten the prompt or raise the context size (-c, target.context_size; the model was trained for {trained})"
+                )
+            } else {
+                "shorten the prompt (that is the most the model was trained for)".into()
+            };
             bail!(
-                "the prompt is {} tokens, but the context holds {context}",
+                "the prompt is {} tokens and the context holds {context}, which leaves no room for a new token: {fix}",
                 prompt.len()
             );
         }
