@@ -39,6 +39,14 @@ pub fn check_profile(path: &Path) -> Report {
             return report;
         }
     };
+    for dir in &profile.plugin_dir {
+        if !dir.is_dir() {
+            report.problem(format!(
+                "plugin_dir: {} is not a directory (plugins are looked for in it first)",
+                dir.display()
+            ));
+        }
+    }
     let search = SearchPath::new(&profile.plugin_dir);
     let target = &profile.target;
     report.facts.push(("backend", target.backend.clone()));

@@ -172,11 +172,12 @@ pub fn summary(timings: &Timings) -> String {
             timings.prompt_tokens - n
         ),
     };
+    let tokens = |n: usize| format!("{n} token{}", if n == 1 { "" } else { "s" });
     format!(
-        "prompt: {} tokens{reused}, prefill {:.1} t/s | generated: {} tokens, decode {:.1} t/s",
-        timings.prompt_tokens,
+        "prompt: {}{reused}, prefill {:.1} t/s | generated: {}, decode {:.1} t/s",
+        tokens(timings.prompt_tokens),
         timings.prefill_tokens_per_second(),
-        timings.generated_tokens,
+        tokens(timings.generated_tokens),
         timings.decode_tokens_per_second()
     )
 }

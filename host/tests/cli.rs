@@ -627,6 +627,40 @@ fn first_run_slips_are_explained() {
         assert!(!out.status.success(), "{args:?}");
         assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
     }
+    // bench measures a bare model as run does.
+    let out = specula(
+        &[
+            "bench",
+            "-m",
+            m,
+            "--runs",
+            "1",
+            "-n",
+            "8",
+            "--prompt-tokens",
+            "8",
+            "--drafters",
+            "lookup",
+            "--json",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(json_of(&out)["prompt_tokens"], 8);
+    // A plugin directory that is not there.
+    let lost = write_profile(dir.path(), "lost.toml", &model, "");
+    let text = std::fs::read_to_string(&lost).unwrap();
+    std::fs::write(
+        &lost,
+        format!("plugin_dir = [\"/nowhere/plugins\"]\n{text}"),
+    )
+    .unwrap();
+    let out = specula(&["profile", "check", lost.to_str().unwrap()], dir.path());
+    assert!(
+        stderr(&out).contains("plugin_dir: /nowhere/plugins is not a directory"),
+        "{}",
+        stderr(&out)
+    );
     // `serve` without anything to serve names both ways to give it something.
     let out = specula(&["serve"], dir.path());
     assert!(

@@ -9,10 +9,14 @@ use crate::bench::{render, run, write_concurrency_svg, write_svg, BenchOptions};
 use crate::profile::Profile;
 
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("measured").required(true).args(["profile", "model"])))]
 pub struct BenchArgs {
     /// The profile to measure.
     #[arg(short, long, value_name = "FILE")]
-    profile: std::path::PathBuf,
+    profile: Option<std::path::PathBuf>,
+    /// A GGUF model to measure without a profile (cpu-simd, the profile defaults).
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<std::path::PathBuf>,
     /// Repetitions per figure; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -69,7 +73,18 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.runs > 0,
         "--runs 0: every figure is the median of at least one run"
     );
-    let mut profile = Profile::load(&args.profile)?;
+    let mut profile = match (&args.profile, &args.model) {
+        (Some(path), _) => Profile::load(path)?,
+        (None, Some(model)) => {
+            anyhow::ensure!(
+                model.is_file(),
+                "-m {}: no such file (expected a GGUF model)",
+                model.display()
+            );
+            Profile::builtin_default(model.clone())
+        }
+        (None, None) => unreachable!("clap requires --profile or -m"),
+    };
     if let Some(t) = args.threads {
         profile.target.threads = t;
     }
