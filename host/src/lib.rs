@@ -15,7 +15,8 @@
 //! * [`bench`](mod@bench): `specula bench`, speed figures measured side by side;
 //! * [`serve`]: `specula serve`, the OpenAI-compatible daemon with hot-reloaded profiles;
 //! * [`cli`]: the `specula` command line;
-//! * [`bounded`]: reading user-named files with a size cap.
+//! * [`bounded`]: reading user-named files with a size cap;
+//! * [`wording`]: serde's type names in a user's words.
 
 pub mod bench;
 pub mod bounded;
@@ -33,3 +34,4 @@ pub mod scheduler;
 pub mod sequence;
 pub mod serve;
 pub mod spec;
+pub mod wording;

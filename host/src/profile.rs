@@ -314,7 +314,7 @@ impl Profile {
                 } else {
                     key
                 },
-                message: e.into_inner().to_string().trim_end().to_string(),
+                message: crate::wording::plain_type_names(e.into_inner().to_string().trim_end()),
             }
         })?;
         profile.validate(path)?;

@@ -158,7 +158,8 @@ impl LoadedPlugin {
             // Plugins name themselves in their messages; the error names the plugin already.
             let own = format!("{}: ", self.info().name);
             let message = e.message.as_str();
-            self.plugin_error(message.strip_prefix(&own).unwrap_or(message))
+            let message = message.strip_prefix(&own).unwrap_or(message);
+            self.plugin_error(crate::wording::plain_type_names(message))
         })
     }
 

@@ -221,7 +221,7 @@ pub fn parse_body(bytes: &[u8]) -> Result<GenerateBody, ApiError> {
     }
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let message = e.inner().to_string();
+        let message = crate::wording::plain_type_names(&e.inner().to_string());
         if path == "." {
             ApiError::bad_request(format!("Invalid request: {message}"), None)
         } else {

@@ -437,7 +437,7 @@ fn json_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError
     serde_path_to_error::deserialize(de).map_err(|e| {
         let param = e.path().to_string();
         ApiError::bad_request(
-            e.inner().to_string(),
+            crate::wording::plain_type_names(&e.inner().to_string()),
             (param != ".").then_some(param.as_str()),
         )
     })
