@@ -714,12 +714,30 @@ fn sigterm_drains_the_stream_in_flight_and_exits_zero() {
         .unwrap()
         .to_string();
     d.signal("TERM");
-    // No new connections once the signal is handled.
+    // Once the signal is handled, a new connection is answered at once with a 503 that says
+    // why (it had waited in the listen queue until the daemon exited).
+    let address = d.url.trim_start_matches("http://").to_string();
+    let ask_health = || {
+        use std::io::{Read, Write};
+        let mut tcp = std::net::TcpStream::connect(&address).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        tcp.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let read = tcp.read_to_string(&mut answer);
+        assert!(read.is_ok(), "no answer within 3 s: {read:?} {answer:?}");
+        answer
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while d.agent.get(format!("{}/health", d.url)).call().is_ok() {
+    loop {
+        let answer = ask_health();
+        if answer.contains("shutting_down") {
+            assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+            break;
+        }
         assert!(
             Instant::now() < deadline,
-            "still accepting connections\n{}",
+            "new connections still served\n{answer}\n{}",
             d.log()
         );
         std::thread::sleep(Duration::from_millis(20));

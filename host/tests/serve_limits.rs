@@ -155,6 +155,30 @@ fn slow_idle_and_surplus_connections_are_cut_off() {
     let v = body_json(&answer);
     assert_eq!(v["error"]["code"], "request_timeout", "{v}");
 
+    // A body declared larger than the limit: 413 at once, without `100 Continue` or a wait for
+    // the body.
+    let mut huge = connect(&d);
+    huge.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 99999999999\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .unwrap();
+    let asked = Instant::now();
+    let (answer, closed) = read_until_closed(&mut huge, limit, false);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(
+        closed.is_some() && asked.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    let v = body_json(&answer);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("larger than 2097152 bytes")),
+        "{v}"
+    );
+
     // Well-behaved clients were served all along.
     let (status, c) = d.post(
         "/v1/completions",

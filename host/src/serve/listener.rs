@@ -130,12 +130,36 @@ pub async fn serve(
             Err(_) => {
                 tracing::warn!(%peer, limit = limits.max_connections, "too many open connections: refusing one");
                 metrics.http_refused.inc();
-                tokio::spawn(refuse(stream, limits.max_connections));
+                let error = ApiError::unavailable(
+                    format!(
+                        "Too many open connections (the limit is {}); retry later",
+                        limits.max_connections
+                    ),
+                    "too_many_connections",
+                );
+                tokio::spawn(refuse(stream, error, true));
             }
         }
     }
-    // Every connection holds a permit until it is closed.
-    let _all = open.acquire_many(limits.max_connections as u32).await;
+    // Every connection holds a permit until it is closed. Until then a new connection is
+    // answered at once, not left in the listen queue until the daemon exits.
+    let all_closed = open.acquire_many(limits.max_connections as u32);
+    tokio::pin!(all_closed);
+    loop {
+        tokio::select! {
+            _ = &mut all_closed => break,
+            accepted = listener.accept() => {
+                if let Ok((stream, _)) = accepted {
+                    metrics.http_refused.inc();
+                    let error = ApiError::unavailable(
+                        "The daemon is shutting down; send the request to another instance",
+                        "shutting_down",
+                    );
+                    tokio::spawn(refuse(stream, error, false));
+                }
+            }
+        }
+    }
 }
 
 async fn serve_connection(
@@ -229,20 +253,27 @@ async fn over_limit(phase: &mut watch::Receiver<Phase>, limits: &HttpLimits) -> 
 }
 
 /// Answers 503 to a connection over the limit and closes it.
-async fn refuse(mut stream: TcpStream, limit: usize) {
-    let body = ApiError::unavailable(
-        format!("Too many open connections (the limit is {limit}); retry later"),
-        "too_many_connections",
-    )
-    .body()
-    .to_string();
+async fn refuse(mut stream: TcpStream, error: ApiError, retry_here: bool) {
+    let body = error.body().to_string();
     let response = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
-        body.len()
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}connection: close\r\n\r\n{body}",
+        body.len(),
+        if retry_here { "retry-after: 1\r\n" } else { "" }
     );
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         stream.write_all(response.as_bytes()).await?;
-        stream.shutdown().await
+        stream.shutdown().await?;
+        // Read what the client sent until it closes: a socket closed with unread bytes sends
+        // a reset, which can discard the answer before the client reads it.
+        let mut sink = [0u8; 4096];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            match tokio::io::AsyncReadExt::read(&mut stream, &mut sink).await? {
+                0 => break,
+                n => left = left.saturating_sub(n),
+            }
+        }
+        Ok::<(), io::Error>(())
     })
     .await;
 }
@@ -258,6 +289,28 @@ async fn read_body_in_time(
         return next.run(request).await;
     }
     let (parts, body) = request.into_parts();
+    let declared = parts
+        .headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        // Refused before a byte of it is read (and so before `100 Continue` is sent).
+        let mut error = ApiError::bad_request(
+            format!(
+                "The request body is larger than {} bytes",
+                limits.max_body_bytes
+            ),
+            None,
+        );
+        error.status = axum::http::StatusCode::PAYLOAD_TOO_LARGE;
+        let mut response = error.into_response();
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+        return response;
+    }
     let read = axum::body::to_bytes(body, limits.max_body_bytes);
     let bytes = match tokio::time::timeout(limits.body_timeout, read).await {
         Ok(Ok(bytes)) => bytes,
