@@ -5,7 +5,8 @@
 //! Bodies are parsed in two steps so that errors are precise: malformed JSON is one 400, and
 //! a field of the wrong type or value is another naming the field in `param`. Fields the
 //! daemon does not know are ignored (clients send many optional ones); fields it knows but
-//! cannot honour (`n` > 1, `logprobs`) are refused rather than silently dropped.
+//! cannot honour (`n` > 1, `logprobs`, tools, a logit bias, penalties other than
+//! `repeat_penalty`, JSON mode, ...) are refused rather than silently dropped.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -189,6 +190,19 @@ pub struct GenerateBody {
     pub n: Option<i64>,
     pub logprobs: Option<Value>,
     pub echo: Option<bool>,
+    /// OpenAI fields the daemon cannot honour: refused unless absent or neutral
+    /// ([`GenerateBody::refuse_what_cannot_be_honoured`]).
+    pub best_of: Option<i64>,
+    pub logit_bias: Option<Value>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub suffix: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub response_format: Option<Value>,
 }
 
 /// A chat message; `content` is a string or a list of text parts.
@@ -254,6 +268,85 @@ impl GenerateBody {
             .collect())
     }
 
+    /// A 400 naming the first field set to something the daemon would otherwise drop in
+    /// silence (a client asking for tool calls or a logit bias must not get plain text as if
+    /// it had been honoured); absent, null and neutral values (`best_of: 1`, penalties of 0,
+    /// `{}`, `[]`, `response_format: {"type": "text"}`, `tool_choice: "none"`) pass.
+    fn refuse_what_cannot_be_honoured(&self) -> Result<(), ApiError> {
+        let empty = |v: &Option<Value>| match v {
+            None | Some(Value::Null) => true,
+            Some(Value::Object(m)) => m.is_empty(),
+            Some(Value::Array(a)) => a.is_empty(),
+            Some(Value::String(s)) => s.is_empty(),
+            Some(_) => false,
+        };
+        let refused: [(&str, bool, &str); 11] = [
+            (
+                "best_of",
+                self.best_of.is_some_and(|b| b != 1),
+                "best_of > 1 is not supported",
+            ),
+            (
+                "logit_bias",
+                !empty(&self.logit_bias),
+                "logit_bias is not supported",
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty.is_some_and(|p| p != 0.0),
+                "presence_penalty is not supported (repeat_penalty is, as in llama.cpp)",
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty.is_some_and(|p| p != 0.0),
+                "frequency_penalty is not supported (repeat_penalty is, as in llama.cpp)",
+            ),
+            (
+                "suffix",
+                !empty(&self.suffix),
+                "suffix (insertion) is not supported",
+            ),
+            (
+                "top_logprobs",
+                !(empty(&self.top_logprobs) || self.top_logprobs == Some(json!(0))),
+                "logprobs are not supported",
+            ),
+            ("tools", !empty(&self.tools), "tool calls are not supported"),
+            (
+                "tool_choice",
+                !(empty(&self.tool_choice)
+                    || self.tool_choice == Some(json!("none"))
+                    || self.tool_choice == Some(json!("auto"))),
+                "tool calls are not supported",
+            ),
+            (
+                "functions",
+                !empty(&self.functions),
+                "function calls are not supported",
+            ),
+            (
+                "function_call",
+                !(empty(&self.function_call)
+                    || self.function_call == Some(json!("none"))
+                    || self.function_call == Some(json!("auto"))),
+                "function calls are not supported",
+            ),
+            (
+                "response_format",
+                !(empty(&self.response_format)
+                    || self.response_format == Some(json!({"type": "text"}))),
+                "only plain text output is supported (response_format {\"type\": \"text\"})",
+            ),
+        ];
+        match refused.iter().find(|(_, set, _)| *set) {
+            Some((param, _, why)) => Err(ApiError::bad_request(
+                format!("{why}; leave `{param}` out"),
+                Some(param),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Checks every sampling and limit field and merges them over the profile's defaults.
     pub fn params(&self, profile: &Profile) -> Result<GenParams, ApiError> {
         let bad = |param: &str, message: String| Err(ApiError::bad_request(message, Some(param)));
@@ -273,6 +366,7 @@ impl GenerateBody {
         if self.echo == Some(true) {
             return bad("echo", "echo is not supported".into());
         }
+        self.refuse_what_cannot_be_honoured()?;
         let (limit_param, limit) = match (self.max_tokens, self.max_completion_tokens) {
             (_, Some(v)) => ("max_completion_tokens", Some(v)),
             (Some(v), None) => ("max_tokens", Some(v)),
@@ -649,12 +743,48 @@ mod tests {
             (r#"{"model": "m", "top_p": 0}"#, "top_p"),
             (r#"{"model": "m", "n": 2}"#, "n"),
             (r#"{"model": "m", "logprobs": 3}"#, "logprobs"),
+            (r#"{"model": "m", "best_of": 3}"#, "best_of"),
+            (
+                r#"{"model": "m", "logit_bias": {"403": 100}}"#,
+                "logit_bias",
+            ),
+            (
+                r#"{"model": "m", "presence_penalty": 2}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"model": "m", "frequency_penalty": 0.5}"#,
+                "frequency_penalty",
+            ),
+            (r#"{"model": "m", "suffix": "end"}"#, "suffix"),
+            (r#"{"model": "m", "top_logprobs": 2}"#, "top_logprobs"),
+            (
+                r#"{"model": "m", "tools": [{"type": "function"}]}"#,
+                "tools",
+            ),
+            (
+                r#"{"model": "m", "tool_choice": "required"}"#,
+                "tool_choice",
+            ),
+            (
+                r#"{"model": "m", "functions": [{"name": "f"}]}"#,
+                "functions",
+            ),
+            (
+                r#"{"model": "m", "response_format": {"type": "json_object"}}"#,
+                "response_format",
+            ),
         ] {
             let e = params(body).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(e.param.as_deref(), Some(param), "{body}");
         }
         assert!(parse_body(br#"{"model": "m", "stop": [""]}"#).is_err());
+        // What a client library sends by default is not refused.
+        params(
+            r#"{"model": "m", "best_of": 1, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "suffix": null, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": null, "function_call": "auto", "response_format": {"type": "text"}}"#,
+        )
+        .unwrap();
     }
 
     #[test]
