@@ -10,7 +10,7 @@ mod common;
 use common::*;
 
 /// Runs `specula chat ARGS` with `script` on stdin; returns stdout.
-fn chat(args: &[&str], script: &str, home: &std::path::Path) -> String {
+fn chat(args: &[&str], script: impl AsRef<[u8]>, home: &std::path::Path) -> String {
     let mut child = Command::new(specula_bin())
         .arg("chat")
         .args(args)
@@ -25,7 +25,7 @@ fn chat(args: &[&str], script: &str, home: &std::path::Path) -> String {
         .stdin
         .take()
         .unwrap()
-        .write_all(script.as_bytes())
+        .write_all(script.as_ref())
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(
@@ -79,6 +79,37 @@ fn a_scripted_conversation_keeps_its_turns_in_the_cache() {
 /// The built-in model drafting through its MTP head: answers equal plain decoding's, with the
 /// cache kept or not, and the drafter keeps drafting on later turns (its head continues from
 /// the kept prefix).
+/// A conversation that outgrows the context says so and how to go on (`/reset`), and a line
+/// that is not UTF-8 is read as text with replacement characters; the session carries on.
+#[test]
+fn a_full_context_and_a_line_that_is_not_utf8_leave_the_session_going() {
+    let home = tempfile::tempdir().unwrap();
+    let stories = shared("models/stories260K.gguf");
+    let args = [
+        "-m",
+        stories.to_str().unwrap(),
+        "--temp",
+        "0",
+        "-n",
+        "40",
+        "-c",
+        "64",
+    ];
+    let script: &[u8] =
+        b"Tell me a story\nTell me more\nAnd then?\n/reset\nhi \xff\xfe there\n/stats\n";
+    let out = chat(&args, script, home.path());
+    assert!(
+        out.contains("[the context is full: /reset starts over]"),
+        "{out}"
+    );
+    assert!(
+        out.contains("no longer fits the context of 64 tokens: /reset starts a new one"),
+        "{out}"
+    );
+    let stats = out.lines().last().unwrap();
+    assert!(stats.starts_with("turns: 2;"), "{out}");
+}
+
 #[test]
 fn conversations_speculate_across_turns_with_plain_output() {
     let home = tempfile::tempdir().unwrap();

@@ -96,7 +96,12 @@ pub fn run(args: ChatArgs) -> anyhow::Result<ExitCode> {
     }
 
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    // Bytes that are not UTF-8 (a pasted binary, a terminal in another encoding) become U+FFFD
+    // instead of ending the session.
+    let mut lines = stdin
+        .lock()
+        .split(b'\n')
+        .map(|line| line.map(|bytes| String::from_utf8_lossy(&bytes).into_owned()));
     loop {
         if interactive {
             print!("> ");
@@ -142,6 +147,15 @@ pub fn run(args: ChatArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
             };
+        let context = pipeline.info.context_size as usize;
+        let prompt_tokens = pipeline.tokenizer.encode(&prompt, add_bos, true).len();
+        if prompt_tokens >= context {
+            messages.pop();
+            println!(
+                "the conversation ({prompt_tokens} tokens with this message) no longer fits the context of {context} tokens: /reset starts a new one (or raise -c)"
+            );
+            continue;
+        }
         interrupted.store(false, Ordering::Relaxed);
         let request = Request {
             prompt,
@@ -174,8 +188,10 @@ pub fn run(args: ChatArgs) -> anyhow::Result<ExitCode> {
                 continue;
             }
         };
-        if outcome.stop_reason == StopReason::Cancelled {
-            print!(" [stopped]");
+        match outcome.stop_reason {
+            StopReason::Cancelled => print!(" [stopped]"),
+            StopReason::ContextFull => print!(" [the context is full: /reset starts over]"),
+            _ => {}
         }
         println!();
         session.record(&outcome);
