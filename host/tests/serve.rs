@@ -692,6 +692,15 @@ fn broken_profiles_keep_the_old_model_and_dropped_plugins_load_on_reload() {
         (503, Some("model_not_ready")),
         "{v}"
     );
+    // No `Retry-After`: retrying cannot help until the profile is fixed.
+    let answer = alone
+        .agent
+        .post(format!("{}/v1/completions", alone.url))
+        .header("content-type", "application/json")
+        .send(completion("stories", "Once", 2).to_string())
+        .unwrap();
+    assert_eq!(answer.status().as_u16(), 503);
+    assert!(answer.headers().get("retry-after").is_none());
 }
 
 #[cfg(unix)]

@@ -29,6 +29,8 @@ pub struct ApiError {
     pub message: String,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header: only where trying again soon can succeed.
+    pub retry_after: Option<&'static str>,
 }
 
 impl ApiError {
@@ -40,6 +42,7 @@ impl ApiError {
             message: message.into(),
             param: param.map(str::to_string),
             code: None,
+            retry_after: None,
         }
     }
 
@@ -58,6 +61,7 @@ impl ApiError {
             ),
             param: Some("model".into()),
             code: Some("model_not_found"),
+            retry_after: None,
         }
     }
 
@@ -71,6 +75,7 @@ impl ApiError {
             ),
             param: Some(param.into()),
             code: Some("context_length_exceeded"),
+            retry_after: None,
         }
     }
 
@@ -82,6 +87,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: Some(code),
+            retry_after: Some("1"),
         }
     }
 
@@ -93,6 +99,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -105,6 +112,7 @@ impl ApiError {
             message: format!("{path} does not take {method} requests (see the Allow header)"),
             param: None,
             code: Some("method_not_allowed"),
+            retry_after: None,
         }
     }
 
@@ -115,6 +123,7 @@ impl ApiError {
             message: format!("Unknown endpoint {path}"),
             param: None,
             code: Some("unknown_url"),
+            retry_after: None,
         }
     }
 
@@ -132,10 +141,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(seconds));
         }
         response
     }

@@ -108,7 +108,11 @@ impl ApiKeys {
     fn admits(&self, authorization: Option<&HeaderValue>) -> bool {
         let Some(given) = authorization
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| {
+                // The scheme is case-insensitive (RFC 9110): `bearer KEY` is `Bearer KEY`.
+                let (scheme, key) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(key)
+            })
             .map(str::trim)
         else {
             return false;
@@ -148,6 +152,7 @@ pub async fn require_key(
         message: message.to_string(),
         param: None,
         code: Some("invalid_api_key"),
+        retry_after: None,
     };
     let mut response = error.into_response();
     response
@@ -185,6 +190,9 @@ mod tests {
         let header = |s: &str| HeaderValue::from_str(s).unwrap();
         assert!(k.admits(Some(&header("Bearer sk-one"))));
         assert!(k.admits(Some(&header("Bearer sk-two"))));
+        assert!(k.admits(Some(&header("bearer sk-two"))));
+        assert!(k.admits(Some(&header("BEARER sk-one"))));
+        assert!(!k.admits(Some(&header("Basic sk-one"))));
         for wrong in [
             "Bearer sk-on",
             "Bearer sk-one1",

@@ -47,6 +47,8 @@ pub struct AppState {
     /// Set once SIGTERM / Ctrl-C arrived: `/health` answers 503 while requests drain.
     pub shutting_down: AtomicBool,
     next_id: AtomicU64,
+    /// Random per process, so that response ids do not repeat across restarts.
+    id_salt: u64,
 }
 
 impl AppState {
@@ -56,6 +58,7 @@ impl AppState {
             metrics,
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            id_salt: rand::random(),
         }
     }
 }
@@ -157,17 +160,20 @@ async fn prepare_and_start(
             )))
         }
         Lookup::NotReady { error } => {
+            let failed = error.is_some();
             let why = match error {
-                Some(e) => format!("it failed to load: {e}"),
+                Some(e) => format!("it failed to load (fix its profile): {e}"),
                 None => "it is still loading".to_string(),
             };
-            return Err((
-                body.model.clone(),
-                ApiError::unavailable(
-                    format!("The model `{}` is not ready: {why}", body.model),
-                    "model_not_ready",
-                ),
-            ));
+            let mut error = ApiError::unavailable(
+                format!("The model `{}` is not ready: {why}", body.model),
+                "model_not_ready",
+            );
+            if failed {
+                // Trying again cannot help until the profile is fixed.
+                error.retry_after = None;
+            }
+            return Err((body.model.clone(), error));
         }
     };
     let label = model.name.clone();
@@ -206,11 +212,12 @@ async fn prepare_and_start(
     let meta = ResponseMeta {
         endpoint,
         id: format!(
-            "{}-{}",
+            "{}-{:016x}{:x}",
             match endpoint {
                 Endpoint::Completions => "cmpl",
                 Endpoint::Chat => "chatcmpl",
             },
+            state.id_salt,
             state.next_id.fetch_add(1, Ordering::Relaxed)
         ),
         created: unix_now(),
