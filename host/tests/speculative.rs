@@ -432,6 +432,120 @@ fn an_always_wrong_drafter_costs_almost_nothing() {
     );
 }
 
+/// How [`FaultyDrafter`] misbehaves, from its `at`-th proposal on.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// Its proposal fails (as a plugin's panic reaches the host: an error).
+    Fails,
+    /// It evaluates two tokens on the target and leaves them there.
+    LeavesTokens,
+    /// It cuts the target's last token off.
+    CutsTarget,
+}
+
+/// Drafts token 0 (never the target's choice) and misbehaves as `fault` at its `at`-th
+/// proposal.
+struct FaultyDrafter {
+    fault: Fault,
+    at: usize,
+    proposals: usize,
+}
+
+impl Drafter for FaultyDrafter {
+    fn begin(
+        &mut self,
+        _prompt: RSlice<'_, u32>,
+        _reused: u32,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
+        Ok(()).into()
+    }
+
+    fn propose(
+        &mut self,
+        request: DraftRequest<'_>,
+        mut models: DrafterModels<'_>,
+        out: &mut Draft,
+    ) -> PluginResult<()> {
+        self.proposals += 1;
+        out.clear();
+        out.tokens.extend((0..request.max_tokens).map(|_| 0u32));
+        if self.proposals < self.at {
+            return Ok(()).into();
+        }
+        let target = models.target.as_mut().unwrap();
+        match self.fault {
+            Fault::Fails => {
+                return Err(specula_plugin_api::PluginError::model("out of ideas")).into()
+            }
+            Fault::LeavesTokens => {
+                let mut logits = RVec::new();
+                target.eval(&[5, 6], LogitRows::Last, &mut logits).unwrap();
+            }
+            Fault::CutsTarget => {
+                let len = target.len().unwrap();
+                target.truncate(len - 1).unwrap();
+            }
+        }
+        Ok(()).into()
+    }
+
+    fn accept(
+        &mut self,
+        _accepted: RSlice<'_, u32>,
+        _models: DrafterModels<'_>,
+    ) -> PluginResult<()> {
+        Ok(()).into()
+    }
+}
+
+/// Speculation only ever changes the speed: a drafter that fails or leaves tokens on
+/// the target is dropped with the reason in the statistics, and decoding goes on plainly to
+/// the same output; one that cuts the target (which cannot be mended) ends the generation
+/// with an error naming it.
+#[test]
+fn a_failing_drafter_is_dropped_and_the_output_stays_plain() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = open(dir.path(), "models/stories260K.gguf", "");
+    let with = |p: &mut Pipeline, fault: Fault| {
+        p.drafter = Some(DrafterSlot {
+            name: "faulty".into(),
+            drafter: box_drafter(FaultyDrafter {
+                fault,
+                at: 3,
+                proposals: 0,
+            }),
+            draft_model: None,
+        });
+    };
+    for (fault, says) in [
+        (
+            Fault::Fails,
+            "drafter 'faulty' failed to propose: out of ideas",
+        ),
+        (
+            Fault::LeavesTokens,
+            "drafter 'faulty' left 2 tokens it evaluated on the target's sequence",
+        ),
+    ] {
+        with(&mut p, fault);
+        let o = assert_parity_with(&mut p, "Once upon a time", 60, &[], FIXED_4);
+        let why = o.speculative.drafter_failure.as_deref().unwrap_or_default();
+        assert!(why.starts_with(says), "{fault:?}: {why:?}");
+        assert!(o.speculative.report().contains("decoded on without drafts"));
+        // It drafted before it failed, and not after.
+        assert_eq!(o.speculative.steps_with_drafts, 2, "{fault:?}");
+    }
+    with(&mut p, Fault::CutsTarget);
+    let mut spec = request("Once upon a time", 60, SamplingParams::greedy(), false);
+    spec.speculation = Some(FIXED_4);
+    let err = generate(&mut p, &spec, |_| {}).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("drafter 'faulty' cut the target's sequence it was lent"),
+        "{err:#}"
+    );
+}
+
 /// The joint distribution of the first two sampled tokens, computed from the target.
 fn expected_pairs(
     p: &mut Pipeline,

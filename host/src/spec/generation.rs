@@ -381,17 +381,21 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             self.prefill_seconds = self.started.elapsed().as_secs_f64();
         }
         if self.speculation.is_some() {
-            if let Some((name, drafter, models)) = lane.drafter() {
+            let before = lane.target.len().into_result()?;
+            let answered = lane.drafter().map(|(name, drafter, models)| {
                 let t = Instant::now();
-                drafter
+                let answer = drafter
                     .begin(
                         RSlice::from_slice(&self.prompt[..self.prefilled]),
                         start as u32,
                         models,
                     )
-                    .into_result()
-                    .with_context(|| format!("drafter '{name}' failed to start"))?;
-                self.stats.draft_seconds += t.elapsed().as_secs_f64();
+                    .into_result();
+                (name.to_string(), answer, t.elapsed().as_secs_f64())
+            });
+            if let Some((name, answer, seconds)) = answered {
+                self.stats.draft_seconds += seconds;
+                self.drafter_answered(lane, &name, "start", before, answer)?;
             }
         }
         if !done {
@@ -550,10 +554,52 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
 
     /// Asks the drafter for up to `n` drafts continuing the history; they join
     /// [`rows`](Self::rows). With `n == 0` the step is plain.
+    /// Takes a drafter's answer to `call` (`before`: the target's length when it was lent).
+    /// Speculation only ever changes the speed, so a drafter that fails is dropped for the
+    /// rest of this generation and decoding goes on plainly, with a warning; `false` then. A
+    /// drafter must leave the target as it found it: tokens it left evaluated are cut back
+    /// (and it is dropped); a target it cut shorter cannot be mended, and ends the generation.
+    fn drafter_answered(
+        &mut self,
+        lane: &mut Lane<'_>,
+        name: &str,
+        call: &str,
+        before: usize,
+        answer: Result<(), PluginError>,
+    ) -> anyhow::Result<bool> {
+        let after = lane.target.len().into_result()?;
+        if after < before {
+            bail!(
+                "drafter '{name}' cut the target's sequence it was lent from {before} to {after} tokens (in {call}), so the text cannot go on; a drafter must leave the target as it found it (docs/PLUGINS.md)"
+            );
+        }
+        let failure = match answer {
+            _ if after > before => {
+                lane.target.truncate(before).into_result()?;
+                Some(format!(
+                    "left {} tokens it evaluated on the target's sequence (in {call}; they were cut back)",
+                    after - before
+                ))
+            }
+            Err(e) => Some(format!("failed to {call}: {}", e.message)),
+            Ok(()) => None,
+        };
+        let Some(failure) = failure else {
+            return Ok(true);
+        };
+        tracing::warn!(
+            "drafter '{name}' {failure}; decoding on without drafts (the output is the same, only slower)"
+        );
+        self.stats.drafter_failure = Some(format!("drafter '{name}' {failure}"));
+        self.speculation = None;
+        Ok(false)
+    }
+
     pub fn draft(&mut self, lane: &mut Lane<'_>, n: usize) -> anyhow::Result<()> {
         if n == 0 || self.speculation.is_none() {
             return Ok(());
         }
+        let before = lane.target.len().into_result()?;
         let Some((name, drafter, models)) = lane.drafter() else {
             return Ok(());
         };
@@ -572,10 +618,15 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             seed: self.draft_rng.next_u64(),
             tree: self.tree,
         };
-        drafter
+        let name = name.to_string();
+        let answer = drafter
             .propose(request, models, &mut self.draft)
-            .into_result()
-            .with_context(|| format!("drafter '{name}' failed to propose"))?;
+            .into_result();
+        if !self.drafter_answered(lane, &name, "propose", before, answer)? {
+            self.draft.tokens.clear();
+            self.draft.parents.clear();
+            return Ok(());
+        }
         sanitize(
             &mut self.draft,
             n,
@@ -739,15 +790,18 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             );
             // After every target pass, drafted or not: a drafter that follows the target's
             // hidden states (MTP) must see every accepted position.
-            if let Some((name, drafter, models)) = lane.drafter() {
+            let before = lane.target.len().into_result()?;
+            let emitted: Vec<u32> = path[..emitted_drafts].iter().map(|&at| at as u32).collect();
+            let answered = lane.drafter().map(|(name, drafter, models)| {
                 let t = Instant::now();
-                let emitted: Vec<u32> =
-                    path[..emitted_drafts].iter().map(|&at| at as u32).collect();
-                drafter
+                let answer = drafter
                     .accept(RSlice::from_slice(&emitted), models)
-                    .into_result()
-                    .with_context(|| format!("drafter '{name}' failed to accept"))?;
-                self.stats.draft_seconds += t.elapsed().as_secs_f64();
+                    .into_result();
+                (name.to_string(), answer, t.elapsed().as_secs_f64())
+            });
+            if let Some((name, answer, seconds)) = answered {
+                self.stats.draft_seconds += seconds;
+                self.drafter_answered(lane, &name, "accept", before, answer)?;
             }
         }
         self.phase = match stop {

@@ -41,6 +41,10 @@ pub struct SpecStats {
     pub draft_seconds: f64,
     pub verify_seconds: f64,
     pub sample_seconds: f64,
+    /// Why the drafter was dropped partway (it failed, or did not leave the target as it
+    /// found it): decoding went on plainly from there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter_failure: Option<String>,
 }
 
 impl SpecStats {
@@ -89,6 +93,9 @@ impl SpecStats {
 
     /// Adds another request's statistics (cumulative counters).
     pub fn merge(&mut self, other: &SpecStats) {
+        if self.drafter_failure.is_none() {
+            self.drafter_failure.clone_from(&other.drafter_failure);
+        }
         self.steps += other.steps;
         self.target_passes += other.target_passes;
         self.drafted += other.drafted;
@@ -174,7 +181,11 @@ impl SpecStats {
             self.pause_report()
                 .map(|p| format!("\n{p}"))
                 .unwrap_or_default(),
-        )
+        ) + &self
+            .drafter_failure
+            .as_ref()
+            .map(|why| format!("\n{why}; decoded on without drafts from there"))
+            .unwrap_or_default()
     }
 }
 
