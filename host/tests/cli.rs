@@ -443,8 +443,8 @@ fn profile_check_finds_every_problem_run_would_hit() {
         (
             "drafter-options.toml",
             &stories,
-            "[drafter]\nplugin = \"lookup\"\n[drafter.options]\nn_mni = 2\n",
-            &["drafter.options.n_mni: unknown option"],
+            "[drafter]\nplugin = \"lookup\"\n[drafter.options]\nn_mni = 2\nn_mux = 9\n",
+            &["drafter.options.n_mni, drafter.options.n_mux: unknown options"],
         ),
         (
             "model-options.toml",

@@ -146,6 +146,33 @@ fn plugin_built_against_another_abi_is_refused_with_both_versions() {
     );
 }
 
+/// A library that exports the ABI version but forgot the export macro gets a line saying so
+/// (it had been a multi-line abi_stable report about a mangled symbol in a temporary copy).
+#[test]
+fn a_plugin_without_its_module_says_which_macro_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join(format!(
+        "{}specula_noroot{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    compile_cdylib(
+        &format!(
+            "#[no_mangle]\npub extern \"C\" fn specula_plugin_abi_version() -> u32 {{ {ABI_VERSION} }}\n"
+        ),
+        &lib,
+    );
+    let err = load_library(&lib).unwrap_err();
+    assert!(matches!(err, PluginError::NoRootModule { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(lib.to_str().unwrap())
+            && text.contains("export_drafter!")
+            && !text.contains('\n'),
+        "{text}"
+    );
+}
+
 #[test]
 fn a_library_that_is_not_a_plugin_is_refused() {
     let dir = tempfile::tempdir().unwrap();

@@ -224,24 +224,31 @@ impl DrafterParams {
         }
     }
 
-    /// Fails on an option that is not in `known`, naming it and the known ones.
+    /// Fails on options that are not in `known`, naming every one of them and the known ones.
     pub fn check_options(&self, known: &[&str]) -> Result<(), crate::PluginError> {
-        match self
+        let unknown: Vec<&str> = self
             .options
             .iter()
-            .find(|pair| !known.contains(&pair.0.as_str()))
-        {
-            None => Ok(()),
-            Some(pair) => Err(crate::PluginError::invalid_input(format!(
-                "drafter.options.{}: unknown option (known: {})",
-                pair.0,
-                if known.is_empty() {
-                    "none".to_string()
-                } else {
-                    known.join(", ")
-                }
-            ))),
+            .map(|pair| pair.0.as_str())
+            .filter(|key| !known.contains(key))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
         }
+        Err(crate::PluginError::invalid_input(format!(
+            "{}: unknown option{} (known: {})",
+            unknown
+                .iter()
+                .map(|key| format!("drafter.options.{key}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if unknown.len() == 1 { "" } else { "s" },
+            if known.is_empty() {
+                "none".to_string()
+            } else {
+                known.join(", ")
+            }
+        )))
     }
 }
 

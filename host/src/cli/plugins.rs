@@ -45,6 +45,9 @@ pub fn run(args: PluginsArgs) -> anyhow::Result<ExitCode> {
                 ABI_VERSION,
                 l.path.display()
             );
+            if !info.description.is_empty() {
+                println!("{:<16} {}", "", info.description);
+            }
         }
     }
     for l in &ok {

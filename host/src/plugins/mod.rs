@@ -62,6 +62,8 @@ pub enum PluginError {
     },
     #[error("{path}: plugin ABI layout check failed (built against an incompatible specula-plugin-api): {reason}")]
     Layout { path: PathBuf, reason: String },
+    #[error("{path}: exports `{ABI_VERSION_SYMBOL}` but no plugin module; its source needs `specula_plugin_api::export_drafter!` or `export_backend!` (docs/PLUGINS.md)")]
+    NoRootModule { path: PathBuf },
     #[error("{path}: '{name}' is a {actual} plugin, but the profile uses it as a {expected}")]
     WrongKind {
         path: PathBuf,
@@ -481,7 +483,20 @@ fn load_uncached(
         path: owned.clone(),
         reason,
     };
-    let header = lib_header_from_path(copy).map_err(|e| layout(e.to_string()))?;
+    let header = lib_header_from_path(copy).map_err(|e| match e {
+        abi_stable::library::LibraryError::GetSymbolError { .. } => PluginError::NoRootModule {
+            path: owned.clone(),
+        },
+        // abi_stable's text spans lines and names the private copy: one line, the user's file.
+        other => layout(
+            other
+                .to_string()
+                .replace(&*copy.to_string_lossy(), &owned.to_string_lossy())
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+    })?;
     // The layout check abi_stable runs in `init_root_module` reports pages of formatted
     // text; run it first here to say in a line where the mismatch is.
     if let Some(plugin_layout) = header.layout() {

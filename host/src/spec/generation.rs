@@ -164,6 +164,8 @@ pub struct Generation<'t, F: FnMut(&str)> {
     /// Per node of the recent trees, in the order drafted: the drafter's estimate that its
     /// path is accepted, smoothed over trees ([`draft_values`](Self::draft_values)).
     tree_values: Vec<f64>,
+    /// Whether a drafter's broken drafts were warned about (once a generation).
+    warned_of_broken_drafts: bool,
     /// Steps in a row that wanted drafts and a budget granted none.
     starved: u32,
     /// The draft-length controller, when this request speculates.
@@ -285,6 +287,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             row_parents: Vec::new(),
             tree,
             tree_values: Vec::new(),
+            warned_of_broken_drafts: false,
             starved: 0,
             speculation,
             stats: SpecStats::default(),
@@ -627,13 +630,19 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             self.draft.parents.clear();
             return Ok(());
         }
-        sanitize(
+        let broken = sanitize(
             &mut self.draft,
             n,
             self.vocab,
             self.request.sampling.temperature <= 0.0,
             self.tree,
         );
+        if let Some(why) = broken.filter(|_| !self.warned_of_broken_drafts) {
+            self.warned_of_broken_drafts = true;
+            tracing::warn!(
+                "drafter '{name}' {why}: those drafts were dropped (once a generation, this warning)"
+            );
+        }
         self.stats.draft_seconds += t.elapsed().as_secs_f64();
         let tokens = self.draft.tokens.len();
         if self.tree && !self.draft.parents.is_empty() && self.draft.confidence.len() >= tokens {
@@ -912,13 +921,40 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
 /// A tree is kept only where one was asked for (`tree`) and its parents are well formed; any
 /// prefix of a tree in topological order is a tree, and its drafts are not trimmed by
 /// confidence (its drafter shaped it). Otherwise only the chain it starts with is kept.
-fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: bool) {
+///
+/// Returns what broke the drafter contract (docs/PLUGINS.md), if anything did, for a warning:
+/// the drafts are dropped either way, but an author should not have to guess why.
+fn sanitize(
+    draft: &mut Draft,
+    max: usize,
+    vocab: usize,
+    greedy: bool,
+    tree: bool,
+) -> Option<String> {
+    let mut broken = None;
+    if draft.tokens.len() > max {
+        broken = Some(format!(
+            "proposed {} drafts where at most {max} were asked for",
+            draft.tokens.len()
+        ));
+    }
     let mut keep = draft.tokens.len().min(max);
     if let Some(bad) = draft.tokens[..keep]
         .iter()
         .position(|&t| t as usize >= vocab)
     {
+        broken = Some(format!(
+            "proposed token {} at draft {bad}, outside the vocabulary of {vocab} tokens",
+            draft.tokens[bad]
+        ));
         keep = bad;
+    }
+    if !draft.probs.is_empty() && draft.probs.len() != draft.tokens.len() * vocab {
+        broken = Some(format!(
+            "sent {} probabilities for {} drafts (a distribution over the {vocab} tokens per draft, or none)",
+            draft.probs.len(),
+            draft.tokens.len()
+        ));
     }
     if !draft.parents.is_empty() {
         let well_formed = draft.parents.len() == draft.tokens.len()
@@ -927,6 +963,12 @@ fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: boo
                 .iter()
                 .enumerate()
                 .all(|(i, &p)| p == TREE_ROOT || (p as usize) < i);
+        if !well_formed {
+            broken = Some(
+                "proposed a tree whose parents are not one per draft, each an earlier draft or the root"
+                    .into(),
+            );
+        }
         if tree && well_formed {
             draft.parents.truncate(keep);
             draft.tokens.truncate(keep);
@@ -935,7 +977,7 @@ fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: boo
             } else {
                 draft.probs.clear();
             }
-            return;
+            return broken;
         }
         let chain = draft
             .parents
@@ -965,5 +1007,54 @@ fn sanitize(draft: &mut Draft, max: usize, vocab: usize, greedy: bool, tree: boo
         draft.probs.truncate(keep * vocab);
     } else {
         draft.probs.clear();
+    }
+    broken
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draft(tokens: &[u32], parents: &[u32]) -> Draft {
+        let mut d = Draft::default();
+        d.tokens.extend_from_slice(tokens);
+        d.parents.extend_from_slice(parents);
+        d
+    }
+
+    #[test]
+    fn broken_drafts_are_dropped_and_said_why() {
+        let mut d = draft(&[1, 2, 3], &[]);
+        assert_eq!(sanitize(&mut d, 3, 10, true, false), None);
+        assert_eq!(d.tokens.len(), 3);
+
+        let mut d = draft(&[1, 2, 3, 4], &[]);
+        let why = sanitize(&mut d, 2, 10, true, false).unwrap();
+        assert!(why.contains("proposed 4 drafts where at most 2"), "{why}");
+        assert_eq!(&d.tokens[..], &[1, 2]);
+
+        let mut d = draft(&[1, 12, 3], &[]);
+        let why = sanitize(&mut d, 3, 10, true, false).unwrap();
+        assert!(
+            why.contains("token 12 at draft 1, outside the vocabulary of 10"),
+            "{why}"
+        );
+        assert_eq!(&d.tokens[..], &[1]);
+
+        let mut d = draft(&[1, 2, 3], &[TREE_ROOT, 2, 0]);
+        let why = sanitize(&mut d, 3, 10, true, true).unwrap();
+        assert!(why.contains("parents are not one per draft"), "{why}");
+        assert_eq!(&d.tokens[..], &[1]);
+
+        let mut d = draft(&[1, 2], &[]);
+        d.probs.extend_from_slice(&[0.1; 7]);
+        let why = sanitize(&mut d, 2, 10, false, false).unwrap();
+        assert!(why.contains("sent 7 probabilities for 2 drafts"), "{why}");
+        assert!(d.probs.is_empty());
+
+        // A well-formed tree where one was asked for is not a broken draft.
+        let mut d = draft(&[1, 2, 3], &[TREE_ROOT, TREE_ROOT, 0]);
+        assert_eq!(sanitize(&mut d, 3, 10, true, true), None);
+        assert_eq!(d.parents.len(), 3);
     }
 }
