@@ -198,6 +198,22 @@ fn slow_idle_and_surplus_connections_are_cut_off() {
             "specula_http_timed_out_connections_total{phase=\"keep_alive\"}"
         ) >= 1.0
     );
+    assert!(
+        metric(
+            &m,
+            "specula_http_timed_out_connections_total{phase=\"body\"}"
+        ) >= 1.0,
+        "{m}"
+    );
+    // The 408 and the 413 answered before any handler are counted as requests too.
+    for status in ["408", "413"] {
+        assert!(
+            m.lines().any(|l| l.starts_with("specula_requests_total{")
+                && l.contains("endpoint=\"completions\"")
+                && l.contains(&format!("status=\"{status}\""))),
+            "{status}: {m}"
+        );
+    }
 }
 
 #[test]

@@ -17,7 +17,7 @@ use clap::{Parser, Subcommand};
 
 /// Specula: speculative decoding that pays off, on your own machine.
 #[derive(Debug, Parser)]
-#[command(name = "specula", version, about, long_about = None)]
+#[command(name = "specula", version, long_about = None)]
 pub struct Cli {
     /// Log filter (e.g. `info`, `specula=debug`); also read from SPECULA_LOG.
     #[arg(long, global = true, value_name = "FILTER")]

@@ -65,10 +65,10 @@ pub struct Setup {
     #[arg(long, value_name = "FILE")]
     pub(super) draft_model: Option<std::path::PathBuf>,
     /// Most draft tokens per step.
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     pub(super) draft_max: Option<u32>,
     /// Fewest draft tokens per step while speculating.
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     pub(super) draft_min: Option<u32>,
     /// Draft the maximum every step: turn off the adaptive draft length (which shortens drafts
     /// and pauses speculation when it does not pay, judged partly by measured time).

@@ -64,7 +64,7 @@ pub enum PluginError {
     Layout { path: PathBuf, reason: String },
     #[error("{path}: exports `{ABI_VERSION_SYMBOL}` but no plugin module; its source needs `specula_plugin_api::export_drafter!` or `export_backend!` (docs/PLUGINS.md)")]
     NoRootModule { path: PathBuf },
-    #[error("{path}: '{name}' is a {actual} plugin, but the profile uses it as a {expected}")]
+    #[error("{path}: '{name}' is a {actual} plugin, where a {expected} is needed")]
     WrongKind {
         path: PathBuf,
         name: String,

@@ -36,8 +36,8 @@ use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use super::api::ApiError;
-use super::metrics::Metrics;
+use super::api::{ApiError, Endpoint};
+use super::metrics::{Metrics, NO_MODEL};
 
 /// The connection limits of `specula serve` (`--header-timeout`, `--body-timeout`,
 /// `--keep-alive-timeout`, `--max-connections`).
@@ -99,7 +99,7 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let app = app.layer(axum::middleware::from_fn_with_state(
-        limits,
+        (limits, metrics.clone()),
         read_body_in_time,
     ));
     let open = Arc::new(Semaphore::new(limits.max_connections));
@@ -281,7 +281,7 @@ async fn refuse(mut stream: TcpStream, error: ApiError, retry_here: bool) {
 /// Buffers a request's body within the body timeout and the size limit, so a client that
 /// trickles its body cannot hold a connection (408), and hands the handler the whole body.
 async fn read_body_in_time(
-    axum::extract::State(limits): axum::extract::State<HttpLimits>,
+    axum::extract::State((limits, metrics)): axum::extract::State<(HttpLimits, Arc<Metrics>)>,
     request: Request,
     next: axum::middleware::Next,
 ) -> Response {
@@ -289,6 +289,17 @@ async fn read_body_in_time(
         return next.run(request).await;
     }
     let (parts, body) = request.into_parts();
+    // Answers given here never reach a handler: counted here, under the endpoint's label.
+    let endpoint = match parts.uri.path() {
+        "/v1/completions" => Some(Endpoint::Completions),
+        "/v1/chat/completions" => Some(Endpoint::Chat),
+        _ => None,
+    };
+    let count = |status: u16| {
+        if let Some(endpoint) = endpoint {
+            metrics.record_request(NO_MODEL, endpoint.as_str(), status);
+        }
+    };
     let declared = parts
         .headers
         .get(axum::http::header::CONTENT_LENGTH)
@@ -309,6 +320,7 @@ async fn read_body_in_time(
             axum::http::header::CONNECTION,
             axum::http::HeaderValue::from_static("close"),
         );
+        count(413);
         return response;
     }
     let read = axum::body::to_bytes(body, limits.max_body_bytes);
@@ -331,6 +343,7 @@ async fn read_body_in_time(
             if too_large {
                 error.status = axum::http::StatusCode::PAYLOAD_TOO_LARGE;
             }
+            count(error.status.as_u16());
             return error.into_response();
         }
         Err(_) => {
@@ -343,6 +356,8 @@ async fn read_body_in_time(
             );
             error.status = axum::http::StatusCode::REQUEST_TIMEOUT;
             error.code = Some("request_timeout");
+            metrics.http_timeouts.with_label_values(&["body"]).inc();
+            count(408);
             let mut response = error.into_response();
             response.headers_mut().insert(
                 axum::http::header::CONNECTION,

@@ -152,7 +152,7 @@ impl Metrics {
             http_refused,
             http_timeouts: counter(
                 "specula_http_timed_out_connections_total",
-                "Connections closed for exceeding a time limit, by phase (header, keep_alive)",
+                "Connections closed for exceeding a time limit, by phase (header, body, keep_alive)",
                 &["phase"],
             ),
             requests: counter(
