@@ -552,3 +552,56 @@ fn a_request_cancelled_during_its_prefill_ends_at_once() {
     assert_eq!(cancelled.timings.decode_seconds, 0.0);
     assert_eq!(outcomes[1].take().unwrap().tokens, want.tokens);
 }
+
+/// When the KV pool runs out of blocks, the newest request gives its blocks back and fails,
+/// saying why, and the older ones go on to their whole output (before, every request that
+/// needed a block in that pass failed).
+#[test]
+fn a_full_kv_pool_fails_the_newest_request_only() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 blocks of 64 positions for 3 sequences of ~100 tokens: room for two of them.
+    let profile = profile(
+        dir.path(),
+        &shared("models/stories260K.gguf"),
+        "context_size = 256\nkv_tokens = 256\n",
+    );
+    let long = |i: usize| Request {
+        prompt: String::new(),
+        max_tokens: 100,
+        stop: Vec::new(),
+        ..request(i, false)
+    };
+    let mut alone = Pipeline::open(&profile).unwrap();
+    let want = generate(&mut alone, &long(0), |_| {}).unwrap();
+    assert_eq!(want.tokens.len(), 100);
+    drop(alone);
+    let engine = Engine::start(
+        Parts::open(&profile, 3, None).unwrap(),
+        3,
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::channel();
+    for i in 0..3 {
+        engine.submit(job(i, long(i), &tx)).ok().unwrap();
+    }
+    let mut results: Vec<Option<Result<Outcome, JobError>>> = vec![None, None, None];
+    while results.iter().any(Option::is_none) {
+        if let Report::Done(i, r) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            results[i] = Some(*r);
+        }
+    }
+    for (i, result) in results.iter().enumerate().take(2) {
+        match result.as_ref().unwrap() {
+            Ok(outcome) => assert_eq!(outcome.tokens, want.tokens, "request {i}"),
+            Err(e) => panic!("request {i} failed: {e}"),
+        }
+    }
+    match results[2].as_ref().unwrap() {
+        Err(JobError::Failed(message)) => assert!(
+            message.contains("kv_tokens") && message.contains("gave way"),
+            "{message}"
+        ),
+        other => panic!("the newest request: {other:?}"),
+    }
+}

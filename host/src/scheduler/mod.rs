@@ -711,19 +711,39 @@ impl Loop {
                 tracing::debug!("a batched pass failed ({e}); retrying its chunks one by one");
                 self.note_target_error(&e);
                 for &(i, part) in &parts {
-                    let r = &mut running[i];
-                    let t = Instant::now();
-                    let alone = self
-                        .target
-                        .eval_batch(RSlice::from_slice(&[chunk(r, part)]), logits)
-                        .into_result();
-                    let seconds = t.elapsed().as_secs_f64();
-                    match alone {
-                        Ok(()) => self.consume(r, part, Ok(logits), seconds),
-                        Err(e) => {
-                            self.note_target_error(&e);
-                            self.consume(r, part, Err(e), seconds)
+                    loop {
+                        if running[i].failed.is_some() {
+                            break; // Gave its blocks to an older request below.
                         }
+                        let t = Instant::now();
+                        let alone = self
+                            .target
+                            .eval_batch(RSlice::from_slice(&[chunk(&running[i], part)]), logits)
+                            .into_result();
+                        let seconds = t.elapsed().as_secs_f64();
+                        let e = match alone {
+                            Ok(()) => {
+                                self.consume(&mut running[i], part, Ok(logits), seconds);
+                                break;
+                            }
+                            Err(e) => e,
+                        };
+                        if self.pool_is_out(&e, &running[i]) {
+                            // The KV pool has no block left: the newest request gives its
+                            // blocks back (it fails, saying why) and this one tries again;
+                            // when this is the newest, it fails itself.
+                            let newer = (i + 1..running.len())
+                                .rev()
+                                .find(|&j| running[j].failed.is_none());
+                            if let Some(j) = newer {
+                                self.give_way(&mut running[j], &e);
+                                continue;
+                            }
+                        } else {
+                            self.note_target_error(&e);
+                        }
+                        self.consume(&mut running[i], part, Err(e), seconds);
+                        break;
                     }
                 }
             }
@@ -819,6 +839,28 @@ impl Loop {
         });
         if let Err(e) = result {
             r.failed = Some(e);
+        }
+    }
+
+    /// Whether `e`, from a pass of `r`'s rows alone, says the target's KV pool is out of
+    /// blocks (rather than that `r` outgrew its own context).
+    fn pool_is_out(&self, e: &PluginError, r: &Running<'_>) -> bool {
+        e.kind == ErrorKind::ContextFull && !r.generation.outgrows_its_context()
+    }
+
+    /// Fails `r` because the KV pool ran out (`e` says so) and frees its blocks at once, so
+    /// that older requests can go on.
+    fn give_way(&mut self, r: &mut Running<'_>, e: &PluginError) {
+        tracing::warn!(
+            "the KV pool is full: the newest request gives its blocks back and fails ({})",
+            e.message
+        );
+        r.failed = Some(JobError::Failed(format!(
+            "{}; the newest requests gave way to older ones (raise kv_tokens, or lower [serve] slots)",
+            e.message
+        )));
+        if let Err(e) = self.target.truncate(r.seq, 0).into_result() {
+            self.note_target_error(&e);
         }
     }
 

@@ -687,8 +687,18 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
 
     /// Reports that this step's pass failed with `error`. A full context ends generation;
     /// any other error — a full KV pool shared with other sequences among them — is returned.
+    /// Whether this step's rows would take the sequence past its context (a context-full
+    /// error is then its own, not a shared pool's).
+    pub fn outgrows_its_context(&self) -> bool {
+        match self.phase {
+            // A prompt must leave room in the context (checked when the request is made).
+            Phase::Prefill => self.prompt.len() >= self.context,
+            _ => (self.history.len() + self.rows.len()).saturating_sub(1) > self.context,
+        }
+    }
+
     pub fn pass_failed(&mut self, error: PluginError) -> anyhow::Result<()> {
-        let context_full = self.history.len() - 1 + self.rows.len() > self.context;
+        let context_full = self.outgrows_its_context();
         match self.phase {
             Phase::Decode if error.kind == ErrorKind::ContextFull && context_full => {
                 self.phase = Phase::Done(StopReason::ContextFull);
