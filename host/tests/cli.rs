@@ -544,50 +544,42 @@ fn first_run_slips_are_explained() {
         all.extend_from_slice(args);
         specula(&all, dir.path())
     };
+    let says = |out: &std::process::Output, text: &str| {
+        assert!(
+            stderr(out).contains(text),
+            "{text:?} not in:\n{}",
+            stderr(out)
+        );
+    };
     // A context beyond the trained length is cut, and the cut is said.
     let out = run(&["-c", "100000", "-n", "3", "Once"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("a context of 100000 tokens was asked for, but the model was trained for 2048; using 2048"),
-        "{}",
-        stderr(&out)
+    says(
+        &out,
+        "a context of 100000 tokens was asked for, but the model was trained for 2048; using 2048",
     );
     // A full context ends the text with a line saying so (not only in --json).
     let out = run(&["-c", "10", "-n", "100", "Once"]);
-    assert!(
-        stderr(&out).contains("stopped: the context of 10 tokens is full; raise it with -c"),
-        "{}",
-        stderr(&out)
+    says(
+        &out,
+        "stopped: the context of 10 tokens is full; raise it with -c",
     );
     // A prompt that fills the context names both fixes.
     let out = run(&["-c", "5", "Once upon a time there was"]);
     assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("leaves no room for a new token")
-            && stderr(&out).contains("trained for 2048"),
-        "{}",
-        stderr(&out)
-    );
+    says(&out, "leaves no room for a new token");
+    says(&out, "trained for 2048");
     // --check-plain that cannot check says why.
     let out = run(&["--check-plain", "-n", "4", "Once"]);
-    assert!(
-        stderr(&out).contains("check: skipped (there is no drafter)"),
-        "{}",
-        stderr(&out)
-    );
+    says(&out, "check: skipped (there is no drafter)");
     // More threads than CPUs.
     let out = run(&["-t", "1024", "-n", "1", "Once"]);
-    assert!(
-        stderr(&out).contains("1024 worker threads on"),
-        "{}",
-        stderr(&out)
-    );
+    says(&out, "1024 worker threads on");
     // A model where a profile belongs.
     let out = specula(&["run", "--profile", m, "Once"], dir.path());
-    assert!(
-        stderr(&out).contains("is a GGUF model, not a profile: to run a model, pass it with -m"),
-        "{}",
-        stderr(&out)
+    says(
+        &out,
+        "is a GGUF model, not a profile: to run a model, pass it with -m",
     );
     // Every out-of-range value of a profile, and several profiles in one check.
     let bad = write_profile(
@@ -656,11 +648,7 @@ fn first_run_slips_are_explained() {
     )
     .unwrap();
     let out = specula(&["profile", "check", lost.to_str().unwrap()], dir.path());
-    assert!(
-        stderr(&out).contains("plugin_dir: /nowhere/plugins is not a directory"),
-        "{}",
-        stderr(&out)
-    );
+    says(&out, "plugin_dir: /nowhere/plugins is not a directory");
     // `serve` without anything to serve names both ways to give it something.
     let out = specula(&["serve"], dir.path());
     assert!(
