@@ -598,7 +598,7 @@ fn a_full_kv_pool_fails_the_newest_request_only() {
         }
     }
     match results[2].as_ref().unwrap() {
-        Err(JobError::Failed(message)) => assert!(
+        Err(JobError::Capacity(message)) => assert!(
             message.contains("kv_tokens") && message.contains("gave way"),
             "{message}"
         ),

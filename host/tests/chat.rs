@@ -76,9 +76,6 @@ fn a_scripted_conversation_keeps_its_turns_in_the_cache() {
     );
 }
 
-/// The built-in model drafting through its MTP head: answers equal plain decoding's, with the
-/// cache kept or not, and the drafter keeps drafting on later turns (its head continues from
-/// the kept prefix).
 /// A conversation that outgrows the context says so and how to go on (`/reset`), and a line
 /// that is not UTF-8 is read as text with replacement characters; the session carries on.
 #[test]
@@ -110,6 +107,9 @@ fn a_full_context_and_a_line_that_is_not_utf8_leave_the_session_going() {
     assert!(stats.starts_with("turns: 2;"), "{out}");
 }
 
+/// The built-in model drafting through its MTP head: answers equal plain decoding's, with the
+/// cache kept or not, and the drafter keeps drafting on later turns (its head continues from
+/// the kept prefix).
 #[test]
 fn conversations_speculate_across_turns_with_plain_output() {
     let home = tempfile::tempdir().unwrap();

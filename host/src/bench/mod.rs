@@ -319,7 +319,7 @@ pub fn run(profile: &Profile, options: &BenchOptions) -> anyhow::Result<BenchRep
     let prompt_tokens = options
         .prompt_tokens
         .clamp(1, info.context_size as usize / 2);
-    if prompt_tokens != options.prompt_tokens {
+    if options.prompt_tokens > prompt_tokens {
         tracing::warn!(
             "a prompt of {} tokens leaves too little of the {}-token context to decode in; measuring a prompt of {prompt_tokens} (raise target.context_size for longer ones)",
             options.prompt_tokens,

@@ -20,7 +20,8 @@
 //!    are freed at once (their KV blocks go back to the pool) before their client hears the
 //!    end.
 //!
-//! A failed pass is retried chunk by chunk, so only the sequence at fault fails; a panic in
+//! A failed pass is retried chunk by chunk, so only the sequence at fault fails (when the KV
+//! pool is out of blocks, the newest request holding some gives them back instead); a panic in
 //! one request's code (its sampler, its drafter, its text sink) fails that request only. A
 //! target backend that panicked refuses every later call: the requests it ran fail, and the
 //! loop opens the models again ([`EngineOptions::reopen`]) or, failing that, answers every
@@ -75,6 +76,10 @@ pub enum JobError {
     /// The engine cannot serve any more (its backend broke and could not be reopened).
     #[error("{0}")]
     Unavailable(String),
+    /// The KV pool ran out of blocks and this, the newest request, gave its blocks back: a
+    /// capacity problem of the moment, worth retrying.
+    #[error("{0}")]
+    Capacity(String),
 }
 
 /// What the loop reports, for metrics.
@@ -560,6 +565,15 @@ impl Loop {
                 drop(generation);
                 Err(e)
             }
+            None if generation.dropped_its_drafter() => {
+                // Its drafter failed and the request went on plainly: the next request on
+                // this lane gets a fresh drafter.
+                self.renew_lane(lane);
+                match catch_unwind(AssertUnwindSafe(|| generation.finish(held))) {
+                    Ok((outcome, _)) => Ok(outcome),
+                    Err(panic) => Err(JobError::Panicked(panic_message(&*panic))),
+                }
+            }
             None => match catch_unwind(AssertUnwindSafe(|| generation.finish(held))) {
                 Ok((outcome, _)) => Ok(outcome),
                 Err(panic) => Err(JobError::Panicked(panic_message(&*panic))),
@@ -732,12 +746,16 @@ impl Loop {
                             // The KV pool has no block left: the newest request gives its
                             // blocks back (it fails, saying why) and this one tries again;
                             // when this is the newest, it fails itself.
-                            let newer = (i + 1..running.len())
-                                .rev()
-                                .find(|&j| running[j].failed.is_none());
+                            let newer = (i + 1..running.len()).rev().find(|&j| {
+                                let r = &running[j];
+                                r.failed.is_none()
+                                    && !r.generation.is_done()
+                                    && self.target.seq_len(r.seq).into_result().unwrap_or(0) > 0
+                            });
                             if let Some(j) = newer {
-                                self.give_way(&mut running[j], &e);
-                                continue;
+                                if self.give_way(&mut running[j], &e) {
+                                    continue;
+                                }
                             }
                         } else {
                             self.note_target_error(&e);
@@ -849,18 +867,22 @@ impl Loop {
     }
 
     /// Fails `r` because the KV pool ran out (`e` says so) and frees its blocks at once, so
-    /// that older requests can go on.
-    fn give_way(&mut self, r: &mut Running<'_>, e: &PluginError) {
+    /// that older requests can go on; whether its blocks were freed.
+    fn give_way(&mut self, r: &mut Running<'_>, e: &PluginError) -> bool {
         tracing::warn!(
             "the KV pool is full: the newest request gives its blocks back and fails ({})",
             e.message
         );
-        r.failed = Some(JobError::Failed(format!(
-            "{}; the newest requests gave way to older ones (raise kv_tokens, or lower [serve] slots)",
+        r.failed = Some(JobError::Capacity(format!(
+            "{}; the newest requests gave way to older ones (retry, raise kv_tokens, or lower [serve] slots)",
             e.message
         )));
-        if let Err(e) = self.target.truncate(r.seq, 0).into_result() {
-            self.note_target_error(&e);
+        match self.target.truncate(r.seq, 0).into_result() {
+            Ok(()) => true,
+            Err(e) => {
+                self.note_target_error(&e);
+                false
+            }
         }
     }
 

@@ -103,7 +103,6 @@ impl ApiError {
         }
     }
 
-    /// 404 for a path the daemon does not serve.
     /// 405: a known endpoint asked with another method (the `Allow` header lists the right one).
     pub fn wrong_method(method: &str, path: &str) -> Self {
         Self {
@@ -116,6 +115,7 @@ impl ApiError {
         }
     }
 
+    /// 404 for a path the daemon does not serve.
     pub fn no_route(path: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,

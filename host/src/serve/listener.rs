@@ -148,8 +148,8 @@ pub async fn serve(
     loop {
         tokio::select! {
             _ = &mut all_closed => break,
-            accepted = listener.accept() => {
-                if let Ok((stream, _)) = accepted {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
                     metrics.http_refused.inc();
                     let error = ApiError::unavailable(
                         "The daemon is shutting down; send the request to another instance",
@@ -157,6 +157,8 @@ pub async fn serve(
                     );
                     tokio::spawn(refuse(stream, error, false));
                 }
+                // Out of file descriptors and the like: back off, as above.
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }
     }
@@ -260,7 +262,8 @@ async fn refuse(mut stream: TcpStream, error: ApiError, retry_here: bool) {
         body.len(),
         if retry_here { "retry-after: 1\r\n" } else { "" }
     );
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+    // Short: every refused connection is held open until then.
+    let _ = tokio::time::timeout(Duration::from_millis(250), async {
         stream.write_all(response.as_bytes()).await?;
         stream.shutdown().await?;
         // Read what the client sent until it closes: a socket closed with unread bytes sends

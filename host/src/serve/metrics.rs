@@ -141,7 +141,7 @@ impl Metrics {
             .expect("unique metric");
         let http_refused = IntCounter::new(
             "specula_http_refused_connections_total",
-            "Connections answered 503 because --max-connections were open",
+            "Connections answered 503 at once: --max-connections were open, or the daemon was shutting down",
         )
         .expect("valid metric");
         registry

@@ -122,6 +122,10 @@ pub fn start(
                         "model_unavailable",
                     ))
                 }
+                Err(e @ JobError::Capacity(_)) => {
+                    tracing::warn!(model = %done_model.name, "{e}");
+                    Event::Failed(ApiError::unavailable(e.to_string(), "kv_cache_full"))
+                }
                 Err(e) => {
                     tracing::error!(model = %done_model.name, "{e}");
                     Event::Failed(ApiError::internal(e.to_string()))

@@ -555,8 +555,6 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         values
     }
 
-    /// Asks the drafter for up to `n` drafts continuing the history; they join
-    /// [`rows`](Self::rows). With `n == 0` the step is plain.
     /// Takes a drafter's answer to `call` (`before`: the target's length when it was lent).
     /// Speculation only ever changes the speed, so a drafter that fails is dropped for the
     /// rest of this generation and decoding goes on plainly, with a warning; `false` then. A
@@ -576,17 +574,23 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
                 "drafter '{name}' cut the target's sequence it was lent from {before} to {after} tokens (in {call}), so the text cannot go on; a drafter must leave the target as it found it (docs/PLUGINS.md)"
             );
         }
-        let failure = match answer {
-            _ if after > before => {
-                lane.target.truncate(before).into_result()?;
-                Some(format!(
-                    "left {} tokens it evaluated on the target's sequence (in {call}; they were cut back)",
+        let mut failures = Vec::new();
+        if let Err(e) = answer {
+            failures.push(format!("failed to {call}: {}", e.message));
+        }
+        if after > before {
+            lane.target.truncate(before).into_result().with_context(|| {
+                format!(
+                    "drafter '{name}' left {} tokens on the target in {call}, and they cannot be cut back",
                     after - before
-                ))
-            }
-            Err(e) => Some(format!("failed to {call}: {}", e.message)),
-            Ok(()) => None,
-        };
+                )
+            })?;
+            failures.push(format!(
+                "left {} tokens it evaluated on the target's sequence (in {call}; they were cut back)",
+                after - before
+            ));
+        }
+        let failure = (!failures.is_empty()).then(|| failures.join(", and "));
         let Some(failure) = failure else {
             return Ok(true);
         };
@@ -598,6 +602,14 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         Ok(false)
     }
 
+    /// Whether this generation dropped its drafter (it failed, or did not leave the target
+    /// as it found it): the drafter instance should not serve another.
+    pub fn dropped_its_drafter(&self) -> bool {
+        self.stats.drafter_failure.is_some()
+    }
+
+    /// Asks the drafter for up to `n` drafts continuing the history; they join
+    /// [`rows`](Self::rows). With `n == 0` the step is plain.
     pub fn draft(&mut self, lane: &mut Lane<'_>, n: usize) -> anyhow::Result<()> {
         if n == 0 || self.speculation.is_none() {
             return Ok(());
@@ -626,6 +638,7 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             .propose(request, models, &mut self.draft)
             .into_result();
         if !self.drafter_answered(lane, &name, "propose", before, answer)? {
+            self.stats.draft_seconds += t.elapsed().as_secs_f64();
             self.draft.tokens.clear();
             self.draft.parents.clear();
             return Ok(());
@@ -685,8 +698,6 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         &self.rows
     }
 
-    /// Reports that this step's pass failed with `error`. A full context ends generation;
-    /// any other error — a full KV pool shared with other sequences among them — is returned.
     /// Whether this step's rows would take the sequence past its context (a context-full
     /// error is then its own, not a shared pool's).
     pub fn outgrows_its_context(&self) -> bool {
@@ -697,6 +708,8 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
         }
     }
 
+    /// Reports that this step's pass failed with `error`. A full context ends generation;
+    /// any other error — a full KV pool shared with other sequences among them — is returned.
     pub fn pass_failed(&mut self, error: PluginError) -> anyhow::Result<()> {
         let context_full = self.outgrows_its_context();
         match self.phase {

@@ -41,9 +41,10 @@ pub struct SpecStats {
     pub draft_seconds: f64,
     pub verify_seconds: f64,
     pub sample_seconds: f64,
-    /// Why the drafter was dropped partway (it failed, or did not leave the target as it
-    /// found it): decoding went on plainly from there.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Why the drafter was dropped partway through this request (it failed, or did not
+    /// leave the target as it found it): decoding went on plainly from there. Not merged into
+    /// totals, and not sent to API clients (it may quote a plugin's panic; the log has it).
+    #[serde(skip)]
     pub drafter_failure: Option<String>,
 }
 
@@ -93,9 +94,6 @@ impl SpecStats {
 
     /// Adds another request's statistics (cumulative counters).
     pub fn merge(&mut self, other: &SpecStats) {
-        if self.drafter_failure.is_none() {
-            self.drafter_failure.clone_from(&other.drafter_failure);
-        }
         self.steps += other.steps;
         self.target_passes += other.target_passes;
         self.drafted += other.drafted;

@@ -228,8 +228,12 @@ fn check_finite(model: &Model, chunks: &[Chunk<'_>], hidden: &[f32]) -> Result<(
             let hit = (first..first + c.rows())
                 .contains(&row)
                 .then(|| match c.tree {
-                    None => format!(" (sequence {}, position {})", c.seq, c.pos0 + row - first),
-                    Some(_) => format!(" (sequence {}, a tree row)", c.seq),
+                    None => format!(
+                        " (sequence slot {}, position {})",
+                        c.seq,
+                        c.pos0 + row - first
+                    ),
+                    Some(_) => format!(" (sequence slot {}, a tree row)", c.seq),
                 });
             first += c.rows();
             hit
