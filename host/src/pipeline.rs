@@ -20,6 +20,26 @@ pub struct DrafterSlot {
     pub drafter: BoxedDrafter,
     /// The separate draft model and the drafter's sequence of it, for model drafting.
     pub draft_model: Option<SeqModel>,
+    /// What makes a fresh drafter after one was dropped ([`DrafterSlot::renew`]); `None`
+    /// for a drafter given directly (tests).
+    pub kit: Option<DrafterKit>,
+}
+
+impl DrafterSlot {
+    /// A fresh drafter instance after a generation dropped this one (it failed, or left the
+    /// target changed): the next generation drafts again; without a kit, it keeps this one.
+    pub fn renew(&mut self) {
+        let Some(kit) = &self.kit else {
+            return;
+        };
+        match kit.create() {
+            Ok(drafter) => self.drafter = drafter,
+            Err(e) => tracing::warn!("cannot make a fresh '{}' drafter: {e:#}", self.name),
+        }
+        if let Some(model) = &mut self.draft_model {
+            let _ = model.truncate(0);
+        }
+    }
 }
 
 /// A loaded profile: target model, tokenizer and optional drafter.
@@ -91,8 +111,9 @@ impl Pipeline {
                 };
                 Some(DrafterSlot {
                     drafter: kit.create()?,
-                    name: kit.name,
+                    name: kit.name.clone(),
                     draft_model,
+                    kit: Some(kit),
                 })
             }
             None => None,

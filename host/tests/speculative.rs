@@ -398,6 +398,7 @@ fn with_bad_drafter(p: &mut Pipeline, with_probs: bool) {
             with_probs,
         }),
         draft_model: None,
+        kit: None,
     });
 }
 
@@ -516,6 +517,7 @@ fn a_failing_drafter_is_dropped_and_the_output_stays_plain() {
                 proposals: 0,
             }),
             draft_model: None,
+            kit: None,
         });
     };
     for (fault, says) in [

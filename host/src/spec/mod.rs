@@ -172,6 +172,11 @@ fn run(
             Err(e) => generation.pass_failed(e)?,
         }
     }
+    if generation.dropped_its_drafter() {
+        if let Some(slot) = drafter.as_mut() {
+            slot.renew();
+        }
+    }
     let held = target.seq_len().into_result()?;
     let (outcome, history) = generation.finish(held);
     *cached = history;
