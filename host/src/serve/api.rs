@@ -200,7 +200,7 @@ pub struct GenerateBody {
     pub logprobs: Option<Value>,
     pub echo: Option<bool>,
     /// OpenAI fields the daemon cannot honour: refused unless absent or neutral
-    /// ([`GenerateBody::refuse_what_cannot_be_honoured`]).
+    /// (`refuse_what_cannot_be_honoured`).
     pub best_of: Option<i64>,
     pub logit_bias: Option<Value>,
     pub presence_penalty: Option<f64>,
