@@ -19,7 +19,7 @@ use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::pipeline::{Parts, Pipeline};
 use crate::request::{CancelFlag, Request, StopReason};
 use crate::sampling::SamplingParams;
-use crate::spec::{generate, generate_continuing, SpecSettings, SpecStats};
+use crate::spec::{generate, generate_continuing, PromptTooLong, SpecSettings, SpecStats};
 
 #[derive(Debug, clap::Args)]
 pub struct ChatArgs {
@@ -147,15 +147,6 @@ pub fn run(args: ChatArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
             };
-        let context = pipeline.info.context_size as usize;
-        let prompt_tokens = pipeline.tokenizer.encode(&prompt, add_bos, true).len();
-        if prompt_tokens >= context {
-            messages.pop();
-            println!(
-                "the conversation ({prompt_tokens} tokens with this message) no longer fits the context of {context} tokens: /reset starts a new one (or raise -c)"
-            );
-            continue;
-        }
         interrupted.store(false, Ordering::Relaxed);
         let request = Request {
             prompt,
@@ -183,8 +174,16 @@ pub fn run(args: ChatArgs) -> anyhow::Result<ExitCode> {
             Ok(outcome) => outcome,
             Err(e) => {
                 messages.pop();
-                println!();
-                eprintln!("error: {e:#}");
+                match e.downcast_ref::<PromptTooLong>() {
+                    Some(long) => println!(
+                        "the conversation ({} tokens with this message) no longer fits the context of {} tokens: /reset starts a new one (or raise -c)",
+                        long.tokens, long.context
+                    ),
+                    None => {
+                        println!();
+                        eprintln!("error: {e:#}");
+                    }
+                }
                 continue;
             }
         };

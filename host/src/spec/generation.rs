@@ -41,6 +41,23 @@ pub struct Lane<'a> {
     pub drafter: Option<LaneDrafter<'a>>,
 }
 
+/// A prompt that leaves no room in the context for a new token (a caller such as `chat` can
+/// tell it from other errors and say what to do there).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the prompt is {tokens} tokens and the context holds {context}, which leaves no room for a new token: {}",
+    if context < trained {
+        format!("shorten the prompt or raise the context size (-c, target.context_size; the model was trained for {trained})")
+    } else {
+        "shorten the prompt (that is the most the model was trained for)".to_string()
+    }
+)]
+pub struct PromptTooLong {
+    pub tokens: usize,
+    pub context: usize,
+    pub trained: usize,
+}
+
 /// A drafter instance (one per sequence) and what it drafts with.
 pub struct LaneDrafter<'a> {
     /// The plugin name, for error messages.
@@ -225,18 +242,12 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             }
         }
         if prompt.len() >= context {
-            let trained = info.train_context_length as usize;
-            let fix = if context < trained {
-                format!(
-                    "shorten the prompt or raise the context size (-c, target.context_size; the model was trained for {trained})"
-                )
-            } else {
-                "shorten the prompt (that is the most the model was trained for)".into()
-            };
-            bail!(
-                "the prompt is {} tokens and the context holds {context}, which leaves no room for a new token: {fix}",
-                prompt.len()
-            );
+            return Err(PromptTooLong {
+                tokens: prompt.len(),
+                context,
+                trained: info.train_context_length as usize,
+            }
+            .into());
         }
         let tree = request.speculation.is_some_and(|s| s.tree) && capabilities.tree_verify;
         let speculation = match request.speculation {

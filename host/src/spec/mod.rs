@@ -28,7 +28,7 @@ use anyhow::Context;
 
 pub use acceptance::{Judge, Verdict};
 pub use adaptive::DraftLength;
-pub use generation::{Generation, Lane, LaneDrafter};
+pub use generation::{Generation, Lane, LaneDrafter, PromptTooLong};
 pub use stats::SpecStats;
 
 use crate::pipeline::{DrafterSlot, Pipeline};
