@@ -339,10 +339,13 @@ fn mismatched_draft_vocabulary_is_refused() {
     );
 }
 
-/// Proposes tokens the target never picks; with a distribution or without.
+/// Proposes tokens the target never picks; with a distribution or without; and from its
+/// `fault.1`-th proposal on misbehaves as `fault.0` says.
 struct BadDrafter {
     vocab: usize,
     with_probs: bool,
+    fault: Option<(Fault, usize)>,
+    proposals: usize,
 }
 
 impl Drafter for BadDrafter {
@@ -358,10 +361,29 @@ impl Drafter for BadDrafter {
     fn propose(
         &mut self,
         request: DraftRequest<'_>,
-        _models: DrafterModels<'_>,
+        mut models: DrafterModels<'_>,
         out: &mut Draft,
     ) -> PluginResult<()> {
+        self.proposals += 1;
         out.clear();
+        if let Some((fault, _)) = self.fault.filter(|&(_, at)| self.proposals >= at) {
+            out.tokens.extend((0..request.max_tokens).map(|_| 0u32));
+            let target = models.target.as_mut().unwrap();
+            match fault {
+                Fault::Fails => {
+                    return Err(specula_plugin_api::PluginError::model("out of ideas")).into()
+                }
+                Fault::LeavesTokens => {
+                    let mut logits = RVec::new();
+                    target.eval(&[5, 6], LogitRows::Last, &mut logits).unwrap();
+                }
+                Fault::CutsTarget => {
+                    let len = target.len().unwrap();
+                    target.truncate(len - 1).unwrap();
+                }
+            }
+            return Ok(()).into();
+        }
         for i in 0..request.max_tokens as usize {
             // Control token <unk>, or a skewed distribution that favours byte tokens.
             if self.with_probs {
@@ -396,6 +418,8 @@ fn with_bad_drafter(p: &mut Pipeline, with_probs: bool) {
         drafter: box_drafter(BadDrafter {
             vocab: p.info.vocab_size as usize,
             with_probs,
+            fault: None,
+            proposals: 0,
         }),
         draft_model: None,
         kit: None,
@@ -433,7 +457,7 @@ fn an_always_wrong_drafter_costs_almost_nothing() {
     );
 }
 
-/// How [`FaultyDrafter`] misbehaves, from its `at`-th proposal on.
+/// How a [`BadDrafter`] misbehaves.
 #[derive(Clone, Copy, Debug)]
 enum Fault {
     /// Its proposal fails (as a plugin's panic reaches the host: an error).
@@ -442,62 +466,6 @@ enum Fault {
     LeavesTokens,
     /// It cuts the target's last token off.
     CutsTarget,
-}
-
-/// Drafts token 0 (never the target's choice) and misbehaves as `fault` at its `at`-th
-/// proposal.
-struct FaultyDrafter {
-    fault: Fault,
-    at: usize,
-    proposals: usize,
-}
-
-impl Drafter for FaultyDrafter {
-    fn begin(
-        &mut self,
-        _prompt: RSlice<'_, u32>,
-        _reused: u32,
-        _models: DrafterModels<'_>,
-    ) -> PluginResult<()> {
-        Ok(()).into()
-    }
-
-    fn propose(
-        &mut self,
-        request: DraftRequest<'_>,
-        mut models: DrafterModels<'_>,
-        out: &mut Draft,
-    ) -> PluginResult<()> {
-        self.proposals += 1;
-        out.clear();
-        out.tokens.extend((0..request.max_tokens).map(|_| 0u32));
-        if self.proposals < self.at {
-            return Ok(()).into();
-        }
-        let target = models.target.as_mut().unwrap();
-        match self.fault {
-            Fault::Fails => {
-                return Err(specula_plugin_api::PluginError::model("out of ideas")).into()
-            }
-            Fault::LeavesTokens => {
-                let mut logits = RVec::new();
-                target.eval(&[5, 6], LogitRows::Last, &mut logits).unwrap();
-            }
-            Fault::CutsTarget => {
-                let len = target.len().unwrap();
-                target.truncate(len - 1).unwrap();
-            }
-        }
-        Ok(()).into()
-    }
-
-    fn accept(
-        &mut self,
-        _accepted: RSlice<'_, u32>,
-        _models: DrafterModels<'_>,
-    ) -> PluginResult<()> {
-        Ok(()).into()
-    }
 }
 
 /// Speculation only ever changes the speed: a drafter that fails or leaves tokens on
@@ -511,9 +479,10 @@ fn a_failing_drafter_is_dropped_and_the_output_stays_plain() {
     let with = |p: &mut Pipeline, fault: Fault| {
         p.drafter = Some(DrafterSlot {
             name: "faulty".into(),
-            drafter: box_drafter(FaultyDrafter {
-                fault,
-                at: 3,
+            drafter: box_drafter(BadDrafter {
+                vocab: p.info.vocab_size as usize,
+                with_probs: false,
+                fault: Some((fault, 3)),
                 proposals: 0,
             }),
             draft_model: None,
