@@ -519,7 +519,7 @@ fn starts_with_gguf_magic(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file())
         && std::fs::File::open(path)
             .and_then(|mut f| f.read_exact(&mut magic))
-            .is_ok_and(|()| &magic == b"GGUF")
+            .is_ok_and(|()| magic == specula_gguf::MAGIC)
 }
 
 #[cfg(test)]

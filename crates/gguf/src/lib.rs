@@ -12,7 +12,7 @@ mod writer;
 
 pub use error::{GgufError, Result};
 pub use hparams::{ArchKeys, HParams, HybridParams, MoeParams, RopeScaling};
-pub use reader::{GgufFile, TensorInfo, TensorView, DEFAULT_ALIGNMENT};
+pub use reader::{GgufFile, TensorInfo, TensorView, DEFAULT_ALIGNMENT, MAGIC};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};
 pub use writer::GgufWriter;
