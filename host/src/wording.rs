@@ -3,46 +3,20 @@
 
 /// `message` with Rust's type names (`expected u32`) as what a user would write.
 pub fn plain_type_names(message: &str) -> String {
-    const NAMES: [(&str, &str); 10] = [
-        ("u8", "a whole number (0 or more)"),
-        ("u16", "a whole number (0 or more)"),
-        ("u32", "a whole number (0 or more)"),
-        ("u64", "a whole number (0 or more)"),
-        ("usize", "a whole number (0 or more)"),
-        ("i32", "a whole number"),
-        ("i64", "a whole number"),
-        ("isize", "a whole number"),
-        ("f32", "a number"),
-        ("f64", "a number"),
-    ];
-    let mut text = message.to_string();
-    for (rust, plain) in NAMES {
-        for lead in ["expected ", "as "] {
-            let from = format!("{lead}{rust}");
-            // Only whole words: `expected u32`, not `expected u32x` (there is none, but a
-            // message quoting a user's text could hold anything after it).
-            let mut out = String::with_capacity(text.len());
-            let mut rest = text.as_str();
-            while let Some(at) = rest.find(&from) {
-                let end = at + from.len();
-                let whole = rest[end..]
-                    .chars()
-                    .next()
-                    .is_none_or(|c| !c.is_alphanumeric() && c != '_');
-                out.push_str(&rest[..at]);
-                if whole {
-                    out.push_str(lead);
-                    out.push_str(plain);
-                } else {
-                    out.push_str(&from);
-                }
-                rest = &rest[end..];
-            }
-            out.push_str(rest);
-            text = out;
-        }
-    }
-    text
+    static RUST_TYPE: std::sync::LazyLock<fancy_regex::Regex> = std::sync::LazyLock::new(|| {
+        fancy_regex::Regex::new(r"\b(expected|as) (u8|u16|u32|u64|usize|i32|i64|isize|f32|f64)\b")
+            .expect("valid pattern")
+    });
+    RUST_TYPE
+        .replace_all(message, |caps: &fancy_regex::Captures<'_>| {
+            let plain = match &caps[2] {
+                "f32" | "f64" => "a number",
+                unsigned if unsigned.starts_with('u') => "a whole number (0 or more)",
+                _ => "a whole number",
+            };
+            format!("{} {plain}", &caps[1])
+        })
+        .into_owned()
 }
 
 #[cfg(test)]
