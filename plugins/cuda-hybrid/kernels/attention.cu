@@ -291,9 +291,7 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u64 rows
         }
         const float d = amax / 127.0f;
         const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-        const u16 bits = f32_to_f16(d);
-        block[0] = (u8)(bits & 0xff);
-        block[1] = (u8)(bits >> 8);
+        store_u16(block, f32_to_f16(d));
         for (int t = 0; t < 32; ++t) {
             block[2 + t] = (u8)q8_quant(v[t] * inverse);
         }

@@ -49,6 +49,16 @@ __device__ __forceinline__ u16 load_u16(const u8* p) {
     return (u16)((u32)p[0] | ((u32)p[1] << 8));
 }
 
+// Stores `v` little-endian at `p`, which must be 2-byte aligned, in one 16-bit store (as
+// `kv_store_f16` stores its halves). Splitting an f16 into two byte stores lost the low byte
+// on an H200 (CUDA 13 NVRTC; the emulator kept it).
+__device__ __forceinline__ void store_u16(u8* p, u16 v) {
+#ifdef SPECULA_HOST_EMULATION
+    emu_check_alignment(p, 2);
+#endif
+    *(u16*)p = v;
+}
+
 // Four 32-bit words, loaded from a 16-byte aligned address in one vector load.
 struct alignas(16) U32x4 {
     u32 x, y, z, w;
