@@ -10,9 +10,11 @@
 #   plugins/cuda-hybrid/gpu-check/run.sh bench   # specula bench: Qwen3.5-2B-shaped Q4_K on the
 #                                                # GPU and half on the CPU, Qwen3-0.6B-shaped
 #                                                # Q8_0 (and many sequences), the trained qwen35;
-#                                                # the GPU-only ones again with cuda_graphs = true
+#                                                # the GPU-only ones again with cuda_graphs = false,
+#                                                # each right after its run with graphs
 #   plugins/cuda-hybrid/gpu-check/run.sh profile # ncu: each kernel's time over a few decode
-#                                                # steps of the 2B and 0.6B models, by grid
+#                                                # steps of the 2B and 0.6B models, by grid,
+#                                                # and over the 2B's passes of 1-8 rows
 #   plugins/cuda-hybrid/gpu-check/run.sh all     # tests, kernels, bench (the default)
 #
 # Several at once: `run.sh tests bench`. With a kit packed by `OLD_PLUGIN=... pack.sh`, every
@@ -123,11 +125,12 @@ if [ -n "$gen_pid" ] && ! wait "$gen_pid"; then
     failed=$((failed + 1))
 fi
 # profile NAME BACKEND MODEL GPU_LAYERS [DRAFTER]: a profile for the benches (with the
-# target option line in $TARGET_OPTION, if set).
+# target option line in $TARGET_OPTION and further sections in $SECTIONS, if set).
 profile() {
     local drafter=${5:-mtp}
-    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n%s\n[drafter]\nplugin = "%s"\n' \
-        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "${TARGET_OPTION:-}" "$drafter" >"$out/$1.toml"
+    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n%s\n[drafter]\nplugin = "%s"\n%s' \
+        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "${TARGET_OPTION:-}" "$drafter" \
+        "${SECTIONS:-}" >"$out/$1.toml"
     echo "$out/$1.toml"
 }
 # bench NAME MODEL GPU_LAYERS BENCH-ARGS...: the bench with this kit's plugin, then the old one.
@@ -143,36 +146,38 @@ bench() {
     fi
 }
 
+# without_graphs COMMAND...: COMMAND with the option cuda_graphs = false (each launch issued on
+# its own), run right after the same bench with graphs (the default) for a side-by-side pair.
+without_graphs() {
+    TARGET_OPTION='cuda_graphs = "false"' "$@"
+}
+
 if wants bench; then
     short=(--runs 3 -n 64 --prompt-tokens 64)
+    trained="$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf"
     bench qwen35-2b-gpu "$q2b" all "${short[@]}" --drafters oracle --oracle-k 4
+    without_graphs bench qwen35-2b-gpu-no-graphs "$q2b" all "${short[@]}" --drafters oracle --oracle-k 4
     bench qwen35-2b-gpu-k8 "$q2b" all "${short[@]}" --drafters oracle --oracle-k 8
     bench qwen35-2b-half "$q2b" 12 "${short[@]}" --drafters oracle --oracle-k 4
     bench qwen3-0.6b-gpu "$q06" all "${short[@]}" --drafters oracle --oracle-k 8
+    without_graphs bench qwen3-0.6b-gpu-no-graphs "$q06" all "${short[@]}" --drafters oracle --oracle-k 8
     bench qwen3-0.6b-sequences "$q06" all --concurrency 1,4,8 -n 32
     # The random models' MTP heads accept nothing; the trained qwen35 shows real acceptance.
-    bench trained "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" all \
+    bench trained "$trained" all --runs 3 -n 128 --prompt-tokens 64 --drafters profile,oracle
+    without_graphs bench trained-no-graphs "$trained" all \
         --runs 3 -n 128 --prompt-tokens 64 --drafters profile,oracle
-    # Each recurring pass as one CUDA graph (gpu/replay.rs), against the runs above.
-    export TARGET_OPTION='cuda_graphs = "true"'
-    bench qwen35-2b-gpu-graphs "$q2b" all "${short[@]}" --drafters oracle --oracle-k 4
-    bench qwen3-0.6b-gpu-graphs "$q06" all "${short[@]}" --drafters oracle --oracle-k 8
-    bench trained-graphs "$kit/shared/models/trained/stories-qwen35-mtp-q8_0.gguf" all \
-        --runs 3 -n 128 --prompt-tokens 64 --drafters profile,oracle
-    unset TARGET_OPTION
 fi
 
-if wants profile; then
-    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    prompt="Once upon a time there was a"
-    for model in "$q2b" "$q06"; do
-        name=profile-$(basename "$model" .gguf)
-        # Skips the model's load and prefill; a few hundred launches make a decode step.
-        step "$name" 120 "$ncu" --csv --metrics gpu__time_duration.sum,launch__grid_size \
-            --launch-skip 1500 --launch-count 1500 --log-file "$out/$name.csv" \
-            "$bin" run --profile "$(profile "$name" cuda-hybrid "$model" all)" -n 16 --temp 0 \
-            --no-spec "$prompt"
-        python3 - "$out/$name.csv" <<'EOF'
+# ncu_profile NAME MODEL SKIP COUNT COMMAND-ARGS...: each kernel's time (ncu) over launches
+# SKIP to SKIP + COUNT - 1 of `specula COMMAND-ARGS... --profile P`, P running MODEL fully on
+# the GPU without graphs (ncu times each launch alone). Prints the kernels by total time.
+ncu_profile() {
+    local name=$1 model=$2 skip=$3 count=$4
+    shift 4
+    step "$name" 150 "$ncu" --csv --metrics gpu__time_duration.sum,launch__grid_size \
+        --launch-skip "$skip" --launch-count "$count" --log-file "$out/$name.csv" \
+        "$bin" "$@" --profile "$(without_graphs profile "$name" cuda-hybrid "$model" all)"
+    python3 - "$out/$name.csv" <<'EOF'
 import collections, csv, sys
 rows = [r for r in csv.DictReader(line for line in open(sys.argv[1]) if line.startswith('"'))
         if r["Metric Name"] == "gpu__time_duration.sum"]
@@ -183,10 +188,21 @@ for r in rows:
     total[key][1] += float(r["Metric Value"].replace(",", ""))
 ns = sum(t for _, t in total.values())
 print(f"   {len(rows)} launches, {ns / 1e3:.0f} us of kernel time")
-for (name, grid), (n, t) in sorted(total.items(), key=lambda kv: -kv[1][1])[:20]:
+for (name, grid), (n, t) in sorted(total.items(), key=lambda kv: -kv[1][1])[:30]:
     print(f"   {name:28} grid {grid:>14} x{n:<5} {t / n / 1e3:8.2f} us each {100 * t / ns:5.1f}%")
 EOF
-    done
+}
+
+if wants profile; then
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    # Plain decode steps of both models (the first 1500 launches, the load and the prefill,
+    # skipped), then the 2B's passes of 1 to 8 rows: the first 6000 launches of a bench hold
+    # its prefill and the verify-cost measurement's untimed first round (k = 1..8 in turn).
+    run=(run -n 16 --temp 0 --no-spec "Once upon a time there was a")
+    ncu_profile profile-qwen35-2b-q4_k "$q2b" 1500 2000 "${run[@]}"
+    ncu_profile profile-qwen3-0.6b-q8_0 "$q06" 1500 2000 "${run[@]}"
+    ncu_profile profile-qwen35-2b-q4_k-rows "$q2b" 0 6000 \
+        bench --runs 1 -n 8 --prompt-tokens 16 --drafters oracle --oracle-k 4
 fi
 echo "failed steps: $failed"
 exit "$failed"

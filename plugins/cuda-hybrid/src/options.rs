@@ -10,7 +10,7 @@
 //! | `kv_type` | `f16`, `f32` or `q8_0`: how the attention KV cache stores keys and values, on the host and on the device (an engine option; `q8_0` needs heads of a multiple of 32 values) | `f16` |
 //! | `nvrtc_path` | the NVRTC library (`libnvrtc.so.13` or `.12`) or its directory, when it is not on the loader path | `$SPECULA_NVRTC_PATH` |
 //! | `kernel_cache` | directory for compiled PTX, or `off` | `$SPECULA_HOME/cuda-kernels`, else `$XDG_CACHE_HOME/specula/cuda-kernels`, else `~/.cache/specula/cuda-kernels` |
-//! | `cuda_graphs` | `true` or `false`: issue each recurring pass as one CUDA graph ([`crate::gpu::replay`]) | `false` (not yet measured on a GPU) |
+//! | `cuda_graphs` | `true` or `false`: issue each recurring pass as one CUDA graph ([`crate::gpu::replay`]) | `true` |
 //!
 //! Unknown options and malformed values are `InvalidInput` errors
 //! naming the option.
@@ -72,7 +72,7 @@ impl Default for Options {
             common: CommonOptions::default(),
             nvrtc_path: None,
             kernel_cache: default_kernel_cache(),
-            cuda_graphs: false,
+            cuda_graphs: true,
         }
     }
 }
@@ -159,7 +159,7 @@ mod tests {
             ("kv_type", "f32"),
             ("nvrtc_path", "/opt/nvrtc/lib"),
             ("kernel_cache", "off"),
-            ("cuda_graphs", "true"),
+            ("cuda_graphs", "false"),
         ]))
         .unwrap();
         let unknown = Options::parse(&params(&[("gpu_layer", "3")])).unwrap_err();
@@ -177,7 +177,7 @@ mod tests {
         assert_eq!(Options::default().common.kv_type, KvType::F16);
         assert_eq!(o.nvrtc_path, Some(PathBuf::from("/opt/nvrtc/lib")));
         assert_eq!(o.kernel_cache, None);
-        assert!(o.cuda_graphs && !Options::default().cuda_graphs);
+        assert!(!o.cuda_graphs && Options::default().cuda_graphs);
         assert_eq!(
             Options::parse(&params(&[("gpu_layers", "all")]))
                 .unwrap()

@@ -1643,7 +1643,12 @@ fn cuda_graphs_replay_passes_bit_for_bit() {
                 .chain([("cuda_graphs", "true")])
                 .collect();
             let mut graphs = cuda(&device, &path, &with);
-            let mut plain = cuda(&device, &path, placement);
+            let without: Vec<(&str, &str)> = placement
+                .iter()
+                .copied()
+                .chain([("cuda_graphs", "false")])
+                .collect();
+            let mut plain = cuda(&device, &path, &without);
             assert!(graphs.executor().placement().uses_gpu(), "{name}");
             assert_eq!(plain.executor().replay_stats(), None, "{name}");
             let info = graphs.info();
