@@ -14,7 +14,8 @@
 #                                                # each right after its run with graphs
 #   plugins/cuda-hybrid/gpu-check/run.sh profile # ncu: each kernel's time over a few decode
 #                                                # steps of the 2B and 0.6B models, by grid,
-#                                                # and over the 2B's passes of 1-8 rows
+#                                                # and over the 2B's passes of 1-8 rows; the
+#                                                # 1- and 4-row Q4_K kernels in detail
 #   plugins/cuda-hybrid/gpu-check/run.sh all     # tests, kernels, bench (the default)
 #
 # Several at once: `run.sh tests bench`. With a kit packed by `OLD_PLUGIN=... pack.sh`, every
@@ -203,6 +204,19 @@ if wants profile; then
     ncu_profile profile-qwen3-0.6b-q8_0 "$q06" 1500 2000 "${run[@]}"
     ncu_profile profile-qwen35-2b-q4_k-rows "$q2b" 0 6000 \
         bench --runs 1 -n 8 --prompt-tokens 16 --drafters oracle --oracle-k 4
+    # Why the Q4_K kernels of 1 and 4 rows take what they take: occupancy, registers, where
+    # the warps stall and what the memory system served, for three launches of each in the
+    # same bench (its launch table says each one's grid, i.e. which matrix).
+    for kernel in matvec_q4_k matmul4_q4_k; do
+        step "details-$kernel" 150 "$ncu" --kernel-name "$kernel" --launch-skip 40 \
+            --launch-count 3 --section LaunchStats --section Occupancy \
+            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+            --section ComputeWorkloadAnalysis --log-file "$out/details-$kernel.txt" \
+            "$bin" bench --runs 1 -n 8 --prompt-tokens 16 --drafters oracle --oracle-k 4 \
+            --profile "$(without_graphs profile "details-$kernel" cuda-hybrid "$q2b" all)"
+        grep -E "q4_k|Grid Size|Duration|Registers Per|Occupancy|Warp Cycles Per Issued|Eligible|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Issue Slots Busy" \
+            "$out/details-$kernel.txt" | sed 's/^/   /'
+    done
 fi
 echo "failed steps: $failed"
 exit "$failed"

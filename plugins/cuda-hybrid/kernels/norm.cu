@@ -24,8 +24,23 @@ extern "C" __global__ void rms_norm(const float* x, u64 x_stride,
     sum = block_sum_f64(sum, red);
     const float mean = (float)(sum / (double)n);
     const float scale = 1.0f / sqrtf(mean + eps);
-#pragma unroll 8
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        o[i] = (xr[i] * scale) * w[i];
+    // Eight values of x and w loaded before any is stored: x and out may be the same row, so
+    // the compiler keeps a load after an earlier store, and a load-store loop would wait for
+    // memory once per value.
+    for (int base = threadIdx.x; base < n; base += 8 * blockDim.x) {
+        float xv[8], wv[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int i = base + k * blockDim.x;
+            xv[k] = i < n ? xr[i] : 0.0f;
+            wv[k] = i < n ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int i = base + k * blockDim.x;
+            if (i < n) {
+                o[i] = (xv[k] * scale) * wv[k];
+            }
+        }
     }
 }
