@@ -500,7 +500,7 @@ impl Executor for CudaExecutor {
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
             return pool.install(|| host.head(model, &rows, hidden, logits));
         };
-        d.model.gpu.begin_pass()?;
+        d.model.gpu.begin_pass(m)?;
         let passed = (|| {
             sync_block_tables(host, &mut d.model, chunks)?;
             d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
@@ -606,7 +606,7 @@ impl Executor for CudaExecutor {
         let rows = Rows::new(&spans);
         let m = rows.n;
         let n_logits = rows.logit_rows();
-        d.model.gpu.begin_pass()?;
+        d.model.gpu.begin_pass(m)?;
         let passed = (|| {
             MtpRows::write_all_inputs(
                 chunks,

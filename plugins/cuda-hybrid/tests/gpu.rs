@@ -26,7 +26,7 @@ mod common;
 use common::*;
 use specula_cuda_hybrid::gpu::ops::{self, AttentionDims, DevRope, Heads, Q8Scratch};
 use specula_cuda_hybrid::gpu::weights::{DevExperts, DevMatrix, DevVec};
-use specula_cuda_hybrid::gpu::{DevBuf, Gpu};
+use specula_cuda_hybrid::gpu::{replay, DevBuf, Gpu};
 use specula_cuda_hybrid::CudaBackend;
 use specula_engine::blocks::attention::AttentionShape;
 use specula_engine::cpu::attention;
@@ -1624,7 +1624,8 @@ fn gated_delta_net_recurrence_follows_the_cpu_step() {
 /// emulator, the recorded work kept is issued again) — and every logit and hidden row equals
 /// the backend's without graphs bit for bit, through plain steps (the ring's planes cycling,
 /// the block table growing), verify passes of several sizes, rollbacks and MTP calls, on
-/// the GPU alone and split with the host; and the graphs were replayed.
+/// the GPU alone and split with the host; and the graphs were replayed. A chunk of more than
+/// `replay::MAX_ROWS` rows is not recorded, and equals it too.
 #[test]
 fn cuda_graphs_replay_passes_bit_for_bit() {
     let Some(device) = device_or_skip("cuda_graphs_replay_passes_bit_for_bit") else {
@@ -1712,10 +1713,16 @@ fn cuda_graphs_replay_passes_bit_for_bit() {
                 head(&mut graphs, &mut plain, &h, &[next], len);
                 len += 1;
             }
+            // A chunk of more rows than a recorded pass may have is issued as it comes.
+            let chunk: Vec<u32> = (0..replay::MAX_ROWS as u32 + 8)
+                .map(|i| 3 + i % 150)
+                .collect();
+            both(&mut graphs, &mut plain, &chunk, "a long chunk");
             let stats = graphs
                 .executor()
                 .replay_stats()
                 .unwrap_or_else(|| panic!("{name}: no graphs with cuda_graphs = true"));
+            assert_eq!(stats.unrecorded, 1, "{name}: {stats:?}");
             assert!(
                 stats.replayed >= 10 && stats.captured >= 2 && stats.issued >= 2,
                 "{name}: {stats:?}"

@@ -922,10 +922,11 @@ impl Gpu {
             .map(|r| r.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Starts recording a pass (with CUDA graphs on; otherwise nothing): its launches and
-    /// copies are kept until [`Gpu::sync`] issues them. A recording a failed pass left
-    /// unissued is issued first, as the work it asked for.
-    pub fn begin_pass(&self) -> Result<(), PluginError> {
+    /// Starts recording a pass of `rows` rows (with CUDA graphs on and at most
+    /// [`replay::MAX_ROWS`] rows; otherwise nothing): its launches and copies are kept until
+    /// [`Gpu::sync`] issues them. A recording a failed pass left unissued is issued first, as
+    /// the work it asked for.
+    pub fn begin_pass(&self, rows: usize) -> Result<(), PluginError> {
         let Some(mut replaying) = self.replaying() else {
             return Ok(());
         };
@@ -939,7 +940,11 @@ impl Gpu {
         }
         // Every copy staged so far has been waited for: the arena is free.
         replaying.replay.staging.reset();
-        replaying.replay.start();
+        if rows > replay::MAX_ROWS {
+            replaying.replay.stats.unrecorded += 1;
+        } else {
+            replaying.replay.start();
+        }
         Ok(())
     }
 
