@@ -1638,18 +1638,15 @@ fn cuda_graphs_replay_passes_bit_for_bit() {
     for path in models {
         for placement in [&[][..], &[("gpu_layers", "2")][..]] {
             let name = format!("{} {placement:?}", path.display());
-            let with: Vec<(&str, &str)> = placement
-                .iter()
-                .copied()
-                .chain([("cuda_graphs", "true")])
-                .collect();
-            let mut graphs = cuda(&device, &path, &with);
-            let without: Vec<(&str, &str)> = placement
-                .iter()
-                .copied()
-                .chain([("cuda_graphs", "false")])
-                .collect();
-            let mut plain = cuda(&device, &path, &without);
+            let open = |graphs: &'static str| {
+                let options: Vec<(&str, &str)> = placement
+                    .iter()
+                    .copied()
+                    .chain([("cuda_graphs", graphs)])
+                    .collect();
+                cuda(&device, &path, &options)
+            };
+            let (mut graphs, mut plain) = (open("true"), open("false"));
             assert!(graphs.executor().placement().uses_gpu(), "{name}");
             assert_eq!(plain.executor().replay_stats(), None, "{name}");
             let info = graphs.info();
