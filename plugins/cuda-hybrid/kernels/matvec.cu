@@ -27,7 +27,10 @@
 // rows per block (grid.y = ceil(n / 1, 2 or 4); the plugin launches the narrowest that holds
 // all n rows, `matmul_*` past 4): their rows are bit-identical to matmul_*'s, and they keep
 // fewer registers live, so more warps hide the loads' latency (a plain decoding step has one
-// row, a verify pass a few).
+// row, a verify pass a few). The quantised kernels of several rows stage the activation rows
+// in shared memory a tile at a time (see matmul_quant_staged): the block's four warps read
+// them once, and a warp no longer holds every row's quants in registers (on sm_90 the 4- and
+// 8-row Q4_K kernels fell from 78 and 112 registers a thread to 45 and 48).
 //
 // `matmul_ids_*` (mixture-of-experts): the weight tensor is a stack of matrices of
 // `matrix_bytes` bytes; pair p (blockIdx.y) uses matrix ids[p] and activation row p / x_div,
@@ -453,6 +456,25 @@ struct QuantQ6K {
     }
 };
 
+// Unit u's dot with one activation row's 32 quants `qx` (scale dx, quant sum xsum), as f32:
+// the one place this arithmetic is written, so every kernel computes a unit's share alike.
+template <class D>
+__device__ __forceinline__ float unit_dot(const QuantUnit& w, const u32* qx, float dx,
+                                          int xsum) {
+    int dot_lo = 0, dot_hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        dot_lo = dp4a(w.q[k], qx[k], dot_lo);
+        dot_hi = dp4a(w.q[k + 4], qx[k + 4], dot_hi);
+    }
+    const int isum = w.sc_lo * dot_lo + w.sc_hi * dot_hi;
+    float t = __fmul_rn(__fmul_rn(dx, w.d), (float)isum);
+    if (D::MINS) {
+        t = __fmaf_rn(-__fmul_rn(dx, w.dmin), (float)(w.m * xsum), t);
+    }
+    return t;
+}
+
 // acc[c] += dot(row, activation row c) for c < nc <= COLS, lane's share (units lane, lane + 32,
 // ...).
 // Activation row c: quants xq + c * cols, scales xd + c * (cols >> (5 + DX_SHIFT)), unit sums
@@ -472,24 +494,115 @@ __device__ __forceinline__ void row_dots_quant(const u8* row, int cols, const i8
             if (c < nc) {
                 u32 qx[8];
                 load_32(xq + (u64)c * cols + (u64)u * 32, qx);
-                int dot_lo = 0, dot_hi = 0;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    dot_lo = dp4a(w.q[k], qx[k], dot_lo);
-                    dot_hi = dp4a(w.q[k + 4], qx[k + 4], dot_hi);
-                }
                 const float dx = xd[(u64)c * scales_per_row + (u >> D::DX_SHIFT)];
-                const int isum = w.sc_lo * dot_lo + w.sc_hi * dot_hi;
-                float t = __fmul_rn(__fmul_rn(dx, w.d), (float)isum);
-                if (D::MINS) {
-                    const int imin = w.m * xsums[(u64)c * units + u];
-                    t = __fmaf_rn(-__fmul_rn(dx, w.dmin), (float)imin, t);
-                }
-                acc[c] = __fadd_rn(acc[c], t);
+                acc[c] = __fadd_rn(acc[c], unit_dot<D>(w, qx, dx, xsums[(u64)c * units + u]));
             }
         }
     }
 }
+
+// Units of the activation rows a block of a multi-row kernel stages in shared memory at a time
+// (2,048 values: 2 KiB of quants per row).
+#define MM_TILE_UNITS 64
+
+// The multi-row kernels (COLS > 1): the block's MM_WARPS weight rows share the same activation
+// rows, so the block copies them into shared memory a tile of MM_TILE_UNITS units at a time
+// (all its loads in flight together, once for the block), then each warp runs its row's units
+// of the tile against the staged rows. A lane still takes units lane, lane + 32, ... in that
+// order and each unit through unit_dot, so the sums are row_dots_quant's, bit for bit.
+template <class D, int COLS>
+__device__ __forceinline__ void matmul_quant_staged(const u8* __restrict__ w, u64 row_bytes,
+                                                    int rows, int cols,
+                                                    const i8* __restrict__ xq,
+                                                    const float* __restrict__ xd,
+                                                    const int* __restrict__ xsums, int nc,
+                                                    int r, int b0, float* __restrict__ out) {
+    __shared__ U32x4 staged_q[COLS * MM_TILE_UNITS * 2];
+    __shared__ float staged_d[COLS * MM_TILE_UNITS];
+    __shared__ int staged_sums[COLS * MM_TILE_UNITS];
+    const int lane = threadIdx.x & 31;
+    const int units = cols / 32;
+    const int scales_per_row = units >> D::DX_SHIFT;
+    // A warp past the matrix's last row still stages and meets every barrier.
+    const bool active = r < rows;
+    const u8* row = w + (u64)r * row_bytes;
+    float acc[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        acc[c] = 0.0f;
+    }
+    for (int first = 0; first < units; first += MM_TILE_UNITS) {
+        const int tile = min(MM_TILE_UNITS, units - first);
+        const int groups = tile >> D::DX_SHIFT;
+        for (int c = 0; c < nc; ++c) {
+            const i8* quants = xq + (u64)(b0 + c) * cols + (u64)first * 32;
+            for (int part = threadIdx.x; part < tile * 2; part += blockDim.x) {
+                staged_q[c * MM_TILE_UNITS * 2 + part] = load_16(quants + (u64)part * 16);
+            }
+            for (int u = threadIdx.x; u < tile; u += blockDim.x) {
+                staged_sums[c * MM_TILE_UNITS + u] = xsums[(u64)(b0 + c) * units + first + u];
+            }
+            for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+                staged_d[c * MM_TILE_UNITS + g] =
+                    xd[(u64)(b0 + c) * scales_per_row + (first >> D::DX_SHIFT) + g];
+            }
+        }
+        __syncthreads();
+        if (active) {
+            for (int u = first + lane; u < first + tile; u += 32) {
+                QuantUnit wu;
+                D::decode(row, u, &wu);
+                const int t = u - first;
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    if (c < nc) {
+                        u32 qx[8];
+                        load_32(&staged_q[(c * MM_TILE_UNITS + t) * 2], qx);
+                        const float dx = staged_d[c * MM_TILE_UNITS + (t >> D::DX_SHIFT)];
+                        acc[c] = __fadd_rn(
+                            acc[c],
+                            unit_dot<D>(wu, qx, dx, staged_sums[c * MM_TILE_UNITS + t]));
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (active) {
+        store_rows<COLS>(acc, nc, b0, rows, r, out);
+    }
+}
+
+// A block's rows of a quantised mat-mul: the staged tiles for several activation rows, the
+// direct loads for one (a single row has nothing for the block's warps to share).
+template <class D, int COLS>
+struct MatmulQuant {
+    static __device__ __forceinline__ void run(const u8* __restrict__ w, u64 row_bytes, int rows,
+                                               int cols, const i8* __restrict__ xq,
+                                               const float* __restrict__ xd,
+                                               const int* __restrict__ xsums, int nc, int r,
+                                               int b0, float* __restrict__ out) {
+        matmul_quant_staged<D, COLS>(w, row_bytes, rows, cols, xq, xd, xsums, nc, r, b0, out);
+    }
+};
+template <class D>
+struct MatmulQuant<D, 1> {
+    static __device__ __forceinline__ void run(const u8* __restrict__ w, u64 row_bytes, int rows,
+                                               int cols, const i8* __restrict__ xq,
+                                               const float* __restrict__ xd,
+                                               const int* __restrict__ xsums, int nc, int r,
+                                               int b0, float* __restrict__ out) {
+        if (r >= rows) {
+            return;  // warp-uniform
+        }
+        const int units = cols / 32;
+        float acc[1] = {0.0f};
+        row_dots_quant<D, 1>(w + (u64)r * row_bytes, cols, xq + (u64)b0 * cols,
+                             xd + (u64)b0 * (units >> D::DX_SHIFT), xsums + (u64)b0 * units, 1,
+                             acc);
+        store_rows<1>(acc, 1, b0, rows, r, out);
+    }
+};
 
 template <class D, int COLS>
 __device__ __forceinline__ void matmul_quant_body(const u8* __restrict__ w, u64 row_bytes,
@@ -499,20 +612,11 @@ __device__ __forceinline__ void matmul_quant_body(const u8* __restrict__ w, u64 
                                                   float* __restrict__ out) {
     const int r = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
     const int b0 = blockIdx.y * COLS;
-    if (r >= rows || b0 >= n) {
-        return;  // warp-uniform
+    if (b0 >= n) {
+        return;  // block-uniform
     }
-    const int nc = min(COLS, n - b0);
-    const int units = cols / 32;
-    float acc[COLS];
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) {
-        acc[c] = 0.0f;
-    }
-    row_dots_quant<D, COLS>(w + (u64)r * row_bytes, cols, xq + (u64)b0 * cols,
-                            xd + (u64)b0 * (units >> D::DX_SHIFT), xsums + (u64)b0 * units, nc,
-                            acc);
-    store_rows<COLS>(acc, nc, b0, rows, r, out);
+    MatmulQuant<D, COLS>::run(w, row_bytes, rows, cols, xq, xd, xsums, min(COLS, n - b0), r, b0,
+                              out);
 }
 
 template <class D>

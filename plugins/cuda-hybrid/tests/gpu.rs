@@ -186,6 +186,10 @@ fn matmul_matches_a_dequantising_reference_and_rows_are_independent() {
         (GgmlType::Q4K, 512),
         (GgmlType::Q5K, 768),
         (GgmlType::Q6K, 768),
+        // Rows longer than the multi-row kernels' shared-memory tile of 64 units: a whole tile
+        // then a part (2,304 values: 72 units), and one unit past a tile (2,080: 65).
+        (GgmlType::Q4K, 2304),
+        (GgmlType::Q8_0, 2080),
     ];
     let (rows, n) = (37, 11);
     for (ty, cols) in cases {
