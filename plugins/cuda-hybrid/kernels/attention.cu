@@ -114,19 +114,48 @@ __device__ __forceinline__ void quantize_query<u8>(const float* qh, i8* qq, floa
 
 // The query's dot product with a key row (before the scale): f32 multiply-adds in dimension
 // order over a float cache; over a Q8_0 cache the quantised query's integer dot products.
+// Where the row's values fill 16-byte words (head_dim a multiple of 4 f32 or 8 f16 values:
+// the row then starts 16-byte aligned too), it is read a word at a time, four words in flight
+// together; the multiply-adds keep their order either way.
 __device__ __forceinline__ float key_dot(const float* qh, const i8* qq, const float* qd,
                                          const float* kj, int head_dim) {
     float s = 0.0f;
-    // Unrolled so that the loads are in flight together; the sums keep their order.
+    if (head_dim % 4 == 0) {
+#pragma unroll 4
+        for (int w = 0; w < head_dim / 4; ++w) {
+            const U32x4 v = load_16(kj + 4 * w);
+            s = fmaf(qh[4 * w], __uint_as_float(v.x), s);
+            s = fmaf(qh[4 * w + 1], __uint_as_float(v.y), s);
+            s = fmaf(qh[4 * w + 2], __uint_as_float(v.z), s);
+            s = fmaf(qh[4 * w + 3], __uint_as_float(v.w), s);
+        }
+        return s;
+    }
 #pragma unroll 8
     for (int d = 0; d < head_dim; ++d) {
         s = fmaf(qh[d], kj[d], s);
     }
     return s;
 }
+// s + the dot of the two f16 values in `pair` (the lower first) with q[0], q[1].
+__device__ __forceinline__ float fma_f16_pair(const float* q, u32 pair, float s) {
+    s = fmaf(q[0], f16_to_f32((u16)(pair & 0xFFFF)), s);
+    return fmaf(q[1], f16_to_f32((u16)(pair >> 16)), s);
+}
 __device__ __forceinline__ float key_dot(const float* qh, const i8* qq, const float* qd,
                                          const u16* kj, int head_dim) {
     float s = 0.0f;
+    if (head_dim % 8 == 0) {
+#pragma unroll 4
+        for (int w = 0; w < head_dim / 8; ++w) {
+            const U32x4 v = load_16(kj + 8 * w);
+            s = fma_f16_pair(qh + 8 * w, v.x, s);
+            s = fma_f16_pair(qh + 8 * w + 2, v.y, s);
+            s = fma_f16_pair(qh + 8 * w + 4, v.z, s);
+            s = fma_f16_pair(qh + 8 * w + 6, v.w, s);
+        }
+        return s;
+    }
 #pragma unroll 8
     for (int d = 0; d < head_dim; ++d) {
         s = fmaf(qh[d], f16_to_f32(kj[d]), s);
@@ -146,6 +175,15 @@ __device__ __forceinline__ float key_dot(const float* qh, const i8* qq, const fl
         s = fmaf((float)isum, f16_to_f32(load_u16(block)) * qd[b], s);
     }
     return s;
+}
+
+// `acc` times sigmoid(gate) for output dimension d of row r, head h (`acc` without a gate).
+__device__ __forceinline__ float gated(float acc, const float* __restrict__ gate, int r,
+                                       u64 gate_row_stride, int h, int gate_head_stride, int d) {
+    if (gate != 0) {
+        acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
+    }
+    return acc;
 }
 
 // The block's work for query row blockIdx.y, head blockIdx.x; the shared arrays are the
@@ -200,19 +238,28 @@ __device__ __forceinline__ void attend_row(const float* __restrict__ q, u64 q_ro
     const float inverse = (float)(1.0 / sum);
     // block_sum_f64 ends with __syncthreads: every score written above is visible.
 
+    // A thread's output dimensions d and d + blockDim.x (value_dim up to twice the block) in
+    // one walk over the keys, so the second does not wait for the first's loads; each keeps
+    // its own multiply-adds in position order.
     float* o = out + (u64)r * n_head * value_dim + (u64)h * value_dim;
-    for (int d = tid; d < value_dim; d += blockDim.x) {
-        float acc = 0.0f;
+    for (int d = tid; d < value_dim; d += 2 * blockDim.x) {
+        const int d2 = d + blockDim.x;
+        const bool second = d2 < value_dim;
+        float acc = 0.0f, acc2 = 0.0f;
 #pragma unroll 8
         for (int j = 0; j < n_keys; ++j) {
             const int pj = (path != 0 && j >= tree_base) ? path[1 + j - tree_base] : j;
             const Kv* vj = kv_row(v_cache, kv_slot(table, pj), kv_head, n_head_kv, value_dim);
-            acc = fmaf(sc[j] * inverse, kv_value(vj, d), acc);
+            const float weight = sc[j] * inverse;
+            acc = fmaf(weight, kv_value(vj, d), acc);
+            if (second) {
+                acc2 = fmaf(weight, kv_value(vj, d2), acc2);
+            }
         }
-        if (gate != 0) {
-            acc *= sigmoid_f(gate[(u64)r * gate_row_stride + (u64)h * gate_head_stride + d]);
+        o[d] = gated(acc, gate, r, gate_row_stride, h, gate_head_stride, d);
+        if (second) {
+            o[d2] = gated(acc2, gate, r, gate_row_stride, h, gate_head_stride, d2);
         }
-        o[d] = acc;
     }
 }
 

@@ -565,170 +565,174 @@ fn norms_rope_and_attention_follow_the_cpu_code() {
     // Attention of 3 rows over 133 cached positions, 4 query heads on 2 kv heads, over an f32
     // cache and an f16 one (against the CPU code over the same values widened to f32), paged:
     // the three blocks of 64 positions are stored out of order, read through a block table.
-    let shape = AttentionShape {
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim: 16,
-        value_dim: 16,
-    };
-    let (n_ctx, rows, pos0) = (192, 3, 130);
-    let table: [u32; 3] = [2, 0, 1];
-    let paged = |logical: &[f32], width: usize| {
-        let mut physical = vec![0.0; logical.len()];
-        for (b, &at) in table.iter().enumerate() {
-            let block = 64 * width;
-            physical[at as usize * block..][..block]
-                .copy_from_slice(&logical[b * block..][..block]);
-        }
-        physical
-    };
-    let dtable = gpu.upload(&table).unwrap();
-    let keys: Vec<f32> = (0..n_ctx * shape.k_width()).map(|_| rng.unit()).collect();
-    let values: Vec<f32> = (0..n_ctx * shape.v_width()).map(|_| rng.unit()).collect();
-    let q: Vec<f32> = (0..rows * shape.q_width()).map(|_| rng.unit()).collect();
-    let dq = gpu.upload(&q).unwrap();
-    let scores = gpu
-        .zeros::<f32>(ops::ATTENTION_ROWS * shape.n_head * n_ctx)
-        .unwrap();
-    let dims = AttentionDims {
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim: 16,
-        value_dim: 16,
-        scale: shape.scale(),
-    };
-    let qh = Heads {
-        ptr: dq.ptr(),
-        row_stride: shape.q_width(),
-        head_stride: 16,
-    };
-    let half = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<u16>>();
-    let widen = |x: &[u16]| x.iter().map(|&h| f16::to_f32(h)).collect::<Vec<f32>>();
-    let (half_keys, half_values) = (half(&keys), half(&values));
-    let (paged_keys, paged_values) = (
-        paged(&keys, shape.k_width()),
-        paged(&values, shape.v_width()),
-    );
-    let (keys_f32, values_f32) = (
-        gpu.upload(&paged_keys).unwrap(),
-        gpu.upload(&paged_values).unwrap(),
-    );
-    let (keys_f16, values_f16) = (
-        gpu.upload(&half(&paged_keys)).unwrap(),
-        gpu.upload(&half(&paged_values)).unwrap(),
-    );
-    for kv in [KvType::F32, KvType::F16] {
-        let (keys, values, dk, dv) = match kv {
-            KvType::F32 => (
-                keys.clone(),
-                values.clone(),
-                keys_f32.ptr(),
-                values_f32.ptr(),
-            ),
-            KvType::F16 => (
-                widen(&half_keys),
-                widen(&half_values),
-                keys_f16.ptr(),
-                values_f16.ptr(),
-            ),
-            KvType::Q8_0 => unreachable!("cuda-hybrid has no q8_0 cache"),
+    // Heads of 16 (key rows read in 16-byte words) and of 12 keys (f16 rows a value at a time)
+    // and 200 values (more than the block's 128 threads: two dimensions a thread).
+    for (head_dim, value_dim) in [(16, 16), (12, 200)] {
+        let shape = AttentionShape {
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim,
+            value_dim,
         };
-        let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
-        let layer = ops::KvLayer {
-            ty: kv,
-            keys: dk,
-            values: dv,
-            table: dtable.ptr(),
+        let (n_ctx, rows, pos0) = (192, 3, 130);
+        let table: [u32; 3] = [2, 0, 1];
+        let paged = |logical: &[f32], width: usize| {
+            let mut physical = vec![0.0; logical.len()];
+            for (b, &at) in table.iter().enumerate() {
+                let block = 64 * width;
+                physical[at as usize * block..][..block]
+                    .copy_from_slice(&logical[b * block..][..block]);
+            }
+            physical
         };
-        let attend = |q: Heads, rows: ops::AttentionRows, out: u64| {
-            ops::attention(&gpu, &dims, q, layer, rows, &scores, n_ctx, None, out).unwrap()
+        let dtable = gpu.upload(&table).unwrap();
+        let keys: Vec<f32> = (0..n_ctx * shape.k_width()).map(|_| rng.unit()).collect();
+        let values: Vec<f32> = (0..n_ctx * shape.v_width()).map(|_| rng.unit()).collect();
+        let q: Vec<f32> = (0..rows * shape.q_width()).map(|_| rng.unit()).collect();
+        let dq = gpu.upload(&q).unwrap();
+        let scores = gpu
+            .zeros::<f32>(ops::ATTENTION_ROWS * shape.n_head * n_ctx)
+            .unwrap();
+        let dims = AttentionDims {
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim,
+            value_dim,
+            scale: shape.scale(),
         };
-        let (attention_rows, _info) = chain_rows_of_one_table(&gpu, &dtable, pos0, rows);
-        attend(qh, attention_rows, out.ptr());
-        let got = download(&gpu, &out);
-        for r in 0..rows {
-            let n_keys = pos0 + r + 1;
-            let mut cpu = vec![0.0; shape.out_width()];
-            attention::attend(
-                &shape,
-                &q[r * shape.q_width()..(r + 1) * shape.q_width()],
-                &keys[..n_keys * shape.k_width()],
-                &values[..n_keys * shape.v_width()],
-                &mut cpu,
-            );
-            let d = max_diff(
-                &cpu,
-                &got[r * shape.out_width()..(r + 1) * shape.out_width()],
-            );
-            assert!(d < 1e-5, "{kv:?} attention row {r}: {d}");
-        }
+        let qh = Heads {
+            ptr: dq.ptr(),
+            row_stride: shape.q_width(),
+            head_stride: head_dim,
+        };
+        let half = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<u16>>();
+        let widen = |x: &[u16]| x.iter().map(|&h| f16::to_f32(h)).collect::<Vec<f32>>();
+        let (half_keys, half_values) = (half(&keys), half(&values));
+        let (paged_keys, paged_values) = (
+            paged(&keys, shape.k_width()),
+            paged(&values, shape.v_width()),
+        );
+        let (keys_f32, values_f32) = (
+            gpu.upload(&paged_keys).unwrap(),
+            gpu.upload(&paged_values).unwrap(),
+        );
+        let (keys_f16, values_f16) = (
+            gpu.upload(&half(&paged_keys)).unwrap(),
+            gpu.upload(&half(&paged_values)).unwrap(),
+        );
+        for kv in [KvType::F32, KvType::F16] {
+            let (keys, values, dk, dv) = match kv {
+                KvType::F32 => (
+                    keys.clone(),
+                    values.clone(),
+                    keys_f32.ptr(),
+                    values_f32.ptr(),
+                ),
+                KvType::F16 => (
+                    widen(&half_keys),
+                    widen(&half_values),
+                    keys_f16.ptr(),
+                    values_f16.ptr(),
+                ),
+                KvType::Q8_0 => unreachable!("cuda-hybrid has no q8_0 cache"),
+            };
+            let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+            let layer = ops::KvLayer {
+                ty: kv,
+                keys: dk,
+                values: dv,
+                table: dtable.ptr(),
+            };
+            let attend = |q: Heads, rows: ops::AttentionRows, out: u64| {
+                ops::attention(&gpu, &dims, q, layer, rows, &scores, n_ctx, None, out).unwrap()
+            };
+            let (attention_rows, _info) = chain_rows_of_one_table(&gpu, &dtable, pos0, rows);
+            attend(qh, attention_rows, out.ptr());
+            let got = download(&gpu, &out);
+            for r in 0..rows {
+                let n_keys = pos0 + r + 1;
+                let mut cpu = vec![0.0; shape.out_width()];
+                attention::attend(
+                    &shape,
+                    &q[r * shape.q_width()..(r + 1) * shape.q_width()],
+                    &keys[..n_keys * shape.k_width()],
+                    &values[..n_keys * shape.v_width()],
+                    &mut cpu,
+                );
+                let d = max_diff(
+                    &cpu,
+                    &got[r * shape.out_width()..(r + 1) * shape.out_width()],
+                );
+                assert!(d < 1e-5, "{kv:?} attention row {r}: {d}");
+            }
 
-        // Rows of two sequences in one launch: sequence 1 reads the same physical blocks
-        // through its own table. Each row follows the CPU over its sequence's keys, and its
-        // bits equal a launch of that row alone.
-        let table_1: [u32; 3] = [1, 2, 0];
-        let tables = gpu.upload(&[table, table_1].concat()).unwrap();
-        let logical_block = |physical: u32| table.iter().position(|&t| t == physical).unwrap();
-        let of_sequence_1 = |logical: &[f32], width: usize| {
-            let block = 64 * width;
-            table_1
+            // Rows of two sequences in one launch: sequence 1 reads the same physical blocks
+            // through its own table. Each row follows the CPU over its sequence's keys, and its
+            // bits equal a launch of that row alone.
+            let table_1: [u32; 3] = [1, 2, 0];
+            let tables = gpu.upload(&[table, table_1].concat()).unwrap();
+            let logical_block = |physical: u32| table.iter().position(|&t| t == physical).unwrap();
+            let of_sequence_1 = |logical: &[f32], width: usize| {
+                let block = 64 * width;
+                table_1
+                    .iter()
+                    .flat_map(|&t| logical[logical_block(t) * block..][..block].to_vec())
+                    .collect::<Vec<f32>>()
+            };
+            let rows_at = [(1, 70), (0, 131), (1, 3)];
+            let info: Vec<i32> = rows_at
                 .iter()
-                .flat_map(|&t| logical[logical_block(t) * block..][..block].to_vec())
-                .collect::<Vec<f32>>()
-        };
-        let rows_at = [(1, 70), (0, 131), (1, 3)];
-        let info: Vec<i32> = rows_at
-            .iter()
-            .flat_map(|&(seq, pos)| ops::chain_rows(seq, pos, 1))
-            .collect();
-        let dinfo = gpu.upload(&info).unwrap();
-        let mixed = ops::AttentionRows {
-            info: dinfo.ptr(),
-            n: rows_at.len(),
-            tables: tables.ptr(),
-            table_stride: table.len(),
-            paths: 0,
-            max_keys: 132,
-        };
-        let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
-        attend(qh, mixed, out.ptr());
-        let got = download(&gpu, &out);
-        let alone = gpu.zeros::<f32>(shape.out_width()).unwrap();
-        for (r, &(seq, pos)) in rows_at.iter().enumerate() {
-            let row = &got[r * shape.out_width()..(r + 1) * shape.out_width()];
-            let one = ops::AttentionRows {
-                info: dinfo.ptr() + (4 * ops::ROW_INFO * r) as u64,
-                n: 1,
-                ..mixed
+                .flat_map(|&(seq, pos)| ops::chain_rows(seq, pos, 1))
+                .collect();
+            let dinfo = gpu.upload(&info).unwrap();
+            let mixed = ops::AttentionRows {
+                info: dinfo.ptr(),
+                n: rows_at.len(),
+                tables: tables.ptr(),
+                table_stride: table.len(),
+                paths: 0,
+                max_keys: 132,
             };
-            let q_r = Heads {
-                ptr: qh.ptr + (4 * r * qh.row_stride) as u64,
-                ..qh
-            };
-            attend(q_r, one, alone.ptr());
-            assert_eq!(
-                bits(&download(&gpu, &alone)),
-                bits(row),
-                "{kv:?}: row {r} (sequence {seq}) alone"
-            );
-            let (keys, values) = if seq == 0 {
-                (keys.clone(), values.clone())
-            } else {
-                (
-                    of_sequence_1(&keys, shape.k_width()),
-                    of_sequence_1(&values, shape.v_width()),
-                )
-            };
-            let mut cpu = vec![0.0; shape.out_width()];
-            attention::attend(
-                &shape,
-                &q[r * shape.q_width()..(r + 1) * shape.q_width()],
-                &keys[..(pos + 1) * shape.k_width()],
-                &values[..(pos + 1) * shape.v_width()],
-                &mut cpu,
-            );
-            let d = max_diff(&cpu, row);
-            assert!(d < 1e-5, "{kv:?} row {r} of sequence {seq}: {d}");
+            let out = gpu.zeros::<f32>(rows * shape.out_width()).unwrap();
+            attend(qh, mixed, out.ptr());
+            let got = download(&gpu, &out);
+            let alone = gpu.zeros::<f32>(shape.out_width()).unwrap();
+            for (r, &(seq, pos)) in rows_at.iter().enumerate() {
+                let row = &got[r * shape.out_width()..(r + 1) * shape.out_width()];
+                let one = ops::AttentionRows {
+                    info: dinfo.ptr() + (4 * ops::ROW_INFO * r) as u64,
+                    n: 1,
+                    ..mixed
+                };
+                let q_r = Heads {
+                    ptr: qh.ptr + (4 * r * qh.row_stride) as u64,
+                    ..qh
+                };
+                attend(q_r, one, alone.ptr());
+                assert_eq!(
+                    bits(&download(&gpu, &alone)),
+                    bits(row),
+                    "{kv:?}: row {r} (sequence {seq}) alone"
+                );
+                let (keys, values) = if seq == 0 {
+                    (keys.clone(), values.clone())
+                } else {
+                    (
+                        of_sequence_1(&keys, shape.k_width()),
+                        of_sequence_1(&values, shape.v_width()),
+                    )
+                };
+                let mut cpu = vec![0.0; shape.out_width()];
+                attention::attend(
+                    &shape,
+                    &q[r * shape.q_width()..(r + 1) * shape.q_width()],
+                    &keys[..(pos + 1) * shape.k_width()],
+                    &values[..(pos + 1) * shape.v_width()],
+                    &mut cpu,
+                );
+                let d = max_diff(&cpu, row);
+                assert!(d < 1e-5, "{kv:?} row {r} of sequence {seq}: {d}");
+            }
         }
     }
 }
