@@ -70,8 +70,9 @@ pub struct Setup {
     /// Fewest draft tokens per step while speculating.
     #[arg(long, value_name = "N")]
     pub(super) draft_min: Option<u32>,
-    /// Draft the maximum every step: turn off the adaptive draft length (which shortens drafts
-    /// and pauses speculation when it does not pay, judged partly by measured time).
+    /// Draft the maximum every step and verify every draft: turn off the adaptive draft length
+    /// (which shortens drafts, cuts greedy drafts their drafter gives under 5%, and pauses
+    /// speculation when it does not pay, judged partly by measured time).
     #[arg(long)]
     pub(super) fixed_draft: bool,
     /// Verify a tree of drafts per pass (tree speculation; `draft_max` is then the most

@@ -17,7 +17,8 @@ const ALLOWED_COST: f64 = 1.03;
 const MIN_EVIDENCE: u32 = 2;
 /// Weight of the newest step in the smoothed figures.
 const SMOOTHING: f64 = 0.3;
-/// Drafts whose drafter confidence falls below this are not verified (greedy only).
+/// Drafts whose drafter confidence falls below this are not verified (greedy decoding with an
+/// adaptive draft length).
 pub const MIN_CONFIDENCE: f32 = 0.05;
 
 /// Why speculation is paused on a step.
@@ -106,6 +107,12 @@ impl DraftLength {
         } else {
             wanted
         }
+    }
+
+    /// Whether the length follows acceptance and cost (`false`: `--fixed-draft`, every step
+    /// asks for the most drafts).
+    pub fn is_adaptive(&self) -> bool {
+        self.adaptive
     }
 
     /// The most drafts a step may have.

@@ -654,13 +654,13 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
             self.draft.parents.clear();
             return Ok(());
         }
-        let broken = sanitize(
-            &mut self.draft,
-            n,
-            self.vocab,
-            self.request.sampling.temperature <= 0.0,
-            self.tree,
-        );
+        let adaptive = self
+            .speculation
+            .as_ref()
+            .is_some_and(DraftLength::is_adaptive);
+        let confidence_floor = (self.request.sampling.temperature <= 0.0 && adaptive)
+            .then_some(adaptive::MIN_CONFIDENCE);
+        let broken = sanitize(&mut self.draft, n, self.vocab, confidence_floor, self.tree);
         if let Some(why) = broken.filter(|_| !self.warned_of_broken_drafts) {
             self.warned_of_broken_drafts = true;
             tracing::warn!(
@@ -948,9 +948,11 @@ impl<'t, F: FnMut(&str)> Generation<'t, F> {
 }
 
 /// Drops what a drafter must not hand over: more than asked, ids outside the vocabulary, and
-/// a malformed distribution. With `greedy`, also low-confidence tails: when sampling, keeping a
-/// draft must not depend on the sampled token, or the drafts would no longer follow the
-/// distribution the drafter reported and rejection sampling would lose its exactness.
+/// a malformed distribution. With a `confidence_floor` (greedy decoding with an adaptive draft
+/// length), also the tail from the first draft its drafter gives less than that chance: when
+/// sampling, keeping a draft must not depend on the sampled token, or the drafts would no
+/// longer follow the distribution the drafter reported and rejection sampling would lose its
+/// exactness; with a fixed draft length every draft asked for is verified.
 ///
 /// A tree is kept only where one was asked for (`tree`) and its parents are well formed; any
 /// prefix of a tree in topological order is a tree, and its drafts are not trimmed by
@@ -962,7 +964,7 @@ fn sanitize(
     draft: &mut Draft,
     max: usize,
     vocab: usize,
-    greedy: bool,
+    confidence_floor: Option<f32>,
     tree: bool,
 ) -> Option<String> {
     let mut broken = None;
@@ -1028,11 +1030,8 @@ fn sanitize(
         keep = keep.min(chain);
         draft.parents.clear();
     }
-    if greedy && draft.confidence.len() >= keep {
-        if let Some(low) = draft.confidence[..keep]
-            .iter()
-            .position(|&c| c < adaptive::MIN_CONFIDENCE)
-        {
+    if let Some(floor) = confidence_floor.filter(|_| draft.confidence.len() >= keep) {
+        if let Some(low) = draft.confidence[..keep].iter().position(|&c| c < floor) {
             keep = low;
         }
     }
@@ -1056,19 +1055,21 @@ mod tests {
         d
     }
 
+    const FLOOR: Option<f32> = Some(adaptive::MIN_CONFIDENCE);
+
     #[test]
     fn broken_drafts_are_dropped_and_said_why() {
         let mut d = draft(&[1, 2, 3], &[]);
-        assert_eq!(sanitize(&mut d, 3, 10, true, false), None);
+        assert_eq!(sanitize(&mut d, 3, 10, FLOOR, false), None);
         assert_eq!(d.tokens.len(), 3);
 
         let mut d = draft(&[1, 2, 3, 4], &[]);
-        let why = sanitize(&mut d, 2, 10, true, false).unwrap();
+        let why = sanitize(&mut d, 2, 10, FLOOR, false).unwrap();
         assert!(why.contains("proposed 4 drafts where at most 2"), "{why}");
         assert_eq!(&d.tokens[..], &[1, 2]);
 
         let mut d = draft(&[1, 12, 3], &[]);
-        let why = sanitize(&mut d, 3, 10, true, false).unwrap();
+        let why = sanitize(&mut d, 3, 10, FLOOR, false).unwrap();
         assert!(
             why.contains("token 12 at draft 1, outside the vocabulary of 10"),
             "{why}"
@@ -1076,19 +1077,43 @@ mod tests {
         assert_eq!(&d.tokens[..], &[1]);
 
         let mut d = draft(&[1, 2, 3], &[TREE_ROOT, 2, 0]);
-        let why = sanitize(&mut d, 3, 10, true, true).unwrap();
+        let why = sanitize(&mut d, 3, 10, FLOOR, true).unwrap();
         assert!(why.contains("parents are not one per draft"), "{why}");
         assert_eq!(&d.tokens[..], &[1]);
 
         let mut d = draft(&[1, 2], &[]);
         d.probs.extend_from_slice(&[0.1; 7]);
-        let why = sanitize(&mut d, 2, 10, false, false).unwrap();
+        let why = sanitize(&mut d, 2, 10, None, false).unwrap();
         assert!(why.contains("sent 7 probabilities for 2 drafts"), "{why}");
         assert!(d.probs.is_empty());
 
         // A well-formed tree where one was asked for is not a broken draft.
         let mut d = draft(&[1, 2, 3], &[TREE_ROOT, TREE_ROOT, 0]);
-        assert_eq!(sanitize(&mut d, 3, 10, true, true), None);
+        assert_eq!(sanitize(&mut d, 3, 10, FLOOR, true), None);
         assert_eq!(d.parents.len(), 3);
+    }
+
+    #[test]
+    fn unlikely_greedy_drafts_are_cut_only_with_an_adaptive_length() {
+        let unsure = |tokens: &[u32]| {
+            let mut d = draft(tokens, &[]);
+            d.confidence
+                .extend_from_slice(&[0.9, 0.01, 0.9][..tokens.len()]);
+            d
+        };
+        let mut d = unsure(&[1, 2, 3]);
+        assert_eq!(sanitize(&mut d, 3, 10, FLOOR, false), None);
+        assert_eq!(
+            &d.tokens[..],
+            &[1],
+            "adaptive: cut at the unlikely second draft"
+        );
+        let mut d = unsure(&[1, 2, 3]);
+        assert_eq!(sanitize(&mut d, 3, 10, None, false), None);
+        assert_eq!(
+            &d.tokens[..],
+            &[1, 2, 3],
+            "fixed length: every draft asked for"
+        );
     }
 }
