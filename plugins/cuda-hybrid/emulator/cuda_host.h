@@ -37,6 +37,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
 struct emu_dim3 {
     unsigned x, y, z;

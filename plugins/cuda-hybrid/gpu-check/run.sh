@@ -126,12 +126,11 @@ if [ -n "$gen_pid" ] && ! wait "$gen_pid"; then
     failed=$((failed + 1))
 fi
 # profile NAME BACKEND MODEL GPU_LAYERS [DRAFTER]: a profile for the benches (with the
-# target option line in $TARGET_OPTION and further sections in $SECTIONS, if set).
+# target option line in $TARGET_OPTION, if set).
 profile() {
     local drafter=${5:-mtp}
-    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n%s\n[drafter]\nplugin = "%s"\n%s' \
-        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "${TARGET_OPTION:-}" "$drafter" \
-        "${SECTIONS:-}" >"$out/$1.toml"
+    printf '[target]\nbackend = "%s"\nmodel = "%s"\ncontext_size = 1024\nthreads = %s\n\n[target.options]\ngpu_layers = "%s"\n%s\n[drafter]\nplugin = "%s"\n' \
+        "$2" "$3" "$(( $(nproc) < 8 ? $(nproc) : 8 ))" "$4" "${TARGET_OPTION:-}" "$drafter" >"$out/$1.toml"
     echo "$out/$1.toml"
 }
 # bench NAME MODEL GPU_LAYERS BENCH-ARGS...: the bench with this kit's plugin, then the old one.
@@ -178,6 +177,7 @@ ncu_profile() {
     step "$name" 150 "$ncu" --csv --metrics gpu__time_duration.sum,launch__grid_size \
         --launch-skip "$skip" --launch-count "$count" --log-file "$out/$name.csv" \
         "$bin" "$@" --profile "$(without_graphs profile "$name" cuda-hybrid "$model" all)"
+    [ -s "$out/$name.csv" ] || return 0
     python3 - "$out/$name.csv" <<'EOF'
 import collections, csv, sys
 rows = [r for r in csv.DictReader(line for line in open(sys.argv[1]) if line.startswith('"'))

@@ -30,7 +30,7 @@
 // row, a verify pass a few). The quantised kernels of several rows stage the activation rows
 // in shared memory a tile at a time (see matmul_quant_staged): the block's four warps read
 // them once, and a warp no longer holds every row's quants in registers (on sm_90 the 4- and
-// 8-row Q4_K kernels fell from 78 and 112 registers a thread to 45 and 48).
+// 8-row Q4_K kernels fell from 78 and 112 registers a thread to 38 and 40).
 //
 // `matmul_ids_*` (mixture-of-experts): the weight tensor is a stack of matrices of
 // `matrix_bytes` bytes; pair p (blockIdx.y) uses matrix ids[p] and activation row p / x_div,
@@ -39,6 +39,11 @@
 
 #define MM_WARPS 4
 #define MM_COLS 8
+// The quantised kernels of several rows must fit 12 blocks an SM (a cap of 40 registers a
+// thread on sm_90): the 1,536 blocks of a 6144-row matrix then run in one wave on an H200's 132
+// SMs. The one-row kernels are left to the compiler (a bound makes it spend more registers).
+#define MM_BOUNDS_MANY __launch_bounds__(32 * MM_WARPS, 12)
+#define MM_BOUNDS_ONE
 
 // ---- float weights: the 32 values of unit `u` of a row (values u*32 .. u*32 + 31) ----------
 
@@ -501,9 +506,10 @@ __device__ __forceinline__ void row_dots_quant(const u8* row, int cols, const i8
     }
 }
 
-// Units of the activation rows a block of a multi-row kernel stages in shared memory at a time
-// (2,048 values: 2 KiB of quants per row).
-#define MM_TILE_UNITS 64
+// Units of the activation rows a block of a multi-row kernel stages in shared memory at a time:
+// 64 (2,048 values, 2 KiB of quants a row), 32 for 8 rows, so that twelve blocks' tiles fit an
+// SM's shared memory. A multiple of 32, so a lane's units keep their order.
+#define MM_TILE_UNITS(COLS) ((COLS) > 4 ? 32 : 64)
 
 // The multi-row kernels (COLS > 1): the block's MM_WARPS weight rows share the same activation
 // rows, so the block copies them into shared memory a tile of MM_TILE_UNITS units at a time
@@ -517,9 +523,15 @@ __device__ __forceinline__ void matmul_quant_staged(const u8* __restrict__ w, u6
                                                     const float* __restrict__ xd,
                                                     const int* __restrict__ xsums, int nc,
                                                     int r, int b0, float* __restrict__ out) {
-    __shared__ U32x4 staged_q[COLS * MM_TILE_UNITS * 2];
-    __shared__ float staged_d[COLS * MM_TILE_UNITS];
-    __shared__ int staged_sums[COLS * MM_TILE_UNITS];
+    constexpr int TILE = MM_TILE_UNITS(COLS);
+    // Activation scales: one a unit (Q8_0, Q4_0) or one per 8 (Q8_K); unit sums for the mins.
+    constexpr int SCALES = TILE >> D::DX_SHIFT;
+    constexpr int SUMS = D::MINS ? TILE : 1;
+    // A unit's 32 quant bytes as two 16-byte halves, each half in its own run of the tile
+    // (lanes read consecutive words: no bank conflicts), runs 2c and 2c + 1 for row c.
+    __shared__ U32x4 staged_q[COLS * 2 * TILE];
+    __shared__ float staged_d[COLS * SCALES];
+    __shared__ int staged_sums[COLS * SUMS];
     const int lane = threadIdx.x & 31;
     const int units = cols / 32;
     const int scales_per_row = units >> D::DX_SHIFT;
@@ -531,19 +543,23 @@ __device__ __forceinline__ void matmul_quant_staged(const u8* __restrict__ w, u6
     for (int c = 0; c < COLS; ++c) {
         acc[c] = 0.0f;
     }
-    for (int first = 0; first < units; first += MM_TILE_UNITS) {
-        const int tile = min(MM_TILE_UNITS, units - first);
+    for (int first = 0; first < units; first += TILE) {
+        const int tile = min(TILE, units - first);
         const int groups = tile >> D::DX_SHIFT;
         for (int c = 0; c < nc; ++c) {
             const i8* quants = xq + (u64)(b0 + c) * cols + (u64)first * 32;
             for (int part = threadIdx.x; part < tile * 2; part += blockDim.x) {
-                staged_q[c * MM_TILE_UNITS * 2 + part] = load_16(quants + (u64)part * 16);
+                staged_q[(2 * c + (part & 1)) * TILE + (part >> 1)] =
+                    load_16(quants + (u64)part * 16);
             }
-            for (int u = threadIdx.x; u < tile; u += blockDim.x) {
-                staged_sums[c * MM_TILE_UNITS + u] = xsums[(u64)(b0 + c) * units + first + u];
+            if (D::MINS) {
+                for (int u = threadIdx.x; u < tile; u += blockDim.x) {
+                    staged_sums[c * SUMS + u] =
+                        xsums[(u64)(b0 + c) * units + first + u];
+                }
             }
             for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-                staged_d[c * MM_TILE_UNITS + g] =
+                staged_d[c * SCALES + g] =
                     xd[(u64)(b0 + c) * scales_per_row + (first >> D::DX_SHIFT) + g];
             }
         }
@@ -556,12 +572,14 @@ __device__ __forceinline__ void matmul_quant_staged(const u8* __restrict__ w, u6
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
                     if (c < nc) {
-                        u32 qx[8];
-                        load_32(&staged_q[(c * MM_TILE_UNITS + t) * 2], qx);
-                        const float dx = staged_d[c * MM_TILE_UNITS + (t >> D::DX_SHIFT)];
+                        const U32x4 lo = staged_q[2 * c * TILE + t];
+                        const U32x4 hi = staged_q[(2 * c + 1) * TILE + t];
+                        const u32 qx[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                        const float dx = staged_d[c * SCALES + (t >> D::DX_SHIFT)];
                         acc[c] = __fadd_rn(
                             acc[c],
-                            unit_dot<D>(wu, qx, dx, staged_sums[c * MM_TILE_UNITS + t]));
+                            unit_dot<D>(wu, qx, dx,
+                                        D::MINS ? staged_sums[c * SUMS + t] : 0));
                     }
                 }
             }
@@ -643,20 +661,19 @@ __device__ __forceinline__ void matmul_ids_quant_body(const u8* __restrict__ w, 
 
 // One mat-mul entry point over quantised weights: KERNEL_NAME with COLS activation rows a
 // block.
-#define DEFINE_MATMUL_QUANT_COLS(KERNEL, NAME, DEC, COLS)                                       \
-    extern "C" __global__ void KERNEL##_##NAME(const u8* __restrict__ w, u64 row_bytes,         \
-                                               int rows, int cols, const i8* __restrict__ xq,   \
-                                               const float* __restrict__ xd,                    \
-                                               const int* __restrict__ xsums, int n,            \
-                                               float* __restrict__ out) {                       \
+#define DEFINE_MATMUL_QUANT_COLS(KERNEL, NAME, DEC, COLS, BOUNDS)                               \
+    extern "C" __global__ void BOUNDS KERNEL##_##NAME(                                          \
+        const u8* __restrict__ w, u64 row_bytes, int rows, int cols, const i8* __restrict__ xq, \
+        const float* __restrict__ xd, const int* __restrict__ xsums, int n,                     \
+        float* __restrict__ out) {                                                              \
         matmul_quant_body<DEC, COLS>(w, row_bytes, rows, cols, xq, xd, xsums, n, out);          \
     }
 
 #define DEFINE_MATMUL_QUANT(NAME, DEC)                                                          \
-    DEFINE_MATMUL_QUANT_COLS(matvec, NAME, DEC, 1)                                              \
-    DEFINE_MATMUL_QUANT_COLS(matmul2, NAME, DEC, 2)                                             \
-    DEFINE_MATMUL_QUANT_COLS(matmul4, NAME, DEC, 4)                                             \
-    DEFINE_MATMUL_QUANT_COLS(matmul, NAME, DEC, MM_COLS)                                        \
+    DEFINE_MATMUL_QUANT_COLS(matvec, NAME, DEC, 1, MM_BOUNDS_ONE)                               \
+    DEFINE_MATMUL_QUANT_COLS(matmul2, NAME, DEC, 2, MM_BOUNDS_MANY)                             \
+    DEFINE_MATMUL_QUANT_COLS(matmul4, NAME, DEC, 4, MM_BOUNDS_MANY)                             \
+    DEFINE_MATMUL_QUANT_COLS(matmul, NAME, DEC, MM_COLS, MM_BOUNDS_MANY)                        \
     extern "C" __global__ void matmul_ids_##NAME(                                               \
         const u8* __restrict__ w, u64 row_bytes, u64 matrix_bytes, int rows, int cols,          \
         const int* __restrict__ ids, const i8* __restrict__ xq, const float* __restrict__ xd,   \

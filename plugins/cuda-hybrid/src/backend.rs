@@ -500,7 +500,7 @@ impl Executor for CudaExecutor {
         let Some(d) = device.as_mut().filter(|_| placement.uses_gpu()) else {
             return pool.install(|| host.head(model, &rows, hidden, logits));
         };
-        d.model.gpu.begin_pass(m)?;
+        d.model.gpu.begin_pass(longest_span(&spans))?;
         let passed = (|| {
             sync_block_tables(host, &mut d.model, chunks)?;
             d.pinned_in.as_mut_slice()?[..m * e].copy_from_slice(&host.residual()[..m * e]);
@@ -606,7 +606,7 @@ impl Executor for CudaExecutor {
         let rows = Rows::new(&spans);
         let m = rows.n;
         let n_logits = rows.logit_rows();
-        d.model.gpu.begin_pass(m)?;
+        d.model.gpu.begin_pass(longest_span(&spans))?;
         let passed = (|| {
             MtpRows::write_all_inputs(
                 chunks,
@@ -723,4 +723,10 @@ impl CudaExecutor {
         }
         Ok(())
     }
+}
+
+/// The most rows any one sequence has in a pass (a prompt's prefill chunk, or a verify pass's
+/// drafts): what decides whether the pass is recorded for CUDA graphs.
+fn longest_span(spans: &[specula_engine::graph::Span<'_>]) -> usize {
+    spans.iter().map(|span| span.n).max().unwrap_or(0)
 }

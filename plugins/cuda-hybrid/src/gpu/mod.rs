@@ -922,10 +922,10 @@ impl Gpu {
             .map(|r| r.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Starts recording a pass of `rows` rows (with CUDA graphs on and at most
-    /// [`replay::MAX_ROWS`] rows; otherwise nothing): its launches and copies are kept until
-    /// [`Gpu::sync`] issues them. A recording a failed pass left unissued is issued first, as
-    /// the work it asked for.
+    /// Starts recording a pass whose longest sequence has `rows` rows (with CUDA graphs on and
+    /// at most [`replay::MAX_ROWS`] rows; otherwise nothing): its launches and copies are kept
+    /// until [`Gpu::sync`] issues them. A recording a failed pass left unissued is issued
+    /// first, as the work it asked for.
     pub fn begin_pass(&self, rows: usize) -> Result<(), PluginError> {
         let Some(mut replaying) = self.replaying() else {
             return Ok(());

@@ -15,7 +15,8 @@
 //! any replay (batches of ever new shapes: a capture costs milliseconds), captures pause for
 //! a while.
 //!
-//! A pass of more than [`MAX_ROWS`] rows (a prompt's prefill chunk) is not recorded.
+//! A pass where one sequence has more than [`MAX_ROWS`] rows (a prompt's prefill chunk) is not
+//! recorded.
 //!
 //! What a pass copies from pageable host memory (the row table, block tables) is staged in a
 //! page-locked arena at an offset that is part of the recorded work, so a replayed graph
@@ -29,10 +30,11 @@ use super::Arg;
 /// Graphs kept (the least recently used goes when another is captured).
 pub const GRAPHS_KEPT: usize = 64;
 
-/// The most rows a pass may have to be recorded. A pass of more (a prompt's prefill chunk) is
-/// issued as it comes: its kernels run long enough that launches do not bound it, and its
-/// shape rarely recurs, so recording it would only hold its work back until the pass's end
-/// (on an H200 a 64-token prefill recorded gave 7-18% fewer tokens a second).
+/// The most rows one sequence may have in a pass for the pass to be recorded. A pass where a
+/// sequence has more (a prompt's prefill chunk) is issued as it comes: its kernels run long
+/// enough that launches do not bound it, and its shape rarely recurs, so recording it would
+/// only hold its work back until the pass's end (on an H200 a 64-token prefill recorded gave
+/// 7-18% fewer tokens a second). Decoding and verify passes of many sequences stay recorded.
 pub const MAX_ROWS: usize = 32;
 
 /// Bytes of the arena that pageable copies are staged in. A pass that stages more is issued
@@ -255,7 +257,8 @@ pub struct ReplayStats {
     /// Captures that failed (counted in `captured` too; the work is then issued as it is
     /// whenever it recurs, counted as replayed).
     pub capture_failed: u64,
-    /// Passes of more than [`MAX_ROWS`] rows, not recorded (not in `passes`).
+    /// Passes with more than [`MAX_ROWS`] rows of one sequence, not recorded (not in
+    /// `passes`).
     pub unrecorded: u64,
 }
 
