@@ -1627,6 +1627,54 @@ fn gated_delta_net_recurrence_follows_the_cpu_step() {
     }
 }
 
+/// A pass is left unrecorded for its longest sequence's rows, not its total: a batch of two
+/// sequences of 20 rows each (40 in all) is recorded, one sequence's 40-row chunk is not.
+#[test]
+fn graphs_skip_a_long_chunk_but_not_a_batch_of_short_ones() {
+    use specula_plugin_api::{EvalChunk, ForwardPass};
+    let Some(device) = device_or_skip("graphs_skip_a_long_chunk_but_not_a_batch_of_short_ones")
+    else {
+        return;
+    };
+    let path = fixture("tiny-llama.gguf");
+    let mut b = open_backend_with(&device, &path, &[("cuda_graphs", "true")], 2)
+        .unwrap_or_else(|e| panic!("cuda-hybrid on {}: {e}", path.display()));
+    let (one, two) = (
+        specula_plugin_api::testing::new_seq(&mut b),
+        specula_plugin_api::testing::new_seq(&mut b),
+    );
+    let short = (replay::MAX_ROWS / 2 + 4) as u32;
+    let tokens: Vec<u32> = (0..2 * short).map(|i| 3 + i % 150).collect();
+    let mut logits = abi_stable::std_types::RVec::new();
+    let pass = |b: &mut CudaBackend, chunks: &[EvalChunk<'_>], logits: &mut _| {
+        let before = b.executor().replay_stats().expect("graphs on");
+        b.eval_batch(abi_stable::std_types::RSlice::from_slice(chunks), logits)
+            .into_result()
+            .unwrap_or_else(|e| panic!("eval_batch: {e}"));
+        let after = b.executor().replay_stats().expect("graphs on");
+        (
+            after.passes - before.passes,
+            after.unrecorded - before.unrecorded,
+        )
+    };
+    let halves = [
+        EvalChunk::chain(one, &tokens[..short as usize], LogitRows::Last),
+        EvalChunk::chain(two, &tokens[short as usize..], LogitRows::Last),
+    ];
+    assert_eq!(
+        pass(&mut b, &halves, &mut logits),
+        (1, 0),
+        "two sequences of {short} rows"
+    );
+    let long = [EvalChunk::chain(one, &tokens, LogitRows::Last)];
+    assert_eq!(
+        pass(&mut b, &long, &mut logits),
+        (0, 1),
+        "one sequence of {} rows",
+        2 * short
+    );
+}
+
 /// With `cuda_graphs = true` every pass is recorded and issued at its end — first as
 /// recorded, a second time captured as a graph, then replayed from the graph (on the
 /// emulator, the recorded work kept is issued again) — and every logit and hidden row equals
