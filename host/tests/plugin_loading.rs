@@ -10,6 +10,15 @@ mod common;
 
 use common::*;
 
+/// Where the plugin called `name` would be a library in `dir` (`libspecula_NAME.so` on Linux).
+fn library_path(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    dir.join(format!(
+        "{}specula_{name}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
+}
+
 #[test]
 fn cpu_simd_loads_and_evaluates_across_the_abi() {
     let plugin = load_library(&plugin_library("cpu-simd")).unwrap();
@@ -88,11 +97,7 @@ fn opening_a_missing_model_is_an_error_naming_it() {
 #[test]
 fn plugin_built_against_another_abi_is_refused_with_both_versions() {
     let dir = tempfile::tempdir().unwrap();
-    let lib = dir.path().join(format!(
-        "{}specula_old{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let lib = library_path(dir.path(), "old");
     let other = ABI_VERSION + 41;
     compile_cdylib(
         &format!(
@@ -151,11 +156,7 @@ fn plugin_built_against_another_abi_is_refused_with_both_versions() {
 #[test]
 fn a_plugin_without_its_module_says_which_macro_is_missing() {
     let dir = tempfile::tempdir().unwrap();
-    let lib = dir.path().join(format!(
-        "{}specula_noroot{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let lib = library_path(dir.path(), "noroot");
     compile_cdylib(
         &format!(
             "#[no_mangle]\npub extern \"C\" fn specula_plugin_abi_version() -> u32 {{ {ABI_VERSION} }}\n"
@@ -176,11 +177,7 @@ fn a_plugin_without_its_module_says_which_macro_is_missing() {
 #[test]
 fn a_library_that_is_not_a_plugin_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let lib = dir.path().join(format!(
-        "{}specula_stranger{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let lib = library_path(dir.path(), "stranger");
     compile_cdylib(
         "#[no_mangle]\npub extern \"C\" fn hello() -> u32 { 7 }\n",
         &lib,
@@ -194,11 +191,7 @@ fn a_library_that_is_not_a_plugin_is_refused() {
 #[test]
 fn a_file_that_is_not_a_library_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let fake = dir.path().join(format!(
-        "{}specula_fake{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ));
+    let fake = library_path(dir.path(), "fake");
     std::fs::write(&fake, b"this is text, not ELF").unwrap();
     let err = load_library(&fake).unwrap_err();
     assert!(matches!(err, PluginError::BadImage { .. }), "{err}");
