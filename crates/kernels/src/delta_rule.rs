@@ -73,7 +73,7 @@ pub fn step_with(
 /// ring overwrites before anyone reads it) and its output to `out[i · v.len() ..]`.
 ///
 /// Each state row is carried in registers from step to step, so the state is read once and
-/// each kept state written once, and where the CPU has AVX-512 the kept states are written
+/// each kept state written once, and where the CPU has AVX2 or AVX-512 the kept states are written
 /// past the caches (non-temporal stores: a snapshot is read again only after a rollback, a
 /// live state only by the next pass), which spares the memory reading every plane before
 /// overwriting it. Every step's state and output are bit for bit those of [`step`] at the same
@@ -398,6 +398,7 @@ mod tests {
             (16, 5, 4),
             (37, 9, 5),
             (64, 6, 7),
+            (24, 4, 3),
             (7, 2, 3),
         ] {
             let n_planes = 4;

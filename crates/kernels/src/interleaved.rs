@@ -68,7 +68,7 @@
 //! of 16) that each group's integer sum starts at, so that it comes out as `Σ (q - 32) · x`.
 //!
 //! Arithmetic, identical at every level and for every pass size (the scalar reference
-//! `dot_rows_scalar` is bit-exact with the AVX-512 kernel):
+//! `dot_rows_scalar` is bit-exact with the AVX2, AVX-512 and AMX kernels):
 //!
 //! - Q8_0, Q4_0: per block, the exact integer sum `s = Σ q_w · q_x`, then
 //!   `acc = fma(s as f32, d_w · d_x, acc)` in block order. This is ggml's
@@ -200,19 +200,15 @@ impl Encoding {
 }
 
 /// Whether weights of type `ty` can be interleaved (and multiplied interleaved at `level`:
-/// the AVX-512 kernel, or the scalar reference at the scalar level).
-pub fn supports(ty: WeightType, level: SimdLevel) -> bool {
+/// every level has its kernel, the scalar one the reference).
+pub fn supports(ty: WeightType, _level: SimdLevel) -> bool {
     encoding(ty).is_some()
-        && matches!(
-            level,
-            SimdLevel::Avx512 | SimdLevel::Amx | SimdLevel::Scalar
-        )
 }
 
-/// Whether repacking weights of type `ty` makes multiplying them faster at `level`: where the
-/// AVX-512 kernel runs (at the scalar level the row-major reference is as fast).
+/// Whether repacking weights of type `ty` makes multiplying them faster at `level`: where a
+/// SIMD kernel runs (at the scalar level the row-major reference is as fast).
 pub fn pays_off(ty: WeightType, level: SimdLevel) -> bool {
-    level >= SimdLevel::Avx512 && supports(ty, level)
+    level >= SimdLevel::Avx2 && supports(ty, level)
 }
 
 /// The interleaved encoding of a weight type, if it has one.
@@ -603,7 +599,7 @@ pub(crate) fn groups_pass(
     stream: bool,
 ) {
     match level {
-        SimdLevel::Avx512 | SimdLevel::Amx => {
+        SimdLevel::Avx2 | SimdLevel::Avx512 | SimdLevel::Amx => {
             simd::interleaved_pass(encoding, level, groups, x, out, (first, valid), stream)
         }
         SimdLevel::Scalar => {
@@ -617,14 +613,14 @@ pub(crate) fn groups_pass(
                 }
             }
         }
-        SimdLevel::Avx2 => panic!("interleaved weights have no AVX2 kernel (see `supports`)"),
     }
 }
 
 /// The most activation rows one pass over `encoding` groups takes at `level`: where the AMX
 /// kernels run, two tiles' 32 for Q8_0 and a tile's 16 for Q4_K and Q5_K; on AVX-512
-/// [`simd::MAX_Q8_0_PASS_ROWS`] for Q8_0 and [`simd::MAX_ROWS_PER_PASS`] for the others (the
-/// scalar reference takes as many as the AMX kernels, to be compared with them).
+/// [`simd::MAX_Q8_0_PASS_ROWS`] for Q8_0 and [`simd::MAX_ROWS_PER_PASS`] for the others, as
+/// on AVX2 for all (the scalar reference takes as many as the AMX kernels, to be compared with
+/// them).
 pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
     match (encoding, level) {
         (Encoding::Q8_0, SimdLevel::Amx | SimdLevel::Scalar) => simd::MAX_PASS_ROWS,

@@ -26,7 +26,7 @@
 //! for an exact cache, `q8_0` for half of f16's memory) and `prefix_state_bytes`, and
 //! `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
 //! Q4_K / Q5_K / Q6_K matrices are repacked at load into interleaved 16-row groups where the CPU has
-//! AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every matrix
+//! AVX2 or AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every matrix
 //! is read from the mapped file as stored). An unknown option is an error naming the known
 //! ones.
 

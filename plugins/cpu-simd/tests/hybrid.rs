@@ -122,9 +122,12 @@ fn trained_qwen35_tells_the_lily_story() {
     }
 }
 
-/// Both weight layouts (interleaved row groups, the default where the CPU has AVX-512, and
-/// the file's rows) tell the same story from the Q8_0 model, with logits that differ only by
-/// the summation order of the two kernels.
+/// Both weight layouts (interleaved row groups, the default where the CPU has AVX2 or AVX-512,
+/// and the file's rows) tell the same story from the Q8_0 model, with logits that differ only
+/// by the summation order of the two kernels — and what that order moves downstream: an
+/// activation value whose last bits differ can round to the neighbouring Q8_0 quant, which in
+/// this 128-wide model moves a logit by up to about 0.5% of the largest (measured at AVX2 and
+/// AVX-512 on token-dependent positions, and between either level and the scalar one).
 #[test]
 fn weight_layouts_agree_on_the_trained_model() {
     let path = trained_qwen35("q8_0");
@@ -144,7 +147,7 @@ fn weight_layouts_agree_on_the_trained_model() {
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
     assert!(
-        worst <= 1e-3 * scale,
+        worst <= 1e-2 * scale,
         "largest logit difference {worst} (scale {scale})"
     );
 }

@@ -37,8 +37,9 @@ pub(crate) fn delta_rule_step(
 }
 
 /// [`crate::delta_rule::chain`] with each state row in registers, where `level` has a kernel
-/// for the head size (AVX-512, `k.len()` a multiple of 16 up to 128); returns whether it ran.
-/// The caller has checked the shapes and plane indices.
+/// for the head size (AVX-512: `k.len()` a multiple of 16 up to 128; AVX2, without recording:
+/// a multiple of 8 up to 128); returns whether it ran. The caller has checked the shapes and
+/// plane indices.
 pub(crate) fn delta_rule_chain(
     level: SimdLevel,
     xs: &[crate::delta_rule::DeltaInputs<'_>],
@@ -72,6 +73,39 @@ pub(crate) fn delta_rule_chain(
         "delta rule chain: sizes"
     );
     level.assert_supported();
+    if level == SimdLevel::Avx2 {
+        let chunks = dim / 8;
+        if recording.is_some() || !dim.is_multiple_of(8) || !(1..=16).contains(&chunks) {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: AVX2 is supported; the shapes and every plane the chain touches are
+            // checked above; `dim` is `8 · CHUNKS`.
+            unsafe {
+                let run = match chunks {
+                    1 => avx2::delta_rule_chain::<1>,
+                    2 => avx2::delta_rule_chain::<2>,
+                    3 => avx2::delta_rule_chain::<3>,
+                    4 => avx2::delta_rule_chain::<4>,
+                    5 => avx2::delta_rule_chain::<5>,
+                    6 => avx2::delta_rule_chain::<6>,
+                    7 => avx2::delta_rule_chain::<7>,
+                    8 => avx2::delta_rule_chain::<8>,
+                    9 => avx2::delta_rule_chain::<9>,
+                    10 => avx2::delta_rule_chain::<10>,
+                    11 => avx2::delta_rule_chain::<11>,
+                    12 => avx2::delta_rule_chain::<12>,
+                    13 => avx2::delta_rule_chain::<13>,
+                    14 => avx2::delta_rule_chain::<14>,
+                    15 => avx2::delta_rule_chain::<15>,
+                    _ => avx2::delta_rule_chain::<16>,
+                };
+                run(xs, planes, read, writes, out);
+            }
+            return true;
+        }
+    }
     let chunks = dim / 16;
     if level < SimdLevel::Avx512 || !dim.is_multiple_of(16) || !(1..=8).contains(&chunks) {
         return false;
@@ -138,6 +172,73 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use crate::simd::x86::avx2::reduce8;
+
+    /// [`super::delta_rule_chain`] for heads of exactly `8 · CHUNKS` key values: per state row,
+    /// the row loaded once and taken through every step with the instructions of
+    /// [`delta_rule_step`] (so the same bits), each kept state row stored once —
+    /// non-temporally when the planes sit on cache lines (they do in a snapshot ring), then
+    /// one `sfence`. A row of 128 values fills AVX2's 16 registers, so part of it lives in L1
+    /// between steps, where the one-step kernel read and wrote it once a step through a call.
+    ///
+    /// # Safety
+    ///
+    /// AVX2 and FMA are supported; every step has `8 · CHUNKS` keys and queries and as many
+    /// values as the first; `out` holds a value per step and state row; plane `read` and every
+    /// written plane (of `values · 8 · CHUNKS` values each) lie inside `planes`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn delta_rule_chain<const CHUNKS: usize>(
+        xs: &[crate::delta_rule::DeltaInputs<'_>],
+        planes: &mut [f32],
+        read: usize,
+        writes: &[Option<usize>],
+        out: &mut [f32],
+    ) {
+        let dim = 8 * CHUNKS;
+        let values = xs[0].v.len();
+        let state_len = values * dim;
+        let base = planes.as_mut_ptr();
+        // Rows of a multiple of 16 values keep a line-aligned plane's rows on lines.
+        let stream = (base as usize).is_multiple_of(64) && dim.is_multiple_of(16);
+        for j in 0..values {
+            // SAFETY: row `j` of every plane named holds `dim` values (the caller's contract);
+            // the read plane's row is loaded before any step stores to it.
+            unsafe {
+                let row_at = |plane: usize| base.add(plane * state_len + j * dim);
+                let mut row: [__m256; CHUNKS] =
+                    std::array::from_fn(|c| _mm256_loadu_ps(row_at(read).add(8 * c)));
+                for (i, x) in xs.iter().enumerate() {
+                    let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
+                    let decay = _mm256_set1_ps(x.decay);
+                    let mut acc = [_mm256_setzero_ps(); 2];
+                    for c in 0..CHUNKS {
+                        row[c] = _mm256_mul_ps(row[c], decay);
+                        acc[c % 2] =
+                            _mm256_fmadd_ps(row[c], _mm256_loadu_ps(kp.add(8 * c)), acc[c % 2]);
+                    }
+                    let predicted = reduce8(_mm256_add_ps(acc[0], acc[1]));
+                    let delta = _mm256_set1_ps((x.v[j] - predicted) * x.beta);
+                    let dst = writes[i].map(row_at);
+                    let mut acc = [_mm256_setzero_ps(); 2];
+                    for c in 0..CHUNKS {
+                        row[c] = _mm256_fmadd_ps(delta, _mm256_loadu_ps(kp.add(8 * c)), row[c]);
+                        match dst {
+                            Some(dst) if stream => _mm256_stream_ps(dst.add(8 * c), row[c]),
+                            Some(dst) => _mm256_storeu_ps(dst.add(8 * c), row[c]),
+                            None => {}
+                        }
+                        acc[c % 2] =
+                            _mm256_fmadd_ps(row[c], _mm256_loadu_ps(qp.add(8 * c)), acc[c % 2]);
+                    }
+                    out[i * values + j] = reduce8(_mm256_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+        if stream {
+            // The non-temporal stores ordered before whatever the caller does next (another
+            // thread reads the planes after a join).
+            _mm_sfence();
+        }
+    }
 
     /// One gated delta-rule step ([`crate::delta_rule::step`]), as the AVX-512 version with
     /// 8-lane chunks (a scalar-padded copy of a ragged tail).

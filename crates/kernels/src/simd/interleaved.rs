@@ -1,5 +1,6 @@
 //! Interleaved groups of 16 weight rows ([`crate::interleaved`]) × a pass of activation rows:
-//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K; there are no AVX2 ones),
+//! the AVX-512 kernels (Q8_0 / Q4_0 × Q8_0, Q4_K / Q5_K / Q6_K × Q8_K), the AVX2 ones
+//! (`avx2`: the same groups, integers and bits, summed by `vpmaddubsw`),
 //! the AMX kernels (Q8_0 × Q8_0, passes of [`AMX_STREAM_MIN_ROWS`] rows or more over a weight
 //! matrix, [`AMX_MIN_ROWS`] over cached keys; Q4_K / Q5_K × Q8_K,
 //! passes of [`AMX_K_QUANT_MIN_ROWS`] or more) and their safe entry point. Each block is
@@ -40,8 +41,8 @@ pub(crate) const AMX_STREAM_MIN_ROWS: usize = crate::simd::MAX_ROWS_PER_PASS + 1
 pub(crate) const AMX_K_QUANT_MIN_ROWS: usize = crate::simd::MAX_ROWS_PER_PASS + 1;
 
 /// A run of interleaved groups of 16 weight rows times a pass of activation rows at `level`
-/// (AVX-512 or AMX; [`crate::interleaved::groups_pass`]), after checking every size the kernel
-/// indexes by. The AMX kernel and the AVX-512 one give the same bits.
+/// (AVX2, AVX-512 or AMX; [`crate::interleaved::groups_pass`]), after checking every size the
+/// kernel indexes by. Every level's kernel gives the same bits.
 ///
 /// `stream`: the run is a long stream (a weight matrix), whose multi-row passes prefetch a
 /// fixed distance ahead (Q8_0 ones from
@@ -57,8 +58,8 @@ pub(crate) fn interleaved_pass(
     stream: bool,
 ) {
     assert!(
-        level >= SimdLevel::Avx512,
-        "interleaved: an AVX-512 or AMX pass"
+        level >= SimdLevel::Avx2,
+        "interleaved: an AVX2, AVX-512 or AMX pass"
     );
     level.assert_supported();
     crate::interleaved::check_pass_sizes(encoding, level, groups, &x, out, first, valid);
@@ -74,6 +75,11 @@ pub(crate) fn interleaved_pass(
         } else {
             AMX_MIN_ROWS
         };
+        if level == SimdLevel::Avx2 {
+            // SAFETY: AVX2 is supported, and every size the kernel relies on is checked above.
+            unsafe { avx2::interleaved_pass(encoding, groups, x, out, (first, valid), stream) };
+            return;
+        }
         let tiles = level == SimdLevel::Amx && x.count() >= tile_rows;
         let k_quant_tiles = level == SimdLevel::Amx && x.count() >= AMX_K_QUANT_MIN_ROWS;
         let kernel: Kernel = match encoding {
@@ -93,6 +99,9 @@ pub(crate) fn interleaved_pass(
         unsafe { kernel(groups, x, out, first, valid) }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {

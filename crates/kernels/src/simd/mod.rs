@@ -22,10 +22,10 @@
 //! - `float`: F32 / F16 / BF16 weight rows × f32 activation rows, `axpy`, `weighted_sum`;
 //! - `block32`: Q8_0 / Q4_0 weight rows × Q8_0 activation rows (blocks of 32);
 //! - `k_quant`: Q4_K / Q5_K / Q6_K weight rows × Q8_K activation rows (super-blocks of 256);
-//! - `interleaved`: interleaved groups of 16 weight rows (AVX-512 only; Q8_0, Q4_K and Q5_K
-//!   also on AMX tiles, module `amx`);
+//! - `interleaved`: interleaved groups of 16 weight rows (its AVX2 kernels in
+//!   `interleaved/avx2.rs`; Q8_0, Q4_K and Q5_K also on AMX tiles, module `amx`);
 //! - `attention`: attention scores and weighted sums over one cached key / value head;
-//! - `delta_rule`: the gated delta-rule step;
+//! - `delta_rule`: the gated delta-rule step and its chains;
 //! - `activations`: softmax's exponentials, SiLU, SwiGLU and sigmoid gates;
 //! - `norm_rope`: RMSNorm's sum of squares and scaling, RoPE's pair rotation;
 //! - `quantize`: Q8_0 / Q8_K activation quantisation (AVX-512 only).
