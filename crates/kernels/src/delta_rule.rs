@@ -161,9 +161,13 @@ pub fn chain_with(
 }
 
 /// Whether [`chain_recorded`] runs at `level` for heads of `dim` key values: the register
-/// kernel's head sizes (a multiple of 16 up to 128) at AVX-512.
+/// kernels' head sizes (a multiple of 16 up to 128 at AVX-512, of 8 up to 128 at AVX2).
 pub fn records_deltas(level: SimdLevel, dim: usize) -> bool {
-    level >= SimdLevel::Avx512 && dim.is_multiple_of(16) && (16..=128).contains(&dim)
+    match level {
+        SimdLevel::Scalar => false,
+        SimdLevel::Avx2 => dim.is_multiple_of(8) && (8..=128).contains(&dim),
+        _ => dim.is_multiple_of(16) && (16..=128).contains(&dim),
+    }
 }
 
 /// [`chain`] at the process's level that also records each step's `δ`: step `i`'s

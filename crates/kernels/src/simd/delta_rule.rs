@@ -37,8 +37,8 @@ pub(crate) fn delta_rule_step(
 }
 
 /// [`crate::delta_rule::chain`] with each state row in registers, where `level` has a kernel
-/// for the head size (AVX-512: `k.len()` a multiple of 16 up to 128; AVX2, without recording:
-/// a multiple of 8 up to 128); returns whether it ran. The caller has checked the shapes and
+/// for the head size (AVX-512: `k.len()` a multiple of 16 up to 128; AVX2: a multiple of 8 up
+/// to 128); returns whether it ran. The caller has checked the shapes and
 /// plane indices.
 pub(crate) fn delta_rule_chain(
     level: SimdLevel,
@@ -75,7 +75,7 @@ pub(crate) fn delta_rule_chain(
     level.assert_supported();
     if level == SimdLevel::Avx2 {
         let chunks = dim / 8;
-        if recording.is_some() || !dim.is_multiple_of(8) || !(1..=16).contains(&chunks) {
+        if !dim.is_multiple_of(8) || !(1..=16).contains(&chunks) {
             return false;
         }
         #[cfg(target_arch = "x86_64")]
@@ -101,7 +101,7 @@ pub(crate) fn delta_rule_chain(
                     15 => avx2::delta_rule_chain::<15>,
                     _ => avx2::delta_rule_chain::<16>,
                 };
-                run(xs, planes, read, writes, out);
+                run(xs, planes, read, writes, out, recording);
             }
             return true;
         }
@@ -174,8 +174,9 @@ mod avx2 {
     use crate::simd::x86::avx2::reduce8;
 
     /// [`super::delta_rule_chain`] for heads of exactly `8 · CHUNKS` key values: per state row,
-    /// the row loaded once and taken through every step with the instructions of
-    /// [`delta_rule_step`] (so the same bits), each kept state row stored once —
+    /// the row loaded once, taken through the recorded prefix (the replay's multiply and fused
+    /// multiply-add) and then through every step with the instructions of [`delta_rule_step`]
+    /// (so the same bits), each step's `δ` recorded when asked, each kept state row stored once —
     /// non-temporally when the planes sit on cache lines (they do in a snapshot ring), then
     /// one `sfence`. A row of 128 values fills AVX2's 16 registers, so part of it lives in L1
     /// between steps, where the one-step kernel read and wrote it once a step through a call.
@@ -192,8 +193,13 @@ mod avx2 {
         read: usize,
         writes: &[Option<usize>],
         out: &mut [f32],
+        recording: Option<crate::delta_rule::Recording<'_, '_>>,
     ) {
         let dim = 8 * CHUNKS;
+        let (mut deltas, prefix) = match recording {
+            Some(r) => (Some(r.deltas), r.prefix),
+            None => (None, &[][..]),
+        };
         let values = xs[0].v.len();
         let state_len = values * dim;
         let base = planes.as_mut_ptr();
@@ -206,6 +212,14 @@ mod avx2 {
                 let row_at = |plane: usize| base.add(plane * state_len + j * dim);
                 let mut row: [__m256; CHUNKS] =
                     std::array::from_fn(|c| _mm256_loadu_ps(row_at(read).add(8 * c)));
+                for step in prefix {
+                    let (decay, delta) =
+                        (_mm256_set1_ps(step.decay), _mm256_set1_ps(step.delta[j]));
+                    for (c, value) in row.iter_mut().enumerate() {
+                        let k = _mm256_loadu_ps(step.k.as_ptr().add(8 * c));
+                        *value = _mm256_fmadd_ps(delta, k, _mm256_mul_ps(*value, decay));
+                    }
+                }
                 for (i, x) in xs.iter().enumerate() {
                     let (kp, qp) = (x.k.as_ptr(), x.q.as_ptr());
                     let decay = _mm256_set1_ps(x.decay);
@@ -216,7 +230,11 @@ mod avx2 {
                             _mm256_fmadd_ps(row[c], _mm256_loadu_ps(kp.add(8 * c)), acc[c % 2]);
                     }
                     let predicted = reduce8(_mm256_add_ps(acc[0], acc[1]));
-                    let delta = _mm256_set1_ps((x.v[j] - predicted) * x.beta);
+                    let d = (x.v[j] - predicted) * x.beta;
+                    if let Some(deltas) = deltas.as_deref_mut() {
+                        deltas[i * values + j] = d;
+                    }
+                    let delta = _mm256_set1_ps(d);
                     let dst = writes[i].map(row_at);
                     let mut acc = [_mm256_setzero_ps(); 2];
                     for c in 0..CHUNKS {

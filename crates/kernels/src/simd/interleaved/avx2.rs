@@ -192,9 +192,6 @@ unsafe fn block32_rows<const Q8: bool, const STREAM: bool, const N: usize>(
     let encoding = if Q8 { Encoding::Q8_0 } else { Encoding::Q4_0 };
     let group_block = encoding.group_block_bytes();
     let act_block = encoding.activation_block_bytes();
-    let low_nibbles = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let sixteens = _mm256_set1_epi16(16);
     let mut acc = [[_mm256_setzero_ps(); N]; 2];
     for b in 0..blocks {
         // SAFETY: block `b` lies inside the group (32 scale bytes, then 8 (Q8_0) or 4 (Q4_0)
@@ -215,37 +212,27 @@ unsafe fn block32_rows<const Q8: bool, const STREAM: bool, const N: usize>(
             let xb: [*const u8; N] = std::array::from_fn(|r| xp[r].add(b * act_block));
             let quants = block.add(2 * GROUP_ROWS);
             for (h, acc) in acc.iter_mut().enumerate() {
+                let quants = quants.add(32 * h);
                 let mut sums = [_mm256_setzero_si256(); N];
-                for s in (0..N).step_by(SWEEP) {
-                    let rows = SWEEP.min(N - s);
-                    let mut low = [_mm256_setzero_si256(); SWEEP];
-                    let mut high = [_mm256_setzero_si256(); SWEEP];
-                    // Q8_0: register `k`'s low and high nibbles, both against word `k`; Q4_0:
-                    // packed register `k`'s low nibbles against word `k`, its high ones
-                    // against word `k + 4`, both summed in `low`.
-                    for k in 0..if Q8 { 8 } else { 4 } {
-                        let packed = _mm256_loadu_si256(quants.add(64 * k + 32 * h).cast());
-                        let lo = _mm256_and_si256(packed, low_nibbles);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low_nibbles);
-                        for i in 0..rows {
-                            let word = broadcast_word(xb[s + i].add(4 * k));
-                            low[i] = add_pairs(low[i], lo, word);
-                            if Q8 {
-                                high[i] = add_pairs(high[i], hi, word);
-                            } else {
-                                let word = broadcast_word(xb[s + i].add(4 * k + 16));
-                                low[i] = add_pairs(low[i], hi, word);
-                            }
-                        }
-                    }
-                    for i in 0..rows {
-                        let start = broadcast_word(xb[s + i].add(BLOCK32_VALUES + 4));
-                        let mut sum = _mm256_add_epi32(start, _mm256_madd_epi16(low[i], ones));
-                        if Q8 {
-                            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(high[i], sixteens));
-                        }
-                        sums[s + i] = sum;
-                    }
+                // Sweeps of a constant row count (see `q4k_rows`), the rest in one.
+                let whole = N / SWEEP * SWEEP;
+                for s in (0..whole).step_by(SWEEP) {
+                    let rows = std::array::from_fn(|i| xb[s + i]);
+                    sums[s..s + SWEEP].copy_from_slice(&block32_sweep::<Q8, SWEEP>(quants, rows));
+                }
+                let rest = &mut sums[whole..];
+                const { assert!(SWEEP == 4, "up to three rows are left after the sweeps") };
+                match N - whole {
+                    1 => rest.copy_from_slice(&block32_sweep::<Q8, 1>(quants, [xb[whole]])),
+                    2 => rest.copy_from_slice(&block32_sweep::<Q8, 2>(
+                        quants,
+                        std::array::from_fn(|i| xb[whole + i]),
+                    )),
+                    3 => rest.copy_from_slice(&block32_sweep::<Q8, 3>(
+                        quants,
+                        std::array::from_fn(|i| xb[whole + i]),
+                    )),
+                    _ => {}
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(16 * h).cast()));
                 for r in 0..N {
@@ -262,6 +249,53 @@ unsafe fn block32_rows<const Q8: bool, const STREAM: bool, const N: usize>(
             // SAFETY: forwarded contract on `out`.
             unsafe { store_half(*acc, out, h, valid) };
         }
+    }
+}
+
+/// A Q8_0 (`Q8`) or Q4_0 block's half-group registers (`quants`: the first register's half)
+/// times `R` activation blocks `xb`: per row, the words' `vpmaddubsw` sums in i16 (Q8_0: its
+/// low nibbles' and high nibbles', both against word `k`; Q4_0: packed register `k`'s low
+/// nibbles against word `k`, its high ones against word `k + 4`), widened by `vpmaddwd` (the
+/// high nibbles' by 16) and added to the block's start `-offset · Σ x`.
+///
+/// # Safety
+///
+/// `quants` is followed by the block's 8 (Q8_0) or 4 (Q4_0) registers, 64 bytes apart; every
+/// `xb[i]` is a whole activation block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block32_sweep<const Q8: bool, const R: usize>(
+    quants: *const u8,
+    xb: [*const u8; R],
+) -> [__m256i; R] {
+    let low_nibbles = _mm256_set1_epi8(0x0f);
+    let mut low = [_mm256_setzero_si256(); R];
+    let mut high = [_mm256_setzero_si256(); R];
+    // SAFETY: the registers and the activation words read lie inside the blocks (the caller's
+    // contract).
+    unsafe {
+        for k in 0..if Q8 { 8 } else { 4 } {
+            let packed = _mm256_loadu_si256(quants.add(64 * k).cast());
+            let lo = _mm256_and_si256(packed, low_nibbles);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low_nibbles);
+            for ((low, high), xb) in low.iter_mut().zip(&mut high).zip(xb) {
+                let word = broadcast_word(xb.add(4 * k));
+                *low = add_pairs(*low, lo, word);
+                if Q8 {
+                    *high = add_pairs(*high, hi, word);
+                } else {
+                    *low = add_pairs(*low, hi, broadcast_word(xb.add(4 * k + 16)));
+                }
+            }
+        }
+        std::array::from_fn(|i| {
+            let start = broadcast_word(xb[i].add(BLOCK32_VALUES + 4));
+            let sum = _mm256_add_epi32(start, _mm256_madd_epi16(low[i], _mm256_set1_epi16(1)));
+            match Q8 {
+                true => _mm256_add_epi32(sum, _mm256_madd_epi16(high[i], _mm256_set1_epi16(16))),
+                false => sum,
+            }
+        })
     }
 }
 
@@ -311,8 +345,6 @@ unsafe fn q4k_rows<const FIVE: bool, const N: usize>(
     let encoding = q4k_encoding::<FIVE>();
     let group_block = encoding.group_block_bytes();
     let act_block = encoding.activation_block_bytes();
-    // Words summed in i16 before widening: 8 (Q4_K), 4 (Q5_K), see the module doc.
-    let run = if FIVE { 4 } else { 8 };
     let mut acc = [[_mm256_setzero_ps(); N]; 2];
     for b in 0..blocks {
         // SAFETY: super-block `b` lies inside the group and every activation row (the caller's
@@ -330,34 +362,26 @@ unsafe fn q4k_rows<const FIVE: bool, const N: usize>(
                         q4k_scale_pairs(block, 2 * c + 1, h),
                     ]
                 });
-                for s in (0..N).step_by(K_QUANT_SWEEP) {
-                    let rows = K_QUANT_SWEEP.min(N - s);
-                    for first_word in (0..8).step_by(run) {
-                        // Per row, half, and sub-block of the pair.
-                        let mut sums = [[[_mm256_setzero_si256(); 2]; 2]; K_QUANT_SWEEP];
-                        for k in first_word..first_word + run {
-                            let levels: [[__m256i; 2]; 2] =
-                                std::array::from_fn(|h| q4k_levels::<FIVE>(block, c, k, h));
-                            for (i, sums) in sums.iter_mut().enumerate().take(rows) {
-                                let words = xb[s + i].add(64 * c + 4 * k);
-                                let x = [broadcast_word(words), broadcast_word(words.add(32))];
-                                for (sums, levels) in sums.iter_mut().zip(&levels) {
-                                    for ((sum, levels), x) in sums.iter_mut().zip(levels).zip(x) {
-                                        *sum = add_pairs(*sum, *levels, x);
-                                    }
-                                }
-                            }
-                        }
-                        for (i, sums) in sums.iter().enumerate().take(rows) {
-                            for (h, sums) in sums.iter().enumerate() {
-                                let scaled = _mm256_add_epi32(
-                                    _mm256_madd_epi16(sums[0], scales[h][0]),
-                                    _mm256_madd_epi16(sums[1], scales[h][1]),
-                                );
-                                isum[s + i][h] = _mm256_add_epi32(isum[s + i][h], scaled);
-                            }
+                // Sweeps of a constant row count, so that every sweep's sums stay in
+                // registers (a last sweep of `N - s` rows computed at run time did not).
+                let mut add = |s: usize, sums: &[[__m256i; 2]]| {
+                    for (isum, sums) in isum[s..].iter_mut().zip(sums) {
+                        for (isum, sum) in isum.iter_mut().zip(sums) {
+                            *isum = _mm256_add_epi32(*isum, *sum);
                         }
                     }
+                };
+                let whole = N / K_QUANT_SWEEP * K_QUANT_SWEEP;
+                for s in (0..whole).step_by(K_QUANT_SWEEP) {
+                    let rows = std::array::from_fn(|i| xb[s + i]);
+                    add(
+                        s,
+                        &q4k_chunk::<FIVE, K_QUANT_SWEEP>(block, c, rows, &scales),
+                    );
+                }
+                if whole < N {
+                    const { assert!(K_QUANT_SWEEP == 2, "one row is left after the sweeps") };
+                    add(whole, &q4k_chunk::<FIVE, 1>(block, c, [xb[whole]], &scales));
                 }
             }
             for h in 0..2 {
@@ -374,6 +398,58 @@ unsafe fn q4k_rows<const FIVE: bool, const N: usize>(
             unsafe { store_half(*acc, out, h, valid) };
         }
     }
+}
+
+/// Chunk `c` (sub-blocks `2c`, `2c + 1`) of a Q4_K (Q5_K) group block times `R` activation
+/// rows `xb` (their super-block's start): per row and half, `sc_2c · Σ` plus `sc_2c+1 · Σ` of
+/// the rows' `vpmaddubsw` sums of 8 words (4 for Q5_K) in i16, widened by `vpmaddwd`.
+///
+/// # Safety
+///
+/// `block` is a whole group block of the encoding and every `xb[i]` a whole activation block;
+/// `c < 4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4k_chunk<const FIVE: bool, const R: usize>(
+    block: *const u8,
+    c: usize,
+    xb: [*const u8; R],
+    scales: &[[__m256i; 2]; 2],
+) -> [[__m256i; 2]; R] {
+    // Words summed in i16 before widening: 8 (Q4_K), 4 (Q5_K), see the module doc.
+    let run = if FIVE { 4 } else { 8 };
+    let mut isum = [[_mm256_setzero_si256(); 2]; R];
+    for first_word in (0..8).step_by(run) {
+        // Per row, half, and sub-block of the pair.
+        let mut sums = [[[_mm256_setzero_si256(); 2]; 2]; R];
+        for k in first_word..first_word + run {
+            // SAFETY: word `k` of the chunk and of each row's two sub-blocks (the caller's
+            // contract).
+            unsafe {
+                let levels: [[__m256i; 2]; 2] =
+                    std::array::from_fn(|h| q4k_levels::<FIVE>(block, c, k, h));
+                for (sums, xb) in sums.iter_mut().zip(xb) {
+                    let words = xb.add(64 * c + 4 * k);
+                    let x = [broadcast_word(words), broadcast_word(words.add(32))];
+                    for (sums, levels) in sums.iter_mut().zip(&levels) {
+                        for ((sum, levels), x) in sums.iter_mut().zip(levels).zip(x) {
+                            *sum = add_pairs(*sum, *levels, x);
+                        }
+                    }
+                }
+            }
+        }
+        for (isum, sums) in isum.iter_mut().zip(&sums) {
+            for ((isum, sums), scales) in isum.iter_mut().zip(sums).zip(scales) {
+                let scaled = _mm256_add_epi32(
+                    _mm256_madd_epi16(sums[0], scales[0]),
+                    _mm256_madd_epi16(sums[1], scales[1]),
+                );
+                *isum = _mm256_add_epi32(*isum, scaled);
+            }
+        }
+    }
+    isum
 }
 
 /// Sub-block `j`'s scales of half `h`'s 8 rows as `vpmaddwd` pairs: `sc_j` in both words of
