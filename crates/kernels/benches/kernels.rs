@@ -89,7 +89,7 @@ fn matvec(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(8);
     for ty in WeightType::ALL {
         for interleave in [false, true] {
-            if interleave && !interleaved::supports(ty, simd::level()) {
+            if interleave && !interleaved::supports(ty) {
                 continue;
             }
             let suffix = if interleave { "-interleaved" } else { "" };
@@ -137,7 +137,7 @@ fn matvec_cold(c: &mut Criterion) {
             .map(|m| WeightMatrix::new(ty, rows, cols, m).expect("weight matrix"))
             .collect();
         // Where the type can be interleaved at this level, the repacked copies too.
-        let repacked: Vec<InterleavedMatrix> = if interleaved::supports(ty, simd::level()) {
+        let repacked: Vec<InterleavedMatrix> = if interleaved::supports(ty) {
             views.iter().filter_map(InterleavedMatrix::repack).collect()
         } else {
             Vec::new()

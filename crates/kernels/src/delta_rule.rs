@@ -73,8 +73,9 @@ pub fn step_with(
 /// ring overwrites before anyone reads it) and its output to `out[i · v.len() ..]`.
 ///
 /// Each state row is carried in registers from step to step, so the state is read once and
-/// each kept state written once, and where the CPU has AVX2 or AVX-512 the kept states are written
-/// past the caches (non-temporal stores: a snapshot is read again only after a rollback, a
+/// each kept state written once, and where the CPU has AVX2 or AVX-512 the kept states are
+/// written past the caches (rows of a multiple of 16 values in line-aligned planes, as a
+/// snapshot ring's) (non-temporal stores: a snapshot is read again only after a rollback, a
 /// live state only by the next pass), which spares the memory reading every plane before
 /// overwriting it. Every step's state and output are bit for bit those of [`step`] at the same
 /// level: a state row takes the same instructions in either order of the loops. A write to
@@ -498,7 +499,7 @@ mod tests {
     #[test]
     fn replayed_deltas_rebuild_every_state_of_a_recorded_chain() {
         let level = simd::level();
-        for (dim, values, steps) in [(128, 12, 8), (16, 5, 3), (64, 7, 1)] {
+        for (dim, values, steps) in [(128, 12, 8), (16, 5, 3), (64, 7, 1), (24, 4, 3)] {
             if !records_deltas(level, dim) {
                 continue;
             }

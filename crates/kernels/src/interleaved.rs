@@ -199,16 +199,16 @@ impl Encoding {
     }
 }
 
-/// Whether weights of type `ty` can be interleaved (and multiplied interleaved at `level`:
-/// every level has its kernel, the scalar one the reference).
-pub fn supports(ty: WeightType, _level: SimdLevel) -> bool {
+/// Whether weights of type `ty` can be interleaved (and multiplied interleaved: every level has
+/// its kernel, the scalar one the reference).
+pub fn supports(ty: WeightType) -> bool {
     encoding(ty).is_some()
 }
 
 /// Whether repacking weights of type `ty` makes multiplying them faster at `level`: where a
 /// SIMD kernel runs (at the scalar level the row-major reference is as fast).
 pub fn pays_off(ty: WeightType, level: SimdLevel) -> bool {
-    level >= SimdLevel::Avx2 && supports(ty, level)
+    level >= SimdLevel::Avx2 && supports(ty)
 }
 
 /// The interleaved encoding of a weight type, if it has one.
@@ -618,9 +618,9 @@ pub(crate) fn groups_pass(
 
 /// The most activation rows one pass over `encoding` groups takes at `level`: where the AMX
 /// kernels run, two tiles' 32 for Q8_0 and a tile's 16 for Q4_K and Q5_K; on AVX-512
-/// [`simd::MAX_Q8_0_PASS_ROWS`] for Q8_0 and [`simd::MAX_ROWS_PER_PASS`] for the others, as
-/// on AVX2 for all (the scalar reference takes as many as the AMX kernels, to be compared with
-/// them).
+/// [`simd::MAX_Q8_0_PASS_ROWS`] for Q8_0 and [`simd::MAX_ROWS_PER_PASS`] for the others; on
+/// AVX2 [`simd::MAX_ROWS_PER_PASS`] for every encoding (the scalar reference takes as many as
+/// the AMX kernels, to be compared with them).
 pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
     match (encoding, level) {
         (Encoding::Q8_0, SimdLevel::Amx | SimdLevel::Scalar) => simd::MAX_PASS_ROWS,
@@ -633,8 +633,8 @@ pub(crate) fn pass_rows(encoding: Encoding, level: SimdLevel) -> usize {
 /// Panics unless `groups` is whole groups of as many blocks as each activation row of `x`
 /// holds, `valid` rows end in the last group, `x` is one pass with a row of `out` for each
 /// activation row, and every row of `out` holds `first + valid` outputs: everything the
-/// kernels index by (checked once per pass, by the AVX-512 entry point that guards the unsafe
-/// kernel or here for the scalar one). Returns the bytes of one group.
+/// kernels index by (checked once per pass, by the SIMD entry point that guards the unsafe
+/// kernels or here for the scalar one). Returns the bytes of one group.
 pub(crate) fn check_pass_sizes(
     encoding: Encoding,
     level: SimdLevel,
@@ -775,10 +775,6 @@ mod tests {
         (WeightType::Q6K, Encoding::Q6K),
     ];
 
-    fn levels() -> impl Iterator<Item = SimdLevel> {
-        SimdLevel::supported().filter(|&l| supports(WeightType::Q8_0, l))
-    }
-
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
@@ -885,8 +881,8 @@ mod tests {
         assert_eq!(repacked_bytes(WeightType::BF16, 16, 256), None);
     }
 
-    /// The AVX-512 kernel against the scalar reference, bit for bit, on awkward sizes and every
-    /// pass size; and the reference against ggml's order (`dot_scalar` of the row-major
+    /// Every SIMD level's kernel against the scalar reference, bit for bit, on awkward sizes and
+    /// every pass size; and the reference against ggml's order (`dot_scalar` of the row-major
     /// encoding), which differs only in the rounding of the f32 steps.
     #[test]
     fn simd_pass_equals_scalar_reference() {
@@ -933,7 +929,8 @@ mod tests {
                     }
                     // Every family's kernel variants, whatever this CPU is.
                     crate::simd::for_each_tuning(|tuning| {
-                        for level in levels().filter(|&l| n <= pass_rows(encoding, l)) {
+                        for level in SimdLevel::supported().filter(|&l| n <= pass_rows(encoding, l))
+                        {
                             // Each output row is followed by a guard of NaNs: the padding rows
                             // of the last group are never written.
                             let mut got = vec![f32::NAN; n * (rows + GROUP_ROWS)];
@@ -1016,7 +1013,7 @@ mod tests {
                 // of Q4_K / Q5_K): whole passes and ragged ones on every kernel.
                 let n = 45;
                 let x = random_vec(n * cols, 1.5, 9);
-                for level in levels() {
+                for level in SimdLevel::supported() {
                     let mut scratch = MatmulScratch::new();
                     let mut single = vec![0.0; n * rows];
                     for b in 0..n {

@@ -32,8 +32,9 @@
 //!
 //! Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices can be repacked once at load into interleaved 16-row groups
 //! ([`interleaved`]), whose AVX-512 kernels reduce each block inside `vpdpbusd` for 16 weight
-//! rows at once: a verify pass of 8 Q8_0 rows then costs little more than a single-row pass
-//! from DRAM (Q4_K, half the bytes per multiply, runs out of `vpdpbusd` throughput first).
+//! rows at once (the AVX2 ones in `vpmaddubsw` sums of several words, widened once): a verify
+//! pass of 8 Q8_0 rows then costs little more than a single-row pass from DRAM (Q4_K, half
+//! the bytes per multiply, runs out of `vpdpbusd` throughput first).
 //!
 //! [`quantize`] and [`dequantize`] encode and decode whole tensors for any supported type
 //! (used to write model files); [`try_quantize`] and [`try_dequantize`] are their fallible

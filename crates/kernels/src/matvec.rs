@@ -826,7 +826,7 @@ mod tests {
             let layouts = SimdLevel::supported().map(|level| (level, plain)).chain(
                 SimdLevel::supported().filter_map(|level| {
                     let packed = repacked.as_ref()?;
-                    interleaved::supports(ty, level).then(|| (level, packed.view()))
+                    interleaved::supports(ty).then(|| (level, packed.view()))
                 }),
             );
             for (level, w) in layouts {
@@ -891,9 +891,9 @@ mod tests {
         let repacked: Vec<Option<interleaved::InterleavedMatrix>> = plain
             .iter()
             .enumerate()
-            // Interleaved copies exist only where a kernel reads them (AVX-512 and scalar).
+            // Every other matrix interleaved (every level has a kernel for the copies).
             .map(|(i, w)| {
-                (i % 2 == 1 && interleaved::supports(w.ty(), crate::simd::level()))
+                (i % 2 == 1 && interleaved::supports(w.ty()))
                     .then(|| interleaved::InterleavedMatrix::repack(w))?
             })
             .collect();
@@ -1027,7 +1027,7 @@ mod tests {
             let data = crate::quantize(ty.ggml(), &weights);
             let plain = WeightMatrix::new(ty, rows, cols, &data).unwrap();
             let repacked = interleaved::InterleavedMatrix::repack(&plain)
-                .filter(|_| interleaved::supports(ty, simd::level()));
+                .filter(|_| interleaved::supports(ty));
             for w in [Some(plain), repacked.as_ref().map(|m| m.view())]
                 .into_iter()
                 .flatten()

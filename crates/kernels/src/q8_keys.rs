@@ -13,8 +13,8 @@
 //! values of 16 keys at once — a quarter of the instructions of f32 scores over f16 keys,
 //! from half the bytes. A (query, key) score is `Σ_b fma(s_b, d_k · d_q, acc)` over the head's
 //! blocks in order, `s_b` the block's exact integer sum: the same bits whatever other queries
-//! and keys share the call, at the AVX-512 level and in the scalar reference alike. At the
-//! AVX2 level (no `vpdpbusd`) a cache keeps its keys as rows instead ([`integer_scores`]).
+//! and keys share the call, at every level and in the scalar reference alike. At the AVX2
+//! level (no `vpdpbusd`) a cache keeps its keys as rows instead ([`integer_scores`]).
 
 use crate::interleaved::{self, Encoding, GROUP_ROWS};
 use crate::simd::{self, OutRows, Rows, SimdLevel};

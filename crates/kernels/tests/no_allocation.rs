@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use specula_kernels::{
-    f32 as kf32, interleaved, matmul, quantize, simd, InterleavedMatrix, MatmulScratch, Rows,
+    f32 as kf32, interleaved, matmul, quantize, InterleavedMatrix, MatmulScratch, Rows,
     WeightMatrix, WeightType,
 };
 
@@ -56,7 +56,7 @@ fn steady_state_matmul_and_attention_do_not_allocate() {
     // The interleaved copies the engine multiplies where the level has a kernel for them.
     let repacked: Vec<InterleavedMatrix> = weights
         .iter()
-        .filter(|(ty, _)| interleaved::supports(*ty, simd::level()))
+        .filter(|(ty, _)| interleaved::supports(*ty))
         .map(|(ty, data)| {
             InterleavedMatrix::repack(&WeightMatrix::new(*ty, rows, cols, data).unwrap()).unwrap()
         })

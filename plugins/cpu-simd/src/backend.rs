@@ -24,10 +24,10 @@
 //! Options (`[target.options]` of the profile): the engine's `ring_budget_bytes` and
 //! `deep_rollback`, `kv_type` ([`specula_engine::backend::options`]: `f16` by default, `f32`
 //! for an exact cache, `q8_0` for half of f16's memory) and `prefix_state_bytes`, and
-//! `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 /
-//! Q4_K / Q5_K / Q6_K matrices are repacked at load into interleaved 16-row groups where the CPU has
-//! AVX2 or AVX-512, which makes the multi-row verify pass several times cheaper; `file`: every matrix
-//! is read from the mapped file as stored). An unknown option is an error naming the known
+//! `weight_layout` (`interleaved`, the default: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrices are
+//! repacked at load into interleaved 16-row groups where the CPU has AVX2 or AVX-512, which
+//! makes the multi-row verify pass several times cheaper; `file`: every matrix is read from the
+//! mapped file as stored). An unknown option is an error naming the known
 //! ones.
 
 use std::path::Path;
@@ -50,9 +50,10 @@ pub const OPTION_WEIGHT_LAYOUT: &str = "weight_layout";
 /// Where the multiplied weight matrices live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightLayout {
-    /// Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrices repacked at load into interleaved 16-row groups, where the SIMD
-    /// level has a kernel for them (AVX-512): the multi-row verify pass reads them several
-    /// times faster. Costs a moment at load; the copies replace the file's pages in memory.
+    /// Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrices repacked at load into interleaved 16-row
+    /// groups, where the SIMD level has a kernel for them (AVX2, AVX-512, AMX): the multi-row
+    /// verify pass reads them several times faster. Costs a moment at load; the copies replace
+    /// the file's pages in memory.
     Interleaved,
     /// Every matrix read straight from the memory-mapped file.
     File,

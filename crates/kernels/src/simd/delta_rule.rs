@@ -38,8 +38,7 @@ pub(crate) fn delta_rule_step(
 
 /// [`crate::delta_rule::chain`] with each state row in registers, where `level` has a kernel
 /// for the head size (AVX-512: `k.len()` a multiple of 16 up to 128; AVX2: a multiple of 8 up
-/// to 128); returns whether it ran. The caller has checked the shapes and
-/// plane indices.
+/// to 128); returns whether it ran. The caller has checked the shapes and plane indices.
 pub(crate) fn delta_rule_chain(
     level: SimdLevel,
     xs: &[crate::delta_rule::DeltaInputs<'_>],
@@ -176,10 +175,11 @@ mod avx2 {
     /// [`super::delta_rule_chain`] for heads of exactly `8 · CHUNKS` key values: per state row,
     /// the row loaded once, taken through the recorded prefix (the replay's multiply and fused
     /// multiply-add) and then through every step with the instructions of [`delta_rule_step`]
-    /// (so the same bits), each step's `δ` recorded when asked, each kept state row stored once —
-    /// non-temporally when the planes sit on cache lines (they do in a snapshot ring), then
-    /// one `sfence`. A row of 128 values fills AVX2's 16 registers, so part of it lives in L1
-    /// between steps, where the one-step kernel read and wrote it once a step through a call.
+    /// (so the same bits), each step's `δ` recorded when asked, each kept state row stored
+    /// once — non-temporally when the planes' rows sit on cache lines (a multiple of 16 values
+    /// in a snapshot ring's aligned planes), then one `sfence`. A row of 128 values fills
+    /// AVX2's 16 registers, so part of it lives in L1 between steps, where the one-step kernel
+    /// read and wrote it once a step through a call.
     ///
     /// # Safety
     ///

@@ -4,7 +4,8 @@
 //! the AMX kernels (Q8_0 × Q8_0, passes of [`AMX_STREAM_MIN_ROWS`] rows or more over a weight
 //! matrix, [`AMX_MIN_ROWS`] over cached keys; Q4_K / Q5_K × Q8_K,
 //! passes of [`AMX_K_QUANT_MIN_ROWS`] or more) and their safe entry point. Each block is
-//! reduced inside `vpdpbusd` (or `tdpbsud`) for the 16 weight rows at once.
+//! reduced inside `vpdpbusd` (or `tdpbsud`, or AVX2's `vpmaddubsw` sums) for the 16 weight rows
+//! at once.
 
 #[cfg(target_arch = "x86_64")]
 use super::block32::{Q4_0, Q8_0};
@@ -68,6 +69,11 @@ pub(crate) fn interleaved_pass(
     }
     #[cfg(target_arch = "x86_64")]
     {
+        if level == SimdLevel::Avx2 {
+            // SAFETY: AVX2 is supported, and every size the kernel relies on is checked above.
+            unsafe { avx2::interleaved_pass(encoding, groups, x, out, (first, valid), stream) };
+            return;
+        }
         use crate::interleaved::Encoding as E;
         type Kernel = unsafe fn(&[u8], Rows<'_, u8>, &mut OutRows<'_>, usize, usize);
         let tile_rows = if stream {
@@ -75,11 +81,6 @@ pub(crate) fn interleaved_pass(
         } else {
             AMX_MIN_ROWS
         };
-        if level == SimdLevel::Avx2 {
-            // SAFETY: AVX2 is supported, and every size the kernel relies on is checked above.
-            unsafe { avx2::interleaved_pass(encoding, groups, x, out, (first, valid), stream) };
-            return;
-        }
         let tiles = level == SimdLevel::Amx && x.count() >= tile_rows;
         let k_quant_tiles = level == SimdLevel::Amx && x.count() >= AMX_K_QUANT_MIN_ROWS;
         let kernel: Kernel = match encoding {
@@ -100,6 +101,84 @@ pub(crate) fn interleaved_pass(
     }
 }
 
+/// Runs `rows` over each 16-row group of a run of `encoding` group blocks (`groups`) times
+/// `N` activation rows (`x`): with the group's first block, its blocks per row, the
+/// activation rows, the output rows advanced to the group's first weight row, and how many
+/// of its rows are valid — every group in one call, no argument round trip through memory
+/// between groups.
+///
+/// # Safety
+///
+/// The sizes [`crate::interleaved::check_pass_sizes`] checks hold for the pass, with
+/// `x.count() == N`; `rows` may then read the group's blocks and every activation row, and
+/// write its valid outputs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn for_each_group<const N: usize>(
+    encoding: crate::interleaved::Encoding,
+    groups: &[u8],
+    x: Rows<'_, u8>,
+    out: &mut OutRows<'_>,
+    first: usize,
+    valid: usize,
+    mut rows: impl FnMut(*const u8, usize, [*const u8; N], [*mut f32; N], usize),
+) {
+    use crate::interleaved::GROUP_ROWS;
+    use crate::simd::x86::row_ptrs;
+    let blocks = x.len() / encoding.activation_block_bytes();
+    let group_bytes = blocks * encoding.group_block_bytes();
+    let xp = row_ptrs::<u8, N>(&x);
+    let op = out.ptrs::<N>();
+    for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+        let offset = first + g * GROUP_ROWS;
+        // SAFETY: the caller's contract: group `g`'s outputs start at `offset` in every row.
+        let op = op.map(|p| unsafe { p.add(offset) });
+        rows(
+            group.as_ptr(),
+            blocks,
+            xp,
+            op,
+            GROUP_ROWS.min(valid - g * GROUP_ROWS),
+        );
+    }
+}
+
+/// Prefetches part `j` of `parts` of the `encoding` group block at `ahead`, into L2 when
+/// `into_l2`, else into L1. A K-quant pass spreads a block's prefetches over its
+/// sub-blocks rather than issuing them in one burst, which keeps the stream up far better
+/// (a 0.6B Q4_K model's forward pass, alternating in one process: k = 1 from 13.299 /
+/// 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in three runs, k = 4 from 13.189 / 13.109
+/// to 12.114 / 11.979).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse")]
+#[inline]
+fn prefetch_part(
+    encoding: crate::interleaved::Encoding,
+    ahead: *const u8,
+    (j, parts): (usize, usize),
+    into_l2: bool,
+) {
+    let lines = encoding.group_block_bytes().div_ceil(64);
+    for line in j * lines / parts..(j + 1) * lines / parts {
+        // A prefetch never faults, so the address may run past the matrix.
+        let at = ahead.wrapping_add(64 * line).cast::<i8>();
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        match into_l2 {
+            true => _mm_prefetch::<_MM_HINT_T1>(at),
+            false => _mm_prefetch::<_MM_HINT_T0>(at),
+        }
+    }
+}
+
+/// The encoding the Q4_K kernel multiplies: Q5_K when `FIVE`.
+#[cfg(target_arch = "x86_64")]
+const fn q4k_encoding<const FIVE: bool>() -> crate::interleaved::Encoding {
+    match FIVE {
+        true => crate::interleaved::Encoding::Q5K,
+        false => crate::interleaved::Encoding::Q4K,
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
@@ -107,10 +186,9 @@ mod avx2;
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::Q8_0;
+    use super::{for_each_group, prefetch_part, q4k_encoding, Q8_0};
     use crate::simd::tuning::{tuning, StreamPrefetch};
-    use crate::simd::x86::avx512::{prefetch_block, prefetch_line};
-    use crate::simd::x86::row_ptrs;
+    use crate::simd::x86::avx512::prefetch_block;
     use crate::simd::{with_row_count, OutRows, Rows};
 
     /// A run of interleaved Q8_0 / Q4_0 groups of 16 weight rows ([`crate::interleaved`]) times a
@@ -166,45 +244,6 @@ mod avx512 {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
                 interleaved_rows::<KIND, STREAM, N>(g, b, xp, op, v, prefetch)
             })
-        }
-    }
-
-    /// Runs `rows` over each 16-row group of a run of `encoding` group blocks (`groups`) times
-    /// `N` activation rows (`x`): with the group's first block, its blocks per row, the
-    /// activation rows, the output rows advanced to the group's first weight row, and how many
-    /// of its rows are valid — every group in one call, no argument round trip through memory
-    /// between groups.
-    ///
-    /// # Safety
-    ///
-    /// As the passes' contract ([`interleaved_pass`]), with `x.count() == N`; `rows` may then
-    /// read the group's blocks and every activation row, and write its valid outputs.
-    #[inline(always)]
-    pub(super) unsafe fn for_each_group<const N: usize>(
-        encoding: crate::interleaved::Encoding,
-        groups: &[u8],
-        x: Rows<'_, u8>,
-        out: &mut OutRows<'_>,
-        first: usize,
-        valid: usize,
-        mut rows: impl FnMut(*const u8, usize, [*const u8; N], [*mut f32; N], usize),
-    ) {
-        use crate::interleaved::GROUP_ROWS;
-        let blocks = x.len() / encoding.activation_block_bytes();
-        let group_bytes = blocks * encoding.group_block_bytes();
-        let xp = row_ptrs::<u8, N>(&x);
-        let op = out.ptrs::<N>();
-        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
-            let offset = first + g * GROUP_ROWS;
-            // SAFETY: the caller's contract: group `g`'s outputs start at `offset` in every row.
-            let op = op.map(|p| unsafe { p.add(offset) });
-            rows(
-                group.as_ptr(),
-                blocks,
-                xp,
-                op,
-                GROUP_ROWS.min(valid - g * GROUP_ROWS),
-            );
         }
     }
 
@@ -433,35 +472,6 @@ mod avx512 {
             for_each_group::<N>(encoding, groups, x, out, first, valid, |g, b, xp, op, v| {
                 interleaved_q4k_rows::<FIVE, MULLO, N>(g, b, xp, op, v, prefetch)
             })
-        }
-    }
-
-    /// Prefetches part `j` of `parts` of the `encoding` group block at `ahead`, into L2 when
-    /// `into_l2`, else into L1. A K-quant pass spreads a block's prefetches over its
-    /// sub-blocks rather than issuing them in one burst, which keeps the stream up far better
-    /// (a 0.6B Q4_K model's forward pass, alternating in one process: k = 1 from 13.299 /
-    /// 12.713 / 11.603 ms to 10.688 / 10.243 / 8.393 in three runs, k = 4 from 13.189 / 13.109
-    /// to 12.114 / 11.979).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[inline]
-    pub(super) fn prefetch_part(
-        encoding: crate::interleaved::Encoding,
-        ahead: *const u8,
-        (j, parts): (usize, usize),
-        into_l2: bool,
-    ) {
-        let lines = encoding.group_block_bytes().div_ceil(64);
-        for line in j * lines / parts..(j + 1) * lines / parts {
-            // A prefetch never faults, so the address may run past the matrix.
-            prefetch_line(ahead.wrapping_add(64 * line), into_l2);
-        }
-    }
-
-    /// The encoding the Q4_K kernel multiplies: Q5_K when `FIVE`.
-    pub(super) const fn q4k_encoding<const FIVE: bool>() -> crate::interleaved::Encoding {
-        match FIVE {
-            true => crate::interleaved::Encoding::Q5K,
-            false => crate::interleaved::Encoding::Q4K,
         }
     }
 
@@ -819,10 +829,8 @@ mod amx {
     use std::arch::asm;
     use std::arch::x86_64::*;
 
-    use super::avx512::{
-        for_each_group, prefetch_part, q4k_encoding, q4k_sub_block, store_group_results,
-        Q4kBlockEnds,
-    };
+    use super::avx512::{q4k_sub_block, store_group_results, Q4kBlockEnds};
+    use super::{for_each_group, prefetch_part, q4k_encoding};
     use crate::interleaved::{Encoding, BLOCK32_VALUES};
     use crate::simd::x86::amx::TileConfig;
     use crate::simd::x86::avx512::prefetch_block;

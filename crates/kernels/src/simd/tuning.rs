@@ -22,10 +22,11 @@ pub(crate) struct StreamPrefetch {
     pub(crate) into_l2: bool,
     /// Bytes ahead of the block being multiplied, for the Q8_0 / Q4_0 kernels' passes of
     /// several rows (Q8_0 ones from [`q8_0_min_rows`](Self::q8_0_min_rows); a single row
-    /// streams as fast without, see below).
+    /// streams as fast without, see below). The AVX2 kernels prefetch every stream, a single
+    /// row too (they compute more per byte; measured in `interleaved/avx2.rs`).
     pub(crate) block32_ahead: usize,
-    /// The fewest activation rows whose Q8_0 passes prefetch at all: fewer rows compute so
-    /// little per byte that the hardware prefetchers keep up with the stream. (Q4_0 passes,
+    /// The fewest activation rows whose AVX-512 Q8_0 passes prefetch at all: fewer rows compute
+    /// so little per byte that the hardware prefetchers keep up with the stream. (Q4_0 passes,
     /// with a nibble decode per byte and not measured apart, prefetch from 2 rows.)
     pub(crate) q8_0_min_rows: usize,
     /// Bytes ahead for the K-quant kernels (Q4_K, Q5_K, Q6_K; every pass prefetches), each

@@ -13,14 +13,15 @@
 //! (`q + 128`, up to 255, too large for a pair to fit) are split into nibbles, the high
 //! nibbles' sum weighed 16.
 //!
-//! Each register's levels are decoded once for a sweep of [`SWEEP`] activation rows (K-quants:
-//! [`K_QUANT_SWEEP`], both halves of the group on each broadcast word), whose i16 sums stay in
-//! registers; a pass of more rows decodes them again per sweep (from L1), and the rows left
-//! over go in one sweep of their own constant count.
+//! Each register's levels are decoded once for a sweep of [`SWEEP`] activation rows (Q4_K and
+//! Q5_K: [`K_QUANT_SWEEP`], both halves of the group on each broadcast word), whose i16 sums
+//! stay in registers; a pass of more rows decodes them again per sweep (from L1), and the rows
+//! left over go in one sweep of their own constant count. Q6_K's groups, 4 registers a half,
+//! are decoded once for all the rows, one half at a time.
 
 use std::arch::x86_64::*;
 
-use super::avx512::{for_each_group, q4k_encoding};
+use super::{for_each_group, prefetch_part, q4k_encoding};
 use crate::interleaved::{Encoding, BLOCK32_VALUES, GROUP_ROWS};
 use crate::simd::tuning::{tuning, StreamPrefetch};
 use crate::simd::{with_row_count, OutRows, Rows};
@@ -43,7 +44,7 @@ const K_QUANT_SWEEP: usize = 2;
 const HALF: usize = GROUP_ROWS / 2;
 
 /// A run of interleaved Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K groups times a pass of activation
-/// rows (the AVX-512 entry's contract, [`super::interleaved_pass`]).
+/// rows (the contract of the safe entry point, [`super::interleaved_pass`], which checks it).
 ///
 /// # Safety
 ///
@@ -100,22 +101,6 @@ const SHORT_RUN: bool = false;
 /// Values of [`q4k_groups`]' `FIVE`.
 const FOUR_BITS: bool = false;
 const FIVE_BITS: bool = true;
-
-/// Prefetches part `j` of `parts` of the group block at `ahead` into L2 when `into_l2`, else
-/// into L1 (the AVX-512 kernels' spread, `super::avx512::prefetch_part`).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn prefetch_part(encoding: Encoding, ahead: *const u8, (j, parts): (usize, usize), into_l2: bool) {
-    let lines = encoding.group_block_bytes().div_ceil(64);
-    for line in j * lines / parts..(j + 1) * lines / parts {
-        // A prefetch never faults, so the address may run past the matrix.
-        let at = ahead.wrapping_add(64 * line).cast::<i8>();
-        match into_l2 {
-            true => _mm_prefetch::<_MM_HINT_T1>(at),
-            false => _mm_prefetch::<_MM_HINT_T0>(at),
-        }
-    }
-}
 
 /// The 4-byte word at `p`, in every lane.
 ///
@@ -180,8 +165,8 @@ unsafe fn block32_groups<const Q8: bool, const STREAM: bool, const N: usize>(
 /// One Q8_0 / Q4_0 group times `N` activation rows. Per block and half, the 8 weight registers'
 /// levels: Q4_0's nibbles (`q + 8`), or Q8_0's bytes (`q + 128`) as their low and high nibbles.
 /// Per row the words' `vpmaddubsw` sums in i16 (two of them for Q8_0), widened by `vpmaddwd`
-/// (the high nibbles' by 16), added to the block's start `-offset · Σ x`: exactly `Σ q_w · q_x`,
-/// the AVX-512 kernel's integer; then its fused multiply-add.
+/// (the high nibbles' by 16), added to the block's start `-offset · Σ x`: exactly
+/// `Σ q_w · q_x`, the AVX-512 kernel's integer; then its fused multiply-add.
 ///
 /// # Safety
 ///
