@@ -121,22 +121,52 @@ fn add_pairs(acc: __m256i, levels: __m256i, x: __m256i) -> __m256i {
     _mm256_add_epi16(acc, _mm256_maddubs_epi16(levels, x))
 }
 
-/// Stores lanes `0..valid` of half `h`'s 8 results at `out + 8h` (none when `valid <= 8h`).
+/// Stores each activation row's group results (`acc[h][r]`: half `h`'s 8 lanes of row `r`),
+/// lanes `0..valid` of the 16, at `out[r]`.
 ///
 /// # Safety
 ///
-/// `out` holds `valid <= 16` outputs.
+/// Every `out[r]` holds `valid <= 16` outputs.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn store_half(acc: __m256, out: *mut f32, h: usize, valid: usize) {
-    let lanes = valid.saturating_sub(HALF * h).min(HALF);
-    if lanes == 0 {
-        return;
-    }
+unsafe fn store_group<const N: usize>(acc: &[[__m256; N]; 2], out: [*mut f32; N], valid: usize) {
     let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), index);
-    // SAFETY: lanes `0..lanes` of `out + 8h` lie within the caller's `valid` outputs.
-    unsafe { _mm256_maskstore_ps(out.add(HALF * h), mask, acc) };
+    for (h, acc) in acc.iter().enumerate() {
+        let lanes = valid.saturating_sub(HALF * h).min(HALF);
+        if lanes == 0 {
+            continue;
+        }
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), index);
+        for (acc, out) in acc.iter().zip(out) {
+            // SAFETY: lanes `0..lanes` of `out + 8h` lie within the caller's `valid` outputs.
+            unsafe { _mm256_maskstore_ps(out.add(HALF * h), mask, *acc) };
+        }
+    }
+}
+
+/// `acc[r] = fma(sums[r], d_w · d_x, acc[r])` for each activation row: the block's one float
+/// step, with `d_w` the half's 8 f16 scales at `scales` and `d_x` the f32 at `xb[r] + scale_at`.
+///
+/// # Safety
+///
+/// 16 bytes are readable at `scales`, 4 at each `xb[r] + scale_at`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn add_scaled<const N: usize>(
+    acc: &mut [__m256; N],
+    sums: &[__m256i; N],
+    scales: *const u8,
+    xb: [*const u8; N],
+    scale_at: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(scales.cast()));
+        for ((acc, sums), xb) in acc.iter_mut().zip(sums).zip(xb) {
+            let dx = _mm256_set1_ps(xb.add(scale_at).cast::<f32>().read_unaligned());
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*sums), _mm256_mul_ps(dw, dx), *acc);
+        }
+    }
 }
 
 /// Interleaved Q8_0 (`Q8`) or Q4_0 groups times `N` activation rows: every group in one sweep.
@@ -227,22 +257,12 @@ unsafe fn block32_rows<const Q8: bool, const STREAM: bool, const N: usize>(
                     )),
                     _ => {}
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(16 * h).cast()));
-                for r in 0..N {
-                    let dx =
-                        _mm256_set1_ps(xb[r].add(BLOCK32_VALUES).cast::<f32>().read_unaligned());
-                    acc[r] =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dw, dx), acc[r]);
-                }
+                add_scaled(acc, &sums, block.add(16 * h), xb, BLOCK32_VALUES);
             }
         }
     }
-    for (h, acc) in acc.iter().enumerate() {
-        for (acc, out) in acc.iter().zip(out) {
-            // SAFETY: forwarded contract on `out`.
-            unsafe { store_half(*acc, out, h, valid) };
-        }
-    }
+    // SAFETY: forwarded contract on `out`.
+    unsafe { store_group(&acc, out, valid) };
 }
 
 /// A Q8_0 (`Q8`) or Q4_0 block's half-group registers (`quants`: the first register's half)
@@ -385,12 +405,8 @@ unsafe fn q4k_rows<const FIVE: bool, const N: usize>(
             }
         }
     }
-    for (h, acc) in acc.iter().enumerate() {
-        for (acc, out) in acc.iter().zip(out) {
-            // SAFETY: forwarded contract on `out`.
-            unsafe { store_half(*acc, out, h, valid) };
-        }
-    }
+    // SAFETY: forwarded contract on `out`.
+    unsafe { store_group(&acc, out, valid) };
 }
 
 /// Chunk `c` (sub-blocks `2c`, `2c + 1`) of a Q4_K (Q5_K) group block times `R` activation
@@ -646,22 +662,12 @@ unsafe fn q6k_rows<const N: usize>(
                     q6k_group::<2, N>(block, 4 * quad + 2, h, xb, &mut isum);
                     q6k_group::<3, N>(block, 4 * quad + 3, h, xb, &mut isum);
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(16 * h).cast()));
-                for r in 0..N {
-                    let dx =
-                        _mm256_set1_ps(xb[r].add(Q6K_ACT_SCALE).cast::<f32>().read_unaligned());
-                    acc[r] =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, dx), acc[r]);
-                }
+                add_scaled(acc, &isum, block.add(16 * h), xb, Q6K_ACT_SCALE);
             }
         }
     }
-    for (h, acc) in acc.iter().enumerate() {
-        for (acc, out) in acc.iter().zip(out) {
-            // SAFETY: forwarded contract on `out`.
-            unsafe { store_half(*acc, out, h, valid) };
-        }
-    }
+    // SAFETY: forwarded contract on `out`.
+    unsafe { store_group(&acc, out, valid) };
 }
 
 /// Q6_K group `j` (`j % 4 == M`) of half `h`: its 4 registers' levels decoded (low nibble from
