@@ -36,6 +36,18 @@ pub(crate) fn delta_rule_step(
     }
 }
 
+/// The chain kernel `$module::$kernel::<C>` for `C = $chunks`, one of the listed register counts a
+/// state row takes (the caller has checked it is one of them).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_chunks {
+    ($module:ident :: $kernel:ident, $chunks:expr, $($c:literal)+) => {
+        match $chunks {
+            $($c => $module::$kernel::<$c>,)+
+            n => unreachable!("a chain of {n} registers a row"),
+        }
+    };
+}
+
 /// [`crate::delta_rule::chain`] with each state row in registers, where `level` has a kernel
 /// for the head size (AVX-512: `k.len()` a multiple of 16 up to 128; AVX2: a multiple of 8 up
 /// to 128); returns whether it ran. The caller has checked the shapes and plane indices.
@@ -82,24 +94,7 @@ pub(crate) fn delta_rule_chain(
             // SAFETY: AVX2 is supported; the shapes and every plane the chain touches are
             // checked above; `dim` is `8 · CHUNKS`.
             unsafe {
-                let run = match chunks {
-                    1 => avx2::delta_rule_chain::<1>,
-                    2 => avx2::delta_rule_chain::<2>,
-                    3 => avx2::delta_rule_chain::<3>,
-                    4 => avx2::delta_rule_chain::<4>,
-                    5 => avx2::delta_rule_chain::<5>,
-                    6 => avx2::delta_rule_chain::<6>,
-                    7 => avx2::delta_rule_chain::<7>,
-                    8 => avx2::delta_rule_chain::<8>,
-                    9 => avx2::delta_rule_chain::<9>,
-                    10 => avx2::delta_rule_chain::<10>,
-                    11 => avx2::delta_rule_chain::<11>,
-                    12 => avx2::delta_rule_chain::<12>,
-                    13 => avx2::delta_rule_chain::<13>,
-                    14 => avx2::delta_rule_chain::<14>,
-                    15 => avx2::delta_rule_chain::<15>,
-                    _ => avx2::delta_rule_chain::<16>,
-                };
+                let run = by_chunks!(avx2::delta_rule_chain, chunks, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
                 run(xs, planes, read, writes, out, recording);
             }
             return true;
@@ -114,16 +109,7 @@ pub(crate) fn delta_rule_chain(
         // SAFETY: AVX-512 is supported; the shapes and every plane the chain touches are
         // checked above; `dim` is `16 · CHUNKS`.
         unsafe {
-            let run = match chunks {
-                1 => avx512::delta_rule_chain::<1>,
-                2 => avx512::delta_rule_chain::<2>,
-                3 => avx512::delta_rule_chain::<3>,
-                4 => avx512::delta_rule_chain::<4>,
-                5 => avx512::delta_rule_chain::<5>,
-                6 => avx512::delta_rule_chain::<6>,
-                7 => avx512::delta_rule_chain::<7>,
-                _ => avx512::delta_rule_chain::<8>,
-            };
+            let run = by_chunks!(avx512::delta_rule_chain, chunks, 1 2 3 4 5 6 7 8);
             run(xs, planes, read, writes, out, recording);
         }
         true

@@ -158,11 +158,11 @@ fn prefetch_part(
     (j, parts): (usize, usize),
     into_l2: bool,
 ) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
     let lines = encoding.group_block_bytes().div_ceil(64);
     for line in j * lines / parts..(j + 1) * lines / parts {
         // A prefetch never faults, so the address may run past the matrix.
         let at = ahead.wrapping_add(64 * line).cast::<i8>();
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         match into_l2 {
             true => _mm_prefetch::<_MM_HINT_T1>(at),
             false => _mm_prefetch::<_MM_HINT_T0>(at),
