@@ -117,8 +117,7 @@ enum Store {
     /// f16 keys: each head of a block as value-major groups of 16 positions
     /// ([`specula_kernels::f16_keys`]), which attention scores a register of keys at a time.
     F16Keys(Vec<u16>),
-    /// Q8_0 rows: blocks of 32, each head row `dim / 32` of them (values; keys too where the
-    /// SIMD level does not score them as integers).
+    /// Q8_0 rows (values): blocks of 32, each head row `dim / 32` of them.
     Q8(Vec<u8>),
     /// Q8_0 keys: each head of a block as interleaved groups of 16 positions
     /// ([`specula_kernels::q8_keys`]), which attention scores with integer dot products.
@@ -128,16 +127,14 @@ enum Store {
 impl Store {
     /// `len` zero values of keys (`keys`) or values, or `None` when the allocation fails.
     /// (Lazily mapped pages: blocks never written occupy no memory.) f16 keys are kept in
-    /// groups of 16 positions; Q8_0 keys in interleaved groups where the SIMD level scores them
-    /// as integers, else as rows.
+    /// groups of 16 positions, Q8_0 keys in interleaved groups.
     fn zeroed(ty: KvType, len: usize, keys: bool) -> Option<Self> {
         use specula_kernels::aligned::try_zeroed_vec;
-        let integer_scores = q8_keys::integer_scores(specula_kernels::simd::level());
         Some(match ty {
             KvType::F32 => Store::F32(try_zeroed_vec(len)?),
             KvType::F16 if keys => Store::F16Keys(try_zeroed_vec(len)?),
             KvType::F16 => Store::F16(try_zeroed_vec(len)?),
-            KvType::Q8_0 if keys && integer_scores => Store::Q8Keys(try_zeroed_vec(len)?),
+            KvType::Q8_0 if keys => Store::Q8Keys(try_zeroed_vec(len)?),
             KvType::Q8_0 => Store::Q8(try_zeroed_vec(len)?),
         })
     }

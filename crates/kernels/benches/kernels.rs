@@ -14,6 +14,8 @@
 //!   paged blocks of 64 (see [`attention`]).
 //! - `key-scores/{f16,f16-groups,q8_0}/{hot,cold}/{2,16}q`: the scores alone, from an f16
 //!   cache by rows and in groups and from a Q8_0 cache's integer keys (see [`key_scores`]).
+//! - `weighted-sums/{f16,q8_0}/{hot,cold}/{2,16,64}q`: the weighted sums of the values alone
+//!   (see [`weighted_sums`]).
 //!
 //! Throughput is reported in bytes of weights (or of the buffer) per second, so a kernel's GB/s
 //! reads directly against the stream bandwidth: a memory-bound mat-vec approaches it, and an
@@ -401,9 +403,102 @@ fn key_scores(c: &mut Criterion) {
     group.finish();
 }
 
+/// `weighted-sums/{f16,q8_0}/{hot,cold}/{n}q`: the weighted sums alone of `n` queries (2: a
+/// decode step's query heads of one key head, 16: an 8-row verify pass's, 64: a prefill
+/// chunk's) over one value head of 4,096 positions in blocks of 64, block by block onto the
+/// outputs as the engine sums a paged cache, from an f16 cache and a Q8_0 one (rows of
+/// blocks); `hot` and `cold` as in [`attention`]. Throughput in bytes of f16 values.
+fn weighted_sums(c: &mut Criterion) {
+    use specula_kernels::attention::{weighted_sums, weighted_sums_onto, Cached};
+    use specula_kernels::q8_0;
+    let head_values = ATTENTION_KEYS * ATTENTION_DIM;
+    let blocks = ATTENTION_KEYS / ATTENTION_BLOCK;
+    let mut rng = StdRng::seed_from_u64(13);
+    let cold_heads = (256 << 20) / (2 * head_values);
+    let half: Vec<u16> = (0..cold_heads * head_values)
+        .map(|_| specula_kernels::f16::from_f32(rng.gen_range(-1.0f32..1.0)))
+        .collect();
+    let row_bytes = ATTENTION_DIM / q8_0::BLOCK_VALUES * q8_0::BLOCK_BYTES;
+    let mut blocks_q8 = vec![0u8; cold_heads * ATTENTION_KEYS * row_bytes];
+    let mut row = vec![0.0f32; ATTENTION_DIM];
+    for (bytes, values) in blocks_q8
+        .chunks_exact_mut(row_bytes)
+        .zip(half.chunks_exact(ATTENTION_DIM))
+    {
+        for (x, &h) in row.iter_mut().zip(values) {
+            *x = specula_kernels::f16::to_f32(h);
+        }
+        q8_0::quantize_row(&row, bytes);
+    }
+    let mut order: Vec<usize> = (0..cold_heads * blocks).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.gen_range(0..=i));
+    }
+    let mut group = c.benchmark_group("weighted-sums");
+    group.throughput(Throughput::Bytes((2 * head_values) as u64));
+    for n in [2usize, 16, 64] {
+        let probs: Vec<f32> = (0..n * ATTENTION_KEYS)
+            .map(|_| rng.gen_range(0.0f32..0.001))
+            .collect();
+        let limits = vec![ATTENTION_BLOCK; n];
+        let mut out = vec![0.0f32; n * ATTENTION_DIM];
+        for cache in ["f16", "q8_0"] {
+            for temp in ["hot", "cold"] {
+                let mut head = 0;
+                let id = BenchmarkId::new(format!("{cache}/{temp}"), format!("{n}q"));
+                group.bench_function(id, |b| {
+                    b.iter(|| {
+                        head = if temp == "hot" {
+                            0
+                        } else {
+                            (head + 1) % cold_heads
+                        };
+                        let block_at = |b: usize| {
+                            let slot = order[head * blocks + b];
+                            match cache {
+                                "f16" => Cached::F16(&half[..]).rows(
+                                    slot * ATTENTION_BLOCK * ATTENTION_DIM,
+                                    ATTENTION_DIM,
+                                    ATTENTION_DIM,
+                                    ATTENTION_BLOCK,
+                                ),
+                                _ => Cached::Q8_0(&blocks_q8[..]).rows(
+                                    slot * ATTENTION_BLOCK * row_bytes,
+                                    row_bytes,
+                                    row_bytes,
+                                    ATTENTION_BLOCK,
+                                ),
+                            }
+                        };
+                        for b in 0..blocks {
+                            let p = simd::Rows::new(
+                                &probs[b * ATTENTION_BLOCK..],
+                                ATTENTION_KEYS,
+                                ATTENTION_BLOCK,
+                                n,
+                            );
+                            let mut values = block_at(b);
+                            if b + 1 < blocks {
+                                values = values.followed_by(block_at(b + 1));
+                            }
+                            if b == 0 {
+                                weighted_sums(p, values, &limits, &mut out);
+                            } else {
+                                weighted_sums_onto(p, values, &limits, &mut out);
+                            }
+                        }
+                        black_box(&out);
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = stream, matvec, matvec_cold, attention, key_scores
+    targets = stream, matvec, matvec_cold, attention, key_scores, weighted_sums
 }
 criterion_main!(benches);

@@ -515,6 +515,58 @@ mod tests {
         }
     }
 
+    /// Every SIMD level's weighted sums are, per output element, one chain of fused
+    /// multiply-adds over the keys in order (`y = fma(p_j, v_j, y)` from zero, or onto the
+    /// output): the bits of `f32::mul_add` in a loop, whatever the tiles of queries and chunks
+    /// the kernels choose — query counts across every tile size, head sizes whose chunk counts
+    /// divide by 8, 4, 2 or only 1, ragged ones, causal limits.
+    #[test]
+    fn weighted_sums_are_one_fused_chain_per_element() {
+        let n_keys = 70;
+        for dim in [8, 24, 40, 48, 64, 72, 128, 136, 13] {
+            let values = random_vec(n_keys * dim, 1.0, dim as u64 + 7);
+            let (value_bits, values_f16) = stored(&values);
+            for n_queries in [1, 2, 3, 5, 7, 8, 13, 19] {
+                let probs = random_vec(n_queries * n_keys, 0.1, n_queries as u64);
+                let start = random_vec(n_queries * dim, 1.0, 9);
+                let limits: Vec<usize> = (0..n_queries).map(|q| n_keys - (5 * q) % 23).collect();
+                let p_rows = Rows::new(&probs, n_keys, n_keys, n_queries);
+                for (cache, exact) in [
+                    (Cached::F32(&values), &values),
+                    (Cached::F16(&value_bits), &values_f16),
+                ] {
+                    let v_rows = cache.rows(0, dim, dim, n_keys);
+                    for onto in [false, true] {
+                        let mut want = if onto {
+                            start.clone()
+                        } else {
+                            vec![0.0; start.len()]
+                        };
+                        for (q, row) in want.chunks_exact_mut(dim).enumerate() {
+                            for j in 0..limits[q] {
+                                let p = probs[q * n_keys + j];
+                                for (i, y) in row.iter_mut().enumerate() {
+                                    *y = p.mul_add(exact[j * dim + i], *y);
+                                }
+                            }
+                        }
+                        for level in SimdLevel::supported().filter(|&l| l != SimdLevel::Scalar) {
+                            let mut got = start.clone();
+                            weighted_sums_with(level, p_rows, v_rows, &limits, &mut got, onto);
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "{level} dim {dim} {n_queries} queries {cache:?} onto {onto}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A query's results do not depend on the other queries of the call: each query alone
     /// gives the same bits as in a batch (what a verify row relies on), at every level.
     #[test]

@@ -126,7 +126,10 @@ mod x86 {
 
     /// Every query against every chunk of keys: tiles of `T` queries × `C` chunks, `T · C`
     /// independent multiply-add chains (8 where two or more queries are left, 4 for the last
-    /// one: a 64-position block is 4 chunks at 16 lanes) to cover the FMA latency.
+    /// one: a 64-position block is 4 chunks at 16 lanes) to cover the FMA latency. At AVX2,
+    /// six or more queries go in tiles of 6 × 2: fewer broadcasts and widenings per
+    /// multiply-add (criterion `key-scores/f16-groups/hot/16q` on Zen 4: 199 µs in tiles of
+    /// 8 × 1, 157 in 6 × 2; at AVX-512 6 × 2 took 183 µs against 152).
     ///
     /// # Safety
     ///
@@ -149,6 +152,7 @@ mod x86 {
             // SAFETY: forwarded contract; queries `first .. first + T` exist.
             unsafe {
                 first += match n - first {
+                    6.. if V::LANES == 8 => tile_rows::<V, 6, 2>(at, out, stride),
                     8.. => tile_rows::<V, 8, 1>(at, out, stride),
                     4..=7 => tile_rows::<V, 4, 2>(at, out, stride),
                     2 | 3 => tile_rows::<V, 2, 4>(at, out, stride),
