@@ -200,7 +200,7 @@ const ATTENTION_DIM: usize = 128;
 /// cache: the kernels' arithmetic); `cold`: a different head of a 256 MiB cache each time (from
 /// DRAM, as a long context's decode step reads it). Throughput in bytes of keys and values.
 fn attention(c: &mut Criterion) {
-    use specula_kernels::attention::{scores, weighted_sums, weighted_sums_onto, Cached};
+    use specula_kernels::attention::{scores, Cached};
     let block_values = ATTENTION_BLOCK * ATTENTION_DIM;
     let head_values = ATTENTION_KEYS * ATTENTION_DIM;
     let mut rng = StdRng::seed_from_u64(11);
@@ -264,15 +264,7 @@ fn attention(c: &mut Criterion) {
                             *h = l.saturating_sub(first).min(ATTENTION_BLOCK);
                         }
                         let p = simd::Rows::new(&sc[first..], ATTENTION_KEYS, ATTENTION_BLOCK, n);
-                        let mut values = block_at(1, b);
-                        if b + 1 < blocks {
-                            values = values.followed_by(block_at(1, b + 1));
-                        }
-                        if b == 0 {
-                            weighted_sums(p, values, &here, &mut out);
-                        } else {
-                            weighted_sums_onto(p, values, &here, &mut out);
-                        }
+                        sum_value_block(b, blocks, |b| block_at(1, b), p, &here, &mut out);
                     }
                     black_box(&out);
                 })
@@ -280,6 +272,28 @@ fn attention(c: &mut Criterion) {
         }
     }
     group.finish();
+}
+
+/// The weighted sums of value block `b` of a head's `blocks` (`block_at`, the next one
+/// prefetched as it is read) onto `out` (fresh at block 0), as the engine sums a paged cache.
+fn sum_value_block<'a>(
+    b: usize,
+    blocks: usize,
+    block_at: impl Fn(usize) -> specula_kernels::attention::CachedRows<'a>,
+    probs: simd::Rows<'_, f32>,
+    limits: &[usize],
+    out: &mut [f32],
+) {
+    use specula_kernels::attention::{weighted_sums, weighted_sums_onto};
+    let mut values = block_at(b);
+    if b + 1 < blocks {
+        values = values.followed_by(block_at(b + 1));
+    }
+    if b == 0 {
+        weighted_sums(probs, values, limits, out);
+    } else {
+        weighted_sums_onto(probs, values, limits, out);
+    }
 }
 
 /// `key-scores/{f16,f16-groups,q8_0}/{hot,cold}/{n}q`: the scores alone of one key head over
@@ -409,7 +423,7 @@ fn key_scores(c: &mut Criterion) {
 /// outputs as the engine sums a paged cache, from an f16 cache and a Q8_0 one (rows of
 /// blocks); `hot` and `cold` as in [`attention`]. Throughput in bytes of f16 values.
 fn weighted_sums(c: &mut Criterion) {
-    use specula_kernels::attention::{weighted_sums, weighted_sums_onto, Cached};
+    use specula_kernels::attention::Cached;
     use specula_kernels::q8_0;
     let head_values = ATTENTION_KEYS * ATTENTION_DIM;
     let blocks = ATTENTION_KEYS / ATTENTION_BLOCK;
@@ -477,15 +491,7 @@ fn weighted_sums(c: &mut Criterion) {
                                 ATTENTION_BLOCK,
                                 n,
                             );
-                            let mut values = block_at(b);
-                            if b + 1 < blocks {
-                                values = values.followed_by(block_at(b + 1));
-                            }
-                            if b == 0 {
-                                weighted_sums(p, values, &limits, &mut out);
-                            } else {
-                                weighted_sums_onto(p, values, &limits, &mut out);
-                            }
+                            sum_value_block(b, blocks, block_at, p, &limits, &mut out);
                         }
                         black_box(&out);
                     })

@@ -2,9 +2,10 @@
 //! of the values, AVX2 and AVX-512 kernels (cached rows stored as f32, f16 or Q8_0 blocks,
 //! widened to f32 as they are read) and their safe entry points.
 //!
-//! AVX2 runs one query at a time, 8-lane chunks; AVX-512 keeps a tile of queries in registers
-//! for head sizes of 16 · C (C ≤ 8) and loads each cached row once for the tile, other sizes
-//! one query at a time with masked chunks. Per (query, key) score and per output element the
+//! AVX2 scores one query at a time, 8-lane chunks, and keeps tiles of queries' outputs in
+//! registers for the weighted sums of head sizes of 8 · C; AVX-512 keeps a tile of queries in
+//! registers for head sizes of 16 · C (C ≤ 8) and loads each cached row once for the tile,
+//! other sizes one query at a time with masked chunks. Per (query, key) score and per output element the
 //! sequence of operations is fixed, whatever the other queries of the call.
 
 #[cfg(target_arch = "x86_64")]
