@@ -229,11 +229,7 @@ fn attention(c: &mut Criterion) {
             let mut head = 0;
             group.bench_function(BenchmarkId::new(temp, format!("{n}q")), |b| {
                 b.iter(|| {
-                    head = if temp == "hot" {
-                        0
-                    } else {
-                        (head + 1) % cold_heads
-                    };
+                    head = next_head(temp, head, cold_heads);
                     let block_at = |kv: usize, b: usize| {
                         let slot = order[head * blocks + b];
                         let first = (2 * slot + kv) * block_values;
@@ -272,6 +268,15 @@ fn attention(c: &mut Criterion) {
         }
     }
     group.finish();
+}
+
+/// The head a `hot` or `cold` benchmark reads next, after `head` of `heads`: always the
+/// first (from cache), or each in turn (from DRAM).
+fn next_head(temp: &str, head: usize, heads: usize) -> usize {
+    match temp {
+        "hot" => 0,
+        _ => (head + 1) % heads,
+    }
 }
 
 /// The weighted sums of value block `b` of a head's `blocks` (`block_at`, the next one
@@ -349,11 +354,7 @@ fn key_scores(c: &mut Criterion) {
                 let id = BenchmarkId::new(format!("{cache}/{temp}"), format!("{n}q"));
                 group.bench_function(id, |b| {
                     b.iter(|| {
-                        head = if temp == "hot" {
-                            0
-                        } else {
-                            (head + 1) % cold_heads
-                        };
+                        head = next_head(temp, head, cold_heads);
                         let qb = q8_keys::query_bytes(ATTENTION_DIM);
                         if cache == "q8_0" {
                             q8_keys::quantize_queries(q, &mut quantized);
@@ -462,11 +463,7 @@ fn weighted_sums(c: &mut Criterion) {
                 let id = BenchmarkId::new(format!("{cache}/{temp}"), format!("{n}q"));
                 group.bench_function(id, |b| {
                     b.iter(|| {
-                        head = if temp == "hot" {
-                            0
-                        } else {
-                            (head + 1) % cold_heads
-                        };
+                        head = next_head(temp, head, cold_heads);
                         let block_at = |b: usize| {
                             let slot = order[head * blocks + b];
                             match cache {
