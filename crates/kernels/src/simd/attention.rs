@@ -5,8 +5,8 @@
 //! AVX2 scores one query at a time, 8-lane chunks, and keeps tiles of queries' outputs in
 //! registers for the weighted sums of head sizes of 8 · C; AVX-512 keeps a tile of queries in
 //! registers for head sizes of 16 · C (C ≤ 8) and loads each cached row once for the tile,
-//! other sizes one query at a time with masked chunks. Per (query, key) score and per output element the
-//! sequence of operations is fixed, whatever the other queries of the call.
+//! other sizes one query at a time with masked chunks. Per (query, key) score and per output
+//! element the sequence of operations is fixed, whatever the other queries of the call.
 
 #[cfg(target_arch = "x86_64")]
 use super::x86::{F16, F32};
